@@ -1,0 +1,107 @@
+//! What the allocator asks of a GPU.
+//!
+//! The allocator is generic over [`Device`]; [`sim::SimDevice`] is the simulated GPU that drives
+//! every test, and `cuda::CudaDevice` is the real one on the CUDA driver API. Neither knows
+//! anything about the allocator.
+
+pub mod sim;
+
+use std::fmt;
+
+/// A device (virtual) address, as the driver hands it out.
+pub type DevicePtr = u64;
+
+/// A stream, as the raw `cudaStream_t` value; `0` is the legacy default stream.
+pub type StreamId = u64;
+
+/// An event recorded on a stream; its meaning belongs to the device implementation.
+pub type EventHandle = u64;
+
+/// A physical memory handle (`CUmemGenericAllocationHandle`) for expandable segments.
+pub type PhysicalHandle = u64;
+
+/// Free and total bytes of device memory, as `cudaMemGetInfo` reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemInfo {
+    pub free: usize,
+    pub total: usize,
+}
+
+/// Why a device operation failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceError {
+    /// The device could not provide the memory (`CUDA_ERROR_OUT_OF_MEMORY`). The allocator
+    /// answers this by releasing cached memory and retrying.
+    OutOfMemory,
+    /// Any other driver failure: the allocator gives up on the operation at once.
+    Driver {
+        /// The driver call that failed, e.g. `cuMemAlloc_v2`.
+        call: &'static str,
+        /// The driver's numeric error code.
+        code: i32,
+        /// The driver's own description of the code.
+        message: String,
+    },
+    /// No usable driver at all (libcuda missing, too old, no device).
+    Unavailable(String),
+}
+
+impl fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceError::OutOfMemory => write!(f, "out of memory"),
+            DeviceError::Driver {
+                call,
+                code,
+                message,
+            } => write!(f, "{call} failed with error {code}: {message}"),
+            DeviceError::Unavailable(why) => write!(f, "{why}"),
+        }
+    }
+}
+
+impl std::error::Error for DeviceError {}
+
+/// The operations of one GPU that the caching allocator needs.
+///
+/// Every method takes `&mut self`: the allocator calls them while it holds its own lock, so an
+/// implementation never sees two calls at once for the same device.
+pub trait Device {
+    /// `cudaMalloc`: a new allocation of exactly `size` bytes, aligned to at least 512 bytes.
+    /// `stream` is the stream the allocation is for; the real device uses it to relax a graph
+    /// capture that may be under way on it.
+    fn malloc(&mut self, size: usize, stream: StreamId) -> Result<DevicePtr, DeviceError>;
+    /// `cudaFree` of a pointer that `malloc` returned.
+    fn free(&mut self, ptr: DevicePtr) -> Result<(), DeviceError>;
+    /// `cudaMemGetInfo`.
+    fn mem_get_info(&mut self) -> Result<MemInfo, DeviceError>;
+
+    /// Records a new event on `stream` (`cudaEventRecord` on a pooled event).
+    fn record_event(&mut self, stream: StreamId) -> Result<EventHandle, DeviceError>;
+    /// `cudaEventQuery`: `Ok(true)` once the work before the event has completed.
+    fn query_event(&mut self, event: EventHandle) -> Result<bool, DeviceError>;
+    /// `cudaEventSynchronize`: waits until the event has completed.
+    fn synchronize_event(&mut self, event: EventHandle) -> Result<(), DeviceError>;
+    /// Gives an event back (to a pool, or destroys it). Never fails visibly.
+    fn release_event(&mut self, event: EventHandle);
+    /// `cudaStreamSynchronize`.
+    fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError>;
+
+    /// The physical page granularity of `cuMemCreate` (2 MiB on current GPUs).
+    fn page_granularity(&mut self) -> Result<usize, DeviceError>;
+    /// `cuMemAddressReserve`: a virtual address range of `size` bytes, backed by nothing.
+    fn reserve_address_range(&mut self, size: usize) -> Result<DevicePtr, DeviceError>;
+    /// `cuMemAddressFree` of a whole range that `reserve_address_range` returned.
+    fn free_address_range(&mut self, ptr: DevicePtr, size: usize) -> Result<(), DeviceError>;
+    /// `cuMemCreate`: `size` bytes of physical memory (a multiple of the granularity).
+    fn create_physical(&mut self, size: usize) -> Result<PhysicalHandle, DeviceError>;
+    /// `cuMemRelease` of a physical handle.
+    fn release_physical(&mut self, handle: PhysicalHandle) -> Result<(), DeviceError>;
+    /// `cuMemMap`: maps all of `handle` at `ptr` (inside a reserved range).
+    fn map(&mut self, ptr: DevicePtr, size: usize, handle: PhysicalHandle)
+    -> Result<(), DeviceError>;
+    /// `cuMemSetAccess`: makes a mapped range readable and writable from the device.
+    fn set_access(&mut self, ptr: DevicePtr, size: usize) -> Result<(), DeviceError>;
+    /// `cuMemUnmap`.
+    fn unmap(&mut self, ptr: DevicePtr, size: usize) -> Result<(), DeviceError>;
+}

@@ -1,0 +1,7 @@
+//! ferrocache: PyTorch's CUDA caching allocator, in Rust, loadable through
+//! `torch.cuda.memory.CUDAPluggableAllocator`.
+
+pub mod allocator;
+pub mod config;
+pub mod device;
+pub mod policy;

@@ -1,0 +1,311 @@
+//! PyTorch's allocation rules, as pure functions.
+//!
+//! Each function is one rule of `c10/cuda/CUDACachingAllocator.cpp`, under PyTorch's name where it
+//! has one, with PyTorch's constants. The allocator asks these functions and decides nothing about
+//! sizes itself, so a rule can be read, tested and changed in one place.
+
+use crate::config::Config;
+
+/// All sizes are rounded to at least 512 bytes.
+pub const K_MIN_BLOCK_SIZE: usize = 512;
+/// The largest "small" request is 1 MiB.
+pub const K_SMALL_SIZE: usize = 1_048_576;
+/// Small requests are packed into 2 MiB segments.
+pub const K_SMALL_BUFFER: usize = 2_097_152;
+/// Requests between 1 and 10 MiB are packed into 20 MiB segments.
+pub const K_LARGE_BUFFER: usize = 20_971_520;
+/// Requests of 10 MiB or more get a segment of their own size.
+pub const K_MIN_LARGE_ALLOC: usize = 10_485_760;
+/// Large segments are rounded up to 2 MiB.
+pub const K_ROUND_LARGE: usize = 2_097_152;
+/// `roundup_power2_divisions` has one entry per power of two from 1 MiB to 64 GiB.
+pub const K_ROUNDUP_POWER_OF_TWO_INTERVALS: usize = 16;
+
+/// Which of the two free-block pools a request belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PoolKind {
+    /// Requests up to 1 MiB, served from 2 MiB segments.
+    Small,
+    /// Everything larger.
+    Large,
+}
+
+impl PoolKind {
+    /// PyTorch's name for the pool in statistics keys (`small_pool`, `large_pool`).
+    pub fn stat_name(self) -> &'static str {
+        match self {
+            PoolKind::Small => "small_pool",
+            PoolKind::Large => "large_pool",
+        }
+    }
+
+    /// PyTorch's name for the segment type in snapshots (`small`, `large`).
+    pub fn segment_type(self) -> &'static str {
+        match self {
+            PoolKind::Small => "small",
+            PoolKind::Large => "large",
+        }
+    }
+
+    /// The page size of an expandable segment of this pool (2 MiB small, 20 MiB large).
+    pub fn expandable_page_size(self) -> usize {
+        match self {
+            PoolKind::Small => K_SMALL_BUFFER,
+            PoolKind::Large => K_LARGE_BUFFER,
+        }
+    }
+}
+
+/// `get_pool`: requests of up to 1 MiB (after rounding) go to the small pool.
+pub fn pool_for(rounded_size: usize) -> PoolKind {
+    if rounded_size <= K_SMALL_SIZE {
+        PoolKind::Small
+    } else {
+        PoolKind::Large
+    }
+}
+
+/// `CUDAAllocatorConfig::roundup_power2_divisions(size)`: the number of divisions configured for
+/// the power-of-two interval that holds `size`. Intervals start at 1 MiB (everything below uses
+/// the first) and end at 64 GiB (everything above uses the last).
+pub fn roundup_power2_divisions(
+    size: usize,
+    divisions: &[usize; K_ROUNDUP_POWER_OF_TWO_INTERVALS],
+) -> usize {
+    const INTERVAL_START: usize = 20; // log2(1 MiB)
+    let log_size = (usize::BITS - 1 - size.max(1).leading_zeros()) as usize;
+    let index = log_size
+        .saturating_sub(INTERVAL_START)
+        .min(K_ROUNDUP_POWER_OF_TWO_INTERVALS - 1);
+    divisions[index]
+}
+
+/// `roundup_power2_next_division`: rounds `size` up to the next of `divisions` equal steps
+/// between the powers of two around it (1200 with 4 divisions -> 1280).
+pub fn roundup_power2_next_division(size: usize, divisions: usize) -> usize {
+    if size.is_power_of_two() {
+        return size;
+    }
+    let power2_floor = 1usize << (usize::BITS - 1 - size.leading_zeros());
+    // Divisions are powers of two (the config guarantees it); a division count larger than the
+    // interval rounds to the next power of two.
+    let divisions_log2 = usize::BITS - 1 - divisions.max(1).leading_zeros();
+    let power2_division = power2_floor >> divisions_log2;
+    if power2_division == 0 {
+        return power2_floor << 1;
+    }
+    let round_size_floor = size & !(power2_division - 1);
+    if round_size_floor == size {
+        size
+    } else {
+        round_size_floor + power2_division
+    }
+}
+
+/// `round_size`: the size a request is served at. At least 512 bytes; a multiple of 512, or of
+/// the power-of-two division when `roundup_power2_divisions` applies to the size.
+pub fn round_size(size: usize, config: &Config) -> usize {
+    if size < K_MIN_BLOCK_SIZE {
+        return K_MIN_BLOCK_SIZE;
+    }
+    let divisions = roundup_power2_divisions(size, &config.roundup_power2_divisions);
+    if divisions > 1 && size > K_MIN_BLOCK_SIZE * divisions {
+        roundup_power2_next_division(size, divisions)
+    } else {
+        K_MIN_BLOCK_SIZE * size.div_ceil(K_MIN_BLOCK_SIZE)
+    }
+}
+
+/// `get_allocation_size`: the size of the segment to ask the driver for when no cached block fits
+/// a request of `rounded_size`.
+pub fn allocation_size(rounded_size: usize) -> usize {
+    if rounded_size <= K_SMALL_SIZE {
+        K_SMALL_BUFFER
+    } else if rounded_size < K_MIN_LARGE_ALLOC {
+        K_LARGE_BUFFER
+    } else {
+        K_ROUND_LARGE * rounded_size.div_ceil(K_ROUND_LARGE)
+    }
+}
+
+/// `should_split`: whether serving `rounded_size` from a free block of `block_size` leaves the
+/// rest as a free block of its own. Small-pool and expandable blocks split whenever at least
+/// 512 bytes remain; other large blocks only when more than 1 MiB remains and the request is
+/// below `max_split_size`.
+pub fn should_split(
+    block_size: usize,
+    rounded_size: usize,
+    pool: PoolKind,
+    config: &Config,
+) -> bool {
+    let remaining = block_size - rounded_size;
+    if pool == PoolKind::Small || config.expandable_segments {
+        remaining >= K_MIN_BLOCK_SIZE
+    } else {
+        rounded_size < config.max_split_size && remaining > K_SMALL_SIZE
+    }
+}
+
+/// The oversize rules of `get_free_block`: whether the best-fitting cached block (of
+/// `block_size`) may serve a request of `rounded_size`. A request below `max_split_size` never
+/// takes an oversize block; a request at or above it takes one only if the block is less than
+/// `max_non_split_rounding_mb` larger.
+pub fn may_serve(block_size: usize, rounded_size: usize, config: &Config) -> bool {
+    if rounded_size < config.max_split_size {
+        block_size < config.max_split_size
+    } else {
+        block_size < rounded_size.saturating_add(config.max_non_split_rounding_size)
+    }
+}
+
+/// Whether a block counts as oversize (`size >= max_split_size`): never split, counted in
+/// `oversize_allocations` / `oversize_segments`, the first released on a failed allocation.
+pub fn is_oversize(size: usize, config: &Config) -> bool {
+    size >= config.max_split_size
+}
+
+/// `format_size`: PyTorch's human-readable size in OOM messages ("20.00 MiB").
+pub fn format_size(size: u64) -> String {
+    if size <= 1024 {
+        format!("{size} bytes")
+    } else if size <= 1_048_576 {
+        format!("{:.2} KiB", size as f64 / 1024.0)
+    } else if size <= 1_073_741_824 {
+        format!("{:.2} MiB", size as f64 / 1_048_576.0)
+    } else {
+        format!("{:.2} GiB", size as f64 / 1_073_741_824.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    fn with_divisions(divisions: usize) -> Config {
+        Config {
+            roundup_power2_divisions: [divisions; K_ROUNDUP_POWER_OF_TWO_INTERVALS],
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn round_size_is_at_least_512_and_a_multiple_of_512() {
+        let c = Config::default();
+        assert_eq!(round_size(0, &c), 512);
+        assert_eq!(round_size(1, &c), 512);
+        assert_eq!(round_size(511, &c), 512);
+        assert_eq!(round_size(512, &c), 512);
+        assert_eq!(round_size(513, &c), 1024);
+        assert_eq!(round_size(7_864_320, &c), 7_864_320);
+        assert_eq!(round_size(1_000_000, &c), 1_000_448);
+    }
+
+    #[test]
+    fn round_size_uses_power2_divisions() {
+        // PyTorch's own example: 1200 with 4 divisions -> 1280 (between 1024 and 2048).
+        assert_eq!(roundup_power2_next_division(1200, 4), 1280);
+        assert_eq!(roundup_power2_next_division(1024, 4), 1024);
+        assert_eq!(roundup_power2_next_division(1280, 4), 1280);
+        assert_eq!(roundup_power2_next_division(1281, 4), 1536);
+        // More divisions than the interval has steps: the next power of two.
+        assert_eq!(roundup_power2_next_division(3, 4), 4);
+        let c = with_divisions(4);
+        // 1200 is not above 512 * 4, so plain 512 rounding applies.
+        assert_eq!(round_size(1200, &c), 1536);
+        assert_eq!(round_size(5 * MIB + 1, &c), 5 * MIB + MIB);
+        assert_eq!(round_size(33 * MIB, &c), 40 * MIB);
+        let c = with_divisions(1);
+        assert_eq!(round_size(33 * MIB + 1, &c), 33 * MIB + 512);
+    }
+
+    #[test]
+    fn divisions_are_looked_up_by_power_of_two_interval() {
+        let mut d = [0; K_ROUNDUP_POWER_OF_TWO_INTERVALS];
+        for (i, v) in d.iter_mut().enumerate() {
+            *v = i + 100;
+        }
+        assert_eq!(roundup_power2_divisions(1, &d), 100);
+        assert_eq!(roundup_power2_divisions(MIB - 1, &d), 100);
+        assert_eq!(roundup_power2_divisions(MIB, &d), 100);
+        assert_eq!(roundup_power2_divisions(2 * MIB, &d), 101);
+        assert_eq!(roundup_power2_divisions(256 * MIB, &d), 108);
+        assert_eq!(roundup_power2_divisions(32 << 30, &d), 115);
+        assert_eq!(roundup_power2_divisions(1 << 40, &d), 115);
+    }
+
+    #[test]
+    fn small_pool_is_up_to_one_mib() {
+        assert_eq!(pool_for(512), PoolKind::Small);
+        assert_eq!(pool_for(MIB), PoolKind::Small);
+        assert_eq!(pool_for(MIB + 512), PoolKind::Large);
+    }
+
+    #[test]
+    fn allocation_sizes_follow_pytorch() {
+        assert_eq!(allocation_size(512), 2 * MIB);
+        assert_eq!(allocation_size(MIB), 2 * MIB);
+        assert_eq!(allocation_size(MIB + 512), 20 * MIB);
+        assert_eq!(allocation_size(10 * MIB - 512), 20 * MIB);
+        assert_eq!(allocation_size(10 * MIB), 10 * MIB);
+        assert_eq!(allocation_size(10 * MIB + 512), 12 * MIB);
+        assert_eq!(allocation_size(100_000_000), 100_663_296);
+    }
+
+    #[test]
+    fn split_rules() {
+        let c = Config::default();
+        // Small pool: any remainder of at least 512 bytes.
+        assert!(should_split(2 * MIB, 512, PoolKind::Small, &c));
+        assert!(!should_split(1024, 1024, PoolKind::Small, &c));
+        assert!(should_split(1024, 512, PoolKind::Small, &c));
+        // Large pool: more than 1 MiB must remain.
+        assert!(!should_split(20 * MIB, 19 * MIB, PoolKind::Large, &c));
+        assert!(should_split(20 * MIB, 19 * MIB - 512, PoolKind::Large, &c));
+        // Requests at or above max_split_size are never split off.
+        let c = Config {
+            max_split_size: 64 * MIB,
+            ..Config::default()
+        };
+        assert!(!should_split(200 * MIB, 64 * MIB, PoolKind::Large, &c));
+        assert!(should_split(200 * MIB, 63 * MIB, PoolKind::Large, &c));
+        // Expandable segments split large blocks like small ones.
+        let c = Config {
+            expandable_segments: true,
+            ..Config::default()
+        };
+        assert!(should_split(20 * MIB, 20 * MIB - 512, PoolKind::Large, &c));
+    }
+
+    #[test]
+    fn oversize_blocks_serve_only_close_requests() {
+        let c = Config::default();
+        assert!(may_serve(1 << 40, 512, &c));
+        let c = Config {
+            max_split_size: 64 * MIB,
+            ..Config::default()
+        };
+        assert!(may_serve(63 * MIB, 2 * MIB, &c));
+        assert!(!may_serve(64 * MIB, 2 * MIB, &c));
+        assert!(may_serve(64 * MIB, 64 * MIB, &c));
+        assert!(may_serve(84 * MIB - 512, 64 * MIB, &c));
+        assert!(!may_serve(84 * MIB, 64 * MIB, &c));
+        let c = Config {
+            max_split_size: 64 * MIB,
+            max_non_split_rounding_size: 1024 * MIB,
+            ..Config::default()
+        };
+        assert!(may_serve(1024 * MIB, 512 * MIB, &c));
+        assert!(!may_serve(1536 * MIB, 512 * MIB, &c));
+    }
+
+    #[test]
+    fn format_size_matches_pytorch() {
+        assert_eq!(format_size(1024), "1024 bytes");
+        assert_eq!(format_size(1025), "1.00 KiB");
+        assert_eq!(format_size(20 * MIB as u64), "20.00 MiB");
+        assert_eq!(format_size(1 << 30), "1024.00 MiB");
+        assert_eq!(format_size(80 << 30), "80.00 GiB");
+    }
+}
