@@ -72,6 +72,11 @@ impl fmt::Display for ConfigError {
 impl std::error::Error for ConfigError {}
 
 impl Config {
+    /// The settings as PyTorch's snapshot `allocator_settings` shows them. (STUB)
+    pub fn to_pytorch_settings(&self) -> serde_json::Value {
+        serde_json::json!({})
+    }
+
     /// Parses a `PYTORCH_CUDA_ALLOC_CONF` value.
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
         let _ = text;

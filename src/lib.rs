@@ -4,4 +4,5 @@
 pub mod allocator;
 pub mod config;
 pub mod device;
+pub mod logging;
 pub mod policy;

@@ -1,1 +1,1607 @@
-//! The caching allocator (being written).
+//! The caching allocator: PyTorch's `DeviceCachingAllocator`, rule for rule, for one device.
+//!
+//! `DeviceAllocator<D>` is a plain struct over a [`Device`]: no globals, no FFI, no locking (the
+//! caller wraps it in a lock). A test builds one on the simulated GPU in one line:
+//! `DeviceAllocator::new(SimDevice::new(80 << 30), 0, Config::default())`.
+//!
+//! What a `malloc` walks through: round the size ([`policy::round_size`]), pick the pool, best
+//! fit among that stream's cached blocks ([`policy::may_serve`]), split the block
+//! ([`policy::should_split`]); on a miss, ask the device for a segment
+//! ([`policy::allocation_size`]), and when the device is out of memory, release oversize cached
+//! blocks and retry, then release every cached block and retry, then report PyTorch's
+//! out-of-memory error. `free` is the mirror: the block goes back to its stream's pool and merges
+//! with free neighbours, unless other streams used it, in which case it waits for events recorded
+//! on them.
+
+pub mod block;
+pub mod expandable;
+pub mod history;
+pub mod pool;
+pub mod stats;
+
+use crate::config::Config;
+use crate::device::{Device, DeviceError, DevicePtr, EventHandle, StreamId};
+use crate::logging;
+use crate::policy::{self, PoolKind};
+use block::{Block, BlockArena, BlockId, ExpandableId};
+use expandable::ExpandableSegment;
+use history::{History, MemorySnapshot, SnapshotBlock, SnapshotSegment, TraceAction};
+use pool::BlockPool;
+use rustc_hash::FxHashMap;
+use stats::DeviceStats;
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
+
+/// PyTorch's out-of-memory error, with the figures its message quotes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutOfMemoryError {
+    pub device: i32,
+    /// What the program asked for.
+    pub requested: usize,
+    /// The segment size that could not be obtained (what PyTorch's message names).
+    pub allocation_size: usize,
+    pub device_free: usize,
+    pub device_total: usize,
+    /// The memory-fraction limit, when one is set.
+    pub allowed: Option<usize>,
+    pub allocated: usize,
+    pub reserved: usize,
+    /// The full message, starting `CUDA out of memory. Tried to allocate`.
+    pub message: String,
+}
+
+/// Why `malloc` failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AllocError {
+    /// The device is out of memory even after releasing everything cached.
+    OutOfMemory(Box<OutOfMemoryError>),
+    /// The driver failed for another reason (PyTorch raises at once in that case too).
+    Device(DeviceError),
+}
+
+impl fmt::Display for AllocError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AllocError::OutOfMemory(oom) => f.write_str(&oom.message),
+            AllocError::Device(DeviceError::Unavailable(why)) => f.write_str(why),
+            AllocError::Device(err) => write!(f, "CUDA error: {err}"),
+        }
+    }
+}
+
+impl std::error::Error for AllocError {}
+
+impl From<DeviceError> for AllocError {
+    fn from(err: DeviceError) -> Self {
+        AllocError::Device(err)
+    }
+}
+
+/// Why an operation on a pointer was refused. Nothing changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PointerError {
+    /// Not a pointer this allocator handed out, or one already freed.
+    Unknown(DevicePtr),
+}
+
+impl fmt::Display for PointerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PointerError::Unknown(ptr) => write!(
+                f,
+                "invalid device pointer: {ptr:#x} (never allocated by ferrocache, or already freed)"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for PointerError {}
+
+/// What the allocator knows about a live allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AllocationInfo {
+    pub ptr: DevicePtr,
+    /// The block size (the request rounded).
+    pub size: usize,
+    pub requested_size: usize,
+    pub stream: StreamId,
+    pub pool: PoolKind,
+}
+
+/// One live allocation to place in an imported segment (see [`DeviceAllocator::import_segment`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImportedBlock {
+    pub offset: usize,
+    pub size: usize,
+    pub requested_size: usize,
+}
+
+/// The search for a cached block: PyTorch's `AllocParams`.
+struct Request {
+    /// The rounded size.
+    size: usize,
+    stream: StreamId,
+    pool: PoolKind,
+    /// The segment size to ask the device for on a miss.
+    alloc_size: usize,
+}
+
+/// The caching allocator of one device.
+pub struct DeviceAllocator<D: Device> {
+    device: D,
+    device_index: i32,
+    config: Config,
+    arena: BlockArena,
+    /// Indexed by `pool_index`: small, large.
+    pools: [BlockPool; 2],
+    /// Blocks handed out to the program, by address.
+    allocated: FxHashMap<DevicePtr, BlockId>,
+    /// Per stream, events recorded when a block used on it was freed, oldest first.
+    pending_events: BTreeMap<StreamId, VecDeque<(EventHandle, BlockId)>>,
+    pending_event_count: usize,
+    stats: DeviceStats,
+    /// Bytes held from the device (PyTorch's `total_allocated_memory`).
+    total_allocated_memory: usize,
+    /// The memory-fraction limit, once `set_memory_fraction` was called.
+    allowed_memory_maximum: Option<usize>,
+    /// Live expandable segments; `None` marks a released slot.
+    expandable_segments: Vec<Option<ExpandableSegment>>,
+    history: History,
+}
+
+fn pool_index(pool: PoolKind) -> usize {
+    match pool {
+        PoolKind::Small => 0,
+        PoolKind::Large => 1,
+    }
+}
+
+impl<D: Device> DeviceAllocator<D> {
+    /// An allocator for device number `device_index`, with nothing reserved yet.
+    pub fn new(device: D, device_index: i32, config: Config) -> DeviceAllocator<D> {
+        let mut allocator = DeviceAllocator {
+            device,
+            device_index,
+            stats: DeviceStats::new(config.max_split_size),
+            arena: BlockArena::default(),
+            pools: [
+                BlockPool::new(PoolKind::Small),
+                BlockPool::new(PoolKind::Large),
+            ],
+            allocated: FxHashMap::default(),
+            pending_events: BTreeMap::new(),
+            pending_event_count: 0,
+            total_allocated_memory: 0,
+            allowed_memory_maximum: None,
+            expandable_segments: Vec::new(),
+            history: History::default(),
+            config,
+        };
+        if let Some(fraction) = allocator.config.per_process_memory_fraction
+            && let Err(err) = allocator.set_memory_fraction(fraction)
+        {
+            logging::device_error("could not apply per_process_memory_fraction", &err);
+        }
+        allocator
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    pub fn device_mut(&mut self) -> &mut D {
+        &mut self.device
+    }
+
+    pub fn device_index(&self) -> i32 {
+        self.device_index
+    }
+
+    pub fn stats(&self) -> &DeviceStats {
+        &self.stats
+    }
+
+    pub fn reset_peak_stats(&mut self) {
+        self.stats.reset_peaks();
+    }
+
+    pub fn reset_accumulated_stats(&mut self) {
+        self.stats.reset_accumulated();
+    }
+
+    /// Bytes held from the device.
+    pub fn reserved_bytes(&self) -> usize {
+        self.total_allocated_memory
+    }
+
+    /// The memory-fraction limit in bytes, when set.
+    pub fn allowed_memory_maximum(&self) -> Option<usize> {
+        self.allowed_memory_maximum
+    }
+
+    /// Number of live allocations.
+    pub fn live_allocations(&self) -> usize {
+        self.allocated.len()
+    }
+
+    /// What the allocator knows about the live allocation at `ptr`.
+    pub fn allocation_info(&self, ptr: DevicePtr) -> Option<AllocationInfo> {
+        let id = *self.allocated.get(&ptr)?;
+        let b = self.arena.get(id);
+        Some(AllocationInfo {
+            ptr,
+            size: b.size,
+            requested_size: b.requested_size,
+            stream: b.stream,
+            pool: b.pool,
+        })
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // malloc
+    // ----------------------------------------------------------------------------------------
+
+    /// Allocates `size` bytes (0 is served as 512) for use on `stream`.
+    pub fn malloc(&mut self, size: usize, stream: StreamId) -> Result<DevicePtr, AllocError> {
+        if self.pending_event_count > 0 {
+            self.process_events()?;
+        }
+        let rounded = policy::round_size(size, &self.config);
+        let pool = policy::pool_for(rounded);
+        let request = Request {
+            size: rounded,
+            stream,
+            pool,
+            alloc_size: policy::allocation_size(rounded),
+        };
+        let id = match self.get_free_block(&request) {
+            Some(id) => id,
+            None => self.allocate_new_block(&request, size)?,
+        };
+        let split = policy::should_split(self.arena.get(id).size, rounded, pool, &self.config);
+        Ok(self.alloc_found_block(id, &request, size, split))
+    }
+
+    /// The miss path of `malloc`: garbage collection, then the device, with PyTorch's two
+    /// retries, then the out-of-memory error.
+    fn allocate_new_block(
+        &mut self,
+        request: &Request,
+        orig_size: usize,
+    ) -> Result<BlockId, AllocError> {
+        if self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0 {
+            self.garbage_collect_cached_blocks()?;
+        }
+        if let Some(id) = self.alloc_block(request, false)? {
+            return Ok(id);
+        }
+        logging::alloc_retry(request.alloc_size, "releasing oversize cached blocks");
+        if self.release_available_cached_blocks(request)?
+            && let Some(id) = self.alloc_block(request, false)?
+        {
+            return Ok(id);
+        }
+        logging::alloc_retry(request.alloc_size, "releasing all cached blocks");
+        self.release_cached_blocks()?;
+        if let Some(id) = self.alloc_block(request, true)? {
+            return Ok(id);
+        }
+        Err(self.out_of_memory(request, orig_size))
+    }
+
+    /// `get_free_block`: the best-fitting cached block of the request's stream, if one may serve.
+    fn get_free_block(&mut self, request: &Request) -> Option<BlockId> {
+        let pool = &mut self.pools[pool_index(request.pool)];
+        if self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0 {
+            pool.get_free_blocks_call_count += 1;
+        }
+        let arena = &self.arena;
+        let id = {
+            let mut fitting = pool.fitting(request.stream, request.size);
+            let (_, &first) = fitting.next()?;
+            let mut id = first;
+            if arena.get(id).expandable.is_some() {
+                if self.config.expandable_segments {
+                    // Best fit by what a block can grow to: its size plus the unmapped space
+                    // after it.
+                    let growable = |id: BlockId| {
+                        let b = arena.get(id);
+                        b.size
+                            + b.next
+                                .map(|n| arena.get(n))
+                                .filter(|n| !n.mapped)
+                                .map_or(0, |n| n.size)
+                    };
+                    for (_, &next) in fitting {
+                        if arena.get(id).expandable.is_none() || growable(next) >= growable(id) {
+                            break;
+                        }
+                        id = next;
+                    }
+                } else {
+                    // Expandable segments were switched off: serve only from ordinary segments.
+                    id = fitting
+                        .map(|(_, &id)| id)
+                        .find(|&id| arena.get(id).expandable.is_none())?;
+                }
+            }
+            id
+        };
+        let block = arena.get(id);
+        // Expandable blocks are carved freely (they always split), so the oversize rules,
+        // which protect unsplittable blocks, do not apply to them.
+        if block.expandable.is_none() && !policy::may_serve(block.size, request.size, &self.config)
+        {
+            return None;
+        }
+        pool.remove(block);
+        Some(id)
+    }
+
+    /// `alloc_found_block`: hands out the block, splitting off the rest when `split`.
+    fn alloc_found_block(
+        &mut self,
+        id: BlockId,
+        request: &Request,
+        orig_size: usize,
+        split: bool,
+    ) -> DevicePtr {
+        let pool = request.pool;
+        let (already_split, expandable, block_ptr, block_size) = {
+            let b = self.arena.get(id);
+            (b.is_split(), b.expandable.is_some(), b.ptr, b.size)
+        };
+        let id = if split {
+            // The allocated part is a new block at the front; the original becomes the rest.
+            let mut front = Block::new(block_ptr, request.size, request.stream, pool);
+            front.expandable = self.arena.get(id).expandable;
+            front.prev = self.arena.get(id).prev;
+            front.next = Some(id);
+            let front_id = self.arena.insert(front);
+            if let Some(prev) = self.arena.get(front_id).prev {
+                self.arena.get_mut(prev).next = Some(front_id);
+            }
+            let rest = self.arena.get_mut(id);
+            rest.prev = Some(front_id);
+            rest.ptr += request.size as u64;
+            rest.size -= request.size;
+            let rest_size = rest.size;
+            self.pools[pool_index(pool)].insert(id, rest);
+            if !expandable {
+                if already_split {
+                    // An inactive split block shrinks by the allocated size.
+                    self.stats
+                        .inactive_split_bytes
+                        .decrease(pool, request.size as u64);
+                } else {
+                    // A new inactive split block: the rest of a previously whole segment.
+                    self.stats
+                        .inactive_split_bytes
+                        .increase(pool, rest_size as u64);
+                    self.stats.inactive_split.increase(pool, 1);
+                }
+            }
+            self.stats.num_splits += 1;
+            logging::block_split(block_ptr, request.size, rest_size);
+            front_id
+        } else {
+            if already_split && !expandable {
+                // An inactive split block becomes active.
+                self.stats
+                    .inactive_split_bytes
+                    .decrease(pool, block_size as u64);
+                self.stats.inactive_split.decrease(pool, 1);
+            }
+            id
+        };
+
+        let block = self.arena.get_mut(id);
+        block.allocated = true;
+        block.requested_size = orig_size;
+        let (ptr, size) = (block.ptr, block.size);
+        self.allocated.insert(ptr, id);
+        let stats = &mut self.stats;
+        stats.allocation.increase(pool, 1);
+        stats.allocated_bytes.increase(pool, size as u64);
+        stats.active.increase(pool, 1);
+        stats.active_bytes.increase(pool, size as u64);
+        stats.requested_bytes.increase(pool, orig_size as u64);
+        if policy::is_oversize(size, &self.config) {
+            stats.oversize_allocations.increase(1);
+        }
+        self.history
+            .record(TraceAction::Alloc, ptr, orig_size, request.stream);
+        logging::block_allocated(ptr, size, request.stream);
+        ptr
+    }
+
+    /// `alloc_block`: a new segment (or newly mapped pages) for the request. `Ok(None)` when the
+    /// device is out of memory or the memory fraction forbids it; `Err` on other device failures.
+    fn alloc_block(
+        &mut self,
+        request: &Request,
+        is_retry: bool,
+    ) -> Result<Option<BlockId>, AllocError> {
+        if is_retry {
+            self.stats.num_alloc_retries += 1;
+        }
+        let size = request.alloc_size;
+        if let Some(allowed) = self.allowed_memory_maximum
+            && self.total_allocated_memory + size > allowed
+        {
+            return Ok(None);
+        }
+        if self.config.expandable_segments {
+            return self.try_allocate_expandable_block(request);
+        }
+        let ptr = match self.device.malloc(size, request.stream) {
+            Ok(ptr) => ptr,
+            Err(DeviceError::OutOfMemory) => return Ok(None),
+            Err(err) => return Err(err.into()),
+        };
+        Ok(Some(self.adopt_segment(
+            ptr,
+            size,
+            request.stream,
+            request.pool,
+        )))
+    }
+
+    /// Records a fresh device allocation as one free-to-carve block (not yet in the pool).
+    fn adopt_segment(
+        &mut self,
+        ptr: DevicePtr,
+        size: usize,
+        stream: StreamId,
+        pool: PoolKind,
+    ) -> BlockId {
+        self.total_allocated_memory += size;
+        let id = self.arena.insert(Block::new(ptr, size, stream, pool));
+        self.stats.segment.increase(pool, 1);
+        self.stats.reserved_bytes.increase(pool, size as u64);
+        if policy::is_oversize(size, &self.config) {
+            self.stats.oversize_segments.increase(1);
+        }
+        self.stats.num_device_alloc += 1;
+        self.history
+            .record(TraceAction::SegmentAlloc, ptr, size, stream);
+        logging::segment_allocated(ptr, size, stream);
+        id
+    }
+
+    /// The out-of-memory error, in PyTorch's words and figures.
+    fn out_of_memory(&mut self, request: &Request, orig_size: usize) -> AllocError {
+        let info = self
+            .device
+            .mem_get_info()
+            .unwrap_or(crate::device::MemInfo { free: 0, total: 0 });
+        self.stats.num_ooms += 1;
+        self.history.record(
+            TraceAction::Oom,
+            info.free as u64,
+            request.size,
+            request.stream,
+        );
+        let allocated = self.stats.allocated_bytes.all.current as usize;
+        let reserved = self.stats.reserved_bytes.all.current as usize;
+        let fmt = |n: usize| policy::format_size(n as u64);
+        let allowed_info = self
+            .allowed_memory_maximum
+            .map(|a| format!("{} allowed; ", fmt(a)))
+            .unwrap_or_default();
+        let message = format!(
+            "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. \
+             {allowed_info}Of the allocated memory {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated. \
+             If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid \
+             fragmentation.  See documentation for Memory Management  \
+             (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)",
+            fmt(request.alloc_size),
+            self.device_index,
+            fmt(info.total),
+            fmt(info.free),
+            fmt(allocated),
+            fmt(reserved.saturating_sub(allocated)),
+        );
+        logging::out_of_memory(&message);
+        AllocError::OutOfMemory(Box::new(OutOfMemoryError {
+            device: self.device_index,
+            requested: orig_size,
+            allocation_size: request.alloc_size,
+            device_free: info.free,
+            device_total: info.total,
+            allowed: self.allowed_memory_maximum,
+            allocated,
+            reserved,
+            message,
+        }))
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // free
+    // ----------------------------------------------------------------------------------------
+
+    /// Frees an allocation. The block is cached for its stream at once, or, if the program used
+    /// it on other streams, once the work queued on them by now has completed.
+    pub fn free(&mut self, ptr: DevicePtr) -> Result<(), PointerError> {
+        let id = self
+            .allocated
+            .remove(&ptr)
+            .ok_or(PointerError::Unknown(ptr))?;
+        let block = self.arena.get_mut(id);
+        block.allocated = false;
+        let (pool, size, requested, stream) =
+            (block.pool, block.size, block.requested_size, block.stream);
+        self.stats.allocation.decrease(pool, 1);
+        self.stats.allocated_bytes.decrease(pool, size as u64);
+        if policy::is_oversize(size, &self.config) {
+            self.stats.oversize_allocations.decrease(1);
+        }
+        self.history
+            .record(TraceAction::FreeRequested, ptr, requested, stream);
+        if self.arena.get(id).stream_uses.is_empty() {
+            logging::block_freed(ptr);
+            self.free_block(id);
+        } else {
+            self.insert_events(id);
+        }
+        Ok(())
+    }
+
+    /// `free_block`: returns an available block to its pool, merged with free neighbours.
+    fn free_block(&mut self, id: BlockId) {
+        let (ptr, original_size, requested, stream, pool, expandable) = {
+            let b = self.arena.get(id);
+            debug_assert!(b.is_available());
+            (
+                b.ptr,
+                b.size,
+                b.requested_size,
+                b.stream,
+                b.pool,
+                b.expandable.is_some(),
+            )
+        };
+        self.history
+            .record(TraceAction::FreeCompleted, ptr, requested, stream);
+        let mut inactive_split_blocks: i64 = 0;
+        let mut inactive_split_bytes: i64 = 0;
+        let (prev, next) = {
+            let b = self.arena.get(id);
+            (b.prev, b.next)
+        };
+        for candidate in [prev, next] {
+            let subsumed = self.try_merge_blocks(id, candidate);
+            if subsumed > 0 {
+                inactive_split_blocks -= 1;
+                inactive_split_bytes -= subsumed as i64;
+            }
+        }
+        let block = self.arena.get_mut(id);
+        if block.is_split() {
+            inactive_split_blocks += 1;
+            inactive_split_bytes += block.size as i64;
+        }
+        let merged_size = block.size;
+        self.pools[pool_index(pool)].insert(id, block);
+        if merged_size != original_size {
+            logging::new_free_block(merged_size);
+        }
+        let stats = &mut self.stats;
+        // Expandable segments can always give free pages back, so PyTorch leaves them out of
+        // the inactive-split statistics.
+        if !expandable {
+            apply_signed(&mut stats.inactive_split, pool, inactive_split_blocks);
+            apply_signed(&mut stats.inactive_split_bytes, pool, inactive_split_bytes);
+        }
+        stats.active.decrease(pool, 1);
+        stats.active_bytes.decrease(pool, original_size as u64);
+        stats.requested_bytes.decrease(pool, requested as u64);
+    }
+
+    /// `try_merge_blocks`: absorbs `candidate` into `dst` if it is an available block in the same
+    /// state of mapping. Returns the bytes absorbed (0 = no merge).
+    fn try_merge_blocks(&mut self, dst: BlockId, candidate: Option<BlockId>) -> usize {
+        let Some(src) = candidate else { return 0 };
+        {
+            let (s, d) = (self.arena.get(src), self.arena.get(dst));
+            if !s.is_available() || s.mapped != d.mapped {
+                return 0;
+            }
+        }
+        let src_block = self.arena.remove(src);
+        let pool = &mut self.pools[pool_index(src_block.pool)];
+        let removed = if src_block.mapped {
+            pool.remove(&src_block)
+        } else {
+            pool.remove_unmapped(&src_block)
+        };
+        debug_assert!(removed, "an available block is in its pool");
+        let dst_block = self.arena.get_mut(dst);
+        if dst_block.prev == Some(src) {
+            // [src dst]
+            dst_block.ptr = src_block.ptr;
+            dst_block.prev = src_block.prev;
+            if let Some(p) = src_block.prev {
+                self.arena.get_mut(p).next = Some(dst);
+            }
+        } else {
+            // [dst src]
+            dst_block.next = src_block.next;
+            if let Some(n) = src_block.next {
+                self.arena.get_mut(n).prev = Some(dst);
+            }
+        }
+        self.arena.get_mut(dst).size += src_block.size;
+        self.stats.num_merges += 1;
+        if src_block.mapped {
+            logging::block_merged(self.arena.get(dst).ptr);
+        }
+        src_block.size
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // streams and events
+    // ----------------------------------------------------------------------------------------
+
+    /// `recordStream`: the program used the allocation at `ptr` on `stream` as well; when it is
+    /// freed, it is not reused until the work queued on `stream` by then has completed.
+    pub fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), PointerError> {
+        let id = *self.allocated.get(&ptr).ok_or(PointerError::Unknown(ptr))?;
+        let block = self.arena.get_mut(id);
+        // Uses on the allocation stream need no synchronization.
+        if stream != block.stream && !block.stream_uses.contains(&stream) {
+            block.stream_uses.push(stream);
+        }
+        Ok(())
+    }
+
+    /// `insert_events`: records an event on every stream that used the freed block.
+    fn insert_events(&mut self, id: BlockId) {
+        let streams = std::mem::take(&mut self.arena.get_mut(id).stream_uses);
+        let ptr = self.arena.get(id).ptr;
+        logging::block_waits_for_streams(ptr, streams.len());
+        for stream in streams {
+            match self.device.record_event(stream) {
+                Ok(event) => {
+                    self.arena.get_mut(id).event_count += 1;
+                    self.pending_events
+                        .entry(stream)
+                        .or_default()
+                        .push_back((event, id));
+                    self.pending_event_count += 1;
+                }
+                Err(err) => {
+                    // Without an event, waiting for the stream now is the only safe way.
+                    logging::device_error("could not record an event; synchronizing instead", &err);
+                    if let Err(err) = self.device.synchronize_stream(stream) {
+                        // Neither worked: keep the block out of circulation rather than risk
+                        // handing out memory a kernel may still be using.
+                        logging::device_error(
+                            "could not synchronize; the block is not reused",
+                            &err,
+                        );
+                        self.arena.get_mut(id).stream_uses.push(stream);
+                        return;
+                    }
+                }
+            }
+        }
+        if self.arena.get(id).event_count == 0 {
+            self.free_block(id);
+        }
+    }
+
+    /// `process_events`: caches the freed blocks whose streams have all finished with them.
+    fn process_events(&mut self) -> Result<(), DeviceError> {
+        let mut completed = Vec::new();
+        let mut outcome = Ok(());
+        'streams: for queue in self.pending_events.values_mut() {
+            while let Some(&(event, id)) = queue.front() {
+                match self.device.query_event(event) {
+                    Ok(true) => {
+                        queue.pop_front();
+                        self.device.release_event(event);
+                        self.pending_event_count -= 1;
+                        completed.push(id);
+                    }
+                    Ok(false) => break,
+                    Err(err) => {
+                        outcome = Err(err);
+                        break 'streams;
+                    }
+                }
+            }
+        }
+        self.pending_events.retain(|_, q| !q.is_empty());
+        for id in completed {
+            self.event_completed(id);
+        }
+        outcome
+    }
+
+    fn event_completed(&mut self, id: BlockId) {
+        let block = self.arena.get_mut(id);
+        block.event_count -= 1;
+        if block.event_count == 0 {
+            self.free_block(id);
+        }
+    }
+
+    /// `synchronize_and_free_events`: waits for every pending event and caches its block.
+    fn synchronize_and_free_events(&mut self) -> Result<(), DeviceError> {
+        self.stats.num_sync_all_streams += 1;
+        let streams: Vec<StreamId> = self.pending_events.keys().copied().collect();
+        for stream in streams {
+            while let Some(&(event, id)) =
+                self.pending_events.get(&stream).and_then(VecDeque::front)
+            {
+                self.device.synchronize_event(event)?;
+                if let Some(queue) = self.pending_events.get_mut(&stream) {
+                    queue.pop_front();
+                }
+                self.device.release_event(event);
+                self.pending_event_count -= 1;
+                self.event_completed(id);
+            }
+            self.pending_events.remove(&stream);
+        }
+        Ok(())
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // giving memory back
+    // ----------------------------------------------------------------------------------------
+
+    /// `emptyCache`: waits for pending frees, then gives every wholly free segment (and every
+    /// free page of expandable segments) back to the device.
+    pub fn empty_cache(&mut self) -> Result<(), DeviceError> {
+        self.release_cached_blocks()
+    }
+
+    /// `release_cached_blocks`.
+    fn release_cached_blocks(&mut self) -> Result<(), DeviceError> {
+        self.synchronize_and_free_events()?;
+        self.release_blocks(PoolKind::Large)?;
+        self.release_blocks(PoolKind::Small)
+    }
+
+    /// `release_blocks`: releases every unsplit cached segment of the pool, and unmaps the free
+    /// pages of its expandable segments.
+    fn release_blocks(&mut self, pool: PoolKind) -> Result<(), DeviceError> {
+        let mut whole = Vec::new();
+        let mut to_unmap = Vec::new();
+        for id in self.pools[pool_index(pool)].cached() {
+            let b = self.arena.get(id);
+            if b.expandable.is_some() {
+                to_unmap.push(id);
+            } else if !b.is_split() {
+                whole.push(id);
+            }
+        }
+        for id in whole {
+            self.release_block(id)?;
+        }
+        for id in to_unmap {
+            self.unmap_block(id)?;
+            let b = self.arena.get(id);
+            if !b.mapped && !b.is_split() {
+                self.release_expandable_segment(id)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `release_block`: gives a whole cached segment back to the device.
+    fn release_block(&mut self, id: BlockId) -> Result<(), DeviceError> {
+        let (ptr, size, stream, pool) = {
+            let b = self.arena.get(id);
+            debug_assert!(b.expandable.is_none() && !b.is_split() && b.is_available());
+            (b.ptr, b.size, b.stream, b.pool)
+        };
+        // The device first: if it refuses, the segment stays cached and nothing changes.
+        self.device.free(ptr)?;
+        let block = self.arena.remove(id);
+        self.pools[pool_index(pool)].remove(&block);
+        self.total_allocated_memory -= size;
+        self.stats.num_device_free += 1;
+        self.stats.segment.decrease(pool, 1);
+        self.stats.reserved_bytes.decrease(pool, size as u64);
+        if policy::is_oversize(size, &self.config) {
+            self.stats.oversize_segments.decrease(1);
+        }
+        self.history
+            .record(TraceAction::SegmentFree, ptr, size, stream);
+        logging::segment_released(ptr, size);
+        Ok(())
+    }
+
+    /// `release_available_cached_blocks`: after a failed device allocation, releases the
+    /// smallest oversize cached block that covers the request, or else oversize blocks from the
+    /// largest down until enough is released. Only when `max_split_size` is set.
+    fn release_available_cached_blocks(&mut self, request: &Request) -> Result<bool, DeviceError> {
+        let max_split_size = self.config.max_split_size;
+        if max_split_size == usize::MAX {
+            return Ok(false);
+        }
+        let wanted = request.size.max(max_split_size);
+        let pool = &self.pools[pool_index(request.pool)];
+        let arena = &self.arena;
+        let covering = pool
+            .fitting(request.stream, wanted)
+            .map(|(_, &id)| id)
+            .next()
+            .filter(|&id| arena.get(id).expandable.is_none());
+        if let Some(id) = covering {
+            self.release_block(id)?;
+            return Ok(true);
+        }
+        // No single block is large enough: release oversize blocks, largest first.
+        let mut to_release = Vec::new();
+        let mut released = 0;
+        for (&(_, size, _), &id) in pool.smaller_than(request.stream, wanted) {
+            if released >= wanted || size < max_split_size {
+                break;
+            }
+            if arena.get(id).expandable.is_none() {
+                to_release.push(id);
+                released += size;
+            }
+        }
+        if released < wanted {
+            return Ok(false);
+        }
+        for id in to_release {
+            self.release_block(id)?;
+        }
+        Ok(true)
+    }
+
+    /// `garbage_collect_cached_blocks`: with a memory fraction and a threshold set, releases
+    /// unsplit large cached segments, oldest (least recently reused) first, until reserved
+    /// memory is back under the threshold.
+    fn garbage_collect_cached_blocks(&mut self) -> Result<(), DeviceError> {
+        let Some(allowed) = self.allowed_memory_maximum else {
+            return Ok(());
+        };
+        let gc_threshold = (self.config.garbage_collection_threshold * allowed as f64) as usize;
+        if self.total_allocated_memory <= gc_threshold {
+            return Ok(());
+        }
+        let target = self.total_allocated_memory - gc_threshold;
+        let large = &self.pools[pool_index(PoolKind::Large)];
+        let clock = large.get_free_blocks_call_count;
+        let age = |b: &Block| clock - b.gc_count_base;
+        let freeable = |b: &Block| !b.is_split() && b.expandable.is_none();
+        let mut total_age: u64 = 0;
+        let mut freeable_count: u64 = 0;
+        for id in large.cached() {
+            let b = self.arena.get(id);
+            if freeable(b) {
+                total_age += age(b);
+                freeable_count += 1;
+            }
+        }
+        let mut reclaimed = 0;
+        while reclaimed < target && freeable_count > 0 {
+            let age_threshold = total_age as f64 / freeable_count as f64;
+            // Release every block at least as old as the average, not only up to the target,
+            // so collection does not run again at once.
+            let victims: Vec<BlockId> = self.pools[pool_index(PoolKind::Large)]
+                .cached()
+                .filter(|&id| {
+                    let b = self.arena.get(id);
+                    freeable(b) && age(b) as f64 >= age_threshold
+                })
+                .collect();
+            if victims.is_empty() {
+                break;
+            }
+            for id in victims {
+                let b = self.arena.get(id);
+                reclaimed += b.size;
+                total_age -= age(b);
+                freeable_count -= 1;
+                self.release_block(id)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `setMemoryFraction`: limits what this allocator holds to `fraction` of the device.
+    pub fn set_memory_fraction(&mut self, fraction: f64) -> Result<(), AllocError> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(AllocError::Device(DeviceError::Driver {
+                call: "set_memory_fraction",
+                code: 1,
+                message: format!("invalid fraction: {fraction}. Please set within (0, 1)."),
+            }));
+        }
+        let info = self.device.mem_get_info()?;
+        self.allowed_memory_maximum = Some((fraction * info.total as f64) as usize);
+        Ok(())
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // expandable segments
+    // ----------------------------------------------------------------------------------------
+
+    fn segment(&self, id: ExpandableId) -> &ExpandableSegment {
+        self.expandable_segments[id as usize]
+            .as_ref()
+            .expect("live expandable segment")
+    }
+
+    /// `try_allocate_expandable_block`: finds (or reserves) address space for the request in
+    /// the stream's expandable segment and maps pages until a free block covers it.
+    fn try_allocate_expandable_block(
+        &mut self,
+        request: &Request,
+    ) -> Result<Option<BlockId>, AllocError> {
+        let mut candidate = self.find_expandable_block(request)?;
+        if !self.arena.get(candidate).mapped {
+            let size = self.arena.get(candidate).size.min(request.size);
+            if !self.map_block(candidate, size)? {
+                return Ok(None);
+            }
+        }
+        while self.arena.get(candidate).size < request.size {
+            let remaining = request.size - self.arena.get(candidate).size;
+            let next = self
+                .arena
+                .get(candidate)
+                .next
+                .expect("find_expandable_block checked the space after the candidate");
+            let size = self.arena.get(next).size.min(remaining);
+            if !self.map_block(next, size)? {
+                return Ok(None);
+            }
+            candidate = next;
+        }
+        let block = self.arena.get(candidate);
+        self.pools[pool_index(block.pool)].remove(block);
+        Ok(Some(candidate))
+    }
+
+    /// `find_expandable_block`: the lowest address where free and unmapped space together hold
+    /// the request, in an existing segment of the stream, or else a newly reserved segment.
+    fn find_expandable_block(&mut self, request: &Request) -> Result<BlockId, AllocError> {
+        let arena = &self.arena;
+        let available = |id: Option<BlockId>| id.filter(|&id| arena.get(id).is_available());
+        let has_room = |start: BlockId| {
+            let mut bytes = 0;
+            let mut cursor = Some(start);
+            while bytes < request.size {
+                match available(cursor) {
+                    Some(id) => {
+                        bytes += arena.get(id).size;
+                        cursor = arena.get(id).next;
+                    }
+                    None => break,
+                }
+            }
+            bytes >= request.size
+        };
+        let pool = &self.pools[pool_index(request.pool)];
+        for unmapped in pool.unmapped_of(request.stream) {
+            // A free mapped block just before the unmapped space extends it downwards.
+            let start = available(arena.get(unmapped).prev).unwrap_or(unmapped);
+            if has_room(start) {
+                return Ok(start);
+            }
+        }
+        let total = self.device.mem_get_info()?.total;
+        let segment =
+            ExpandableSegment::reserve(&mut self.device, request.stream, request.pool, total)?;
+        let mut block = Block::new(segment.base(), segment.size(), request.stream, request.pool);
+        block.mapped = false;
+        let segment_id = match self.expandable_segments.iter().position(Option::is_none) {
+            Some(free) => {
+                self.expandable_segments[free] = Some(segment);
+                free
+            }
+            None => {
+                self.expandable_segments.push(Some(segment));
+                self.expandable_segments.len() - 1
+            }
+        };
+        block.expandable = Some(segment_id as ExpandableId);
+        let id = self.arena.insert(block);
+        self.pools[pool_index(request.pool)].insert_unmapped(id, self.arena.get(id));
+        Ok(id)
+    }
+
+    /// `map_block`: maps pages under the first `size` bytes of an unmapped block; the mapped part
+    /// becomes a free block (merged with free neighbours), the rest stays unmapped.
+    /// `Ok(false)` when the device is out of memory.
+    fn map_block(&mut self, id: BlockId, size: usize) -> Result<bool, AllocError> {
+        let (ptr, block_size, stream, pool, segment_id) = {
+            let b = self.arena.get(id);
+            debug_assert!(!b.mapped && size <= b.size);
+            (
+                b.ptr,
+                b.size,
+                b.stream,
+                b.pool,
+                b.expandable.expect("expandable block"),
+            )
+        };
+        let segment = self.expandable_segments[segment_id as usize]
+            .as_mut()
+            .expect("live expandable segment");
+        let range = match segment.map(&mut self.device, ptr, size) {
+            Ok(range) => range,
+            Err(DeviceError::OutOfMemory) => return Ok(false),
+            Err(err) => return Err(err.into()),
+        };
+        debug_assert!(range.ptr == ptr && range.size >= size);
+        self.pools[pool_index(pool)].remove_unmapped(self.arena.get(id));
+        self.arena.get_mut(id).mapped = true;
+        if range.size < block_size {
+            let mut rest = Block::new(
+                ptr + range.size as u64,
+                block_size - range.size,
+                stream,
+                pool,
+            );
+            rest.mapped = false;
+            rest.expandable = Some(segment_id);
+            rest.prev = Some(id);
+            rest.next = self.arena.get(id).next;
+            let rest_id = self.arena.insert(rest);
+            if let Some(n) = self.arena.get(rest_id).next {
+                self.arena.get_mut(n).prev = Some(rest_id);
+            }
+            let block = self.arena.get_mut(id);
+            block.next = Some(rest_id);
+            block.size = range.size;
+            self.pools[pool_index(pool)].insert_unmapped(rest_id, self.arena.get(rest_id));
+        }
+        let (prev, next) = (self.arena.get(id).prev, self.arena.get(id).next);
+        self.try_merge_blocks(id, prev);
+        self.try_merge_blocks(id, next);
+        self.pools[pool_index(pool)].insert(id, self.arena.get_mut(id));
+        self.total_allocated_memory += range.size;
+        self.stats.reserved_bytes.increase(pool, range.size as u64);
+        self.stats.num_device_alloc += 1;
+        self.history
+            .record(TraceAction::SegmentMap, range.ptr, range.size, stream);
+        logging::pages_mapped(range.ptr, range.size, stream);
+        Ok(true)
+    }
+
+    /// `unmap_block`: unmaps the whole pages inside a free expandable block; partial pages at
+    /// either end stay mapped as free blocks of their own.
+    fn unmap_block(&mut self, id: BlockId) -> Result<(), DeviceError> {
+        let (ptr, size, stream, pool, segment_id) = {
+            let b = self.arena.get(id);
+            (
+                b.ptr,
+                b.size,
+                b.stream,
+                b.pool,
+                b.expandable.expect("expandable block"),
+            )
+        };
+        let segment = self.expandable_segments[segment_id as usize]
+            .as_mut()
+            .expect("live expandable segment");
+        let (range, failure) = segment.unmap(&mut self.device, ptr, size);
+        if range.size == 0 {
+            return failure.map_or(Ok(()), Err);
+        }
+        self.pools[pool_index(pool)].remove(self.arena.get(id));
+        let before = (range.ptr - ptr) as usize;
+        if before > 0 {
+            let mut piece = Block::new(ptr, before, stream, pool);
+            piece.expandable = Some(segment_id);
+            piece.prev = self.arena.get(id).prev;
+            piece.next = Some(id);
+            let piece_id = self.arena.insert(piece);
+            if let Some(p) = self.arena.get(piece_id).prev {
+                self.arena.get_mut(p).next = Some(piece_id);
+            }
+            self.arena.get_mut(id).prev = Some(piece_id);
+            self.pools[pool_index(pool)].insert(piece_id, self.arena.get_mut(piece_id));
+        }
+        let after = size - before - range.size;
+        if after > 0 {
+            let mut piece = Block::new(range.ptr + range.size as u64, after, stream, pool);
+            piece.expandable = Some(segment_id);
+            piece.prev = Some(id);
+            piece.next = self.arena.get(id).next;
+            let piece_id = self.arena.insert(piece);
+            if let Some(n) = self.arena.get(piece_id).next {
+                self.arena.get_mut(n).prev = Some(piece_id);
+            }
+            self.arena.get_mut(id).next = Some(piece_id);
+            self.pools[pool_index(pool)].insert(piece_id, self.arena.get_mut(piece_id));
+        }
+        let block = self.arena.get_mut(id);
+        block.ptr = range.ptr;
+        block.size = range.size;
+        block.mapped = false;
+        let (prev, next) = (block.prev, block.next);
+        self.try_merge_blocks(id, prev);
+        self.try_merge_blocks(id, next);
+        self.pools[pool_index(pool)].insert_unmapped(id, self.arena.get(id));
+        self.total_allocated_memory -= range.size;
+        self.stats.reserved_bytes.decrease(pool, range.size as u64);
+        self.stats.num_device_free += 1;
+        self.history
+            .record(TraceAction::SegmentUnmap, range.ptr, range.size, stream);
+        logging::pages_unmapped(range.ptr, range.size);
+        failure.map_or(Ok(()), Err)
+    }
+
+    /// `release_expandable_segment`: gives back the address range of a segment with nothing
+    /// mapped (its one block spans the whole range, unmapped).
+    fn release_expandable_segment(&mut self, id: BlockId) -> Result<(), DeviceError> {
+        let (segment_id, pool) = {
+            let b = self.arena.get(id);
+            (b.expandable.expect("expandable block"), b.pool)
+        };
+        debug_assert_eq!(self.arena.get(id).size, self.segment(segment_id).size());
+        let slot = &mut self.expandable_segments[segment_id as usize];
+        // If the device refuses, the segment stays: its (empty) address range is still ours.
+        slot.as_ref()
+            .expect("live expandable segment")
+            .release(&mut self.device)?;
+        *slot = None;
+        let block = self.arena.remove(id);
+        self.pools[pool_index(pool)].remove_unmapped(&block);
+        Ok(())
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // inspection
+    // ----------------------------------------------------------------------------------------
+
+    /// `getBaseAllocation`: the start and size of the segment holding the allocation at `ptr`.
+    pub fn base_allocation(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize), PointerError> {
+        let mut id = *self.allocated.get(&ptr).ok_or(PointerError::Unknown(ptr))?;
+        while let Some(prev) = self.arena.get(id).prev {
+            id = prev;
+        }
+        let base = self.arena.get(id).ptr;
+        let mut size = 0;
+        let mut cursor = Some(id);
+        while let Some(c) = cursor {
+            size += self.arena.get(c).size;
+            cursor = self.arena.get(c).next;
+        }
+        Ok((base, size))
+    }
+
+    /// The largest cached block (PyTorch's `cacheInfo`).
+    pub fn largest_cached_block(&self) -> usize {
+        self.pools
+            .iter()
+            .flat_map(|p| p.cached())
+            .map(|id| self.arena.get(id).size)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// `_record_memory_history`: starts (or stops and clears) recording trace entries.
+    pub fn record_history(&mut self, enabled: bool, max_entries: usize) {
+        self.history.set_recording(enabled, max_entries);
+    }
+
+    pub fn is_recording_history(&self) -> bool {
+        self.history.is_recording()
+    }
+
+    /// The segments and their blocks, by address: one entry per ordinary segment and per
+    /// contiguous mapped range of an expandable segment, as PyTorch's `snapshot()` reports them.
+    pub fn segments(&self) -> Vec<SnapshotSegment> {
+        let mut out = Vec::new();
+        for (_, head) in self.arena.iter() {
+            // A segment (or mapped range) starts at a mapped block with no mapped block before.
+            let starts_range = head.mapped && head.prev.is_none_or(|p| !self.arena.get(p).mapped);
+            if !starts_range {
+                continue;
+            }
+            let mut segment = SnapshotSegment {
+                device: self.device_index,
+                address: head.ptr,
+                total_size: 0,
+                allocated_size: 0,
+                active_size: 0,
+                requested_size: 0,
+                stream: head.stream,
+                segment_type: head.pool.segment_type(),
+                segment_pool_id: (0, 0),
+                is_expandable: head.expandable.is_some(),
+                frames: Vec::new(),
+                blocks: Vec::new(),
+            };
+            let mut cursor = Some(head);
+            while let Some(b) = cursor.filter(|b| b.mapped) {
+                let active = b.allocated || b.event_count > 0 || !b.stream_uses.is_empty();
+                segment.total_size += b.size as u64;
+                if b.allocated {
+                    segment.allocated_size += b.size as u64;
+                }
+                if active {
+                    segment.active_size += b.size as u64;
+                    segment.requested_size += b.requested_size as u64;
+                }
+                segment.blocks.push(SnapshotBlock {
+                    address: b.ptr,
+                    size: b.size as u64,
+                    requested_size: b.requested_size as u64,
+                    state: if b.allocated {
+                        "active_allocated"
+                    } else if active {
+                        "active_pending_free"
+                    } else {
+                        "inactive"
+                    },
+                    frames: Vec::new(),
+                });
+                cursor = b.next.map(|n| self.arena.get(n));
+            }
+            out.push(segment);
+        }
+        out.sort_by_key(|s| s.address);
+        out
+    }
+
+    /// `torch.cuda.memory._snapshot()` for this device.
+    pub fn snapshot(&mut self) -> MemorySnapshot {
+        // As PyTorch does, the trace is read before the snapshot marks itself in it.
+        let trace = self.history.entries();
+        let segments = self.segments();
+        let total_active: u64 = segments.iter().map(|s| s.active_size).sum();
+        self.history
+            .record(TraceAction::Snapshot, 0, total_active as usize, 0);
+        MemorySnapshot {
+            segments,
+            device_traces: vec![trace],
+            allocator_settings: self.config.to_pytorch_settings(),
+        }
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // replay support
+    // ----------------------------------------------------------------------------------------
+
+    /// Takes a segment of `size` bytes from the device and places live allocations at the given
+    /// offsets in it, as if the program had made them: the state a recorded trace starts from.
+    /// The gaps become cached free blocks. Returns the segment's address and the allocations'
+    /// addresses, in the order given. Offsets must be ascending, 512-aligned and not overlap.
+    pub fn import_segment(
+        &mut self,
+        size: usize,
+        stream: StreamId,
+        pool: PoolKind,
+        live: &[ImportedBlock],
+    ) -> Result<(DevicePtr, Vec<DevicePtr>), AllocError> {
+        let mut cursor = 0;
+        for b in live {
+            if b.offset < cursor || b.size == 0 || b.offset + b.size > size {
+                return Err(AllocError::Device(DeviceError::Driver {
+                    call: "import_segment",
+                    code: 1,
+                    message: format!(
+                        "block at offset {} (size {}) does not fit a segment of {size} bytes",
+                        b.offset, b.size
+                    ),
+                }));
+            }
+            cursor = b.offset + b.size;
+        }
+        let base = match self.device.malloc(size, stream) {
+            Ok(ptr) => ptr,
+            Err(DeviceError::OutOfMemory) => {
+                let request = Request {
+                    size,
+                    stream,
+                    pool,
+                    alloc_size: size,
+                };
+                return Err(self.out_of_memory(&request, size));
+            }
+            Err(err) => return Err(err.into()),
+        };
+        let head = self.adopt_segment(base, size, stream, pool);
+        // Lay out the pieces: free gaps and live blocks, in address order.
+        let mut pieces: Vec<(usize, usize, Option<usize>)> = Vec::new();
+        let mut offset = 0;
+        for b in live {
+            if b.offset > offset {
+                pieces.push((offset, b.offset - offset, None));
+            }
+            pieces.push((b.offset, b.size, Some(b.requested_size)));
+            offset = b.offset + b.size;
+        }
+        if offset < size {
+            pieces.push((offset, size - offset, None));
+        }
+        let split = pieces.len() > 1;
+        let mut ids = Vec::with_capacity(pieces.len());
+        for (i, &(piece_offset, piece_size, requested)) in pieces.iter().enumerate() {
+            let id = if i == 0 {
+                let b = self.arena.get_mut(head);
+                b.size = piece_size;
+                head
+            } else {
+                self.arena.insert(Block::new(
+                    base + piece_offset as u64,
+                    piece_size,
+                    stream,
+                    pool,
+                ))
+            };
+            ids.push((id, requested));
+        }
+        for w in 0..ids.len() {
+            let id = ids[w].0;
+            let b = self.arena.get_mut(id);
+            b.prev = w.checked_sub(1).map(|p| ids[p].0);
+            b.next = ids.get(w + 1).map(|n| n.0);
+        }
+        let mut pointers = Vec::with_capacity(live.len());
+        for &(id, requested) in &ids {
+            let (ptr, piece_size) = {
+                let b = self.arena.get(id);
+                (b.ptr, b.size)
+            };
+            match requested {
+                Some(requested) => {
+                    let b = self.arena.get_mut(id);
+                    b.allocated = true;
+                    b.requested_size = requested;
+                    self.allocated.insert(ptr, id);
+                    let stats = &mut self.stats;
+                    stats.allocation.increase(pool, 1);
+                    stats.allocated_bytes.increase(pool, piece_size as u64);
+                    stats.active.increase(pool, 1);
+                    stats.active_bytes.increase(pool, piece_size as u64);
+                    stats.requested_bytes.increase(pool, requested as u64);
+                    if policy::is_oversize(piece_size, &self.config) {
+                        stats.oversize_allocations.increase(1);
+                    }
+                    self.history
+                        .record(TraceAction::Alloc, ptr, requested, stream);
+                    pointers.push(ptr);
+                }
+                None => {
+                    self.pools[pool_index(pool)].insert(id, self.arena.get_mut(id));
+                    if split {
+                        self.stats.inactive_split.increase(pool, 1);
+                        self.stats
+                            .inactive_split_bytes
+                            .increase(pool, piece_size as u64);
+                    }
+                }
+            }
+        }
+        Ok((base, pointers))
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // self-check
+    // ----------------------------------------------------------------------------------------
+
+    /// Checks every structural invariant and recomputes the current statistics from the block
+    /// table; returns what is wrong. Costs a full walk: for tests and debugging.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut recomputed = DeviceStats::new(self.config.max_split_size);
+        let mut cached_count = 0;
+        let mut unmapped_count = 0;
+        let mut mapped_expandable = vec![0usize; self.expandable_segments.len()];
+        for (id, head) in self.arena.iter() {
+            if head.prev.is_some() {
+                continue;
+            }
+            let pool = head.pool;
+            let mut end = head.ptr;
+            let mut cursor = Some(id);
+            let mut previous: Option<&Block> = None;
+            let mut segment_size = 0;
+            let mut blocks_in_segment = 0;
+            while let Some(c) = cursor {
+                let b = self.arena.get(c);
+                blocks_in_segment += 1;
+                if b.ptr != end {
+                    return Err(format!("block {:#x} does not follow {end:#x}", b.ptr));
+                }
+                if !b.ptr.is_multiple_of(512) || !b.size.is_multiple_of(512) || b.size == 0 {
+                    return Err(format!(
+                        "block {:#x} (size {}) is not 512-aligned",
+                        b.ptr, b.size
+                    ));
+                }
+                if b.pool != pool || b.stream != head.stream || b.expandable != head.expandable {
+                    return Err(format!("block {:#x} disagrees with its segment", b.ptr));
+                }
+                if let Some(p) = previous
+                    && p.is_available()
+                    && b.is_available()
+                    && p.mapped == b.mapped
+                {
+                    return Err(format!(
+                        "free blocks {:#x} and {:#x} are adjacent",
+                        p.ptr, b.ptr
+                    ));
+                }
+                if b.expandable.is_none() && !b.mapped {
+                    return Err(format!("ordinary block {:#x} is unmapped", b.ptr));
+                }
+                if let Some(n) = b.next
+                    && self.arena.get(n).prev != Some(c)
+                {
+                    return Err(format!("broken links after {:#x}", b.ptr));
+                }
+                let active = b.allocated || b.event_count > 0 || !b.stream_uses.is_empty();
+                if b.allocated {
+                    if self.allocated.get(&b.ptr) != Some(&c) {
+                        return Err(format!("allocated block {:#x} not in the table", b.ptr));
+                    }
+                    recomputed.allocation.increase(pool, 1);
+                    recomputed.allocated_bytes.increase(pool, b.size as u64);
+                    if policy::is_oversize(b.size, &self.config) {
+                        recomputed.oversize_allocations.increase(1);
+                    }
+                }
+                if active {
+                    recomputed.active.increase(pool, 1);
+                    recomputed.active_bytes.increase(pool, b.size as u64);
+                    recomputed
+                        .requested_bytes
+                        .increase(pool, b.requested_size as u64);
+                }
+                if b.is_available() {
+                    if b.mapped {
+                        cached_count += 1;
+                        if b.expandable.is_none() && b.is_split() {
+                            recomputed.inactive_split.increase(pool, 1);
+                            recomputed
+                                .inactive_split_bytes
+                                .increase(pool, b.size as u64);
+                        }
+                    } else {
+                        unmapped_count += 1;
+                    }
+                }
+                if b.mapped {
+                    segment_size += b.size;
+                    if let Some(e) = b.expandable {
+                        mapped_expandable[e as usize] += b.size;
+                    }
+                }
+                end = b.end();
+                previous = Some(b);
+                cursor = b.next;
+            }
+            match head.expandable {
+                None => {
+                    let _ = blocks_in_segment;
+                    recomputed.segment.increase(pool, 1);
+                    recomputed
+                        .reserved_bytes
+                        .increase(pool, segment_size as u64);
+                    if policy::is_oversize(segment_size, &self.config) {
+                        recomputed.oversize_segments.increase(1);
+                    }
+                }
+                Some(e) => {
+                    let segment = self.segment(e);
+                    if head.ptr != segment.base() || end != segment.base() + segment.size() as u64 {
+                        return Err(format!("expandable segment {e} is not tiled by its blocks"));
+                    }
+                    recomputed
+                        .reserved_bytes
+                        .increase(pool, segment_size as u64);
+                }
+            }
+        }
+        for (e, segment) in self.expandable_segments.iter().enumerate() {
+            if let Some(segment) = segment
+                && segment.mapped_bytes() != mapped_expandable[e]
+            {
+                return Err(format!(
+                    "expandable segment {e}: {} bytes mapped, blocks say {}",
+                    segment.mapped_bytes(),
+                    mapped_expandable[e]
+                ));
+            }
+        }
+        let pooled: usize = self.pools.iter().map(|p| p.cached_len()).sum();
+        let unmapped_pooled: usize = self.pools.iter().map(|p| p.unmapped_len()).sum();
+        if pooled != cached_count || unmapped_pooled != unmapped_count {
+            return Err(format!(
+                "pools hold {pooled} cached / {unmapped_pooled} unmapped blocks, the table {cached_count} / {unmapped_count}"
+            ));
+        }
+        if self.allocated.len() as i64 != recomputed.allocation.all.current {
+            return Err("allocation table and blocks disagree".into());
+        }
+        if self.stats.reserved_bytes.all.current as usize != self.total_allocated_memory {
+            return Err("reserved bytes and total_allocated_memory disagree".into());
+        }
+        let pairs = [
+            ("allocation", &self.stats.allocation, &recomputed.allocation),
+            ("segment", &self.stats.segment, &recomputed.segment),
+            ("active", &self.stats.active, &recomputed.active),
+            (
+                "inactive_split",
+                &self.stats.inactive_split,
+                &recomputed.inactive_split,
+            ),
+            (
+                "allocated_bytes",
+                &self.stats.allocated_bytes,
+                &recomputed.allocated_bytes,
+            ),
+            (
+                "reserved_bytes",
+                &self.stats.reserved_bytes,
+                &recomputed.reserved_bytes,
+            ),
+            (
+                "active_bytes",
+                &self.stats.active_bytes,
+                &recomputed.active_bytes,
+            ),
+            (
+                "inactive_split_bytes",
+                &self.stats.inactive_split_bytes,
+                &recomputed.inactive_split_bytes,
+            ),
+            (
+                "requested_bytes",
+                &self.stats.requested_bytes,
+                &recomputed.requested_bytes,
+            ),
+        ];
+        for (name, kept, computed) in pairs {
+            for (pool, a, b) in [
+                ("all", &kept.all, &computed.all),
+                ("small_pool", &kept.small_pool, &computed.small_pool),
+                ("large_pool", &kept.large_pool, &computed.large_pool),
+            ] {
+                if a.current != b.current {
+                    return Err(format!(
+                        "{name}.{pool}.current is {} but the blocks say {}",
+                        a.current, b.current
+                    ));
+                }
+            }
+        }
+        for (name, a, b) in [
+            (
+                "oversize_allocations",
+                &self.stats.oversize_allocations,
+                &recomputed.oversize_allocations,
+            ),
+            (
+                "oversize_segments",
+                &self.stats.oversize_segments,
+                &recomputed.oversize_segments,
+            ),
+        ] {
+            if a.current != b.current {
+                return Err(format!(
+                    "{name}.current is {} but the blocks say {}",
+                    a.current, b.current
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Applies a signed change to a statistic.
+fn apply_signed(stat: &mut stats::StatArray, pool: PoolKind, change: i64) {
+    if change > 0 {
+        stat.increase(pool, change as u64);
+    } else if change < 0 {
+        stat.decrease(pool, (-change) as u64);
+    }
+}

@@ -1,1 +1,610 @@
-//! The simulated GPU (being written).
+//! A simulated GPU: deterministic addresses, a capacity, streams whose work completes when the
+//! test says so, and fault injection on every operation, so that every path of the allocator,
+//! error paths included, runs in tests without hardware.
+
+use super::{Device, DeviceError, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+/// Where the simulated address space starts (the region real drivers hand out on x86-64).
+const ADDRESS_BASE: u64 = 0x7f00_0000_0000;
+/// Every allocation and reservation starts on a 2 MiB boundary, like large `cudaMalloc`s.
+const ADDRESS_ALIGNMENT: u64 = 2 << 20;
+/// The simulated page granularity of `cuMemCreate`.
+pub const SIM_PAGE_GRANULARITY: usize = 2 << 20;
+
+/// The operations of [`Device`], to aim injected faults at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SimOp {
+    Malloc,
+    Free,
+    MemGetInfo,
+    RecordEvent,
+    QueryEvent,
+    SynchronizeEvent,
+    SynchronizeStream,
+    ReserveAddressRange,
+    FreeAddressRange,
+    CreatePhysical,
+    ReleasePhysical,
+    Map,
+    SetAccess,
+    Unmap,
+}
+
+/// How many times each operation was called (successfully or not).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SimCounters {
+    pub mallocs: u64,
+    pub frees: u64,
+    pub events_recorded: u64,
+    pub event_queries: u64,
+    pub event_synchronizations: u64,
+    pub stream_synchronizations: u64,
+    pub reserves: u64,
+    pub address_frees: u64,
+    pub creates: u64,
+    pub releases: u64,
+    pub maps: u64,
+    pub set_accesses: u64,
+    pub unmaps: u64,
+}
+
+#[derive(Debug, Clone)]
+struct PhysicalPage {
+    size: usize,
+    mapped_at: Option<DevicePtr>,
+    released: bool,
+}
+
+#[derive(Debug, Clone)]
+struct Mapping {
+    size: usize,
+    handle: PhysicalHandle,
+    accessible: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SimEvent {
+    stream: StreamId,
+    sequence: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct StreamProgress {
+    submitted: u64,
+    completed: u64,
+}
+
+/// The simulated GPU.
+#[derive(Debug)]
+pub struct SimDevice {
+    capacity: usize,
+    physical_in_use: usize,
+    physical_limit: Option<usize>,
+    /// Occupied address ranges (allocations and reservations): start -> end.
+    occupied: BTreeMap<DevicePtr, DevicePtr>,
+    allocations: HashMap<DevicePtr, usize>,
+    reservations: BTreeMap<DevicePtr, usize>,
+    mappings: BTreeMap<DevicePtr, Mapping>,
+    pages: HashMap<PhysicalHandle, PhysicalPage>,
+    next_handle: PhysicalHandle,
+    events: HashMap<EventHandle, SimEvent>,
+    next_event: EventHandle,
+    streams: HashMap<StreamId, StreamProgress>,
+    complete_immediately: bool,
+    /// Per operation, the outcome of its next calls: `Some(error)` fails, `None` passes.
+    faults: HashMap<SimOp, VecDeque<Option<DeviceError>>>,
+    counters: SimCounters,
+}
+
+fn invalid(call: &'static str, what: &str) -> DeviceError {
+    DeviceError::Driver {
+        call,
+        code: 1,
+        message: format!("invalid argument ({what})"),
+    }
+}
+
+impl SimDevice {
+    /// A GPU with `capacity` bytes of memory whose streams run only when told to
+    /// ([`SimDevice::complete_stream`]).
+    pub fn new(capacity: usize) -> SimDevice {
+        SimDevice {
+            capacity,
+            physical_in_use: 0,
+            physical_limit: None,
+            occupied: BTreeMap::new(),
+            allocations: HashMap::new(),
+            reservations: BTreeMap::new(),
+            mappings: BTreeMap::new(),
+            pages: HashMap::new(),
+            next_handle: 1,
+            events: HashMap::new(),
+            next_event: 1,
+            streams: HashMap::new(),
+            complete_immediately: false,
+            faults: HashMap::new(),
+            counters: SimCounters::default(),
+        }
+    }
+
+    /// Makes every stream finish its work as soon as it is submitted, so events are complete
+    /// when recorded (what a replay wants).
+    pub fn set_complete_immediately(&mut self, on: bool) {
+        self.complete_immediately = on;
+    }
+
+    /// The next `count` calls of `op` fail with `error` (queued after faults already injected).
+    pub fn fail_next(&mut self, op: SimOp, count: usize, error: DeviceError) {
+        let queue = self.faults.entry(op).or_default();
+        queue.extend(std::iter::repeat_n(Some(error), count));
+    }
+
+    /// The `nth` call of `op` from now (1 = the next one) fails with `error`; the calls before
+    /// it pass. Use it to fail an operation in the middle of a sequence.
+    pub fn fail_nth(&mut self, op: SimOp, nth: usize, error: DeviceError) {
+        let queue = self.faults.entry(op).or_default();
+        queue.extend(std::iter::repeat_n(None, nth.saturating_sub(1)));
+        queue.push_back(Some(error));
+    }
+
+    /// The next `count` `malloc`s report out of memory.
+    pub fn fail_next_mallocs(&mut self, count: usize) {
+        self.fail_next(SimOp::Malloc, count, DeviceError::OutOfMemory);
+    }
+
+    /// Physical memory (malloc + create_physical) beyond `limit` bytes reports out of memory;
+    /// `None` lifts the limit (the capacity still applies).
+    pub fn set_physical_limit(&mut self, limit: Option<usize>) {
+        self.physical_limit = limit;
+    }
+
+    /// Completes all work submitted so far on `stream`: its recorded events become complete.
+    pub fn complete_stream(&mut self, stream: StreamId) {
+        let progress = self.streams.entry(stream).or_default();
+        progress.completed = progress.submitted;
+    }
+
+    /// Completes all work on every stream.
+    pub fn complete_all_streams(&mut self) {
+        for progress in self.streams.values_mut() {
+            progress.completed = progress.submitted;
+        }
+    }
+
+    /// Whether all work submitted on `stream` so far has completed.
+    pub fn stream_is_idle(&self, stream: StreamId) -> bool {
+        self.streams
+            .get(&stream)
+            .is_none_or(|p| p.completed == p.submitted)
+    }
+
+    pub fn counters(&self) -> &SimCounters {
+        &self.counters
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Bytes of physical memory in use (allocations plus physical pages not yet released).
+    pub fn physical_in_use(&self) -> usize {
+        self.physical_in_use
+    }
+
+    /// The live `malloc` allocations, by address.
+    pub fn allocations(&self) -> BTreeMap<DevicePtr, usize> {
+        self.allocations.iter().map(|(&p, &s)| (p, s)).collect()
+    }
+
+    /// Bytes currently mapped into reserved ranges.
+    pub fn mapped_bytes(&self) -> usize {
+        self.mappings.values().map(|m| m.size).sum()
+    }
+
+    /// Physical handles created and not released.
+    pub fn live_physical_handles(&self) -> usize {
+        self.pages.values().filter(|p| !p.released).count()
+    }
+
+    /// Reserved address ranges still held.
+    pub fn reserved_ranges(&self) -> usize {
+        self.reservations.len()
+    }
+
+    /// Events recorded and not released.
+    pub fn live_events(&self) -> usize {
+        self.events.len()
+    }
+
+    /// Whether `[ptr, ptr + size)` is memory a kernel could touch: inside one allocation, or
+    /// covered entirely by accessible mappings.
+    pub fn is_accessible(&self, ptr: DevicePtr, size: usize) -> bool {
+        let end = ptr + size as u64;
+        if let Some((&start, &len)) = self.allocations.iter().find(|(s, l)| {
+            **s <= ptr && ptr < **s + **l as u64 // an allocation holding ptr
+        }) {
+            return end <= start + len as u64;
+        }
+        let mut cursor = ptr;
+        while cursor < end {
+            match self.mappings.range(..=cursor).next_back() {
+                Some((&start, m)) if m.accessible && cursor < start + m.size as u64 => {
+                    cursor = start + m.size as u64;
+                }
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    fn take_fault(&mut self, op: SimOp) -> Result<(), DeviceError> {
+        match self.faults.get_mut(&op).and_then(VecDeque::pop_front) {
+            Some(Some(error)) => Err(error),
+            _ => Ok(()),
+        }
+    }
+
+    fn claim_physical(&mut self, size: usize) -> Result<(), DeviceError> {
+        let after = self.physical_in_use.saturating_add(size);
+        if after > self.capacity || self.physical_limit.is_some_and(|limit| after > limit) {
+            return Err(DeviceError::OutOfMemory);
+        }
+        self.physical_in_use = after;
+        Ok(())
+    }
+
+    /// First fit in the address space, 2 MiB aligned, so freed ranges are reused.
+    fn place(&mut self, size: usize) -> DevicePtr {
+        let size = (size as u64).div_ceil(ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT;
+        let mut cursor = ADDRESS_BASE;
+        for (&start, &end) in &self.occupied {
+            if start >= cursor + size {
+                break;
+            }
+            cursor = cursor.max(end.div_ceil(ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT);
+        }
+        self.occupied.insert(cursor, cursor + size);
+        cursor
+    }
+
+    fn stream_progress(&mut self, stream: StreamId) -> &mut StreamProgress {
+        self.streams.entry(stream).or_default()
+    }
+
+    fn event_is_complete(&self, event: &SimEvent) -> bool {
+        self.streams
+            .get(&event.stream)
+            .is_some_and(|p| p.completed >= event.sequence)
+    }
+
+    fn reservation_holding(&self, ptr: DevicePtr, size: usize) -> bool {
+        self.reservations
+            .range(..=ptr)
+            .next_back()
+            .is_some_and(|(&start, &len)| ptr + size as u64 <= start + len as u64)
+    }
+}
+
+impl Device for SimDevice {
+    fn malloc(&mut self, size: usize, _stream: StreamId) -> Result<DevicePtr, DeviceError> {
+        self.counters.mallocs += 1;
+        self.take_fault(SimOp::Malloc)?;
+        if size == 0 {
+            return Err(invalid("cuMemAlloc_v2", "size 0"));
+        }
+        self.claim_physical(size)?;
+        let ptr = self.place(size);
+        self.allocations.insert(ptr, size);
+        Ok(ptr)
+    }
+
+    fn free(&mut self, ptr: DevicePtr) -> Result<(), DeviceError> {
+        self.counters.frees += 1;
+        self.take_fault(SimOp::Free)?;
+        let size = self
+            .allocations
+            .remove(&ptr)
+            .ok_or_else(|| invalid("cuMemFree_v2", "unknown pointer"))?;
+        self.occupied.remove(&ptr);
+        self.physical_in_use -= size;
+        Ok(())
+    }
+
+    fn mem_get_info(&mut self) -> Result<MemInfo, DeviceError> {
+        self.take_fault(SimOp::MemGetInfo)?;
+        Ok(MemInfo {
+            free: self.capacity - self.physical_in_use,
+            total: self.capacity,
+        })
+    }
+
+    fn record_event(&mut self, stream: StreamId) -> Result<EventHandle, DeviceError> {
+        self.counters.events_recorded += 1;
+        self.take_fault(SimOp::RecordEvent)?;
+        let immediate = self.complete_immediately;
+        let progress = self.stream_progress(stream);
+        progress.submitted += 1;
+        if immediate {
+            progress.completed = progress.submitted;
+        }
+        let sequence = progress.submitted;
+        let handle = self.next_event;
+        self.next_event += 1;
+        self.events.insert(handle, SimEvent { stream, sequence });
+        Ok(handle)
+    }
+
+    fn query_event(&mut self, event: EventHandle) -> Result<bool, DeviceError> {
+        self.counters.event_queries += 1;
+        self.take_fault(SimOp::QueryEvent)?;
+        let e = *self
+            .events
+            .get(&event)
+            .ok_or_else(|| invalid("cuEventQuery", "unknown event"))?;
+        Ok(self.event_is_complete(&e))
+    }
+
+    fn synchronize_event(&mut self, event: EventHandle) -> Result<(), DeviceError> {
+        self.counters.event_synchronizations += 1;
+        self.take_fault(SimOp::SynchronizeEvent)?;
+        let e = *self
+            .events
+            .get(&event)
+            .ok_or_else(|| invalid("cuEventSynchronize", "unknown event"))?;
+        let progress = self.stream_progress(e.stream);
+        progress.completed = progress.completed.max(e.sequence);
+        Ok(())
+    }
+
+    fn release_event(&mut self, event: EventHandle) {
+        self.events.remove(&event);
+    }
+
+    fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError> {
+        self.counters.stream_synchronizations += 1;
+        self.take_fault(SimOp::SynchronizeStream)?;
+        self.complete_stream(stream);
+        Ok(())
+    }
+
+    fn page_granularity(&mut self) -> Result<usize, DeviceError> {
+        Ok(SIM_PAGE_GRANULARITY)
+    }
+
+    fn reserve_address_range(&mut self, size: usize) -> Result<DevicePtr, DeviceError> {
+        self.counters.reserves += 1;
+        self.take_fault(SimOp::ReserveAddressRange)?;
+        if size == 0 || !size.is_multiple_of(SIM_PAGE_GRANULARITY) {
+            return Err(invalid(
+                "cuMemAddressReserve",
+                "size not a multiple of the granularity",
+            ));
+        }
+        let ptr = self.place(size);
+        self.reservations.insert(ptr, size);
+        Ok(ptr)
+    }
+
+    fn free_address_range(&mut self, ptr: DevicePtr, size: usize) -> Result<(), DeviceError> {
+        self.counters.address_frees += 1;
+        self.take_fault(SimOp::FreeAddressRange)?;
+        if self.reservations.get(&ptr) != Some(&size) {
+            return Err(invalid("cuMemAddressFree", "not a reserved range"));
+        }
+        let end = ptr + size as u64;
+        if self.mappings.range(ptr..end).next().is_some() {
+            return Err(invalid("cuMemAddressFree", "range still mapped"));
+        }
+        self.reservations.remove(&ptr);
+        self.occupied.remove(&ptr);
+        Ok(())
+    }
+
+    fn create_physical(&mut self, size: usize) -> Result<PhysicalHandle, DeviceError> {
+        self.counters.creates += 1;
+        self.take_fault(SimOp::CreatePhysical)?;
+        if size == 0 || !size.is_multiple_of(SIM_PAGE_GRANULARITY) {
+            return Err(invalid(
+                "cuMemCreate",
+                "size not a multiple of the granularity",
+            ));
+        }
+        self.claim_physical(size)?;
+        let handle = self.next_handle;
+        self.next_handle += 1;
+        self.pages.insert(
+            handle,
+            PhysicalPage {
+                size,
+                mapped_at: None,
+                released: false,
+            },
+        );
+        Ok(handle)
+    }
+
+    fn release_physical(&mut self, handle: PhysicalHandle) -> Result<(), DeviceError> {
+        self.counters.releases += 1;
+        self.take_fault(SimOp::ReleasePhysical)?;
+        let page = self
+            .pages
+            .get_mut(&handle)
+            .filter(|p| !p.released)
+            .ok_or_else(|| invalid("cuMemRelease", "unknown handle"))?;
+        page.released = true;
+        // As in CUDA, the memory goes back once the handle is released and no longer mapped.
+        if page.mapped_at.is_none() {
+            let size = page.size;
+            self.pages.remove(&handle);
+            self.physical_in_use -= size;
+        }
+        Ok(())
+    }
+
+    fn map(
+        &mut self,
+        ptr: DevicePtr,
+        size: usize,
+        handle: PhysicalHandle,
+    ) -> Result<(), DeviceError> {
+        self.counters.maps += 1;
+        self.take_fault(SimOp::Map)?;
+        if !self.reservation_holding(ptr, size) {
+            return Err(invalid("cuMemMap", "range not reserved"));
+        }
+        let end = ptr + size as u64;
+        let overlaps_before = self
+            .mappings
+            .range(..ptr)
+            .next_back()
+            .is_some_and(|(&s, m)| s + m.size as u64 > ptr);
+        if overlaps_before || self.mappings.range(ptr..end).next().is_some() {
+            return Err(invalid("cuMemMap", "range already mapped"));
+        }
+        let page = self
+            .pages
+            .get_mut(&handle)
+            .filter(|p| !p.released && p.mapped_at.is_none() && p.size == size)
+            .ok_or_else(|| invalid("cuMemMap", "bad handle"))?;
+        page.mapped_at = Some(ptr);
+        self.mappings.insert(
+            ptr,
+            Mapping {
+                size,
+                handle,
+                accessible: false,
+            },
+        );
+        Ok(())
+    }
+
+    fn set_access(&mut self, ptr: DevicePtr, size: usize) -> Result<(), DeviceError> {
+        self.counters.set_accesses += 1;
+        self.take_fault(SimOp::SetAccess)?;
+        let end = ptr + size as u64;
+        let mut cursor = ptr;
+        let mut covered = Vec::new();
+        while cursor < end {
+            match self.mappings.get(&cursor) {
+                Some(m) => {
+                    covered.push(cursor);
+                    cursor += m.size as u64;
+                }
+                None => return Err(invalid("cuMemSetAccess", "range not mapped")),
+            }
+        }
+        for start in covered {
+            if let Some(m) = self.mappings.get_mut(&start) {
+                m.accessible = true;
+            }
+        }
+        Ok(())
+    }
+
+    fn unmap(&mut self, ptr: DevicePtr, size: usize) -> Result<(), DeviceError> {
+        self.counters.unmaps += 1;
+        self.take_fault(SimOp::Unmap)?;
+        let mapping = match self.mappings.get(&ptr) {
+            Some(m) if m.size == size => m.clone(),
+            _ => return Err(invalid("cuMemUnmap", "not a mapped range")),
+        };
+        self.mappings.remove(&ptr);
+        if let Some(page) = self.pages.get_mut(&mapping.handle) {
+            page.mapped_at = None;
+            if page.released {
+                self.pages.remove(&mapping.handle);
+                self.physical_in_use -= mapping.size;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn addresses_are_deterministic_aligned_and_reused() {
+        let mut d = SimDevice::new(1 << 30);
+        let a = d.malloc(20 * MIB, 0).unwrap();
+        let b = d.malloc(512, 0).unwrap();
+        assert_eq!(a, ADDRESS_BASE);
+        assert_eq!(b, ADDRESS_BASE + 20 * MIB as u64);
+        d.free(a).unwrap();
+        let c = d.malloc(2 * MIB, 0).unwrap();
+        assert_eq!(c, a);
+        assert_eq!(d.physical_in_use(), 2 * MIB + 512);
+    }
+
+    #[test]
+    fn capacity_and_limits_report_out_of_memory() {
+        let mut d = SimDevice::new(10 * MIB);
+        assert_eq!(d.malloc(11 * MIB, 0), Err(DeviceError::OutOfMemory));
+        d.set_physical_limit(Some(4 * MIB));
+        assert_eq!(d.malloc(5 * MIB, 0), Err(DeviceError::OutOfMemory));
+        assert!(d.malloc(4 * MIB, 0).is_ok());
+        d.fail_next_mallocs(1);
+        d.set_physical_limit(None);
+        assert_eq!(d.malloc(MIB, 0), Err(DeviceError::OutOfMemory));
+        assert!(d.malloc(MIB, 0).is_ok());
+        assert!(d.free(12345).is_err());
+    }
+
+    #[test]
+    fn events_complete_when_their_stream_does() {
+        let mut d = SimDevice::new(1 << 30);
+        let e1 = d.record_event(7).unwrap();
+        let e2 = d.record_event(7).unwrap();
+        assert!(!d.query_event(e1).unwrap());
+        d.complete_stream(7);
+        assert!(d.query_event(e1).unwrap() && d.query_event(e2).unwrap());
+        let e3 = d.record_event(7).unwrap();
+        assert!(!d.query_event(e3).unwrap());
+        d.synchronize_event(e3).unwrap();
+        assert!(d.query_event(e3).unwrap());
+        d.set_complete_immediately(true);
+        let e4 = d.record_event(8).unwrap();
+        assert!(d.query_event(e4).unwrap());
+    }
+
+    #[test]
+    fn virtual_memory_maps_pages_into_reservations() {
+        let mut d = SimDevice::new(1 << 30);
+        let base = d.reserve_address_range(64 * MIB).unwrap();
+        let h = d.create_physical(2 * MIB).unwrap();
+        assert!(!d.is_accessible(base, 512));
+        d.map(base, 2 * MIB, h).unwrap();
+        assert!(!d.is_accessible(base, 512));
+        d.set_access(base, 2 * MIB).unwrap();
+        assert!(d.is_accessible(base, 2 * MIB));
+        assert!(!d.is_accessible(base, 2 * MIB + 1));
+        assert!(d.map(base, 2 * MIB, h).is_err());
+        assert!(d.free_address_range(base, 64 * MIB).is_err());
+        d.unmap(base, 2 * MIB).unwrap();
+        assert_eq!(d.physical_in_use(), 2 * MIB);
+        d.release_physical(h).unwrap();
+        assert_eq!(d.physical_in_use(), 0);
+        d.free_address_range(base, 64 * MIB).unwrap();
+        assert_eq!(d.live_physical_handles(), 0);
+        assert_eq!(d.reserved_ranges(), 0);
+    }
+
+    #[test]
+    fn injected_faults_hit_the_named_operation_once_each() {
+        let mut d = SimDevice::new(1 << 30);
+        d.fail_next(SimOp::Map, 2, DeviceError::OutOfMemory);
+        let base = d.reserve_address_range(4 * MIB).unwrap();
+        let h = d.create_physical(2 * MIB).unwrap();
+        assert!(d.map(base, 2 * MIB, h).is_err());
+        assert!(d.map(base, 2 * MIB, h).is_err());
+        assert!(d.map(base, 2 * MIB, h).is_ok());
+        d.fail_nth(SimOp::Malloc, 2, DeviceError::OutOfMemory);
+        assert!(d.malloc(MIB, 0).is_ok());
+        assert!(d.malloc(MIB, 0).is_err());
+        assert!(d.malloc(MIB, 0).is_ok());
+    }
+}

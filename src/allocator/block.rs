@@ -1,0 +1,140 @@
+//! Blocks and the arena that owns them.
+//!
+//! A segment (one device allocation, or one expandable address range) is a chain of blocks that
+//! tile it: `prev`/`next` link address neighbours. Links are arena indices, never pointers, so a
+//! block can be freed, merged or moved between pools without any unsafe code.
+
+use crate::device::{DevicePtr, StreamId};
+use crate::policy::PoolKind;
+
+/// The index of a block in the [`BlockArena`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockId(pub u32);
+
+/// The index of an expandable segment in the allocator's list of them.
+pub type ExpandableId = u32;
+
+/// A piece of a segment: allocated, free (cached), or free but waiting for other streams.
+#[derive(Debug, Clone)]
+pub struct Block {
+    /// Device address of the first byte.
+    pub ptr: DevicePtr,
+    /// Size in bytes (a multiple of 512).
+    pub size: usize,
+    /// What the program asked for when it last got this block (kept after free, as PyTorch does).
+    pub requested_size: usize,
+    /// The stream the block belongs to; it is reused only for requests on this stream.
+    pub stream: StreamId,
+    /// The pool the block's segment belongs to.
+    pub pool: PoolKind,
+    /// Handed out to the program.
+    pub allocated: bool,
+    /// Backed by physical memory. Always true outside expandable segments.
+    pub mapped: bool,
+    /// The block just below in the same segment.
+    pub prev: Option<BlockId>,
+    /// The block just above in the same segment.
+    pub next: Option<BlockId>,
+    /// Events recorded at free time that have not completed yet.
+    pub event_count: u32,
+    /// Other streams the program used the block on (`record_stream`).
+    pub stream_uses: Vec<StreamId>,
+    /// The pool's free-block search count when the block was cached (garbage collection age).
+    pub gc_count_base: u64,
+    /// The expandable segment holding the block, if any.
+    pub expandable: Option<ExpandableId>,
+}
+
+impl Block {
+    pub fn new(ptr: DevicePtr, size: usize, stream: StreamId, pool: PoolKind) -> Block {
+        Block {
+            ptr,
+            size,
+            requested_size: 0,
+            stream,
+            pool,
+            allocated: false,
+            mapped: true,
+            prev: None,
+            next: None,
+            event_count: 0,
+            stream_uses: Vec::new(),
+            gc_count_base: 0,
+            expandable: None,
+        }
+    }
+
+    /// Part of a segment that holds other blocks too.
+    pub fn is_split(&self) -> bool {
+        self.prev.is_some() || self.next.is_some()
+    }
+
+    /// Free and not waiting on any stream: may be merged or reused.
+    pub fn is_available(&self) -> bool {
+        !self.allocated && self.event_count == 0 && self.stream_uses.is_empty()
+    }
+
+    pub fn end(&self) -> DevicePtr {
+        self.ptr + self.size as u64
+    }
+}
+
+/// Owns every block; freed slots are reused.
+#[derive(Debug, Default)]
+pub struct BlockArena {
+    slots: Vec<Option<Block>>,
+    vacant: Vec<u32>,
+}
+
+impl BlockArena {
+    pub fn insert(&mut self, block: Block) -> BlockId {
+        match self.vacant.pop() {
+            Some(index) => {
+                self.slots[index as usize] = Some(block);
+                BlockId(index)
+            }
+            None => {
+                self.slots.push(Some(block));
+                BlockId((self.slots.len() - 1) as u32)
+            }
+        }
+    }
+
+    pub fn remove(&mut self, id: BlockId) -> Block {
+        let block = self.slots[id.0 as usize]
+            .take()
+            .expect("arena slot of a live block");
+        self.vacant.push(id.0);
+        block
+    }
+
+    #[inline]
+    pub fn get(&self, id: BlockId) -> &Block {
+        self.slots[id.0 as usize]
+            .as_ref()
+            .expect("arena slot of a live block")
+    }
+
+    #[inline]
+    pub fn get_mut(&mut self, id: BlockId) -> &mut Block {
+        self.slots[id.0 as usize]
+            .as_mut()
+            .expect("arena slot of a live block")
+    }
+
+    /// Every live block with its id, in arena order.
+    pub fn iter(&self) -> impl Iterator<Item = (BlockId, &Block)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| b.as_ref().map(|b| (BlockId(i as u32), b)))
+    }
+
+    pub fn len(&self) -> usize {
+        self.slots.len() - self.vacant.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

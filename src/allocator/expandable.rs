@@ -1,0 +1,292 @@
+//! Expandable segments: one reserved virtual address range per (stream, pool), with physical
+//! pages mapped into it as it grows and unmapped when they are free (PyTorch's
+//! `ExpandableSegment`).
+//!
+//! This type only manages address space and pages; the allocator keeps the blocks that tile the
+//! range (mapped blocks in the free pool, unmapped ones in the pool's unmapped set).
+
+use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
+use crate::policy::PoolKind;
+
+/// A mapped or unmapped range, as `SegmentRange` in PyTorch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageRange {
+    pub ptr: DevicePtr,
+    pub size: usize,
+}
+
+/// One expandable segment.
+#[derive(Debug)]
+pub struct ExpandableSegment {
+    base: DevicePtr,
+    page_size: usize,
+    max_pages: usize,
+    stream: StreamId,
+    pool: PoolKind,
+    /// The physical page mapped at each page index, if any; trimmed of trailing `None`s.
+    pages: Vec<Option<PhysicalHandle>>,
+}
+
+/// `numSegments`: pages needed to hold `size` bytes.
+fn pages_for(size: usize, page_size: usize) -> usize {
+    size.div_ceil(page_size)
+}
+
+/// The address space PyTorch reserves per expandable segment: 1 1/8 of the device's memory, so
+/// pages unmapped early in the range can be mapped again at its end.
+pub fn reservation_size(total_memory: usize, page_size: usize) -> usize {
+    let wanted = total_memory + total_memory / 8;
+    pages_for(wanted.max(1), page_size) * page_size
+}
+
+impl ExpandableSegment {
+    /// Reserves the address range of a new segment for `stream` in `pool`.
+    pub fn reserve<D: Device>(
+        device: &mut D,
+        stream: StreamId,
+        pool: PoolKind,
+        total_memory: usize,
+    ) -> Result<ExpandableSegment, DeviceError> {
+        let page_size = pool.expandable_page_size();
+        let size = reservation_size(total_memory, page_size);
+        let base = device.reserve_address_range(size)?;
+        Ok(ExpandableSegment {
+            base,
+            page_size,
+            max_pages: size / page_size,
+            stream,
+            pool,
+            pages: Vec::new(),
+        })
+    }
+
+    pub fn base(&self) -> DevicePtr {
+        self.base
+    }
+
+    /// The whole reserved size.
+    pub fn size(&self) -> usize {
+        self.max_pages * self.page_size
+    }
+
+    pub fn stream(&self) -> StreamId {
+        self.stream
+    }
+
+    pub fn pool(&self) -> PoolKind {
+        self.pool
+    }
+
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    /// Bytes currently backed by physical pages.
+    pub fn mapped_bytes(&self) -> usize {
+        self.pages.iter().flatten().count() * self.page_size
+    }
+
+    /// Whether every page under `[ptr, ptr + size)` is mapped.
+    pub fn is_mapped(&self, ptr: DevicePtr, size: usize) -> bool {
+        let first = self.page_left(ptr);
+        let last = self.page_right(ptr + size as u64);
+        (first..last).all(|i| self.pages.get(i).is_some_and(Option::is_some))
+    }
+
+    fn page_left(&self, ptr: DevicePtr) -> usize {
+        ((ptr - self.base) as usize) / self.page_size
+    }
+
+    fn page_right(&self, ptr: DevicePtr) -> usize {
+        pages_for((ptr - self.base) as usize, self.page_size)
+    }
+
+    fn range_of_pages(&self, begin: usize, end: usize) -> PageRange {
+        PageRange {
+            ptr: self.base + (begin * self.page_size) as u64,
+            size: (end - begin) * self.page_size,
+        }
+    }
+
+    fn page_ptr(&self, index: usize) -> DevicePtr {
+        self.base + (index * self.page_size) as u64
+    }
+
+    /// Maps physical pages under `[ptr, ptr + size)`; `ptr` is page aligned. Returns the range
+    /// mapped (whole pages, so possibly more than asked).
+    ///
+    /// All or nothing: if creating, mapping or granting access to any page fails, every page this
+    /// call created is unmapped and released again before the error is returned, so a failure
+    /// in the middle of growing leaks nothing and leaves no half-mapped range.
+    pub fn map<D: Device>(
+        &mut self,
+        device: &mut D,
+        ptr: DevicePtr,
+        size: usize,
+    ) -> Result<PageRange, DeviceError> {
+        let begin = self.page_left(ptr);
+        let end = self.page_right(ptr + size as u64);
+        debug_assert_eq!(self.page_ptr(begin), ptr, "map must start on a page");
+        if begin == end {
+            return Ok(self.range_of_pages(begin, end));
+        }
+        if self.pages.len() < end {
+            self.pages.resize(end, None);
+        }
+        let mut created: Vec<PhysicalHandle> = Vec::with_capacity(end - begin);
+        let mut mapped = 0;
+        let outcome = (|| {
+            for _ in begin..end {
+                created.push(device.create_physical(self.page_size)?);
+            }
+            for (i, &handle) in created.iter().enumerate() {
+                device.map(self.page_ptr(begin + i), self.page_size, handle)?;
+                mapped += 1;
+            }
+            device.set_access(ptr, (end - begin) * self.page_size)
+        })();
+        match outcome {
+            Ok(()) => {
+                for (i, handle) in created.into_iter().enumerate() {
+                    debug_assert!(self.pages[begin + i].is_none());
+                    self.pages[begin + i] = Some(handle);
+                }
+                Ok(self.range_of_pages(begin, end))
+            }
+            Err(err) => {
+                for i in 0..mapped {
+                    // Best effort: the original error is the one worth reporting.
+                    let _ = device.unmap(self.page_ptr(begin + i), self.page_size);
+                }
+                for handle in created {
+                    let _ = device.release_physical(handle);
+                }
+                self.trim();
+                Err(err)
+            }
+        }
+    }
+
+    /// Unmaps and releases every page lying entirely inside `[ptr, ptr + size)`, after waiting
+    /// for the segment's stream (unmapping does not wait for kernels still using the memory).
+    /// Returns the range unmapped, possibly empty; on a failure part-way, the pages unmapped so
+    /// far (a range starting at the first page) together with the error.
+    pub fn unmap<D: Device>(
+        &mut self,
+        device: &mut D,
+        ptr: DevicePtr,
+        size: usize,
+    ) -> (PageRange, Option<DeviceError>) {
+        let begin = self.page_right(ptr);
+        let end = self.page_left(ptr + size as u64);
+        if begin >= end {
+            return (PageRange { ptr, size: 0 }, None);
+        }
+        if let Err(err) = device.synchronize_stream(self.stream) {
+            return (self.range_of_pages(begin, begin), Some(err));
+        }
+        for i in begin..end {
+            let Some(handle) = self.pages.get(i).copied().flatten() else {
+                continue;
+            };
+            if let Err(err) = device.unmap(self.page_ptr(i), self.page_size) {
+                self.trim();
+                return (self.range_of_pages(begin, i), Some(err));
+            }
+            self.pages[i] = None;
+            if let Err(err) = device.release_physical(handle) {
+                // Unmapped already: the range is gone from the segment either way.
+                self.trim();
+                return (self.range_of_pages(begin, i + 1), Some(err));
+            }
+        }
+        self.trim();
+        (self.range_of_pages(begin, end), None)
+    }
+
+    /// Gives the address range back. Every page must have been unmapped.
+    pub fn release<D: Device>(&self, device: &mut D) -> Result<(), DeviceError> {
+        debug_assert_eq!(self.mapped_bytes(), 0);
+        device.free_address_range(self.base, self.size())
+    }
+
+    fn trim(&mut self) {
+        while matches!(self.pages.last(), Some(None)) {
+            self.pages.pop();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::sim::{SimDevice, SimOp};
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn reservation_is_nine_eighths_of_memory_in_whole_pages() {
+        assert_eq!(reservation_size(80 << 30, 20 * MIB), 4608 * 20 * MIB);
+        assert_eq!(reservation_size(8 * MIB, 2 * MIB), 10 * MIB);
+    }
+
+    #[test]
+    fn maps_whole_pages_and_unmaps_only_whole_free_pages() {
+        let mut d = SimDevice::new(1 << 30);
+        let mut s = ExpandableSegment::reserve(&mut d, 0, PoolKind::Large, 1 << 30).unwrap();
+        let r = s.map(&mut d, s.base(), 30 * MIB).unwrap();
+        assert_eq!(
+            r,
+            PageRange {
+                ptr: s.base(),
+                size: 40 * MIB
+            }
+        );
+        assert!(d.is_accessible(s.base(), 40 * MIB));
+        assert_eq!(s.mapped_bytes(), 40 * MIB);
+        // Only the second page lies entirely inside [10 MiB, 40 MiB).
+        let (r, err) = s.unmap(&mut d, s.base() + 10 * MIB as u64, 30 * MIB);
+        assert!(err.is_none());
+        assert_eq!(
+            r,
+            PageRange {
+                ptr: s.base() + 20 * MIB as u64,
+                size: 20 * MIB
+            }
+        );
+        let (r, _) = s.unmap(&mut d, s.base(), 20 * MIB);
+        assert_eq!(r.size, 20 * MIB);
+        assert_eq!(d.physical_in_use(), 0);
+        s.release(&mut d).unwrap();
+        assert_eq!(d.reserved_ranges(), 0);
+    }
+
+    #[test]
+    fn a_failure_while_growing_leaves_nothing_behind() {
+        let fault = DeviceError::Driver {
+            call: "test",
+            code: 999,
+            message: "injected".into(),
+        };
+        // Fail the second page's create or map, or the access grant after all maps.
+        for (op, nth) in [
+            (SimOp::CreatePhysical, 2),
+            (SimOp::Map, 2),
+            (SimOp::SetAccess, 1),
+        ] {
+            let mut d = SimDevice::new(1 << 30);
+            let mut s = ExpandableSegment::reserve(&mut d, 0, PoolKind::Small, 1 << 30).unwrap();
+            s.map(&mut d, s.base(), 2 * MIB).unwrap();
+            d.fail_nth(op, nth, fault.clone());
+            let result = s.map(&mut d, s.base() + 2 * MIB as u64, 6 * MIB);
+            assert_eq!(result, Err(fault.clone()), "{op:?}");
+            assert_eq!(s.mapped_bytes(), 2 * MIB, "{op:?}");
+            assert_eq!(d.live_physical_handles(), 1, "{op:?}");
+            assert_eq!(d.mapped_bytes(), 2 * MIB, "{op:?}");
+            assert_eq!(d.physical_in_use(), 2 * MIB, "{op:?}");
+            // And the segment grows fine afterwards.
+            s.map(&mut d, s.base() + 2 * MIB as u64, 6 * MIB).unwrap();
+            assert_eq!(s.mapped_bytes(), 8 * MIB);
+        }
+    }
+}

@@ -1,0 +1,159 @@
+//! Allocation history (a ring buffer of trace entries) and snapshots in the format of
+//! `torch.cuda.memory._snapshot()`, which PyTorch's memory viewer reads.
+
+use crate::device::{DevicePtr, StreamId};
+use serde::Serialize;
+
+/// What a trace entry records, with PyTorch's action names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TraceAction {
+    Alloc,
+    FreeRequested,
+    FreeCompleted,
+    SegmentAlloc,
+    SegmentFree,
+    SegmentMap,
+    SegmentUnmap,
+    Oom,
+    Snapshot,
+}
+
+/// One entry of `device_traces`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TraceEntry {
+    pub action: TraceAction,
+    pub addr: DevicePtr,
+    pub size: u64,
+    pub stream: StreamId,
+    pub time_us: i64,
+    /// Stack frames; ferrocache records none (it cannot see Python's stack from the driver side).
+    pub frames: Vec<serde_json::Value>,
+}
+
+/// The ring buffer of trace entries, off until recording is asked for.
+#[derive(Debug, Default)]
+pub struct History {
+    enabled: bool,
+    max_entries: usize,
+    entries: Vec<TraceEntry>,
+    /// Where the next entry goes once the buffer is full.
+    next: usize,
+}
+
+fn now_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as i64)
+        .unwrap_or(0)
+}
+
+impl History {
+    /// `_record_memory_history(enabled, max_entries)`: turning it off clears the buffer.
+    pub fn set_recording(&mut self, enabled: bool, max_entries: usize) {
+        self.enabled = enabled;
+        self.max_entries = max_entries.max(1);
+        if !enabled {
+            self.entries.clear();
+            self.next = 0;
+        }
+    }
+
+    #[inline]
+    pub fn is_recording(&self) -> bool {
+        self.enabled
+    }
+
+    #[inline]
+    pub fn record(&mut self, action: TraceAction, addr: DevicePtr, size: usize, stream: StreamId) {
+        if !self.enabled {
+            return;
+        }
+        let entry = TraceEntry {
+            action,
+            addr,
+            size: size as u64,
+            stream,
+            time_us: now_us(),
+            frames: Vec::new(),
+        };
+        if self.entries.len() < self.max_entries {
+            self.entries.push(entry);
+        } else {
+            self.entries[self.next] = entry;
+            self.next = (self.next + 1) % self.max_entries;
+        }
+    }
+
+    /// The entries, oldest first.
+    pub fn entries(&self) -> Vec<TraceEntry> {
+        let mut out = Vec::with_capacity(self.entries.len());
+        out.extend_from_slice(&self.entries[self.next..]);
+        out.extend_from_slice(&self.entries[..self.next]);
+        out
+    }
+}
+
+/// A block in a snapshot segment.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SnapshotBlock {
+    pub address: DevicePtr,
+    pub size: u64,
+    pub requested_size: u64,
+    /// `active_allocated`, `active_pending_free` (freed, waiting for other streams) or `inactive`.
+    pub state: &'static str,
+    pub frames: Vec<serde_json::Value>,
+}
+
+/// A segment (or, for an expandable segment, one contiguous mapped range) in a snapshot.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SnapshotSegment {
+    pub device: i32,
+    pub address: DevicePtr,
+    pub total_size: u64,
+    pub allocated_size: u64,
+    pub active_size: u64,
+    pub requested_size: u64,
+    pub stream: StreamId,
+    pub segment_type: &'static str,
+    pub segment_pool_id: (u64, u64),
+    pub is_expandable: bool,
+    pub frames: Vec<serde_json::Value>,
+    pub blocks: Vec<SnapshotBlock>,
+}
+
+/// `torch.cuda.memory._snapshot()` for one device.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MemorySnapshot {
+    pub segments: Vec<SnapshotSegment>,
+    pub device_traces: Vec<Vec<TraceEntry>>,
+    pub allocator_settings: serde_json::Value,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_buffer_keeps_the_newest_entries_in_order() {
+        let mut h = History::default();
+        h.record(TraceAction::Alloc, 1, 1, 0);
+        assert!(h.entries().is_empty(), "off by default");
+        h.set_recording(true, 3);
+        for addr in 1..=5 {
+            h.record(TraceAction::Alloc, addr, 512, 0);
+        }
+        let addrs: Vec<u64> = h.entries().iter().map(|e| e.addr).collect();
+        assert_eq!(addrs, vec![3, 4, 5]);
+        h.set_recording(false, 3);
+        assert!(h.entries().is_empty());
+    }
+
+    #[test]
+    fn actions_serialize_with_pytorchs_names() {
+        let json = serde_json::to_string(&TraceAction::FreeRequested).unwrap();
+        assert_eq!(json, "\"free_requested\"");
+        let json = serde_json::to_string(&TraceAction::SegmentAlloc).unwrap();
+        assert_eq!(json, "\"segment_alloc\"");
+    }
+}

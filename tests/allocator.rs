@@ -1,0 +1,470 @@
+//! The caching allocator on the simulated GPU: PyTorch's decisions, case by case.
+
+use ferrocache::allocator::{AllocError, DeviceAllocator, ImportedBlock, PointerError};
+use ferrocache::config::Config;
+use ferrocache::device::sim::{SimDevice, SimOp};
+use ferrocache::device::{Device, DeviceError};
+use ferrocache::policy::PoolKind;
+
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+
+fn allocator(capacity: usize) -> DeviceAllocator<SimDevice> {
+    DeviceAllocator::new(SimDevice::new(capacity), 0, Config::default())
+}
+
+fn with_config(capacity: usize, config: Config) -> DeviceAllocator<SimDevice> {
+    DeviceAllocator::new(SimDevice::new(capacity), 0, config)
+}
+
+fn checked(a: &DeviceAllocator<SimDevice>) {
+    if let Err(why) = a.check_invariants() {
+        panic!("invariant broken: {why}");
+    }
+}
+
+#[test]
+fn small_requests_share_a_2_mib_segment() {
+    let mut a = allocator(GIB);
+    let p1 = a.malloc(1, 0).unwrap();
+    let p2 = a.malloc(1000, 0).unwrap();
+    assert_eq!(p2, p1 + 512, "best fit carves the segment from the front");
+    let s = a.stats();
+    assert_eq!(s.segment.small_pool.current, 1);
+    assert_eq!(s.reserved_bytes.small_pool.current, 2 * MIB as i64);
+    assert_eq!(s.allocated_bytes.small_pool.current, 512 + 1024);
+    assert_eq!(s.requested_bytes.all.current, 1001);
+    assert_eq!(s.inactive_split.small_pool.current, 1);
+    assert_eq!(
+        s.inactive_split_bytes.small_pool.current,
+        (2 * MIB - 1536) as i64
+    );
+    assert_eq!(s.num_splits, 2);
+    assert_eq!(a.device().counters().mallocs, 1);
+    checked(&a);
+}
+
+#[test]
+fn medium_requests_share_a_20_mib_segment_and_large_ones_get_their_own() {
+    let mut a = allocator(GIB);
+    let p = a.malloc(5 * MIB, 0).unwrap();
+    assert_eq!(a.stats().reserved_bytes.large_pool.current, 20 * MIB as i64);
+    // 15 MiB remain (more than 1 MiB): split and cached.
+    assert_eq!(
+        a.stats().inactive_split_bytes.large_pool.current,
+        15 * MIB as i64
+    );
+    let q = a.malloc(15 * MIB, 0).unwrap();
+    assert_eq!(q, p + 5 * MIB as u64);
+    assert_eq!(a.device().counters().mallocs, 1);
+    // Rounded to 100_000_256 bytes in a 100_663_296-byte segment: the 663_040 left over are
+    // less than 1 MiB, so the block keeps them.
+    let big = a.malloc(100_000_000, 0).unwrap();
+    assert_eq!(a.device().allocations()[&big], 100_663_296);
+    assert_eq!(a.allocation_info(big).unwrap().size, 100_663_296);
+    checked(&a);
+}
+
+#[test]
+fn a_large_block_with_at_most_1_mib_left_is_not_split() {
+    let mut a = allocator(GIB);
+    let p = a.malloc(19 * MIB + 1, 0).unwrap();
+    // Rounded to 19 MiB + 512: the 20 MiB segment's rest (1 MiB - 512) stays with the block.
+    assert_eq!(a.allocation_info(p).unwrap().size, 20 * MIB);
+    assert_eq!(a.stats().inactive_split.all.current, 0);
+    assert_eq!(a.stats().allocated_bytes.all.current, 20 * MIB as i64);
+    assert_eq!(a.stats().requested_bytes.all.current, (19 * MIB + 1) as i64);
+    checked(&a);
+}
+
+#[test]
+fn free_merges_with_free_neighbours() {
+    let mut a = allocator(GIB);
+    let ptrs: Vec<u64> = (0..4).map(|_| a.malloc(MIB / 4, 0).unwrap()).collect();
+    // [a b c d rest]: free b, then d (merges with rest), then c (merges both sides).
+    a.free(ptrs[1]).unwrap();
+    a.free(ptrs[3]).unwrap();
+    let merges = a.stats().num_merges;
+    assert_eq!(merges, 1);
+    a.free(ptrs[2]).unwrap();
+    assert_eq!(a.stats().num_merges, 3);
+    assert_eq!(a.stats().inactive_split.small_pool.current, 1);
+    assert_eq!(
+        a.stats().inactive_split_bytes.small_pool.current,
+        (7 * MIB / 4) as i64
+    );
+    a.free(ptrs[0]).unwrap();
+    assert_eq!(a.stats().inactive_split.small_pool.current, 0);
+    assert_eq!(a.stats().active.all.current, 0);
+    checked(&a);
+    // The segment is whole again: one block serves 2 MiB of small requests.
+    assert_eq!(a.largest_cached_block(), 2 * MIB);
+}
+
+#[test]
+fn blocks_are_reused_only_on_their_stream() {
+    let mut a = allocator(GIB);
+    let p = a.malloc(4096, 1).unwrap();
+    a.free(p).unwrap();
+    let q = a.malloc(4096, 2).unwrap();
+    assert_ne!(
+        a.base_allocation(q).unwrap().0,
+        a.base_allocation(p).map(|b| b.0).unwrap_or(0)
+    );
+    assert_eq!(a.stats().segment.all.current, 2);
+    let r = a.malloc(4096, 1).unwrap();
+    assert_eq!(r, p);
+    checked(&a);
+}
+
+#[test]
+fn unknown_pointers_and_double_frees_change_nothing() {
+    let mut a = allocator(GIB);
+    let p = a.malloc(4096, 0).unwrap();
+    let before = a.stats().clone();
+    assert_eq!(a.free(p + 512), Err(PointerError::Unknown(p + 512)));
+    assert_eq!(a.stats(), &before);
+    a.free(p).unwrap();
+    let after_free = a.stats().clone();
+    assert_eq!(a.free(p), Err(PointerError::Unknown(p)));
+    assert_eq!(a.record_stream(p, 3), Err(PointerError::Unknown(p)));
+    assert_eq!(a.stats(), &after_free);
+    checked(&a);
+}
+
+#[test]
+fn record_stream_delays_reuse_until_the_other_stream_finishes() {
+    let mut a = allocator(GIB);
+    let p = a.malloc(4096, 0).unwrap();
+    a.record_stream(p, 7).unwrap();
+    a.record_stream(p, 0).unwrap(); // its own stream: ignored
+    a.free(p).unwrap();
+    assert_eq!(
+        a.stats().active.all.current,
+        1,
+        "still active: pending free"
+    );
+    let q = a.malloc(4096, 0).unwrap();
+    assert_ne!(q, p, "not reused while stream 7 may still use it");
+    let snapshot = a.segments();
+    assert!(
+        snapshot[0]
+            .blocks
+            .iter()
+            .any(|b| b.state == "active_pending_free")
+    );
+    a.device_mut().complete_stream(7);
+    a.free(q).unwrap();
+    let r = a.malloc(4096, 0).unwrap();
+    assert_eq!(r, p, "reused once stream 7 completed");
+    assert_eq!(a.device().live_events(), 0, "events are given back");
+    checked(&a);
+}
+
+#[test]
+fn empty_cache_waits_for_pending_frees_and_releases_whole_segments() {
+    let mut a = allocator(GIB);
+    let small = a.malloc(4096, 0).unwrap();
+    let keep = a.malloc(30 * MIB, 0).unwrap();
+    let pending = a.malloc(50 * MIB, 0).unwrap();
+    a.record_stream(pending, 9).unwrap();
+    a.free(small).unwrap();
+    a.free(pending).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().num_sync_all_streams, 1);
+    assert_eq!(a.device().allocations().len(), 1);
+    assert!(a.device().allocations().contains_key(&keep));
+    assert_eq!(a.stats().num_device_free, 2);
+    assert_eq!(a.stats().reserved_bytes.all.current, 30 * MIB as i64);
+    checked(&a);
+}
+
+#[test]
+fn out_of_memory_retries_then_reports_pytorchs_message() {
+    let mut a = allocator(100 * MIB);
+    let p = a.malloc(60 * MIB, 0).unwrap();
+    a.free(p).unwrap();
+    // 60 MiB are cached; 70 MiB do not fit beside them: released, then retried.
+    let q = a.malloc(70 * MIB, 0).unwrap();
+    assert_eq!(a.stats().num_alloc_retries, 1);
+    assert_eq!(a.stats().num_device_free, 1);
+    let err = a.malloc(50 * MIB, 0).unwrap_err();
+    let AllocError::OutOfMemory(oom) = err else {
+        panic!("expected OOM")
+    };
+    assert_eq!(a.stats().num_ooms, 1);
+    assert_eq!(
+        oom.message,
+        "CUDA out of memory. Tried to allocate 50.00 MiB. GPU 0 has a total capacity of 100.00 MiB \
+         of which 30.00 MiB is free. Of the allocated memory 70.00 MiB is allocated by PyTorch, and \
+         0 bytes is reserved by PyTorch but unallocated. If reserved but unallocated memory is large \
+         try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See \
+         documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+    );
+    // The allocator is intact: q is still live, and smaller requests succeed.
+    assert!(a.allocation_info(q).is_some());
+    a.malloc(10 * MIB, 0).unwrap();
+    checked(&a);
+}
+
+#[test]
+fn other_driver_failures_are_not_retried() {
+    let mut a = allocator(GIB);
+    let failure = DeviceError::Driver {
+        call: "cuMemAlloc_v2",
+        code: 999,
+        message: "unknown error".into(),
+    };
+    a.device_mut().fail_next(SimOp::Malloc, 1, failure.clone());
+    assert_eq!(a.malloc(4096, 0), Err(AllocError::Device(failure)));
+    assert_eq!(a.stats().num_alloc_retries, 0);
+    assert_eq!(a.stats().num_ooms, 0);
+    a.malloc(4096, 0).unwrap();
+    checked(&a);
+}
+
+#[test]
+fn a_failing_device_free_keeps_the_segment() {
+    let mut a = allocator(GIB);
+    let p = a.malloc(30 * MIB, 0).unwrap();
+    a.free(p).unwrap();
+    let failure = DeviceError::Driver {
+        call: "cuMemFree_v2",
+        code: 700,
+        message: "an illegal memory access was encountered".into(),
+    };
+    a.device_mut().fail_next(SimOp::Free, 1, failure.clone());
+    assert_eq!(a.empty_cache(), Err(failure));
+    assert_eq!(a.stats().reserved_bytes.all.current, 30 * MIB as i64);
+    checked(&a);
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().reserved_bytes.all.current, 0);
+    checked(&a);
+}
+
+#[test]
+fn oversize_blocks_are_never_split_and_serve_only_close_requests() {
+    let config = Config {
+        max_split_size: 40 * MIB,
+        ..Config::default()
+    };
+    let mut a = with_config(GIB, config);
+    assert_eq!(a.stats().max_split_size, 40 * MIB as i64);
+    let p = a.malloc(100 * MIB, 0).unwrap();
+    assert_eq!(a.stats().oversize_allocations.current, 1);
+    assert_eq!(a.stats().oversize_segments.current, 1);
+    a.free(p).unwrap();
+    // A small large-pool request may not take the oversize block.
+    let q = a.malloc(30 * MIB, 0).unwrap();
+    assert_ne!(q, p);
+    // A request within 20 MiB of it takes it whole.
+    let r = a.malloc(90 * MIB, 0).unwrap();
+    assert_eq!(r, p);
+    assert_eq!(a.allocation_info(r).unwrap().size, 100 * MIB);
+    a.free(r).unwrap();
+    // 79 MiB is more than 20 MiB smaller: a new segment.
+    let s = a.malloc(79 * MIB, 0).unwrap();
+    assert_ne!(s, p);
+    checked(&a);
+}
+
+#[test]
+fn release_available_cached_blocks_frees_oversize_blocks_first() {
+    let config = Config {
+        max_split_size: 40 * MIB,
+        ..Config::default()
+    };
+    let mut a = with_config(200 * MIB, config);
+    let x = a.malloc(60 * MIB, 0).unwrap();
+    let y = a.malloc(50 * MIB, 0).unwrap();
+    let small = a.malloc(4096, 0).unwrap();
+    a.free(x).unwrap();
+    a.free(y).unwrap();
+    a.free(small).unwrap();
+    // 112 MiB reserved; 100 MiB more needs one oversize block released: the smallest that
+    // covers max(100, 40) MiB does not exist, so the largest first (60), then 50.
+    let z = a.malloc(100 * MIB, 0).unwrap();
+    assert!(a.allocation_info(z).is_some());
+    assert_eq!(
+        a.stats().num_alloc_retries,
+        0,
+        "the second attempt is not a retry"
+    );
+    assert_eq!(a.stats().num_device_free, 2);
+    assert_eq!(
+        a.stats().segment.small_pool.current,
+        1,
+        "small segment untouched"
+    );
+    checked(&a);
+}
+
+#[test]
+fn memory_fraction_limits_what_is_reserved() {
+    let mut a = allocator(GIB);
+    a.set_memory_fraction(0.25).unwrap();
+    assert_eq!(a.allowed_memory_maximum(), Some(GIB / 4));
+    a.malloc(200 * MIB, 0).unwrap();
+    let err = a.malloc(100 * MIB, 0).unwrap_err();
+    let AllocError::OutOfMemory(oom) = err else {
+        panic!("expected OOM")
+    };
+    assert!(
+        oom.message.contains("256.00 MiB allowed; "),
+        "{}",
+        oom.message
+    );
+    assert!(a.set_memory_fraction(1.5).is_err());
+    checked(&a);
+}
+
+#[test]
+fn garbage_collection_releases_old_cached_segments_above_the_threshold() {
+    let config = Config {
+        garbage_collection_threshold: 0.5,
+        ..Config::default()
+    };
+    let mut a = with_config(GIB, config);
+    a.set_memory_fraction(0.5).unwrap(); // allowed 512 MiB, threshold 256 MiB
+    let old = a.malloc(200 * MIB, 0).unwrap();
+    a.free(old).unwrap();
+    // Stream 1 cannot use stream 0's cached block: 280 MiB reserved, above the threshold.
+    let mid = a.malloc(80 * MIB, 1).unwrap();
+    assert_eq!(a.stats().num_device_free, 0, "280 MiB only after this miss");
+    // The next miss collects: the old 200 MiB segment goes back before asking the device.
+    let _more = a.malloc(10 * MIB, 1).unwrap();
+    assert_eq!(a.stats().num_device_free, 1);
+    assert_eq!(a.stats().reserved_bytes.all.current, (80 + 10) * MIB as i64);
+    assert!(a.allocation_info(mid).is_some());
+    checked(&a);
+}
+
+#[test]
+fn roundup_power2_divisions_change_block_sizes() {
+    let config = Config {
+        roundup_power2_divisions: [4; 16],
+        ..Config::default()
+    };
+    let mut a = with_config(GIB, config);
+    let p = a.malloc(33 * MIB, 0).unwrap();
+    assert_eq!(a.allocation_info(p).unwrap().size, 40 * MIB);
+    checked(&a);
+}
+
+#[test]
+fn statistics_reset_like_pytorchs() {
+    let mut a = allocator(GIB);
+    let p = a.malloc(30 * MIB, 0).unwrap();
+    a.free(p).unwrap();
+    a.reset_peak_stats();
+    assert_eq!(a.stats().allocated_bytes.all.peak, 0);
+    assert_eq!(a.stats().reserved_bytes.all.peak, 30 * MIB as i64);
+    a.reset_accumulated_stats();
+    assert_eq!(a.stats().allocated_bytes.all.allocated, 0);
+    assert_eq!(a.stats().num_device_alloc, 0);
+    assert_eq!(a.stats().num_splits, 0);
+    assert_eq!(a.stats().reserved_bytes.all.current, 30 * MIB as i64);
+}
+
+#[test]
+fn base_allocation_names_the_whole_segment() {
+    let mut a = allocator(GIB);
+    let _p = a.malloc(MIB / 2, 0).unwrap();
+    let q = a.malloc(MIB / 2, 0).unwrap();
+    let (base, size) = a.base_allocation(q).unwrap();
+    assert_eq!(base, q - (MIB / 2) as u64);
+    assert_eq!(size, 2 * MIB);
+}
+
+#[test]
+fn imported_segments_hold_live_blocks_at_their_offsets() {
+    let mut a = allocator(GIB);
+    let live = [
+        ImportedBlock {
+            offset: 0,
+            size: MIB,
+            requested_size: MIB - 100,
+        },
+        ImportedBlock {
+            offset: 4 * MIB,
+            size: 2 * MIB,
+            requested_size: 2 * MIB,
+        },
+    ];
+    let (base, ptrs) = a
+        .import_segment(20 * MIB, 0, PoolKind::Large, &live)
+        .unwrap();
+    assert_eq!(ptrs, vec![base, base + 4 * MIB as u64]);
+    assert_eq!(a.stats().allocated_bytes.all.current, 3 * MIB as i64);
+    assert_eq!(a.stats().inactive_split.all.current, 2);
+    checked(&a);
+    // The 3 MiB gap serves a 3 MiB request without a device call.
+    let gap = a.malloc(3 * MIB, 0).unwrap();
+    assert_eq!(gap, base + MIB as u64);
+    assert_eq!(a.device().counters().mallocs, 1);
+    for p in ptrs {
+        a.free(p).unwrap();
+    }
+    a.free(gap).unwrap();
+    checked(&a);
+    assert_eq!(a.stats().inactive_split.all.current, 0);
+}
+
+#[test]
+fn snapshot_lists_segments_and_blocks_like_pytorch() {
+    let mut a = allocator(GIB);
+    a.record_history(true, 100);
+    let p = a.malloc(1000, 0).unwrap();
+    let _q = a.malloc(30 * MIB, 0).unwrap();
+    a.free(p).unwrap();
+    let snap = a.snapshot();
+    assert_eq!(snap.segments.len(), 2);
+    let small = &snap.segments[0];
+    assert_eq!(small.segment_type, "small");
+    assert_eq!(small.total_size, 2 * MIB as u64);
+    assert_eq!(small.blocks.len(), 1, "the freed block merged back");
+    let actions: Vec<String> = snap.device_traces[0]
+        .iter()
+        .map(|e| {
+            serde_json::to_value(e.action)
+                .unwrap()
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        actions,
+        [
+            "segment_alloc",
+            "alloc",
+            "segment_alloc",
+            "alloc",
+            "free_requested",
+            "free_completed"
+        ]
+    );
+    let json = serde_json::to_value(&snap).unwrap();
+    assert_eq!(
+        json["segments"][1]["blocks"][0]["state"],
+        "active_allocated"
+    );
+    assert_eq!(
+        json["segments"][0]["segment_pool_id"],
+        serde_json::json!([0, 0])
+    );
+}
+
+#[test]
+fn the_simulated_device_is_never_asked_on_a_cache_hit() {
+    let mut a = allocator(GIB);
+    let p = a.malloc(4096, 0).unwrap();
+    a.free(p).unwrap();
+    let calls = a.device().counters().clone();
+    for _ in 0..100 {
+        let p = a.malloc(4096, 0).unwrap();
+        a.free(p).unwrap();
+    }
+    assert_eq!(a.device().counters(), &calls);
+    let _ = a.device_mut().mem_get_info();
+}
