@@ -787,10 +787,15 @@ impl<D: Device> DeviceAllocator<D> {
         }
         for id in to_unmap {
             self.unmap_block(id)?;
-            let b = self.arena.get(id);
-            if !b.mapped && !b.is_split() {
-                self.release_expandable_segment(id)?;
-            }
+        }
+        // Segments with nothing mapped any more give their address range back too (PyTorch
+        // checks only the segments it just unmapped; one whose first growth failed stays).
+        let empty: Vec<BlockId> = self.pools[pool_index(pool)]
+            .unmapped_blocks()
+            .filter(|&id| !self.arena.get(id).is_split())
+            .collect();
+        for id in empty {
+            self.release_expandable_segment(id)?;
         }
         Ok(())
     }
@@ -1174,6 +1179,15 @@ impl<D: Device> DeviceAllocator<D> {
             cursor = self.arena.get(c).next;
         }
         Ok((base, size))
+    }
+
+    /// Each live expandable segment's reserved range and page size: (base, size, page size).
+    pub fn expandable_segment_ranges(&self) -> Vec<(DevicePtr, usize, usize)> {
+        self.expandable_segments
+            .iter()
+            .flatten()
+            .map(|s| (s.base(), s.size(), s.page_size()))
+            .collect()
     }
 
     /// The largest cached block (PyTorch's `cacheInfo`).

@@ -99,6 +99,11 @@ impl BlockPool {
         self.blocks.values().copied()
     }
 
+    /// Every unmapped block, in (stream, address) order.
+    pub fn unmapped_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.unmapped.values().copied()
+    }
+
     pub fn cached_len(&self) -> usize {
         self.blocks.len()
     }
