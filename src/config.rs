@@ -521,7 +521,14 @@ fn c_stoull(word: &str) -> std::result::Result<(u64, usize), NumberError> {
     if overflow {
         return Err(NumberError::OutOfRange);
     }
-    Ok((if negative { value.wrapping_neg() } else { value }, i))
+    Ok((
+        if negative {
+            value.wrapping_neg()
+        } else {
+            value
+        },
+        i,
+    ))
 }
 
 /// `std::stod`: optional sign, then `inf`/`infinity`/`nan`/`nan(...)` in any case, or a decimal
@@ -625,7 +632,7 @@ impl Parser {
     }
 
     /// `toSizeT` (`std::stoull`): a count or a size in MB.
-    fn to_size(&mut self, i: usize, key: &str) -> Result<usize> {
+    fn read_size(&mut self, i: usize, key: &str) -> Result<usize> {
         let word = self.tokens.get(i, key)?.to_string();
         match c_stoull(&word) {
             Ok((value, end)) => {
@@ -650,7 +657,7 @@ impl Parser {
     }
 
     /// `toDouble` (`std::stod`).
-    fn to_double(&mut self, i: usize, key: &str) -> Result<f64> {
+    fn read_double(&mut self, i: usize, key: &str) -> Result<f64> {
         let word = self.tokens.get(i, key)?.to_string();
         match c_stod(&word) {
             Ok((value, end)) => {
@@ -680,7 +687,7 @@ impl Parser {
 
     /// `toBool`: exactly `True` or `False`. Older PyTorch said
     /// "Expected a single True/False argument for <key>".
-    fn to_bool(&self, i: usize, key: &str) -> Result<bool> {
+    fn read_bool(&self, i: usize, key: &str) -> Result<bool> {
         match self.tokens.get(i, key)? {
             "True" => Ok(true),
             "False" => Ok(false),
@@ -711,13 +718,13 @@ impl Parser {
     /// A `key:bool` setting; returns the value and the index of its token.
     fn bool_setting(&mut self, i: usize, key: &str) -> Result<(bool, usize)> {
         self.expect(i + 1, ":", key)?;
-        Ok((self.to_bool(i + 2, key)?, i + 2))
+        Ok((self.read_bool(i + 2, key)?, i + 2))
     }
 
     /// A `key:<size in MB>` setting: the value in MB (at most what fits in bytes) and its index.
     fn mb_setting(&mut self, i: usize, key: &str) -> Result<(usize, usize)> {
         self.expect(i + 1, ":", key)?;
-        let mb = self.to_size(i + 2, key)?;
+        let mb = self.read_size(i + 2, key)?;
         Ok((mb, i + 2))
     }
 
@@ -824,7 +831,7 @@ impl Parser {
     fn parse_garbage_collection_threshold(&mut self, i: usize) -> Result<usize> {
         const KEY: &str = "garbage_collection_threshold";
         self.expect(i + 1, ":", KEY)?;
-        let value = self.to_double(i + 2, KEY)?;
+        let value = self.read_double(i + 2, KEY)?;
         if !(value > 0.0 && value < 1.0) {
             return Err(ConfigError::new(
                 "garbage_collect_threshold is invalid, set it in (0.0, 1.0)",
@@ -846,7 +853,7 @@ impl Parser {
         let mut i = i + 2;
         if self.tokens.get(i, KEY)? != "[" {
             // The single-number form, kept by PyTorch for backward compatibility.
-            let value = self.to_size(i, KEY)?;
+            let value = self.read_size(i, KEY)?;
             if !value.is_power_of_two() {
                 return Err(ConfigError::new(
                     "For roundups, the divisions has to be power of 2 ",
@@ -863,7 +870,7 @@ impl Parser {
             let interval_at = i;
             self.expect(i + 1, ":", KEY)?;
             i += 2;
-            let value = self.to_size(i, KEY)?;
+            let value = self.read_size(i, KEY)?;
             if value != 0 && !value.is_power_of_two() {
                 return Err(ConfigError::new(
                     "For roundups, the divisions has to be power of 2 or 0 to disable roundup ",
@@ -875,7 +882,7 @@ impl Parser {
                     *entry = value;
                 }
             } else {
-                let interval = self.to_size(interval_at, KEY)?;
+                let interval = self.read_size(interval_at, KEY)?;
                 if !interval.is_power_of_two() {
                     return Err(ConfigError::new(
                         "For roundups, the intervals have to be power of 2 ",
@@ -1001,7 +1008,7 @@ impl Parser {
     fn parse_pinned_num_register_threads(&mut self, i: usize) -> Result<usize> {
         const KEY: &str = "pinned_num_register_threads";
         self.expect(i + 1, ":", KEY)?;
-        let value = self.to_size(i + 2, KEY)?;
+        let value = self.read_size(i + 2, KEY)?;
         if !value.is_power_of_two() {
             return Err(ConfigError::new(format!(
                 "Number of register threads has to be power of 2, got {value}"
@@ -1039,7 +1046,7 @@ impl Parser {
     fn parse_per_process_memory_fraction(&mut self, i: usize) -> Result<usize> {
         const KEY: &str = "per_process_memory_fraction";
         self.expect(i + 1, ":", KEY)?;
-        let value = self.to_double(i + 2, KEY)?;
+        let value = self.read_double(i + 2, KEY)?;
         if !(0.0..=1.0).contains(&value) {
             return Err(ConfigError::new(
                 "per_process_memory_fraction is invalid, set it in [0.0, 1.0]",
@@ -1124,9 +1131,9 @@ fn format_bytes(bytes: usize) -> String {
     const GIB: usize = 1 << 30;
     if bytes >= usize::MAX / MB * MB {
         "unlimited".to_string()
-    } else if bytes >= GIB && bytes % GIB == 0 {
+    } else if bytes >= GIB && bytes.is_multiple_of(GIB) {
         format!("{} GiB", bytes / GIB)
-    } else if bytes % MB == 0 {
+    } else if bytes.is_multiple_of(MB) {
         format!("{} MiB", bytes / MB)
     } else {
         format!("{bytes} bytes")
@@ -1272,7 +1279,9 @@ mod tests {
 
     #[test]
     fn pytorch_allocator_config_test_limits_of_twenty() {
-        let c = ok("max_split_size_mb:20,max_non_split_rounding_mb:40,garbage_collection_threshold:0.8");
+        let c = ok(
+            "max_split_size_mb:20,max_non_split_rounding_mb:40,garbage_collection_threshold:0.8",
+        );
         assert_eq!(c.max_split_size, 20 * KMB);
         assert_eq!(c.max_non_split_rounding_size, 40 * KMB);
         assert_eq!(c.garbage_collection_threshold, 0.8);
@@ -1313,7 +1322,10 @@ mod tests {
                     roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]");
         assert_eq!(divisions_at(&c, 84), 8);
         assert_eq!(divisions_at(&c, 400), 2);
-        assert_eq!(err("foo:1,bar:2"), "Unrecognized key 'foo' in Accelerator allocator config.");
+        assert_eq!(
+            err("foo:1,bar:2"),
+            "Unrecognized key 'foo' in Accelerator allocator config."
+        );
         assert_eq!(
             err("garbage_collection_threshold:1.2"),
             "garbage_collect_threshold is invalid, set it in (0.0, 1.0)"
@@ -1440,15 +1452,19 @@ mod tests {
         assert_eq!(c.max_split_size, 40 * KMB);
         assert_eq!(
             c.warnings,
-            ["max_split_size_mb: 'MB' after the number in '40MB' is ignored, as PyTorch reads \
-              only the leading number"]
+            [
+                "max_split_size_mb: 'MB' after the number in '40MB' is ignored, as PyTorch reads \
+              only the leading number"
+            ]
         );
         let c = ok("max_split_size_mb:-1");
         assert_eq!(c.max_split_size, usize::MAX / KMB * KMB);
         assert_eq!(
             c.warnings,
-            ["max_split_size_mb: '-1' is read as 18446744073709551615, as PyTorch's stoull \
-              wraps negative numbers"]
+            [
+                "max_split_size_mb: '-1' is read as 18446744073709551615, as PyTorch's stoull \
+              wraps negative numbers"
+            ]
         );
     }
 
@@ -1489,7 +1505,10 @@ mod tests {
         let message = "For roundups, the divisions has to be power of 2 ";
         assert_eq!(err("roundup_power2_divisions:3"), message);
         assert_eq!(err("roundup_power2_divisions:0"), message);
-        assert_eq!(ok("roundup_power2_divisions:1").roundup_power2_divisions, [1; 16]);
+        assert_eq!(
+            ok("roundup_power2_divisions:1").roundup_power2_divisions,
+            [1; 16]
+        );
     }
 
     #[test]
@@ -1530,7 +1549,10 @@ mod tests {
     #[test]
     fn roundup_list_semantics() {
         // An empty list changes nothing.
-        assert_eq!(ok("roundup_power2_divisions:[]").roundup_power2_divisions, [0; 16]);
+        assert_eq!(
+            ok("roundup_power2_divisions:[]").roundup_power2_divisions,
+            [0; 16]
+        );
         // 0 is allowed in a list; interval 1 MB is entry 0; a huge interval is the last entry.
         let c = ok("roundup_power2_divisions:[1:4,2:0,1048576:16]");
         let mut expected = [0; 16];
@@ -1606,7 +1628,10 @@ mod tests {
     fn pinned_register_threads_and_reserve_segment() {
         let c = ok("pinned_num_register_threads:8");
         assert_eq!(c.pinned_num_register_threads, 8);
-        assert_eq!(ok("pinned_num_register_threads:128").pinned_num_register_threads, 128);
+        assert_eq!(
+            ok("pinned_num_register_threads:128").pinned_num_register_threads,
+            128
+        );
         assert_eq!(
             err("pinned_num_register_threads:3"),
             "Number of register threads has to be power of 2, got 3"
@@ -1647,7 +1672,11 @@ mod tests {
                 "per_process_memory_fraction is invalid, set it in [0.0, 1.0]"
             );
         }
-        assert!(ok("per_process_memory_fraction:0.5").ignored_keys.is_empty());
+        assert!(
+            ok("per_process_memory_fraction:0.5")
+                .ignored_keys
+                .is_empty()
+        );
     }
 
     #[test]
@@ -1658,9 +1687,11 @@ mod tests {
         let c = ok("expandable_segments_reserve:-1");
         assert_eq!(
             c.warnings,
-            ["Ignoring invalid expandable-segment reserve value '-1' in PYTORCH_CUDA_ALLOC_CONF \
+            [
+                "Ignoring invalid expandable-segment reserve value '-1' in PYTORCH_CUDA_ALLOC_CONF \
               (expected a positive, finite fraction like 0.5 or an absolute size like 40G); \
-              using default."]
+              using default."
+            ]
         );
         let c = ok("expandable_segments_reserve_by_class:[a:0.5,b:8g],max_split_size_mb:40");
         assert!(c.warnings.is_empty(), "{:?}", c.warnings);
@@ -1685,7 +1716,10 @@ mod tests {
 
     #[test]
     fn unknown_keys_are_rejected() {
-        assert_eq!(err("foo:1"), "Unrecognized key 'foo' in Accelerator allocator config.");
+        assert_eq!(
+            err("foo:1"),
+            "Unrecognized key 'foo' in Accelerator allocator config."
+        );
         assert_eq!(
             err("max_split_size_mb:40,,expandable_segments:True"),
             "Unrecognized key ',' in Accelerator allocator config."
@@ -1698,9 +1732,11 @@ mod tests {
 
     #[test]
     fn ignored_keys_are_in_order_without_duplicates() {
-        let c = ok("pinned_num_register_threads:8,max_split_size_mb:40,backend:native,\
+        let c = ok(
+            "pinned_num_register_threads:8,max_split_size_mb:40,backend:native,\
                     pinned_num_register_threads:4,graph_capture_record_stream_reuse:True,\
-                    pinned_use_cuda_host_register:True");
+                    pinned_use_cuda_host_register:True",
+        );
         assert_eq!(
             c.ignored_keys,
             [
@@ -1715,7 +1751,8 @@ mod tests {
 
     #[test]
     fn every_accepted_key_parses() {
-        let c = ok("large_segment_size_mb:20,max_split_size_mb:40,max_non_split_rounding_mb:40,\
+        let c = ok(
+            "large_segment_size_mb:20,max_split_size_mb:40,max_non_split_rounding_mb:40,\
                     garbage_collection_threshold:0.5,roundup_power2_divisions:[256:2,>:4],\
                     expandable_segments:True,pinned_use_background_threads:True,\
                     pinned_max_round_threshold_mb:8,pinned_max_cached_size_mb:64,\
@@ -1725,7 +1762,8 @@ mod tests {
                     pinned_reserve_segment_size_mb:8,pinned_num_register_threads:8,\
                     per_process_memory_fraction:0.9,pinned_free_catch_all:True,\
                     throw_on_cudamalloc_oom:True,expandable_segments_reserve:0.5,\
-                    expandable_segments_reserve_by_class:[x:1G]");
+                    expandable_segments_reserve_by_class:[x:1G]",
+        );
         assert!(c.warnings.is_empty(), "{:?}", c.warnings);
         let expected_ignored: Vec<&str> = ACCELERATOR_KEYS
             .iter()
@@ -1738,7 +1776,10 @@ mod tests {
         let mut expected = expected_ignored.clone();
         expected.sort();
         assert_eq!(ignored, expected);
-        assert!(!c.release_lock_on_cudamalloc, "the later hipmalloc spelling wins");
+        assert!(
+            !c.release_lock_on_cudamalloc,
+            "the later hipmalloc spelling wins"
+        );
         assert!(!c.pinned_use_cuda_host_register);
         assert!(c.graph_capture_record_stream_reuse);
     }
@@ -1763,8 +1804,10 @@ mod tests {
         assert_eq!(c.max_split_size, 40 * KMB);
         assert_eq!(
             c.warnings,
-            ["Expected ':' at index 1 of the allocator settings but got ','; PyTorch reads on \
-              as if it were there, and so does ferrocache"]
+            [
+                "Expected ':' at index 1 of the allocator settings but got ','; PyTorch reads on \
+              as if it were there, and so does ferrocache"
+            ]
         );
         let c = ok("max_split_size_mb:40:expandable_segments:True");
         assert!(c.expandable_segments);
@@ -1795,11 +1838,16 @@ mod tests {
         .unwrap_or_else(|e| panic!("{e}"));
         assert!(c.expandable_segments);
         assert_eq!(c.max_split_size, usize::MAX);
-        assert_eq!(c.source.as_ref().map(|s| s.0.as_str()), Some("PYTORCH_CUDA_ALLOC_CONF"));
+        assert_eq!(
+            c.source.as_ref().map(|s| s.0.as_str()),
+            Some("PYTORCH_CUDA_ALLOC_CONF")
+        );
         assert_eq!(
             c.warnings,
-            ["PYTORCH_ALLOC_CONF is set but not read: PYTORCH_CUDA_ALLOC_CONF takes precedence, \
-              as in PyTorch"]
+            [
+                "PYTORCH_ALLOC_CONF is set but not read: PYTORCH_CUDA_ALLOC_CONF takes precedence, \
+              as in PyTorch"
+            ]
         );
 
         // Set but empty still wins, and gives the defaults.
@@ -1809,7 +1857,10 @@ mod tests {
         ]))
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(c.max_split_size, usize::MAX);
-        assert_eq!(c.source, Some(("PYTORCH_CUDA_ALLOC_CONF".into(), String::new())));
+        assert_eq!(
+            c.source,
+            Some(("PYTORCH_CUDA_ALLOC_CONF".into(), String::new()))
+        );
 
         let c = Config::from_vars(vars(&[
             ("PYTORCH_HIP_ALLOC_CONF", "max_split_size_mb:60"),
@@ -1840,9 +1891,11 @@ mod tests {
         }
         assert_eq!(
             LogLevel::parse("loud").map_err(|e| e.message),
-            Err("Unknown TORCH_CUDA_ALLOC_LOG_LEVEL value 'loud', expected one of OFF, ERROR, \
+            Err(
+                "Unknown TORCH_CUDA_ALLOC_LOG_LEVEL value 'loud', expected one of OFF, ERROR, \
                  WARN, INFO, DEBUG, TRACE"
-                .to_string())
+                    .to_string()
+            )
         );
         assert_eq!(LogLevel::from_vars(vars(&[])), Ok(LogLevel::Warn));
         assert_eq!(
@@ -1928,11 +1981,37 @@ mod tests {
     #[test]
     fn malformed_settings_never_panic() {
         const PIECES: [&str; 32] = [
-            ",", ":", "[", "]", ">", " ", "True", "False", "true", "0", "1", "2", "20", "64",
-            "-1", "0.5", "1e999", "nan", "abc", "é", "\u{0}", "40MB", "18446744073709551616",
-            "max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold",
-            "expandable_segments", "backend", "large_segment_size_mb",
-            "expandable_segments_reserve_by_class", "per_process_memory_fraction",
+            ",",
+            ":",
+            "[",
+            "]",
+            ">",
+            " ",
+            "True",
+            "False",
+            "true",
+            "0",
+            "1",
+            "2",
+            "20",
+            "64",
+            "-1",
+            "0.5",
+            "1e999",
+            "nan",
+            "abc",
+            "é",
+            "\u{0}",
+            "40MB",
+            "18446744073709551616",
+            "max_split_size_mb",
+            "roundup_power2_divisions",
+            "garbage_collection_threshold",
+            "expandable_segments",
+            "backend",
+            "large_segment_size_mb",
+            "expandable_segments_reserve_by_class",
+            "per_process_memory_fraction",
             "pinned_num_register_threads",
         ];
         let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -1956,13 +2035,28 @@ mod tests {
         }
         assert!(accepted > 0);
         for text in [
-            "[", "]", ":", ",", "[[[", "]]]", ":::", ",,,", "roundup_power2_divisions:[",
-            "roundup_power2_divisions:[>", "roundup_power2_divisions:[>:",
-            "roundup_power2_divisions:[>:1", "roundup_power2_divisions:[:]",
-            "expandable_segments_reserve_by_class:", "expandable_segments_reserve_by_class:[",
-            "expandable_segments_reserve_by_class:[a", "expandable_segments_reserve_by_class:[a:",
-            "backend", "backend:", "max_split_size_mb:18446744073709551615",
-            "max_non_split_rounding_mb:-1", "large_segment_size_mb:-1",
+            "[",
+            "]",
+            ":",
+            ",",
+            "[[[",
+            "]]]",
+            ":::",
+            ",,,",
+            "roundup_power2_divisions:[",
+            "roundup_power2_divisions:[>",
+            "roundup_power2_divisions:[>:",
+            "roundup_power2_divisions:[>:1",
+            "roundup_power2_divisions:[:]",
+            "expandable_segments_reserve_by_class:",
+            "expandable_segments_reserve_by_class:[",
+            "expandable_segments_reserve_by_class:[a",
+            "expandable_segments_reserve_by_class:[a:",
+            "backend",
+            "backend:",
+            "max_split_size_mb:18446744073709551615",
+            "max_non_split_rounding_mb:-1",
+            "large_segment_size_mb:-1",
         ] {
             let _ = Config::parse(text);
         }
