@@ -1,0 +1,55 @@
+//! Host cost of the allocator's hot paths, on the simulated GPU (no device call happens on a
+//! cache hit, so this is the allocator's own cost).
+//!
+//! `cargo bench --bench allocator`
+
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use ferrocache::allocator::DeviceAllocator;
+use ferrocache::config::Config;
+use ferrocache::device::sim::SimDevice;
+use std::hint::black_box;
+
+const BLOCK: usize = 4096;
+
+/// An allocator with `live` allocations of 4 KiB and one cached 4 KiB hole between two of
+/// them, so a 4 KiB request is a cache hit that neither splits nor merges.
+fn with_live_blocks(live: usize) -> DeviceAllocator<SimDevice> {
+    let mut a = DeviceAllocator::new(SimDevice::new(1 << 40), 0, Config::default());
+    let ptrs: Vec<u64> = (0..live + 2).map(|_| a.malloc(BLOCK, 0).unwrap()).collect();
+    a.free(ptrs[live / 2]).unwrap();
+    a
+}
+
+fn cache_hit_pair(c: &mut Criterion) {
+    let mut group = c.benchmark_group("cache_hit_malloc_free");
+    for live in [1_000, 10_000, 100_000] {
+        let mut a = with_live_blocks(live);
+        group.bench_with_input(BenchmarkId::from_parameter(live), &live, |b, _| {
+            b.iter(|| {
+                let p = a.malloc(black_box(BLOCK), 0).unwrap();
+                a.free(black_box(p)).unwrap();
+            })
+        });
+    }
+    group.finish();
+}
+
+fn split_merge_pair(c: &mut Criterion) {
+    let mut group = c.benchmark_group("split_merge_malloc_free");
+    for live in [1_000, 10_000, 100_000] {
+        let mut a = with_live_blocks(live);
+        // A fresh segment with a large free rest: every request splits it, every free merges.
+        let keep = a.malloc(BLOCK, 7).unwrap();
+        group.bench_with_input(BenchmarkId::from_parameter(live), &live, |b, _| {
+            b.iter(|| {
+                let p = a.malloc(black_box(BLOCK), 7).unwrap();
+                a.free(black_box(p)).unwrap();
+            })
+        });
+        a.free(keep).unwrap();
+    }
+    group.finish();
+}
+
+criterion_group!(benches, cache_hit_pair, split_merge_pair);
+criterion_main!(benches);
