@@ -4,6 +4,7 @@
 //! every test, and `cuda::CudaDevice` is the real one on the CUDA driver API. Neither knows
 //! anything about the allocator.
 
+pub mod cuda;
 pub mod sim;
 
 use std::fmt;
@@ -98,8 +99,12 @@ pub trait Device {
     /// `cuMemRelease` of a physical handle.
     fn release_physical(&mut self, handle: PhysicalHandle) -> Result<(), DeviceError>;
     /// `cuMemMap`: maps all of `handle` at `ptr` (inside a reserved range).
-    fn map(&mut self, ptr: DevicePtr, size: usize, handle: PhysicalHandle)
-    -> Result<(), DeviceError>;
+    fn map(
+        &mut self,
+        ptr: DevicePtr,
+        size: usize,
+        handle: PhysicalHandle,
+    ) -> Result<(), DeviceError>;
     /// `cuMemSetAccess`: makes a mapped range readable and writable from the device.
     fn set_access(&mut self, ptr: DevicePtr, size: usize) -> Result<(), DeviceError>;
     /// `cuMemUnmap`.
