@@ -443,3 +443,87 @@ fn no_libcuda_at_all_is_unavailable_without_a_panic() {
         }
     });
 }
+
+/// What `real_gpu_smoke` checks, run here on the fake so that the check itself is known to work.
+#[test]
+fn the_real_gpu_smoke_test_passes_on_the_fake() {
+    in_own_process("the_real_gpu_smoke_test_passes_on_the_fake", &[], smoke);
+}
+
+/// The same checks on a real GPU, with the system's libcuda:
+/// `cargo test --test cuda_device -- --ignored real_gpu_smoke --nocapture`.
+#[test]
+#[ignore = "needs an NVIDIA GPU and driver"]
+fn real_gpu_smoke() {
+    smoke();
+}
+
+/// Every `Device` operation once, on whatever libcuda the process loads. Device memory is only
+/// touched through the driver (memset and copy), so this runs on a real GPU as well.
+fn smoke() {
+    let mut device = open_device();
+    eprintln!(
+        "device 0: {}, driver {}",
+        device.name(),
+        device.driver_version()
+    );
+    assert_eq!(current_context(), ptr::null_mut());
+
+    let info = device.mem_get_info().expect("mem_get_info");
+    assert!(info.free <= info.total && info.total > 0, "{info:?}");
+    let ptr = device.malloc(64 * MIB, 0).expect("malloc");
+    assert_eq!(ptr % 512, 0);
+    device.free(ptr).expect("free");
+    assert_eq!(
+        device.malloc(info.total.saturating_mul(2), 0),
+        Err(DeviceError::OutOfMemory)
+    );
+
+    let event = device.record_event(0).expect("record_event");
+    device.synchronize_event(event).expect("synchronize_event");
+    assert_eq!(device.query_event(event), Ok(true));
+    device.release_event(event);
+    device.synchronize_stream(0).expect("synchronize_stream");
+    assert_eq!(
+        current_context(),
+        ptr::null_mut(),
+        "nothing left current behind"
+    );
+
+    if !device.supports_virtual_memory() {
+        eprintln!("no virtual memory management on this device: expandable segments skipped");
+        return;
+    }
+    let page = device.page_granularity().expect("page_granularity");
+    let base = device.reserve_address_range(4 * page).expect("reserve");
+    let handle = device.create_physical(2 * page).expect("create_physical");
+    device
+        .map(base + page as u64, 2 * page, handle)
+        .expect("map");
+    device
+        .set_access(base + page as u64, 2 * page)
+        .expect("set_access");
+
+    // Write and read the mapped pages through the driver, in the primary context.
+    set_current_context(retain_primary_context());
+    let last_byte = base + 3 * page as u64 - 1;
+    let mut read_back = [0u8; 1];
+    // SAFETY: the range is mapped and accessible; the out buffer is a live local of one byte.
+    let (set, copied) = unsafe {
+        (
+            sys::cuMemsetD8_v2(base + page as u64, 0x5a, 2 * page),
+            sys::cuMemcpyDtoH_v2(read_back.as_mut_ptr().cast(), last_byte, 1),
+        )
+    };
+    assert_eq!(
+        (set, copied),
+        (sys::CUresult::CUDA_SUCCESS, sys::CUresult::CUDA_SUCCESS)
+    );
+    assert_eq!(read_back, [0x5a]);
+
+    device.unmap(base + page as u64, 2 * page).expect("unmap");
+    device.release_physical(handle).expect("release_physical");
+    device
+        .free_address_range(base, 4 * page)
+        .expect("free_address_range");
+}
