@@ -701,6 +701,24 @@ mod tests {
     }
 
     #[test]
+    fn every_driver_function_called_is_checked_up_front() {
+        // A call missing from REQUIRED_SYMBOLS would be a cudarc panic on an old driver.
+        for after in include_str!("cuda.rs").split("sys::cu").skip(1) {
+            let rest: String = after
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            if after[rest.len()..].starts_with('(') {
+                let symbol = format!("cu{rest}");
+                assert!(
+                    REQUIRED_SYMBOLS.contains(&symbol.as_str()),
+                    "{symbol} is not checked"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn missing_symbols_are_all_named() {
         let (name, library) = open_first(&["libc.so.6".to_string()]).expect("libc is always there");
         let message = check_symbols(&name, &library, &["malloc", "cuNoSuchA", "cuNoSuchB"])
