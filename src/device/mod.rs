@@ -4,6 +4,7 @@
 //! every test, and `cuda::CudaDevice` is the real one on the CUDA driver API. Neither knows
 //! anything about the allocator.
 
+pub mod cuda;
 pub mod sim;
 
 use std::fmt;

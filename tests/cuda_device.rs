@@ -1,0 +1,529 @@
+//! `device::cuda::CudaDevice` against the fake libcuda in `tests/fake-libcuda`.
+//!
+//! Each test runs its scenario in a child process of its own (see `support`), because cudarc
+//! loads libcuda once per process and the fake's settings are read from the environment.
+
+mod support;
+
+use std::ptr;
+
+use cudarc::driver::sys;
+use ferrocache::device::cuda::CudaDevice;
+use ferrocache::device::{Device, DeviceError};
+use support::{FakeCuda, in_own_process, in_own_process_without_libcuda};
+
+const MIB: usize = 1 << 20;
+const CUDA_ERROR_INVALID_VALUE: i32 = 1;
+const CUDA_ERROR_INVALID_HANDLE: i32 = 400;
+const CUDA_ERROR_UNKNOWN: u32 = 999;
+
+fn open_device() -> CudaDevice {
+    CudaDevice::new(0).unwrap_or_else(|e| panic!("CudaDevice::new(0) failed: {e}"))
+}
+
+/// The `len` bytes at device address `ptr`, which on the fake is host memory.
+///
+/// # Safety
+/// `ptr..ptr + len` is live, accessible memory that nothing else uses meanwhile.
+unsafe fn device_bytes<'a>(ptr: u64, len: usize) -> &'a mut [u8] {
+    // SAFETY: promised by the caller.
+    unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) }
+}
+
+fn current_context() -> sys::CUcontext {
+    let mut context = ptr::null_mut();
+    // SAFETY: the out pointer is a live local.
+    let result = unsafe { sys::cuCtxGetCurrent(&mut context) };
+    assert_eq!(result, sys::CUresult::CUDA_SUCCESS);
+    context
+}
+
+fn set_current_context(context: sys::CUcontext) {
+    // SAFETY: a context handle from the driver, or NULL.
+    let result = unsafe { sys::cuCtxSetCurrent(context) };
+    assert_eq!(result, sys::CUresult::CUDA_SUCCESS);
+}
+
+/// Retains device 0's primary context for the test itself, as PyTorch would.
+fn retain_primary_context() -> sys::CUcontext {
+    let mut context = ptr::null_mut();
+    // SAFETY: the out pointer is a live local; the device exists (CudaDevice::new checked).
+    let result = unsafe { sys::cuDevicePrimaryCtxRetain(&mut context, 0) };
+    assert_eq!(result, sys::CUresult::CUDA_SUCCESS);
+    context
+}
+
+#[test]
+fn cuda_device_is_send() {
+    fn assert_send<T: Send>() {}
+    assert_send::<CudaDevice>();
+}
+
+#[test]
+fn malloc_and_free_round_trip_through_the_pointer() {
+    in_own_process(
+        "malloc_and_free_round_trip_through_the_pointer",
+        &[],
+        || {
+            let fake = FakeCuda::open();
+            let mut device = open_device();
+            assert_eq!(device.ordinal(), 0);
+            assert!(
+                device.name().contains("Fake CUDA Device"),
+                "{}",
+                device.name()
+            );
+            assert_eq!(device.driver_version(), 12040);
+
+            let first = device.malloc(MIB, 0).expect("malloc");
+            let second = device.malloc(3 * MIB, 0).expect("malloc");
+            assert_eq!(first % 512, 0);
+            assert!(first + MIB as u64 <= second || second + 3 * MIB as u64 <= first);
+
+            // SAFETY: both allocations are live and only this test touches them.
+            let (a, b) = unsafe { (device_bytes(first, MIB), device_bytes(second, 3 * MIB)) };
+            a.fill(0xa5);
+            b.fill(0x5a);
+            assert!(
+                a.iter().all(|&x| x == 0xa5),
+                "the second allocation overlaps the first"
+            );
+
+            assert_eq!(fake.stat("cuMemAlloc_v2"), 2);
+            assert_eq!(fake.stat("bytes_in_use"), 4 * MIB as i64);
+            let info = device.mem_get_info().expect("mem_get_info");
+            assert_eq!(info.total, 16 << 30);
+            assert_eq!(info.free, info.total - 4 * MIB);
+
+            device.free(first).expect("free");
+            device.free(second).expect("free");
+            assert_eq!(fake.stat("bytes_in_use"), 0);
+
+            match device.free(first) {
+                Err(DeviceError::Driver {
+                    call,
+                    code,
+                    message,
+                }) => {
+                    assert_eq!(call, "cuMemFree_v2");
+                    assert_eq!(code, CUDA_ERROR_INVALID_VALUE);
+                    assert_eq!(message, "invalid argument");
+                }
+                other => panic!("a double free should be a driver error, got {other:?}"),
+            }
+        },
+    );
+}
+
+#[test]
+fn out_of_memory_is_reported_as_out_of_memory() {
+    let four_mib = (4 * MIB).to_string();
+    let env = [("FAKE_LIBCUDA_TOTAL_MEM", four_mib.as_str())];
+    in_own_process("out_of_memory_is_reported_as_out_of_memory", &env, || {
+        let mut device = open_device();
+        let held = device.malloc(3 * MIB, 0).expect("3 MiB of 4 fit");
+        assert_eq!(device.malloc(2 * MIB, 0), Err(DeviceError::OutOfMemory));
+        // Physical pages for expandable segments count against the same memory.
+        assert_eq!(
+            device.create_physical(2 * MIB),
+            Err(DeviceError::OutOfMemory)
+        );
+        device.free(held).expect("free");
+        let again = device
+            .malloc(2 * MIB, 0)
+            .expect("fits once the 3 MiB are freed");
+        device.free(again).expect("free");
+    });
+}
+
+#[test]
+fn other_driver_errors_carry_the_call_code_and_message() {
+    in_own_process(
+        "other_driver_errors_carry_the_call_code_and_message",
+        &[],
+        || {
+            let fake = FakeCuda::open();
+            let mut device = open_device();
+            fake.fail_next("cuMemAlloc_v2", CUDA_ERROR_UNKNOWN);
+            let error = device.malloc(MIB, 0).expect_err("the injected failure");
+            assert_eq!(
+                error,
+                DeviceError::Driver {
+                    call: "cuMemAlloc_v2",
+                    code: CUDA_ERROR_UNKNOWN as i32,
+                    message: "unknown error".to_string(),
+                }
+            );
+            assert_eq!(
+                error.to_string(),
+                "cuMemAlloc_v2 failed with error 999: unknown error"
+            );
+            assert_eq!(
+                current_context(),
+                ptr::null_mut(),
+                "context restored after a failure"
+            );
+        },
+    );
+}
+
+#[test]
+fn expandable_segment_pages_map_and_read_back() {
+    in_own_process("expandable_segment_pages_map_and_read_back", &[], || {
+        let fake = FakeCuda::open();
+        let mut device = open_device();
+        assert!(device.supports_virtual_memory());
+        let page = device.page_granularity().expect("granularity");
+        assert_eq!(page, 2 * MIB);
+        let page64 = page as u64;
+
+        let base = device.reserve_address_range(4 * page).expect("reserve");
+        assert_eq!(base % page64, 0);
+        let first = device.create_physical(page).expect("create");
+        let second = device.create_physical(page).expect("create");
+        assert_eq!(fake.stat("bytes_in_use"), 2 * page as i64);
+        for (offset, handle) in [(0, first), (page64, second)] {
+            device.map(base + offset, page, handle).expect("map");
+        }
+        device.set_access(base, 2 * page).expect("set_access");
+
+        // Write across the boundary between the two pages, as one segment would be used.
+        // SAFETY: both pages are mapped read/write and only this test touches them.
+        let segment = unsafe { device_bytes(base, 2 * page) };
+        for (i, byte) in segment.iter_mut().enumerate() {
+            *byte = (i % 251) as u8;
+        }
+        assert!(
+            segment
+                .iter()
+                .enumerate()
+                .all(|(i, &b)| b == (i % 251) as u8)
+        );
+
+        // The second page's contents live in its physical handle: mapped elsewhere, they follow.
+        device.unmap(base + page64, page).expect("unmap");
+        device
+            .map(base + 3 * page64, page, second)
+            .expect("map again");
+        device
+            .set_access(base + 3 * page64, page)
+            .expect("set_access");
+        // SAFETY: the page is mapped read/write and only this test touches it.
+        let moved = unsafe { device_bytes(base + 3 * page64, page) };
+        assert!(
+            moved
+                .iter()
+                .enumerate()
+                .all(|(i, &b)| b == ((i + page) % 251) as u8)
+        );
+
+        device.unmap(base, page).expect("unmap");
+        device.unmap(base + 3 * page64, page).expect("unmap");
+        device.release_physical(first).expect("release");
+        device.release_physical(second).expect("release");
+        device
+            .free_address_range(base, 4 * page)
+            .expect("free range");
+        for counter in [
+            "live_mappings",
+            "live_physical",
+            "live_reservations",
+            "bytes_in_use",
+        ] {
+            assert_eq!(fake.stat(counter), 0, "{counter}");
+        }
+        assert_eq!(fake.stat("cuMemMap"), 3);
+        assert_eq!(fake.stat("cuMemSetAccess"), 2);
+        assert_eq!(fake.stat("cuMemGetAllocationGranularity"), 1);
+        assert_eq!(device.page_granularity(), Ok(page), "cached");
+    });
+}
+
+#[test]
+fn events_are_not_ready_then_ready() {
+    in_own_process("events_are_not_ready_then_ready", &[], || {
+        let fake = FakeCuda::open();
+        let mut device = open_device();
+        fake.set_event_delay(2);
+        let event = device.record_event(0).expect("record");
+        assert_eq!(device.query_event(event), Ok(false));
+        assert_eq!(device.query_event(event), Ok(false));
+        assert_eq!(device.query_event(event), Ok(true));
+        device.release_event(event);
+
+        // Released events are recorded again rather than created anew.
+        let again = device.record_event(0).expect("record");
+        assert_eq!(again, event);
+        assert_eq!(device.query_event(again), Ok(false));
+        device.synchronize_event(again).expect("synchronize");
+        assert_eq!(device.query_event(again), Ok(true));
+        device.release_event(again);
+        assert_eq!(fake.stat("cuEventCreate"), 1);
+        assert_eq!(
+            fake.stat("timed_events"),
+            0,
+            "events are created without timing"
+        );
+
+        device
+            .synchronize_stream(0)
+            .expect("synchronize the legacy stream");
+        match device.record_event(0xdead_0000) {
+            Err(DeviceError::Driver { call, code, .. }) => {
+                assert_eq!((call, code), ("cuEventRecord", CUDA_ERROR_INVALID_HANDLE));
+            }
+            other => panic!("recording on an unknown stream should fail, got {other:?}"),
+        }
+        drop(device);
+        assert_eq!(
+            fake.stat("live_events"),
+            0,
+            "dropping the device destroys its events"
+        );
+    });
+}
+
+#[test]
+fn the_callers_context_is_restored() {
+    in_own_process("the_callers_context_is_restored", &[], || {
+        let fake = FakeCuda::open();
+        let mut device = open_device();
+
+        // No context current: ours is pushed for the call, and popped again.
+        let ptr = device
+            .malloc(MIB, 0)
+            .expect("malloc with no context current");
+        assert_eq!(current_context(), ptr::null_mut());
+
+        // Another library's context current: it is current again afterwards. (The fake refuses
+        // memory calls under that context, so the malloc succeeding proves the switch.)
+        let foreign: sys::CUcontext = fake.foreign_context().cast();
+        set_current_context(foreign);
+        device.free(ptr).expect("free under a foreign context");
+        fake.fail_next("cuMemGetInfo_v2", CUDA_ERROR_UNKNOWN);
+        assert!(device.mem_get_info().is_err());
+        assert_eq!(
+            current_context(),
+            foreign,
+            "restored after success and failure"
+        );
+
+        // The primary context already current: no switch at all.
+        let primary = retain_primary_context();
+        set_current_context(primary);
+        let pushes = fake.stat("cuCtxPushCurrent_v2");
+        let ptr = device.malloc(MIB, 0).expect("malloc");
+        device.free(ptr).expect("free");
+        assert_eq!(fake.stat("cuCtxPushCurrent_v2"), pushes);
+        assert_eq!(current_context(), primary);
+        assert_eq!(
+            fake.stat("cuCtxPushCurrent_v2"),
+            fake.stat("cuCtxPopCurrent_v2")
+        );
+
+        // The device holds one reference to the primary context and gives it back on drop.
+        assert_eq!(fake.stat("primary_context_refs"), 2);
+        drop(device);
+        assert_eq!(fake.stat("primary_context_refs"), 1);
+        set_current_context(ptr::null_mut());
+    });
+}
+
+#[test]
+fn malloc_during_graph_capture_relaxes_the_capture_mode() {
+    in_own_process(
+        "malloc_during_graph_capture_relaxes_the_capture_mode",
+        &[],
+        || {
+            let fake = FakeCuda::open();
+            let mut device = open_device();
+            set_current_context(retain_primary_context());
+            let mut stream = ptr::null_mut();
+            // SAFETY: the out pointer is a live local; a context is current.
+            let created = unsafe { sys::cuStreamCreate(&mut stream, 0) };
+            assert_eq!(created, sys::CUresult::CUDA_SUCCESS);
+            let stream = stream as u64;
+
+            let ptr = device
+                .malloc(MIB, stream)
+                .expect("no capture, plain malloc");
+            assert_eq!(fake.stat("cuThreadExchangeStreamCaptureMode"), 0);
+            device.free(ptr).expect("free");
+
+            fake.set_capturing(stream, true);
+            let mut raw = 0;
+            // SAFETY: the out pointer is a live local; a context is current.
+            let refused = unsafe { sys::cuMemAlloc_v2(&mut raw, MIB) };
+            assert_eq!(
+                refused,
+                sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                "the fake refuses a plain malloc during capture, as the driver does"
+            );
+            let ptr = device.malloc(MIB, stream).expect("malloc during capture");
+            assert_eq!(fake.stat("cuThreadExchangeStreamCaptureMode"), 2);
+            assert_eq!(
+                fake.capture_mode(),
+                0,
+                "the thread's capture mode is global again"
+            );
+            fake.set_capturing(stream, false);
+            device.free(ptr).expect("free");
+        },
+    );
+}
+
+#[test]
+fn an_old_driver_is_unavailable() {
+    let env = [("FAKE_LIBCUDA_DRIVER_VERSION", "11080")];
+    in_own_process(
+        "an_old_driver_is_unavailable",
+        &env,
+        || match CudaDevice::new(0) {
+            Err(DeviceError::Unavailable(message)) => {
+                assert!(message.contains("CUDA 12.0 or newer"), "{message}");
+                assert!(message.contains("CUDA 11.8"), "{message}");
+            }
+            other => panic!("expected Unavailable, got {other:?}"),
+        },
+    );
+}
+
+#[test]
+fn a_missing_device_is_unavailable() {
+    in_own_process("a_missing_device_is_unavailable", &[], || {
+        for ordinal in [1, -1] {
+            match CudaDevice::new(ordinal) {
+                Err(DeviceError::Unavailable(message)) => {
+                    assert!(
+                        message.contains(&format!("no CUDA device {ordinal}")),
+                        "{message}"
+                    );
+                    assert!(message.contains("1 device(s)"), "{message}");
+                }
+                other => panic!("expected Unavailable, got {other:?}"),
+            }
+        }
+    });
+}
+
+#[test]
+fn a_machine_without_devices_is_unavailable() {
+    let env = [("FAKE_LIBCUDA_DEVICE_COUNT", "0")];
+    in_own_process(
+        "a_machine_without_devices_is_unavailable",
+        &env,
+        || match CudaDevice::new(0) {
+            Err(DeviceError::Unavailable(message)) => {
+                assert!(message.contains("no CUDA-capable device"), "{message}");
+            }
+            other => panic!("expected Unavailable, got {other:?}"),
+        },
+    );
+}
+
+#[test]
+fn no_libcuda_at_all_is_unavailable_without_a_panic() {
+    in_own_process_without_libcuda("no_libcuda_at_all_is_unavailable_without_a_panic", || {
+        for _ in 0..2 {
+            match CudaDevice::new(0) {
+                Err(DeviceError::Unavailable(message)) => {
+                    assert!(
+                        message.contains("could not load the CUDA driver library libcuda.so"),
+                        "{message}"
+                    );
+                    assert!(message.contains("NVIDIA driver installed"), "{message}");
+                }
+                Ok(_) => {
+                    // A machine with a real driver in the system library path: nothing to test.
+                    eprintln!("skipped: this machine has a real libcuda");
+                    return;
+                }
+                other => panic!("expected Unavailable, got {other:?}"),
+            }
+        }
+    });
+}
+
+/// What `real_gpu_smoke` checks, run here on the fake so that the check itself is known to work.
+#[test]
+fn the_real_gpu_smoke_test_passes_on_the_fake() {
+    in_own_process("the_real_gpu_smoke_test_passes_on_the_fake", &[], smoke);
+}
+
+/// The same checks on a real GPU, with the system's libcuda:
+/// `cargo test --test cuda_device -- --ignored real_gpu_smoke --nocapture`.
+#[test]
+#[ignore = "needs an NVIDIA GPU and driver"]
+fn real_gpu_smoke() {
+    smoke();
+}
+
+/// Every `Device` operation once, on whatever libcuda the process loads. Device memory is only
+/// touched through the driver (memset and copy), so this runs on a real GPU as well.
+fn smoke() {
+    let mut device = open_device();
+    eprintln!(
+        "device 0: {}, driver {}",
+        device.name(),
+        device.driver_version()
+    );
+    assert_eq!(current_context(), ptr::null_mut());
+
+    let info = device.mem_get_info().expect("mem_get_info");
+    assert!(info.free <= info.total && info.total > 0, "{info:?}");
+    let ptr = device.malloc(64 * MIB, 0).expect("malloc");
+    assert_eq!(ptr % 512, 0);
+    device.free(ptr).expect("free");
+    assert_eq!(
+        device.malloc(info.total.saturating_mul(2), 0),
+        Err(DeviceError::OutOfMemory)
+    );
+
+    let event = device.record_event(0).expect("record_event");
+    device.synchronize_event(event).expect("synchronize_event");
+    assert_eq!(device.query_event(event), Ok(true));
+    device.release_event(event);
+    device.synchronize_stream(0).expect("synchronize_stream");
+    assert_eq!(
+        current_context(),
+        ptr::null_mut(),
+        "nothing left current behind"
+    );
+
+    if !device.supports_virtual_memory() {
+        eprintln!("no virtual memory management on this device: expandable segments skipped");
+        return;
+    }
+    let page = device.page_granularity().expect("page_granularity");
+    let base = device.reserve_address_range(4 * page).expect("reserve");
+    let handle = device.create_physical(2 * page).expect("create_physical");
+    device
+        .map(base + page as u64, 2 * page, handle)
+        .expect("map");
+    device
+        .set_access(base + page as u64, 2 * page)
+        .expect("set_access");
+
+    // Write and read the mapped pages through the driver, in the primary context.
+    set_current_context(retain_primary_context());
+    let last_byte = base + 3 * page as u64 - 1;
+    let mut read_back = [0u8; 1];
+    // SAFETY: the range is mapped and accessible; the out buffer is a live local of one byte.
+    let (set, copied) = unsafe {
+        (
+            sys::cuMemsetD8_v2(base + page as u64, 0x5a, 2 * page),
+            sys::cuMemcpyDtoH_v2(read_back.as_mut_ptr().cast(), last_byte, 1),
+        )
+    };
+    assert_eq!(
+        (set, copied),
+        (sys::CUresult::CUDA_SUCCESS, sys::CUresult::CUDA_SUCCESS)
+    );
+    assert_eq!(read_back, [0x5a]);
+
+    device.unmap(base + page as u64, 2 * page).expect("unmap");
+    device.release_physical(handle).expect("release_physical");
+    device
+        .free_address_range(base, 4 * page)
+        .expect("free_address_range");
+}

@@ -1,0 +1,164 @@
+//! Running a test against the fake libcuda (`tests/fake-libcuda`) in a process of its own.
+//!
+//! cudarc loads libcuda once per process, at the first driver call, from the library search
+//! path as it was when the process started. So each scenario reruns the test binary itself,
+//! filtered to that one test, with `LD_LIBRARY_PATH` leading to the fake (or to nothing) and
+//! the fake's settings in the environment; the parent checks that the child passed.
+
+#![allow(
+    dead_code,
+    reason = "each test binary uses its own part of the helpers"
+)]
+
+use std::ffi::{CString, c_char, c_int, c_void};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Set in a child process to the name of the one test it runs.
+const CHILD_VARIABLE: &str = "FERROCACHE_TEST_CHILD";
+
+static PANICS: AtomicUsize = AtomicUsize::new(0);
+
+/// Runs `body` in a child process whose libcuda is the fake one, with `env` set (e.g.
+/// `FAKE_LIBCUDA_TOTAL_MEM`). `test` must be the name of the calling `#[test]` function.
+pub fn in_own_process(test: &str, env: &[(&str, &str)], body: impl FnOnce()) {
+    let library_path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(existing) if !existing.is_empty() => {
+            format!("{}:{existing}", fake_libcuda_dir().display())
+        }
+        _ => fake_libcuda_dir().display().to_string(),
+    };
+    run(test, &library_path, env, body);
+}
+
+/// Runs `body` in a child process whose library search path holds no libcuda at all.
+pub fn in_own_process_without_libcuda(test: &str, body: impl FnOnce()) {
+    let empty = Path::new(env!("CARGO_TARGET_TMPDIR")).join("no-libcuda");
+    std::fs::create_dir_all(&empty).expect("create an empty library directory");
+    run(test, &empty.display().to_string(), &[], body);
+}
+
+fn run(test: &str, library_path: &str, env: &[(&str, &str)], body: impl FnOnce()) {
+    if std::env::var(CHILD_VARIABLE).as_deref() == Ok(test) {
+        // Panics that something catches (cudarc's, under catch_unwind) must not go unnoticed.
+        let default_hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            PANICS.fetch_add(1, Ordering::SeqCst);
+            default_hook(info);
+        }));
+        body();
+        assert_eq!(PANICS.load(Ordering::SeqCst), 0, "something panicked");
+        return;
+    }
+    let output = Command::new(std::env::current_exe().expect("the test binary's path"))
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD_VARIABLE, test)
+        .env("LD_LIBRARY_PATH", library_path)
+        .envs(env.iter().copied())
+        .output()
+        .expect("run the test binary again");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && stdout.contains("1 passed"),
+        "the child process for {test} failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
+        output.status
+    );
+}
+
+/// Builds the fake libcuda once per test process; returns the directory that holds
+/// `libcuda.so` and `libcuda.so.1` (the name a driver installation provides).
+pub fn fake_libcuda_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fake-libcuda/Cargo.toml");
+        // A target directory of its own, inside ours: the fake is not part of this workspace.
+        let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake-libcuda");
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let status = Command::new(cargo)
+            .arg("build")
+            .arg("--quiet")
+            .arg("--manifest-path")
+            .arg(&manifest)
+            .arg("--target-dir")
+            .arg(&target)
+            .status()
+            .expect("run cargo to build the fake libcuda");
+        assert!(status.success(), "building {} failed", manifest.display());
+        let dir = target.join("debug");
+        let versioned = dir.join("libcuda.so.1");
+        if !versioned.exists() {
+            // Another test binary may be doing the same at the same moment.
+            let _ = std::os::unix::fs::symlink("libcuda.so", &versioned);
+        }
+        dir
+    })
+}
+
+/// The fake's test-only exports, looked up in the libcuda that cudarc loaded.
+pub struct FakeCuda {
+    library: libloading::Library,
+}
+
+impl FakeCuda {
+    pub fn open() -> FakeCuda {
+        // SAFETY: in a child process libcuda.so is the fake, already loaded by cudarc or safe
+        // to load (it has no initialisers); dlopen hands back the same library.
+        let library = unsafe { libloading::Library::new("libcuda.so") }.expect("load the fake");
+        FakeCuda { library }
+    }
+
+    fn function<T: Copy>(&self, name: &str) -> T {
+        // SAFETY: each caller names a fake export and gives its exact C signature.
+        *unsafe { self.library.get::<T>(name.as_bytes()) }
+            .unwrap_or_else(|e| panic!("the fake libcuda lacks {name}: {e}"))
+    }
+
+    /// How many times the driver function `name` was called, or a state counter of the fake
+    /// (`bytes_in_use`, `live_allocations`, `live_mappings`, ... see its README).
+    pub fn stat(&self, name: &str) -> i64 {
+        let stat: unsafe extern "C" fn(*const c_char) -> i64 = self.function("fake_cuda_stat");
+        let name = CString::new(name).expect("no NUL in a stat name");
+        // SAFETY: a valid NUL-terminated string.
+        let value = unsafe { stat(name.as_ptr()) };
+        assert!(value >= 0, "the fake has no counter {name:?}");
+        value
+    }
+
+    /// Events recorded from now on report "not ready" to their first `queries` queries.
+    pub fn set_event_delay(&self, queries: u32) {
+        let set: extern "C" fn(u32) = self.function("fake_cuda_set_event_delay");
+        set(queries);
+    }
+
+    /// The next call of driver function `name` fails with `code`.
+    pub fn fail_next(&self, name: &str, code: u32) {
+        let fail: unsafe extern "C" fn(*const c_char, u32) = self.function("fake_cuda_fail_next");
+        let name = CString::new(name).expect("no NUL in a function name");
+        // SAFETY: a valid NUL-terminated string.
+        unsafe { fail(name.as_ptr(), code) };
+    }
+
+    /// A context that is not a primary context, as another library would have made.
+    pub fn foreign_context(&self) -> *mut c_void {
+        let get: extern "C" fn() -> *mut c_void = self.function("fake_cuda_foreign_context");
+        get()
+    }
+
+    pub fn set_capturing(&self, stream: u64, capturing: bool) {
+        let set: extern "C" fn(*mut c_void, c_int) -> u32 =
+            self.function("fake_cuda_set_capturing");
+        assert_eq!(
+            set(stream as usize as *mut c_void, c_int::from(capturing)),
+            0
+        );
+    }
+
+    /// The calling thread's stream capture mode (0 global, 1 thread-local, 2 relaxed).
+    pub fn capture_mode(&self) -> u32 {
+        let get: extern "C" fn() -> u32 = self.function("fake_cuda_capture_mode");
+        get()
+    }
+}
