@@ -52,54 +52,67 @@ impl fmt::Display for StreamName {
     }
 }
 
+#[inline]
 pub fn block_allocated(ptr: DevicePtr, size: usize, stream: StreamId) {
     info!(target: TARGET, "Allocator: block {ptr:#x} (size {}) allocated to stream {}", HumanSize(size), StreamName(stream));
 }
 
+#[inline]
 pub fn block_split(ptr: DevicePtr, size: usize, remaining: usize) {
     info!(target: TARGET, "Allocator: splitting block {ptr:#x}: {} allocated, {} remains free", HumanSize(size), HumanSize(remaining));
 }
 
+#[inline]
 pub fn block_freed(ptr: DevicePtr) {
     info!(target: TARGET, "Allocator: block {ptr:#x} freed, returning to pool");
 }
 
+#[inline]
 pub fn block_waits_for_streams(ptr: DevicePtr, streams: usize) {
     info!(target: TARGET, "Allocator: block {ptr:#x} freed, waiting for {streams} other stream(s) before reuse");
 }
 
+#[inline]
 pub fn block_merged(ptr: DevicePtr) {
     info!(target: TARGET, "Allocator: merging block {ptr:#x} with adjacent free block");
 }
 
+#[inline]
 pub fn new_free_block(size: usize) {
     info!(target: TARGET, "Allocator: new free block size {}", HumanSize(size));
 }
 
+#[inline]
 pub fn segment_allocated(ptr: DevicePtr, size: usize, stream: StreamId) {
     info!(target: TARGET, "Allocator: new segment {ptr:#x} (size {}) from the device for stream {}", HumanSize(size), StreamName(stream));
 }
 
+#[inline]
 pub fn segment_released(ptr: DevicePtr, size: usize) {
     info!(target: TARGET, "Allocator: segment {ptr:#x} (size {}) released to the device", HumanSize(size));
 }
 
+#[inline]
 pub fn pages_mapped(ptr: DevicePtr, size: usize, stream: StreamId) {
     info!(target: TARGET, "Allocator: mapped pages {ptr:#x} (size {}) into the expandable segment of stream {}", HumanSize(size), StreamName(stream));
 }
 
+#[inline]
 pub fn pages_unmapped(ptr: DevicePtr, size: usize) {
     info!(target: TARGET, "Allocator: unmapped pages {ptr:#x} (size {}) from an expandable segment", HumanSize(size));
 }
 
+#[inline]
 pub fn alloc_retry(size: usize, what: &str) {
     info!(target: TARGET, "Allocator: device allocation of {} failed; {what} and retrying", HumanSize(size));
 }
 
+#[inline]
 pub fn out_of_memory(message: &str) {
     error!(target: TARGET, "Allocator: {message}");
 }
 
+#[inline]
 pub fn device_error(what: &str, err: &dyn fmt::Display) {
     error!(target: TARGET, "Allocator: {what}: {err}");
 }

@@ -66,9 +66,13 @@ impl History {
 
     #[inline]
     pub fn record(&mut self, action: TraceAction, addr: DevicePtr, size: usize, stream: StreamId) {
-        if !self.enabled {
-            return;
+        if self.enabled {
+            self.push(action, addr, size, stream);
         }
+    }
+
+    #[inline(never)]
+    fn push(&mut self, action: TraceAction, addr: DevicePtr, size: usize, stream: StreamId) {
         let entry = TraceEntry {
             action,
             addr,

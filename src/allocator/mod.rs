@@ -300,37 +300,31 @@ impl<D: Device> DeviceAllocator<D> {
             pool.get_free_blocks_call_count += 1;
         }
         let arena = &self.arena;
-        let id = {
-            let mut fitting = pool.fitting(request.stream, request.size);
-            let (_, &first) = fitting.next()?;
-            let mut id = first;
-            if arena.get(id).expandable.is_some() {
-                if self.config.expandable_segments {
-                    // Best fit by what a block can grow to: its size plus the unmapped space
-                    // after it.
-                    let growable = |id: BlockId| {
-                        let b = arena.get(id);
-                        b.size
-                            + b.next
-                                .map(|n| arena.get(n))
-                                .filter(|n| !n.mapped)
-                                .map_or(0, |n| n.size)
-                    };
-                    for (_, &next) in fitting {
-                        if arena.get(id).expandable.is_none() || growable(next) >= growable(id) {
-                            break;
-                        }
-                        id = next;
+        let mut id = pool.best_fit(request.stream, request.size)?;
+        if arena.get(id).expandable.is_some() {
+            let mut successors = pool.fitting(request.stream, request.size).skip(1);
+            if self.config.expandable_segments {
+                // Best fit by what a block can grow to: its size plus the unmapped space after
+                // it.
+                let growable = |id: BlockId| {
+                    let b = arena.get(id);
+                    b.size
+                        + b.next
+                            .map(|n| arena.get(n))
+                            .filter(|n| !n.mapped)
+                            .map_or(0, |n| n.size)
+                };
+                for next in successors {
+                    if arena.get(id).expandable.is_none() || growable(next) >= growable(id) {
+                        break;
                     }
-                } else {
-                    // Expandable segments were switched off: serve only from ordinary segments.
-                    id = fitting
-                        .map(|(_, &id)| id)
-                        .find(|&id| arena.get(id).expandable.is_none())?;
+                    id = next;
                 }
+            } else {
+                // Expandable segments were switched off: serve only from ordinary segments.
+                id = successors.find(|&id| arena.get(id).expandable.is_none())?;
             }
-            id
-        };
+        }
         let block = arena.get(id);
         // Expandable blocks are carved freely (they always split), so the oversize rules,
         // which protect unsplittable blocks, do not apply to them.
@@ -338,7 +332,7 @@ impl<D: Device> DeviceAllocator<D> {
         {
             return None;
         }
-        pool.remove(block);
+        pool.remove(id, block);
         Some(id)
     }
 
@@ -615,7 +609,7 @@ impl<D: Device> DeviceAllocator<D> {
         let src_block = self.arena.remove(src);
         let pool = &mut self.pools[pool_index(src_block.pool)];
         let removed = if src_block.mapped {
-            pool.remove(&src_block)
+            pool.remove(src, &src_block)
         } else {
             pool.remove_unmapped(&src_block)
         };
@@ -810,7 +804,7 @@ impl<D: Device> DeviceAllocator<D> {
         // The device first: if it refuses, the segment stays cached and nothing changes.
         self.device.free(ptr)?;
         let block = self.arena.remove(id);
-        self.pools[pool_index(pool)].remove(&block);
+        self.pools[pool_index(pool)].remove(id, &block);
         self.total_allocated_memory -= size;
         self.stats.num_device_free += 1;
         self.stats.segment.decrease(pool, 1);
@@ -836,9 +830,7 @@ impl<D: Device> DeviceAllocator<D> {
         let pool = &self.pools[pool_index(request.pool)];
         let arena = &self.arena;
         let covering = pool
-            .fitting(request.stream, wanted)
-            .map(|(_, &id)| id)
-            .next()
+            .best_fit(request.stream, wanted)
             .filter(|&id| arena.get(id).expandable.is_none());
         if let Some(id) = covering {
             self.release_block(id)?;
@@ -847,7 +839,7 @@ impl<D: Device> DeviceAllocator<D> {
         // No single block is large enough: release oversize blocks, largest first.
         let mut to_release = Vec::new();
         let mut released = 0;
-        for (&(_, size, _), &id) in pool.smaller_than(request.stream, wanted) {
+        for (size, id) in pool.smaller_than(request.stream, wanted) {
             if released >= wanted || size < max_split_size {
                 break;
             }
@@ -897,6 +889,7 @@ impl<D: Device> DeviceAllocator<D> {
             // so collection does not run again at once.
             let victims: Vec<BlockId> = self.pools[pool_index(PoolKind::Large)]
                 .cached()
+                .into_iter()
                 .filter(|&id| {
                     let b = self.arena.get(id);
                     freeable(b) && age(b) as f64 >= age_threshold
@@ -967,7 +960,7 @@ impl<D: Device> DeviceAllocator<D> {
             candidate = next;
         }
         let block = self.arena.get(candidate);
-        self.pools[pool_index(block.pool)].remove(block);
+        self.pools[pool_index(block.pool)].remove(candidate, block);
         Ok(Some(candidate))
     }
 
@@ -1098,7 +1091,7 @@ impl<D: Device> DeviceAllocator<D> {
         if range.size == 0 {
             return failure.map_or(Ok(()), Err);
         }
-        self.pools[pool_index(pool)].remove(self.arena.get(id));
+        self.pools[pool_index(pool)].remove(id, self.arena.get(id));
         let before = (range.ptr - ptr) as usize;
         if before > 0 {
             let mut piece = Block::new(ptr, before, stream, pool);
@@ -1612,6 +1605,7 @@ impl<D: Device> DeviceAllocator<D> {
 }
 
 /// Applies a signed change to a statistic.
+#[inline]
 fn apply_signed(stat: &mut stats::StatArray, pool: PoolKind, change: i64) {
     if change > 0 {
         stat.increase(pool, change as u64);

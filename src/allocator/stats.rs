@@ -15,12 +15,14 @@ pub struct Stat {
 }
 
 impl Stat {
+    #[inline]
     pub fn increase(&mut self, amount: u64) {
         self.current += amount as i64;
         self.peak = self.peak.max(self.current);
         self.allocated += amount as i64;
     }
 
+    #[inline]
     pub fn decrease(&mut self, amount: u64) {
         self.current -= amount as i64;
         debug_assert!(self.current >= 0, "negative statistic (logic error)");
@@ -46,6 +48,7 @@ pub struct StatArray {
 }
 
 impl StatArray {
+    #[inline]
     fn pool_mut(&mut self, pool: PoolKind) -> &mut Stat {
         match pool {
             PoolKind::Small => &mut self.small_pool,
