@@ -454,7 +454,7 @@ mod tests {
     #[test]
     fn order_is_stream_size_address() {
         let mut pool = BlockPool::new(PoolKind::Small);
-        let mut blocks = vec![
+        let mut blocks = [
             block(0x9000, 1024, 1),
             block(0x1000, 1024, 1),
             block(0x5000, 512, 1),
