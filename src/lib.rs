@@ -5,3 +5,4 @@ pub mod allocator;
 pub mod config;
 pub mod device;
 pub mod policy;
+pub mod replay;

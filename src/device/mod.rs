@@ -98,8 +98,12 @@ pub trait Device {
     /// `cuMemRelease` of a physical handle.
     fn release_physical(&mut self, handle: PhysicalHandle) -> Result<(), DeviceError>;
     /// `cuMemMap`: maps all of `handle` at `ptr` (inside a reserved range).
-    fn map(&mut self, ptr: DevicePtr, size: usize, handle: PhysicalHandle)
-    -> Result<(), DeviceError>;
+    fn map(
+        &mut self,
+        ptr: DevicePtr,
+        size: usize,
+        handle: PhysicalHandle,
+    ) -> Result<(), DeviceError>;
     /// `cuMemSetAccess`: makes a mapped range readable and writable from the device.
     fn set_access(&mut self, ptr: DevicePtr, size: usize) -> Result<(), DeviceError>;
     /// `cuMemUnmap`.
