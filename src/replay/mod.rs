@@ -20,7 +20,7 @@ pub mod pickle;
 pub mod snapshot;
 pub mod workload;
 
-pub use pickle::{PickleError, PickleErrorKind, PickleValue};
+pub use pickle::{Document, PickleError, PickleErrorKind, PickleValue, ValueRef};
 pub use snapshot::{
     Action, AllocatorSettings, BlockState, BlockStatus, Segment, Snapshot, TraceEvent, load,
     parse_snapshot,

@@ -7,9 +7,11 @@
 //! input's own size: lengths are checked against the bytes that remain before anything is
 //! reserved, and shared (memoized) values are shared in the result, not copied.
 //!
-//! Parsing happens in two steps: opcodes build a flat arena of nodes (so that memoized containers
-//! can still be filled after they were memoized, as pickle requires), then the arena becomes a
-//! [`PickleValue`] tree in which every node is converted once and shared through `Arc`.
+//! Opcodes build a [`Document`]: a flat arena of nodes that borrow their strings from the input
+//! (so that memoized containers can still be filled after they were memoized, as pickle
+//! requires). Read it in place through [`ValueRef`]s, which is what the snapshot reader does, or
+//! turn it into an owned [`PickleValue`] tree ([`parse`]) in which every node is converted once
+//! and shared through `Arc`.
 
 use rustc_hash::FxHashMap;
 use std::borrow::Cow;
@@ -95,18 +97,18 @@ impl PickleValue {
         }
     }
 
-    /// Python's name for the value's type, for error messages.
+    /// Python's name for the value's type with an article ("an int", "a dict"), for messages.
     pub fn type_name(&self) -> &'static str {
         match self {
             PickleValue::None => "None",
-            PickleValue::Bool(_) => "bool",
-            PickleValue::Int(_) => "int",
-            PickleValue::Float(_) => "float",
-            PickleValue::Str(_) => "str",
+            PickleValue::Bool(_) => "a bool",
+            PickleValue::Int(_) => "an int",
+            PickleValue::Float(_) => "a float",
+            PickleValue::Str(_) => "a str",
             PickleValue::Bytes(_) => "bytes",
-            PickleValue::List(_) => "list",
-            PickleValue::Tuple(_) => "tuple",
-            PickleValue::Dict(_) => "dict",
+            PickleValue::List(_) => "a list",
+            PickleValue::Tuple(_) => "a tuple",
+            PickleValue::Dict(_) => "a dict",
         }
     }
 }
@@ -182,8 +184,7 @@ impl std::error::Error for PickleError {}
 
 /// Reads a pickle (protocol 2 to 5) that holds only plain data.
 pub fn parse(bytes: &[u8]) -> Result<PickleValue, PickleError> {
-    let arena = Arena::parse(bytes)?;
-    arena.to_value()
+    Document::parse(bytes)?.to_value()
 }
 
 type NodeId = u32;
@@ -200,9 +201,120 @@ enum Node<'a> {
     Dict(Vec<(NodeId, NodeId)>),
 }
 
-struct Arena<'a> {
+/// A parsed pickle as a flat arena of values that borrow their strings from the input; read it
+/// through [`ValueRef`]s. Cheaper than [`PickleValue`] when only part of the data is wanted:
+/// nothing is copied or reference-counted.
+pub struct Document<'a> {
     nodes: Vec<Node<'a>>,
     root: NodeId,
+}
+
+/// A value inside a [`Document`].
+#[derive(Clone, Copy)]
+pub struct ValueRef<'d, 'a> {
+    doc: &'d Document<'a>,
+    id: NodeId,
+}
+
+impl<'d, 'a> ValueRef<'d, 'a> {
+    fn node(self) -> &'d Node<'a> {
+        &self.doc.nodes[self.id as usize]
+    }
+
+    fn at(self, id: NodeId) -> ValueRef<'d, 'a> {
+        ValueRef { doc: self.doc, id }
+    }
+
+    /// The value under the string key `key` when this is a dict (the later of duplicates).
+    pub fn get(self, key: &str) -> Option<ValueRef<'d, 'a>> {
+        match self.node() {
+            Node::Dict(entries) => entries
+                .iter()
+                .rev()
+                .find(|&&(k, _)| self.at(k).as_str() == Some(key))
+                .map(|&(_, v)| self.at(v)),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> Option<&'d str> {
+        match self.node() {
+            Node::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_int(self) -> Option<i128> {
+        match self.node() {
+            Node::Int(i) => Some(*i),
+            Node::Bool(b) => Some(i128::from(*b)),
+            _ => None,
+        }
+    }
+
+    pub fn as_f64(self) -> Option<f64> {
+        match self.node() {
+            Node::Float(x) => Some(*x),
+            Node::Int(i) => Some(*i as f64),
+            _ => None,
+        }
+    }
+
+    pub fn as_bool(self) -> Option<bool> {
+        match self.node() {
+            Node::Bool(b) => Some(*b),
+            _ => None,
+        }
+    }
+
+    pub fn is_none(self) -> bool {
+        matches!(self.node(), Node::None)
+    }
+
+    /// The items of a list or a tuple.
+    pub fn items(self) -> Option<impl ExactSizeIterator<Item = ValueRef<'d, 'a>>> {
+        match self.node() {
+            Node::List(items) | Node::Tuple(items) => Some(items.iter().map(move |&i| self.at(i))),
+            _ => None,
+        }
+    }
+
+    /// The entries of a dict, in pickle order.
+    pub fn entries(
+        self,
+    ) -> Option<impl ExactSizeIterator<Item = (ValueRef<'d, 'a>, ValueRef<'d, 'a>)>> {
+        match self.node() {
+            Node::Dict(entries) => {
+                Some(entries.iter().map(move |&(k, v)| (self.at(k), self.at(v))))
+            }
+            _ => None,
+        }
+    }
+
+    pub fn is_dict(self) -> bool {
+        matches!(self.node(), Node::Dict(_))
+    }
+
+    /// The type with an article ("an int", "a dict"), for messages.
+    pub fn type_name(self) -> &'static str {
+        match self.node() {
+            Node::None => "None",
+            Node::Bool(_) => "a bool",
+            Node::Int(_) => "an int",
+            Node::Float(_) => "a float",
+            Node::Str(_) => "a str",
+            Node::Bytes(_) => "bytes",
+            Node::List(_) => "a list",
+            Node::Tuple(_) => "a tuple",
+            Node::Dict(_) => "a dict",
+        }
+    }
+
+    /// This value as an owned [`PickleValue`].
+    pub fn to_value(self) -> Result<PickleValue, PickleError> {
+        let mut converted: Vec<Option<PickleValue>> = vec![None; self.doc.nodes.len()];
+        self.doc.convert(self.id, 0, &mut converted)
+    }
 }
 
 /// The opcodes, under their names in Python's `pickle` module.
@@ -333,8 +445,9 @@ struct Parser<'a> {
     memo_sparse: FxHashMap<u32, NodeId>,
 }
 
-impl<'a> Arena<'a> {
-    fn parse(input: &'a [u8]) -> Result<Arena<'a>, PickleError> {
+impl<'a> Document<'a> {
+    /// Reads a pickle (protocol 2 to 5) that holds only plain data.
+    pub fn parse(input: &'a [u8]) -> Result<Document<'a>, PickleError> {
         if input.first() != Some(&op::PROTO) {
             return Err(PickleError {
                 offset: 0,
@@ -353,15 +466,58 @@ impl<'a> Arena<'a> {
             memo_sparse: FxHashMap::default(),
         };
         let root = parser.run()?;
-        Ok(Arena {
+        Ok(Document {
             nodes: parser.nodes,
             root,
         })
     }
 
-    fn to_value(&self) -> Result<PickleValue, PickleError> {
-        let mut converted: Vec<Option<PickleValue>> = vec![None; self.nodes.len()];
-        self.convert(self.root, 0, &mut converted)
+    /// The same structure from JSON: objects become dicts with string keys, arrays lists.
+    pub fn from_json(value: &serde_json::Value) -> Document<'static> {
+        let mut doc = Document {
+            nodes: Vec::new(),
+            root: 0,
+        };
+        doc.root = doc.push_json(value);
+        doc
+    }
+
+    fn push_json(&mut self, value: &serde_json::Value) -> NodeId {
+        use serde_json::Value;
+        let node = match value {
+            Value::Null => Node::None,
+            Value::Bool(b) => Node::Bool(*b),
+            Value::Number(n) => match (n.as_i64(), n.as_u64()) {
+                (Some(i), _) => Node::Int(i128::from(i)),
+                (None, Some(u)) => Node::Int(i128::from(u)),
+                _ => Node::Float(n.as_f64().unwrap_or(f64::NAN)),
+            },
+            Value::String(s) => Node::Str(Cow::Owned(s.clone())),
+            Value::Array(items) => Node::List(items.iter().map(|v| self.push_json(v)).collect()),
+            Value::Object(map) => Node::Dict(
+                map.iter()
+                    .map(|(k, v)| {
+                        let key = self.push_json(&Value::String(k.clone()));
+                        (key, self.push_json(v))
+                    })
+                    .collect(),
+            ),
+        };
+        // serde_json nests at most 128 levels and its input bounds the node count.
+        self.nodes.push(node);
+        (self.nodes.len() - 1) as NodeId
+    }
+
+    pub fn root(&self) -> ValueRef<'_, 'a> {
+        ValueRef {
+            doc: self,
+            id: self.root,
+        }
+    }
+
+    /// The whole document as an owned [`PickleValue`].
+    pub fn to_value(&self) -> Result<PickleValue, PickleError> {
+        self.root().to_value()
     }
 
     fn convert(
@@ -793,7 +949,7 @@ impl<'a> Parser<'a> {
 }
 
 fn pairs(items: &[NodeId]) -> Option<Vec<(NodeId, NodeId)>> {
-    if items.len() % 2 != 0 {
+    if !items.len().is_multiple_of(2) {
         return None;
     }
     Some(items.chunks_exact(2).map(|kv| (kv[0], kv[1])).collect())

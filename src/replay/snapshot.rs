@@ -4,12 +4,11 @@
 //! the END of recording), `device_traces` (one list per device, oldest event first) and, in newer
 //! versions, `allocator_settings`. Stack frames and other keys are not kept.
 
-use super::pickle::{self, PickleErrorKind, PickleValue};
+use super::pickle::{Document, PickleErrorKind, ValueRef};
 use super::{ReplayError, ReplayErrorKind};
 use crate::config::Config;
 use crate::policy::{K_ROUNDUP_POWER_OF_TWO_INTERVALS, K_SMALL_BUFFER};
 use std::path::Path;
-use std::sync::Arc;
 
 /// A recorded snapshot.
 #[derive(Debug, Clone, PartialEq)]
@@ -207,15 +206,15 @@ impl Snapshot {
             .unwrap_or_default()
     }
 
-    /// Reads the snapshot out of an already parsed value. `max_entries` bounds the number of
-    /// segments, blocks and events together: a pickle can refer to one list many times, and
-    /// expanding such references must not outgrow the file.
-    pub fn from_value(value: &PickleValue, max_entries: usize) -> Result<Snapshot, String> {
+    /// Reads the snapshot out of a parsed document; the error says what is not a snapshot.
+    /// `max_entries` bounds the segments, blocks and events together: a pickle can refer to one
+    /// list many times, and expanding such references must not outgrow the file.
+    pub fn from_document(document: &Document<'_>, max_entries: usize) -> Result<Snapshot, String> {
         let mut budget = Budget(max_entries);
-        let root = value
-            .as_dict()
-            .map(|_| value)
-            .ok_or_else(|| format!("the top level is a {}, not a dict", value.type_name()))?;
+        let root = document.root();
+        if !root.is_dict() {
+            return Err(format!("the top level is {}, not a dict", root.type_name()));
+        }
         let segments_value = root
             .get("segments")
             .ok_or("missing `segments` (the allocator state)")?;
@@ -225,28 +224,28 @@ impl Snapshot {
 
         let segment_items = seq(segments_value, "segments")?;
         let mut segments = Vec::with_capacity(segment_items.len().min(max_entries));
-        for (i, item) in segment_items.iter().enumerate() {
+        for (i, item) in segment_items.enumerate() {
             budget.take()?;
             segments.push(segment(item, &format!("segments[{i}]"), &mut budget)?);
         }
 
         let trace_items = seq(traces_value, "device_traces")?;
         let mut device_traces = Vec::with_capacity(trace_items.len().min(max_entries));
-        for (d, trace_value) in trace_items.iter().enumerate() {
+        for (d, trace_value) in trace_items.enumerate() {
             let path = format!("device_traces[{d}]");
             let entries = seq(trace_value, &path)?;
-            let mut trace = Vec::with_capacity(entries.len().min(max_entries));
-            for (i, entry) in entries.iter().enumerate() {
+            let mut trace = Vec::with_capacity(entries.len().min(budget.0));
+            for (i, entry) in entries.enumerate() {
                 budget.take()?;
-                trace.push(trace_event(entry, &format!("{path}[{i}]"))?);
+                trace.push(trace_event(entry, &path, i)?);
             }
             device_traces.push(trace);
         }
 
-        let allocator_settings = match root.get("allocator_settings") {
-            None | Some(PickleValue::None) => None,
-            Some(settings) => Some(allocator_settings(settings)),
-        };
+        let allocator_settings = root
+            .get("allocator_settings")
+            .filter(|v| !v.is_none())
+            .map(allocator_settings);
 
         Ok(Snapshot {
             segments,
@@ -268,7 +267,7 @@ pub fn load(path: &Path) -> Result<Snapshot, ReplayError> {
 /// is `{`, else a pickle. A snapshot without trace events is an error: there is nothing to replay.
 pub fn parse_snapshot(bytes: &[u8], file: &str) -> Result<Snapshot, ReplayError> {
     let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
-    let value = match first {
+    let document = match first {
         None => {
             return Err(ReplayError::new(
                 file,
@@ -276,8 +275,8 @@ pub fn parse_snapshot(bytes: &[u8], file: &str) -> Result<Snapshot, ReplayError>
                 "empty file: neither a pickle nor JSON",
             ));
         }
-        Some(b'{') => json_value(bytes, file)?,
-        Some(_) => pickle::parse(bytes).map_err(|e| {
+        Some(b'{') => Document::from_json(&json_value(bytes, file)?),
+        Some(_) => Document::parse(bytes).map_err(|e| {
             let kind = match e.kind {
                 PickleErrorKind::NotPickle => ReplayErrorKind::NotPickleOrJson,
                 PickleErrorKind::Truncated => ReplayErrorKind::Truncated,
@@ -293,7 +292,7 @@ pub fn parse_snapshot(bytes: &[u8], file: &str) -> Result<Snapshot, ReplayError>
             ReplayError::new(file, kind, detail)
         })?,
     };
-    let snapshot = Snapshot::from_value(&value, bytes.len()).map_err(|detail| {
+    let snapshot = Snapshot::from_document(&document, bytes.len()).map_err(|detail| {
         ReplayError::new(
             file,
             ReplayErrorKind::NotSnapshot,
@@ -311,47 +310,18 @@ pub fn parse_snapshot(bytes: &[u8], file: &str) -> Result<Snapshot, ReplayError>
     Ok(snapshot)
 }
 
-fn json_value(bytes: &[u8], file: &str) -> Result<PickleValue, ReplayError> {
-    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| {
-        let kind = if e.is_eof() {
-            ReplayErrorKind::Truncated
+fn json_value(bytes: &[u8], file: &str) -> Result<serde_json::Value, ReplayError> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        let (kind, what) = if e.is_eof() {
+            (ReplayErrorKind::Truncated, "truncated JSON")
         } else {
-            ReplayErrorKind::Malformed
-        };
-        let what = if e.is_eof() {
-            "truncated JSON"
-        } else {
-            "invalid JSON"
+            (ReplayErrorKind::Malformed, "invalid JSON")
         };
         ReplayError::new(file, kind, format!("{what}: {e}"))
-    })?;
-    Ok(from_json(&value))
+    })
 }
 
-/// JSON as pickle data: objects become dicts with string keys, arrays lists.
-fn from_json(value: &serde_json::Value) -> PickleValue {
-    use serde_json::Value;
-    match value {
-        Value::Null => PickleValue::None,
-        Value::Bool(b) => PickleValue::Bool(*b),
-        Value::Number(n) => {
-            if let Some(i) = n.as_i64() {
-                PickleValue::Int(i128::from(i))
-            } else if let Some(u) = n.as_u64() {
-                PickleValue::Int(i128::from(u))
-            } else {
-                PickleValue::Float(n.as_f64().unwrap_or(f64::NAN))
-            }
-        }
-        Value::String(s) => PickleValue::Str(Arc::from(s.as_str())),
-        Value::Array(items) => PickleValue::List(items.iter().map(from_json).collect()),
-        Value::Object(map) => PickleValue::Dict(
-            map.iter()
-                .map(|(k, v)| (PickleValue::Str(Arc::from(k.as_str())), from_json(v)))
-                .collect(),
-        ),
-    }
-}
+type V<'d> = ValueRef<'d, 'd>;
 
 struct Budget(usize);
 
@@ -367,59 +337,72 @@ impl Budget {
     }
 }
 
-fn seq<'v>(value: &'v PickleValue, path: &str) -> Result<&'v [PickleValue], String> {
+fn seq<'d>(
+    value: V<'d>,
+    path: &str,
+) -> Result<impl ExactSizeIterator<Item = V<'d>> + use<'d>, String> {
     value
-        .as_seq()
-        .ok_or_else(|| format!("`{path}` is a {}, not a list", value.type_name()))
+        .items()
+        .ok_or_else(|| format!("`{path}` is {}, not a list", value.type_name()))
 }
 
-fn required<'v>(dict: &'v PickleValue, key: &str, path: &str) -> Result<&'v PickleValue, String> {
+fn required<'d>(dict: V<'d>, key: &str, path: &str) -> Result<V<'d>, String> {
     dict.get(key)
         .ok_or_else(|| format!("`{path}` has no `{key}`"))
 }
 
-fn unsigned(value: &PickleValue, key: &str, path: &str) -> Result<u64, String> {
+fn unsigned(value: V<'_>, key: &str, path: &str) -> Result<u64, String> {
     match value.as_int() {
         Some(i) => u64::try_from(i)
             .map_err(|_| format!("`{path}.{key}` is {i}, not a non-negative 64-bit integer")),
         None => Err(format!(
-            "`{path}.{key}` is a {}, not an integer",
+            "`{path}.{key}` is {}, not an integer",
             value.type_name()
         )),
     }
 }
 
-fn signed(value: &PickleValue, key: &str, path: &str) -> Result<i64, String> {
+fn signed(value: V<'_>, key: &str, path: &str) -> Result<i64, String> {
     match value.as_int() {
         Some(i) => {
             i64::try_from(i).map_err(|_| format!("`{path}.{key}` is {i}, not a 64-bit integer"))
         }
         None => Err(format!(
-            "`{path}.{key}` is a {}, not an integer",
+            "`{path}.{key}` is {}, not an integer",
             value.type_name()
         )),
     }
 }
 
 /// Streams are `cudaStream_t` pointers that PyTorch writes as int64: negative ones wrap.
-fn stream_id(value: &PickleValue, path: &str) -> Result<u64, String> {
+fn stream_from_int(i: i128) -> Option<u64> {
+    if i < 0 {
+        i64::try_from(i).ok().map(|i| i as u64)
+    } else {
+        u64::try_from(i).ok()
+    }
+}
+
+fn stream_id(value: V<'_>, path: &str) -> Result<u64, String> {
+    if value.is_none() {
+        return Ok(0);
+    }
     match value.as_int() {
-        Some(i) if (i64::MIN as i128..=u64::MAX as i128).contains(&i) => {
-            Ok(if i < 0 { i as i64 as u64 } else { i as u64 })
+        Some(i) => {
+            stream_from_int(i).ok_or_else(|| format!("`{path}.stream` is {i}, out of range"))
         }
-        Some(i) => Err(format!("`{path}.stream` is {i}, out of range")),
         None => Err(format!(
-            "`{path}.stream` is a {}, not an integer",
+            "`{path}.stream` is {}, not an integer",
             value.type_name()
         )),
     }
 }
 
-fn optional<T>(
-    dict: &PickleValue,
+fn optional<'d, T>(
+    dict: V<'d>,
     key: &str,
     default: T,
-    read: impl FnOnce(&PickleValue) -> Result<T, String>,
+    read: impl FnOnce(V<'d>) -> Result<T, String>,
 ) -> Result<T, String> {
     match dict.get(key) {
         None => Ok(default),
@@ -427,14 +410,15 @@ fn optional<T>(
     }
 }
 
-fn expect_dict(value: &PickleValue, path: &str) -> Result<(), String> {
-    match value {
-        PickleValue::Dict(_) => Ok(()),
-        other => Err(format!("`{path}` is a {}, not a dict", other.type_name())),
+fn expect_dict(value: V<'_>, path: &str) -> Result<(), String> {
+    if value.is_dict() {
+        Ok(())
+    } else {
+        Err(format!("`{path}` is {}, not a dict", value.type_name()))
     }
 }
 
-fn segment(value: &PickleValue, path: &str, budget: &mut Budget) -> Result<Segment, String> {
+fn segment(value: V<'_>, path: &str, budget: &mut Budget) -> Result<Segment, String> {
     expect_dict(value, path)?;
     let device = optional(value, "device", 0, |v| {
         let d = unsigned(v, "device", path)?;
@@ -448,7 +432,7 @@ fn segment(value: &PickleValue, path: &str, budget: &mut Budget) -> Result<Segme
     let stream = optional(value, "stream", 0, |v| stream_id(v, path))?;
     let is_expandable = optional(value, "is_expandable", false, |v| {
         v.as_bool()
-            .ok_or_else(|| format!("`{path}.is_expandable` is a {}, not a bool", v.type_name()))
+            .ok_or_else(|| format!("`{path}.is_expandable` is {}, not a bool", v.type_name()))
     })?;
     // Older snapshots lack `segment_type`; small segments are always 2 MiB there.
     let is_small = optional(
@@ -467,7 +451,7 @@ fn segment(value: &PickleValue, path: &str, budget: &mut Budget) -> Result<Segme
     let block_items = seq(required(value, "blocks", path)?, &format!("{path}.blocks"))?;
     let mut blocks = Vec::with_capacity(block_items.len().min(budget.0));
     let mut next_address = address;
-    for (i, item) in block_items.iter().enumerate() {
+    for (i, item) in block_items.enumerate() {
         budget.take()?;
         let block = block(item, &format!("{path}.blocks[{i}]"), next_address)?;
         next_address = block.address.saturating_add(block.size);
@@ -484,7 +468,7 @@ fn segment(value: &PickleValue, path: &str, budget: &mut Budget) -> Result<Segme
     })
 }
 
-fn block(value: &PickleValue, path: &str, implied_address: u64) -> Result<BlockState, String> {
+fn block(value: V<'_>, path: &str, implied_address: u64) -> Result<BlockState, String> {
     expect_dict(value, path)?;
     // Very old snapshots omit block addresses: blocks tile their segment in order.
     let address = optional(value, "address", implied_address, |v| {
@@ -514,37 +498,58 @@ fn block(value: &PickleValue, path: &str, implied_address: u64) -> Result<BlockS
     })
 }
 
-fn trace_event(value: &PickleValue, path: &str) -> Result<TraceEvent, String> {
-    expect_dict(value, path)?;
-    let action_value = required(value, "action", path)?;
+/// One trace entry. Reads the dict in one pass over its entries (events dominate the file; their
+/// stack frames are skipped unread); `path` and `index` name it only when something is wrong.
+fn trace_event(value: V<'_>, trace_path: &str, index: usize) -> Result<TraceEvent, String> {
+    let path = || format!("{trace_path}[{index}]");
+    let entries = value
+        .entries()
+        .ok_or_else(|| format!("`{}` is {}, not a dict", path(), value.type_name()))?;
+    let (mut action, mut addr, mut size, mut stream, mut time_us, mut device_free) =
+        (None, None, None, None, None, None);
+    // Later duplicates win, as in a Python dict.
+    for (key, v) in entries {
+        match key.as_str() {
+            Some("action") => action = Some(v),
+            Some("addr") => addr = Some(v),
+            Some("size") => size = Some(v),
+            Some("stream") => stream = Some(v),
+            Some("time_us") => time_us = Some(v),
+            Some("device_free") => device_free = Some(v),
+            _ => {}
+        }
+    }
+    let action_value = action.ok_or_else(|| format!("`{}` has no `action`", path()))?;
     let action = Action::from_name(action_value.as_str().ok_or_else(|| {
         format!(
-            "`{path}.action` is a {}, not a str",
+            "`{}.action` is {}, not a str",
+            path(),
             action_value.type_name()
         )
     })?);
     let (addr, size) = if action.needs_addr_and_size() {
-        (
-            unsigned(required(value, "addr", path)?, "addr", path)?,
-            unsigned(required(value, "size", path)?, "size", path)?,
-        )
+        let field = |v: Option<V<'_>>, key: &str| -> Result<u64, String> {
+            let v = v.ok_or_else(|| format!("`{}` has no `{key}`", path()))?;
+            unsigned(v, key, &path())
+        };
+        (field(addr, "addr")?, field(size, "size")?)
     } else {
         // Entries that describe no block: their fields vary between versions; keep what fits.
-        let lenient = |key| {
-            value
-                .get(key)
-                .and_then(|v| v.as_int())
+        let lenient = |v: Option<V<'_>>| {
+            v.and_then(|v| v.as_int())
                 .and_then(|i| u64::try_from(i).ok())
         };
-        (lenient("addr").unwrap_or(0), lenient("size").unwrap_or(0))
+        (lenient(addr).unwrap_or(0), lenient(size).unwrap_or(0))
     };
-    let stream = optional(value, "stream", 0, |v| match v {
-        PickleValue::None => Ok(0),
-        v => stream_id(v, path),
-    })?;
-    let time_us = optional(value, "time_us", 0, |v| signed(v, "time_us", path))?;
-    let device_free = value
-        .get("device_free")
+    let stream = match stream {
+        None => 0,
+        Some(v) => stream_id(v, &path())?,
+    };
+    let time_us = match time_us {
+        None => 0,
+        Some(v) => signed(v, "time_us", &path())?,
+    };
+    let device_free = device_free
         .and_then(|v| v.as_int())
         .and_then(|i| u64::try_from(i).ok());
     Ok(TraceEvent {
@@ -557,14 +562,13 @@ fn trace_event(value: &PickleValue, path: &str) -> Result<TraceEvent, String> {
     })
 }
 
-fn allocator_settings(value: &PickleValue) -> AllocatorSettings {
+fn allocator_settings(value: V<'_>) -> AllocatorSettings {
     let get = |key| value.get(key);
     let max_split_size = get("max_split_size")
         .and_then(|v| v.as_int())
         // PyTorch writes SIZE_MAX (no limit) as int64 -1.
         .and_then(|i| u64::try_from(i).ok())
         .filter(|&s| s < i64::MAX as u64);
-    let roundup_power2_divisions = get("roundup_power2_divisions").and_then(roundup_divisions);
     AllocatorSettings {
         alloc_conf: get("PYTORCH_CUDA_ALLOC_CONF")
             .and_then(|v| v.as_str())
@@ -573,15 +577,15 @@ fn allocator_settings(value: &PickleValue) -> AllocatorSettings {
         garbage_collection_threshold: get("garbage_collection_threshold").and_then(|v| v.as_f64()),
         expandable_segments: get("expandable_segments").and_then(|v| v.as_bool()),
         release_lock_on_cudamalloc: get("release_lock_on_cudamalloc").and_then(|v| v.as_bool()),
-        roundup_power2_divisions,
+        roundup_power2_divisions: get("roundup_power2_divisions").and_then(roundup_divisions),
     }
 }
 
 /// `{"1": d, "2": d, ..., "32768": d}` (keys in MiB) or a list of 16 counts.
-fn roundup_divisions(value: &PickleValue) -> Option<[usize; K_ROUNDUP_POWER_OF_TWO_INTERVALS]> {
+fn roundup_divisions(value: V<'_>) -> Option<[usize; K_ROUNDUP_POWER_OF_TWO_INTERVALS]> {
     let mut divisions = [0usize; K_ROUNDUP_POWER_OF_TWO_INTERVALS];
-    let count = |v: &PickleValue| v.as_int().and_then(|i| usize::try_from(i).ok());
-    if let Some(entries) = value.as_dict() {
+    let count = |v: V<'_>| v.as_int().and_then(|i| usize::try_from(i).ok());
+    if let Some(entries) = value.entries() {
         for (key, v) in entries {
             let mib: u64 = key.as_str()?.parse().ok()?;
             if !mib.is_power_of_two() {
@@ -591,7 +595,7 @@ fn roundup_divisions(value: &PickleValue) -> Option<[usize; K_ROUNDUP_POWER_OF_T
             *divisions.get_mut(index)? = count(v)?;
         }
         Some(divisions)
-    } else if let Some(items) = value.as_seq() {
+    } else if let Some(items) = value.items() {
         if items.len() != K_ROUNDUP_POWER_OF_TWO_INTERVALS {
             return None;
         }
@@ -605,19 +609,23 @@ fn roundup_divisions(value: &PickleValue) -> Option<[usize; K_ROUNDUP_POWER_OF_T
 }
 
 /// A short, one-line rendering of a value for error messages.
-fn describe(value: &PickleValue) -> String {
-    match value {
-        PickleValue::Str(s) => {
+fn describe(value: V<'_>) -> String {
+    match value.as_str() {
+        Some(s) => {
             let shown: String = s.chars().take(40).collect();
             format!("{shown:?}")
         }
-        other => format!("a {}", other.type_name()),
+        None => value.type_name().to_string(),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn document(json: serde_json::Value) -> Document<'static> {
+        Document::from_json(&json)
+    }
 
     #[test]
     fn settings_become_a_config() {
@@ -636,25 +644,19 @@ mod tests {
 
     #[test]
     fn roundup_divisions_by_mib_key() {
-        let dict = PickleValue::Dict(Arc::from(vec![
-            (PickleValue::Str(Arc::from("1")), PickleValue::Int(2)),
-            (PickleValue::Str(Arc::from("32768")), PickleValue::Int(8)),
-        ]));
-        let d = roundup_divisions(&dict).unwrap();
-        assert_eq!(d[0], 2);
-        assert_eq!(d[15], 8);
-        assert_eq!(d[1], 0);
-        let bad = PickleValue::Dict(Arc::from(vec![(
-            PickleValue::Str(Arc::from("3")),
-            PickleValue::Int(2),
-        )]));
-        assert_eq!(roundup_divisions(&bad), None);
+        let doc = document(serde_json::json!({"1": 2, "32768": 8}));
+        let d = roundup_divisions(doc.root()).unwrap();
+        assert_eq!((d[0], d[1], d[15]), (2, 0, 8));
+        let doc = document(serde_json::json!({"3": 2}));
+        assert_eq!(roundup_divisions(doc.root()), None);
+        let settings = document(serde_json::json!({"max_split_size": -1}));
+        assert_eq!(allocator_settings(settings.root()).max_split_size, None);
     }
 
     #[test]
     fn negative_streams_wrap_like_pointers() {
-        assert_eq!(stream_id(&PickleValue::Int(-1), "x"), Ok(u64::MAX));
-        assert_eq!(stream_id(&PickleValue::Int(7), "x"), Ok(7));
-        assert!(stream_id(&PickleValue::Int(1 << 70), "x").is_err());
+        assert_eq!(stream_from_int(-1), Some(u64::MAX));
+        assert_eq!(stream_from_int(7), Some(7));
+        assert_eq!(stream_from_int(1 << 70), None);
     }
 }

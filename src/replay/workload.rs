@@ -229,8 +229,8 @@ pub struct Diagnostics {
     pub estimated_block_sizes: usize,
     /// Allocations live at the start that no start segment holds.
     pub start_blocks_outside_segments: usize,
-    /// Requested bytes of `active_allocated` blocks in the end state, to compare with
-    /// [`Figures::end_requested`].
+    /// Requested bytes of `active_allocated` blocks in the end state (and of blocks pending
+    /// from before recording to the end), to compare with [`Figures::end_requested`].
     pub end_state_requested: u64,
     /// Bytes of the end state's segments, to compare with [`Figures::end_reserved`].
     pub end_state_reserved: u64,
@@ -331,7 +331,7 @@ fn rounded(size: u64, config: &Config) -> u64 {
 /// never are; expandable large pages are 20 MiB.
 fn pool_of_segment(size: u64, expandable: bool) -> PoolKind {
     let small = if expandable {
-        size % K_LARGE_BUFFER as u64 != 0
+        !size.is_multiple_of(K_LARGE_BUFFER as u64)
     } else {
         size == K_SMALL_BUFFER as u64
     };
@@ -877,6 +877,12 @@ fn reconstruct_device(
         }
     }
     forward.close_run(false, &mut diagnostics);
+    // Blocks pending from before recording to the end count as live in the accounting above.
+    for waiting in pending.values().filter(|p| p.free_on_completion) {
+        diagnostics.end_state_requested = diagnostics
+            .end_state_requested
+            .saturating_add(forward.allocations[waiting.id as usize].requested_size);
+    }
     // Older blocks never freed in the trace (inconsistent input) are bounded by every alloc.
     for id in 0..start_count {
         if needs_bound(id) && !first_alloc_above.contains_key(&id) {
@@ -1252,6 +1258,31 @@ mod tests {
             })
         );
         assert_eq!(w.segment_decisions[0].pool, PoolKind::Small);
+    }
+
+    #[test]
+    fn a_block_pending_throughout_holds_its_memory() {
+        let a = 0x1000_0000;
+        let segments = vec![segment(
+            a,
+            2 * MIB,
+            vec![
+                block(a, 512, 300, BlockStatus::ActivePendingFree),
+                block(a + 512, 512, 200, BlockStatus::ActiveAllocated),
+                block(a + 1024, 2 * MIB - 1024, 0, BlockStatus::Inactive),
+            ],
+        )];
+        let trace = vec![event(Action::Alloc, a + 512, 200)];
+        let w = workload(segments, trace);
+        assert_eq!(w.start_allocations.len(), 1);
+        assert!(w.start_allocations[0].pending_free);
+        assert_eq!(w.figures.live_at_start_requested, 300);
+        assert_eq!(w.figures.end_requested, 500);
+        assert!(
+            w.diagnostics.is_consistent(&w.figures),
+            "{:?}",
+            w.diagnostics
+        );
     }
 
     #[test]
