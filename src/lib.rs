@@ -6,3 +6,4 @@ pub mod config;
 pub mod device;
 pub mod logging;
 pub mod policy;
+pub mod replay;

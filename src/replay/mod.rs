@@ -1,0 +1,87 @@
+//! Reading PyTorch memory snapshots and reconstructing the workload they describe.
+//!
+//! A snapshot (`torch.cuda.memory._dump_snapshot()`) holds the allocator's state at the END of
+//! recording and the trace of what happened while recording. This module reads it
+//! ([`pickle`], [`snapshot`]) and turns it into what a replay needs ([`workload`]): the segments and
+//! allocations that existed when recording began, the ordered operations to replay with dense ids,
+//! PyTorch's own segment decisions to compare against, and PyTorch's own figures (peak requested
+//! and reserved bytes) replayed from the trace's accounting.
+//!
+//! ```no_run
+//! use ferrocache::replay::{load, Workload};
+//! let snapshot = load(std::path::Path::new("snapshot.pickle")).unwrap();
+//! let workload = Workload::reconstruct(&snapshot);
+//! for device in &workload.devices {
+//!     println!("peak requested {} bytes", device.figures.peak_requested);
+//! }
+//! ```
+
+pub mod pickle;
+pub mod snapshot;
+pub mod workload;
+
+pub use pickle::{Document, PickleError, PickleErrorKind, PickleValue, ValueRef};
+pub use snapshot::{
+    Action, AllocatorSettings, BlockState, BlockStatus, Segment, Snapshot, TraceEvent, load,
+    parse_snapshot,
+};
+pub use workload::{
+    Allocation, BlockSizeSource, DeviceWorkload, Diagnostics, Figures, Op, OpOrigin,
+    SegmentDecision, SegmentDecisionKind, StartAllocation, StartSegment, TimelinePoint, Workload,
+};
+
+use std::fmt;
+
+/// What kind of problem stopped a snapshot from being read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplayErrorKind {
+    /// The file could not be read.
+    Io,
+    /// Neither a pickle (protocol 2 to 5) nor JSON.
+    NotPickleOrJson,
+    /// The pickle or JSON ends early.
+    Truncated,
+    /// The pickle names a class or calls code.
+    Refused,
+    /// The pickle or JSON is damaged or uses forms this reader does not build.
+    Malformed,
+    /// Plain data, but not a PyTorch memory snapshot (missing keys, wrong types).
+    NotSnapshot,
+    /// A valid snapshot whose traces are all empty: nothing to replay.
+    NoTraceEvents,
+}
+
+/// A snapshot that could not be read. Displays as one line that names the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayError {
+    /// The file (or the name given to [`parse_snapshot`]).
+    pub file: String,
+    pub kind: ReplayErrorKind,
+    /// What is wrong, in one line.
+    pub detail: String,
+}
+
+impl ReplayError {
+    pub(crate) fn new(file: &str, kind: ReplayErrorKind, detail: impl Into<String>) -> Self {
+        ReplayError {
+            file: one_line(file),
+            kind,
+            detail: one_line(&detail.into()),
+        }
+    }
+}
+
+impl fmt::Display for ReplayError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.file, self.detail)
+    }
+}
+
+impl std::error::Error for ReplayError {}
+
+/// Replaces control characters (newlines above all) so that every message stays on one line.
+fn one_line(text: &str) -> String {
+    text.chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect()
+}
