@@ -5,7 +5,11 @@
 //! This type only manages address space and pages; the allocator keeps the blocks that tile the
 //! range (mapped blocks in the free pool, unmapped ones in the pool's unmapped set).
 
+use super::block::{Block, BlockId, ExpandableId};
+use super::history::TraceAction;
+use super::{AllocError, DeviceAllocator, Request, pool_index};
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
+use crate::logging;
 use crate::policy::PoolKind;
 
 /// A mapped or unmapped range, as `SegmentRange` in PyTorch.
@@ -217,6 +221,240 @@ impl ExpandableSegment {
     }
 }
 
+/// The allocator's side of expandable segments: finding room, mapping pages into blocks,
+/// unmapping free pages, releasing empty ranges.
+impl<D: Device> DeviceAllocator<D> {
+    pub(super) fn segment(&self, id: ExpandableId) -> &ExpandableSegment {
+        self.expandable_segments[id as usize]
+            .as_ref()
+            .expect("live expandable segment")
+    }
+
+    /// `try_allocate_expandable_block`: finds (or reserves) address space for the request in
+    /// the stream's expandable segment and maps pages until a free block covers it.
+    pub(super) fn try_allocate_expandable_block(
+        &mut self,
+        request: &Request,
+    ) -> Result<Option<BlockId>, AllocError> {
+        let mut candidate = self.find_expandable_block(request)?;
+        if !self.arena.get(candidate).mapped {
+            let size = self.arena.get(candidate).size.min(request.size);
+            if !self.map_block(candidate, size)? {
+                return Ok(None);
+            }
+        }
+        while self.arena.get(candidate).size < request.size {
+            let remaining = request.size - self.arena.get(candidate).size;
+            let next = self
+                .arena
+                .get(candidate)
+                .next
+                .expect("find_expandable_block checked the space after the candidate");
+            let size = self.arena.get(next).size.min(remaining);
+            if !self.map_block(next, size)? {
+                return Ok(None);
+            }
+            candidate = next;
+        }
+        let block = self.arena.get(candidate);
+        self.pools[pool_index(block.pool)].remove(candidate, block);
+        Ok(Some(candidate))
+    }
+
+    /// `find_expandable_block`: the lowest address where free and unmapped space together hold
+    /// the request, in an existing segment of the stream, or else a newly reserved segment.
+    pub(super) fn find_expandable_block(
+        &mut self,
+        request: &Request,
+    ) -> Result<BlockId, AllocError> {
+        let arena = &self.arena;
+        let available = |id: Option<BlockId>| id.filter(|&id| arena.get(id).is_available());
+        let has_room = |start: BlockId| {
+            let mut bytes = 0;
+            let mut cursor = Some(start);
+            while bytes < request.size {
+                match available(cursor) {
+                    Some(id) => {
+                        bytes += arena.get(id).size;
+                        cursor = arena.get(id).next;
+                    }
+                    None => break,
+                }
+            }
+            bytes >= request.size
+        };
+        let pool = &self.pools[pool_index(request.pool)];
+        for unmapped in pool.unmapped_of(request.stream) {
+            // A free mapped block just before the unmapped space extends it downwards.
+            let start = available(arena.get(unmapped).prev).unwrap_or(unmapped);
+            if has_room(start) {
+                return Ok(start);
+            }
+        }
+        let total = self.device.mem_get_info()?.total;
+        let segment =
+            ExpandableSegment::reserve(&mut self.device, request.stream, request.pool, total)?;
+        let mut block = Block::new(segment.base(), segment.size(), request.stream, request.pool);
+        block.mapped = false;
+        let segment_id = match self.expandable_segments.iter().position(Option::is_none) {
+            Some(free) => {
+                self.expandable_segments[free] = Some(segment);
+                free
+            }
+            None => {
+                self.expandable_segments.push(Some(segment));
+                self.expandable_segments.len() - 1
+            }
+        };
+        block.expandable = Some(segment_id as ExpandableId);
+        let id = self.arena.insert(block);
+        self.pools[pool_index(request.pool)].insert_unmapped(id, self.arena.get(id));
+        Ok(id)
+    }
+
+    /// `map_block`: maps pages under the first `size` bytes of an unmapped block; the mapped part
+    /// becomes a free block (merged with free neighbours), the rest stays unmapped.
+    /// `Ok(false)` when the device is out of memory.
+    pub(super) fn map_block(&mut self, id: BlockId, size: usize) -> Result<bool, AllocError> {
+        let (ptr, block_size, stream, pool, segment_id) = {
+            let b = self.arena.get(id);
+            debug_assert!(!b.mapped && size <= b.size);
+            (
+                b.ptr,
+                b.size,
+                b.stream,
+                b.pool,
+                b.expandable.expect("expandable block"),
+            )
+        };
+        let segment = self.expandable_segments[segment_id as usize]
+            .as_mut()
+            .expect("live expandable segment");
+        let range = match segment.map(&mut self.device, ptr, size) {
+            Ok(range) => range,
+            Err(DeviceError::OutOfMemory) => return Ok(false),
+            Err(err) => return Err(err.into()),
+        };
+        debug_assert!(range.ptr == ptr && range.size >= size);
+        self.pools[pool_index(pool)].remove_unmapped(self.arena.get(id));
+        self.arena.get_mut(id).mapped = true;
+        if range.size < block_size {
+            let mut rest = Block::new(
+                ptr + range.size as u64,
+                block_size - range.size,
+                stream,
+                pool,
+            );
+            rest.mapped = false;
+            rest.expandable = Some(segment_id);
+            rest.prev = Some(id);
+            rest.next = self.arena.get(id).next;
+            let rest_id = self.arena.insert(rest);
+            if let Some(n) = self.arena.get(rest_id).next {
+                self.arena.get_mut(n).prev = Some(rest_id);
+            }
+            let block = self.arena.get_mut(id);
+            block.next = Some(rest_id);
+            block.size = range.size;
+            self.pools[pool_index(pool)].insert_unmapped(rest_id, self.arena.get(rest_id));
+        }
+        let (prev, next) = (self.arena.get(id).prev, self.arena.get(id).next);
+        self.try_merge_blocks(id, prev);
+        self.try_merge_blocks(id, next);
+        self.pools[pool_index(pool)].insert(id, self.arena.get_mut(id));
+        self.total_allocated_memory += range.size;
+        self.stats.reserved_bytes.increase(pool, range.size as u64);
+        self.stats.num_device_alloc += 1;
+        self.history
+            .record(TraceAction::SegmentMap, range.ptr, range.size, stream);
+        logging::pages_mapped(range.ptr, range.size, stream);
+        Ok(true)
+    }
+
+    /// `unmap_block`: unmaps the whole pages inside a free expandable block; partial pages at
+    /// either end stay mapped as free blocks of their own.
+    pub(super) fn unmap_block(&mut self, id: BlockId) -> Result<(), DeviceError> {
+        let (ptr, size, stream, pool, segment_id) = {
+            let b = self.arena.get(id);
+            (
+                b.ptr,
+                b.size,
+                b.stream,
+                b.pool,
+                b.expandable.expect("expandable block"),
+            )
+        };
+        let segment = self.expandable_segments[segment_id as usize]
+            .as_mut()
+            .expect("live expandable segment");
+        let (range, failure) = segment.unmap(&mut self.device, ptr, size);
+        if range.size == 0 {
+            return failure.map_or(Ok(()), Err);
+        }
+        self.pools[pool_index(pool)].remove(id, self.arena.get(id));
+        let before = (range.ptr - ptr) as usize;
+        if before > 0 {
+            let mut piece = Block::new(ptr, before, stream, pool);
+            piece.expandable = Some(segment_id);
+            piece.prev = self.arena.get(id).prev;
+            piece.next = Some(id);
+            let piece_id = self.arena.insert(piece);
+            if let Some(p) = self.arena.get(piece_id).prev {
+                self.arena.get_mut(p).next = Some(piece_id);
+            }
+            self.arena.get_mut(id).prev = Some(piece_id);
+            self.pools[pool_index(pool)].insert(piece_id, self.arena.get_mut(piece_id));
+        }
+        let after = size - before - range.size;
+        if after > 0 {
+            let mut piece = Block::new(range.ptr + range.size as u64, after, stream, pool);
+            piece.expandable = Some(segment_id);
+            piece.prev = Some(id);
+            piece.next = self.arena.get(id).next;
+            let piece_id = self.arena.insert(piece);
+            if let Some(n) = self.arena.get(piece_id).next {
+                self.arena.get_mut(n).prev = Some(piece_id);
+            }
+            self.arena.get_mut(id).next = Some(piece_id);
+            self.pools[pool_index(pool)].insert(piece_id, self.arena.get_mut(piece_id));
+        }
+        let block = self.arena.get_mut(id);
+        block.ptr = range.ptr;
+        block.size = range.size;
+        block.mapped = false;
+        let (prev, next) = (block.prev, block.next);
+        self.try_merge_blocks(id, prev);
+        self.try_merge_blocks(id, next);
+        self.pools[pool_index(pool)].insert_unmapped(id, self.arena.get(id));
+        self.total_allocated_memory -= range.size;
+        self.stats.reserved_bytes.decrease(pool, range.size as u64);
+        self.stats.num_device_free += 1;
+        self.history
+            .record(TraceAction::SegmentUnmap, range.ptr, range.size, stream);
+        logging::pages_unmapped(range.ptr, range.size);
+        failure.map_or(Ok(()), Err)
+    }
+
+    /// `release_expandable_segment`: gives back the address range of a segment with nothing
+    /// mapped (its one block spans the whole range, unmapped).
+    pub(super) fn release_expandable_segment(&mut self, id: BlockId) -> Result<(), DeviceError> {
+        let (segment_id, pool) = {
+            let b = self.arena.get(id);
+            (b.expandable.expect("expandable block"), b.pool)
+        };
+        debug_assert_eq!(self.arena.get(id).size, self.segment(segment_id).size());
+        let slot = &mut self.expandable_segments[segment_id as usize];
+        // If the device refuses, the segment stays: its (empty) address range is still ours.
+        slot.as_ref()
+            .expect("live expandable segment")
+            .release(&mut self.device)?;
+        *slot = None;
+        let block = self.arena.remove(id);
+        self.pools[pool_index(pool)].remove_unmapped(&block);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -225,13 +463,13 @@ mod tests {
     const MIB: usize = 1 << 20;
 
     #[test]
-    fn reservation_is_nine_eighths_of_memory_in_whole_pages() {
+    pub(super) fn reservation_is_nine_eighths_of_memory_in_whole_pages() {
         assert_eq!(reservation_size(80 << 30, 20 * MIB), 4608 * 20 * MIB);
         assert_eq!(reservation_size(8 * MIB, 2 * MIB), 10 * MIB);
     }
 
     #[test]
-    fn maps_whole_pages_and_unmaps_only_whole_free_pages() {
+    pub(super) fn maps_whole_pages_and_unmaps_only_whole_free_pages() {
         let mut d = SimDevice::new(1 << 30);
         let mut s = ExpandableSegment::reserve(&mut d, 0, PoolKind::Large, 1 << 30).unwrap();
         let r = s.map(&mut d, s.base(), 30 * MIB).unwrap();
@@ -262,7 +500,7 @@ mod tests {
     }
 
     #[test]
-    fn a_failure_while_growing_leaves_nothing_behind() {
+    pub(super) fn a_failure_while_growing_leaves_nothing_behind() {
         let fault = DeviceError::Driver {
             call: "test",
             code: 999,

@@ -1,7 +1,8 @@
 //! Allocation history (a ring buffer of trace entries) and snapshots in the format of
 //! `torch.cuda.memory._snapshot()`, which PyTorch's memory viewer reads.
 
-use crate::device::{DevicePtr, StreamId};
+use super::DeviceAllocator;
+use crate::device::{Device, DevicePtr, StreamId};
 use serde::Serialize;
 
 /// What a trace entry records, with PyTorch's action names.
@@ -132,6 +133,79 @@ pub struct MemorySnapshot {
     pub segments: Vec<SnapshotSegment>,
     pub device_traces: Vec<Vec<TraceEntry>>,
     pub allocator_settings: serde_json::Value,
+}
+
+impl<D: Device> DeviceAllocator<D> {
+    /// The segments and their blocks, by address: one entry per ordinary segment and per
+    /// contiguous mapped range of an expandable segment, as PyTorch's `snapshot()` reports them.
+    pub fn segments(&self) -> Vec<SnapshotSegment> {
+        let mut out = Vec::new();
+        for (_, head) in self.arena.iter() {
+            // A segment (or mapped range) starts at a mapped block with no mapped block before.
+            let starts_range = head.mapped && head.prev.is_none_or(|p| !self.arena.get(p).mapped);
+            if !starts_range {
+                continue;
+            }
+            let mut segment = SnapshotSegment {
+                device: self.device_index,
+                address: head.ptr,
+                total_size: 0,
+                allocated_size: 0,
+                active_size: 0,
+                requested_size: 0,
+                stream: head.stream,
+                segment_type: head.pool.segment_type(),
+                segment_pool_id: (0, 0),
+                is_expandable: head.expandable.is_some(),
+                frames: Vec::new(),
+                blocks: Vec::new(),
+            };
+            let mut cursor = Some(head);
+            while let Some(b) = cursor.filter(|b| b.mapped) {
+                let active = b.allocated || b.event_count > 0 || !b.stream_uses.is_empty();
+                segment.total_size += b.size as u64;
+                if b.allocated {
+                    segment.allocated_size += b.size as u64;
+                }
+                if active {
+                    segment.active_size += b.size as u64;
+                    segment.requested_size += b.requested_size as u64;
+                }
+                segment.blocks.push(SnapshotBlock {
+                    address: b.ptr,
+                    size: b.size as u64,
+                    requested_size: b.requested_size as u64,
+                    state: if b.allocated {
+                        "active_allocated"
+                    } else if active {
+                        "active_pending_free"
+                    } else {
+                        "inactive"
+                    },
+                    frames: Vec::new(),
+                });
+                cursor = b.next.map(|n| self.arena.get(n));
+            }
+            out.push(segment);
+        }
+        out.sort_by_key(|s| s.address);
+        out
+    }
+
+    /// `torch.cuda.memory._snapshot()` for this device.
+    pub fn snapshot(&mut self) -> MemorySnapshot {
+        // As PyTorch does, the trace is read before the snapshot marks itself in it.
+        let trace = self.history.entries();
+        let segments = self.segments();
+        let total_active: u64 = segments.iter().map(|s| s.active_size).sum();
+        self.history
+            .record(TraceAction::Snapshot, 0, total_active as usize, 0);
+        MemorySnapshot {
+            segments,
+            device_traces: vec![trace],
+            allocator_settings: self.config.to_pytorch_settings(),
+        }
+    }
 }
 
 #[cfg(test)]

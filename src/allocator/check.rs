@@ -1,0 +1,218 @@
+//! The allocator's self-check: every structural invariant, and the statistics recomputed from
+//! the block table. A full walk: for tests and debugging.
+
+use super::DeviceAllocator;
+use super::block::Block;
+use super::stats::DeviceStats;
+use crate::device::Device;
+use crate::policy::{self};
+
+impl<D: Device> DeviceAllocator<D> {
+    /// Checks every structural invariant and recomputes the current statistics from the block
+    /// table; returns what is wrong. Costs a full walk: for tests and debugging.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut recomputed = DeviceStats::new(self.config.max_split_size);
+        let mut cached_count = 0;
+        let mut unmapped_count = 0;
+        let mut mapped_expandable = vec![0usize; self.expandable_segments.len()];
+        for (id, head) in self.arena.iter() {
+            if head.prev.is_some() {
+                continue;
+            }
+            let pool = head.pool;
+            let mut end = head.ptr;
+            let mut cursor = Some(id);
+            let mut previous: Option<&Block> = None;
+            let mut segment_size = 0;
+            let mut blocks_in_segment = 0;
+            while let Some(c) = cursor {
+                let b = self.arena.get(c);
+                blocks_in_segment += 1;
+                if b.ptr != end {
+                    return Err(format!("block {:#x} does not follow {end:#x}", b.ptr));
+                }
+                if !b.ptr.is_multiple_of(512) || !b.size.is_multiple_of(512) || b.size == 0 {
+                    return Err(format!(
+                        "block {:#x} (size {}) is not 512-aligned",
+                        b.ptr, b.size
+                    ));
+                }
+                if b.pool != pool || b.stream != head.stream || b.expandable != head.expandable {
+                    return Err(format!("block {:#x} disagrees with its segment", b.ptr));
+                }
+                if let Some(p) = previous
+                    && p.is_available()
+                    && b.is_available()
+                    && p.mapped == b.mapped
+                {
+                    return Err(format!(
+                        "free blocks {:#x} and {:#x} are adjacent",
+                        p.ptr, b.ptr
+                    ));
+                }
+                if b.expandable.is_none() && !b.mapped {
+                    return Err(format!("ordinary block {:#x} is unmapped", b.ptr));
+                }
+                if let Some(n) = b.next
+                    && self.arena.get(n).prev != Some(c)
+                {
+                    return Err(format!("broken links after {:#x}", b.ptr));
+                }
+                let active = b.allocated || b.event_count > 0 || !b.stream_uses.is_empty();
+                if b.allocated {
+                    if self.allocated.get(&b.ptr) != Some(&c) {
+                        return Err(format!("allocated block {:#x} not in the table", b.ptr));
+                    }
+                    recomputed.allocation.increase(pool, 1);
+                    recomputed.allocated_bytes.increase(pool, b.size as u64);
+                    if policy::is_oversize(b.size, &self.config) {
+                        recomputed.oversize_allocations.increase(1);
+                    }
+                }
+                if active {
+                    recomputed.active.increase(pool, 1);
+                    recomputed.active_bytes.increase(pool, b.size as u64);
+                    recomputed
+                        .requested_bytes
+                        .increase(pool, b.requested_size as u64);
+                }
+                if b.is_available() {
+                    if b.mapped {
+                        cached_count += 1;
+                        if b.expandable.is_none() && b.is_split() {
+                            recomputed.inactive_split.increase(pool, 1);
+                            recomputed
+                                .inactive_split_bytes
+                                .increase(pool, b.size as u64);
+                        }
+                    } else {
+                        unmapped_count += 1;
+                    }
+                }
+                if b.mapped {
+                    segment_size += b.size;
+                    if let Some(e) = b.expandable {
+                        mapped_expandable[e as usize] += b.size;
+                    }
+                }
+                end = b.end();
+                previous = Some(b);
+                cursor = b.next;
+            }
+            match head.expandable {
+                None => {
+                    let _ = blocks_in_segment;
+                    recomputed.segment.increase(pool, 1);
+                    recomputed
+                        .reserved_bytes
+                        .increase(pool, segment_size as u64);
+                    if policy::is_oversize(segment_size, &self.config) {
+                        recomputed.oversize_segments.increase(1);
+                    }
+                }
+                Some(e) => {
+                    let segment = self.segment(e);
+                    if head.ptr != segment.base() || end != segment.base() + segment.size() as u64 {
+                        return Err(format!("expandable segment {e} is not tiled by its blocks"));
+                    }
+                    recomputed
+                        .reserved_bytes
+                        .increase(pool, segment_size as u64);
+                }
+            }
+        }
+        for (e, segment) in self.expandable_segments.iter().enumerate() {
+            if let Some(segment) = segment
+                && segment.mapped_bytes() != mapped_expandable[e]
+            {
+                return Err(format!(
+                    "expandable segment {e}: {} bytes mapped, blocks say {}",
+                    segment.mapped_bytes(),
+                    mapped_expandable[e]
+                ));
+            }
+        }
+        let pooled: usize = self.pools.iter().map(|p| p.cached_len()).sum();
+        let unmapped_pooled: usize = self.pools.iter().map(|p| p.unmapped_len()).sum();
+        if pooled != cached_count || unmapped_pooled != unmapped_count {
+            return Err(format!(
+                "pools hold {pooled} cached / {unmapped_pooled} unmapped blocks, the table {cached_count} / {unmapped_count}"
+            ));
+        }
+        if self.allocated.len() as i64 != recomputed.allocation.all.current {
+            return Err("allocation table and blocks disagree".into());
+        }
+        if self.stats.reserved_bytes.all.current as usize != self.total_allocated_memory {
+            return Err("reserved bytes and total_allocated_memory disagree".into());
+        }
+        let pairs = [
+            ("allocation", &self.stats.allocation, &recomputed.allocation),
+            ("segment", &self.stats.segment, &recomputed.segment),
+            ("active", &self.stats.active, &recomputed.active),
+            (
+                "inactive_split",
+                &self.stats.inactive_split,
+                &recomputed.inactive_split,
+            ),
+            (
+                "allocated_bytes",
+                &self.stats.allocated_bytes,
+                &recomputed.allocated_bytes,
+            ),
+            (
+                "reserved_bytes",
+                &self.stats.reserved_bytes,
+                &recomputed.reserved_bytes,
+            ),
+            (
+                "active_bytes",
+                &self.stats.active_bytes,
+                &recomputed.active_bytes,
+            ),
+            (
+                "inactive_split_bytes",
+                &self.stats.inactive_split_bytes,
+                &recomputed.inactive_split_bytes,
+            ),
+            (
+                "requested_bytes",
+                &self.stats.requested_bytes,
+                &recomputed.requested_bytes,
+            ),
+        ];
+        for (name, kept, computed) in pairs {
+            for (pool, a, b) in [
+                ("all", &kept.all, &computed.all),
+                ("small_pool", &kept.small_pool, &computed.small_pool),
+                ("large_pool", &kept.large_pool, &computed.large_pool),
+            ] {
+                if a.current != b.current {
+                    return Err(format!(
+                        "{name}.{pool}.current is {} but the blocks say {}",
+                        a.current, b.current
+                    ));
+                }
+            }
+        }
+        for (name, a, b) in [
+            (
+                "oversize_allocations",
+                &self.stats.oversize_allocations,
+                &recomputed.oversize_allocations,
+            ),
+            (
+                "oversize_segments",
+                &self.stats.oversize_segments,
+                &recomputed.oversize_segments,
+            ),
+        ] {
+            if a.current != b.current {
+                return Err(format!(
+                    "{name}.current is {} but the blocks say {}",
+                    a.current, b.current
+                ));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,123 @@
+//! Replay support: placing the allocations a recorded trace starts with.
+
+use super::block::Block;
+use super::history::TraceAction;
+use super::{AllocError, DeviceAllocator, ImportedBlock, Request, pool_index};
+use crate::device::{Device, DeviceError, DevicePtr, StreamId};
+use crate::policy::{self, PoolKind};
+
+impl<D: Device> DeviceAllocator<D> {
+    /// Takes a segment of `size` bytes from the device and places live allocations at the given
+    /// offsets in it, as if the program had made them: the state a recorded trace starts from.
+    /// The gaps become cached free blocks. Returns the segment's address and the allocations'
+    /// addresses, in the order given. Offsets must be ascending, 512-aligned and not overlap.
+    pub fn import_segment(
+        &mut self,
+        size: usize,
+        stream: StreamId,
+        pool: PoolKind,
+        live: &[ImportedBlock],
+    ) -> Result<(DevicePtr, Vec<DevicePtr>), AllocError> {
+        let mut cursor = 0;
+        for b in live {
+            if b.offset < cursor || b.size == 0 || b.offset + b.size > size {
+                return Err(AllocError::Device(DeviceError::Driver {
+                    call: "import_segment",
+                    code: 1,
+                    message: format!(
+                        "block at offset {} (size {}) does not fit a segment of {size} bytes",
+                        b.offset, b.size
+                    ),
+                }));
+            }
+            cursor = b.offset + b.size;
+        }
+        let base = match self.device.malloc(size, stream) {
+            Ok(ptr) => ptr,
+            Err(DeviceError::OutOfMemory) => {
+                let request = Request {
+                    size,
+                    stream,
+                    pool,
+                    alloc_size: size,
+                };
+                return Err(self.out_of_memory(&request, size));
+            }
+            Err(err) => return Err(err.into()),
+        };
+        let head = self.adopt_segment(base, size, stream, pool);
+        // Lay out the pieces: free gaps and live blocks, in address order.
+        let mut pieces: Vec<(usize, usize, Option<usize>)> = Vec::new();
+        let mut offset = 0;
+        for b in live {
+            if b.offset > offset {
+                pieces.push((offset, b.offset - offset, None));
+            }
+            pieces.push((b.offset, b.size, Some(b.requested_size)));
+            offset = b.offset + b.size;
+        }
+        if offset < size {
+            pieces.push((offset, size - offset, None));
+        }
+        let split = pieces.len() > 1;
+        let mut ids = Vec::with_capacity(pieces.len());
+        for (i, &(piece_offset, piece_size, requested)) in pieces.iter().enumerate() {
+            let id = if i == 0 {
+                let b = self.arena.get_mut(head);
+                b.size = piece_size;
+                head
+            } else {
+                self.arena.insert(Block::new(
+                    base + piece_offset as u64,
+                    piece_size,
+                    stream,
+                    pool,
+                ))
+            };
+            ids.push((id, requested));
+        }
+        for w in 0..ids.len() {
+            let id = ids[w].0;
+            let b = self.arena.get_mut(id);
+            b.prev = w.checked_sub(1).map(|p| ids[p].0);
+            b.next = ids.get(w + 1).map(|n| n.0);
+        }
+        let mut pointers = Vec::with_capacity(live.len());
+        for &(id, requested) in &ids {
+            let (ptr, piece_size) = {
+                let b = self.arena.get(id);
+                (b.ptr, b.size)
+            };
+            match requested {
+                Some(requested) => {
+                    let b = self.arena.get_mut(id);
+                    b.allocated = true;
+                    b.requested_size = requested;
+                    self.allocated.insert(ptr, id);
+                    let stats = &mut self.stats;
+                    stats.allocation.increase(pool, 1);
+                    stats.allocated_bytes.increase(pool, piece_size as u64);
+                    stats.active.increase(pool, 1);
+                    stats.active_bytes.increase(pool, piece_size as u64);
+                    stats.requested_bytes.increase(pool, requested as u64);
+                    if policy::is_oversize(piece_size, &self.config) {
+                        stats.oversize_allocations.increase(1);
+                    }
+                    self.history
+                        .record(TraceAction::Alloc, ptr, requested, stream);
+                    pointers.push(ptr);
+                }
+                None => {
+                    self.pools[pool_index(pool)].insert(id, self.arena.get_mut(id));
+                    if split {
+                        self.stats.inactive_split.increase(pool, 1);
+                        self.stats
+                            .inactive_split_bytes
+                            .increase(pool, piece_size as u64);
+                    }
+                }
+            }
+        }
+        Ok((base, pointers))
+    }
+}
