@@ -5,7 +5,7 @@ use super::DeviceAllocator;
 use super::block::Block;
 use super::stats::DeviceStats;
 use crate::device::Device;
-use crate::policy::{self};
+use crate::policy;
 
 impl<D: Device> DeviceAllocator<D> {
     /// Checks every structural invariant and recomputes the current statistics from the block
@@ -24,10 +24,8 @@ impl<D: Device> DeviceAllocator<D> {
             let mut cursor = Some(id);
             let mut previous: Option<&Block> = None;
             let mut segment_size = 0;
-            let mut blocks_in_segment = 0;
             while let Some(c) = cursor {
                 let b = self.arena.get(c);
-                blocks_in_segment += 1;
                 if b.ptr != end {
                     return Err(format!("block {:#x} does not follow {end:#x}", b.ptr));
                 }
@@ -101,7 +99,6 @@ impl<D: Device> DeviceAllocator<D> {
             }
             match head.expandable {
                 None => {
-                    let _ = blocks_in_segment;
                     recomputed.segment.increase(pool, 1);
                     recomputed
                         .reserved_bytes
