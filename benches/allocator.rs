@@ -34,6 +34,24 @@ fn cache_hit_pair(c: &mut Criterion) {
     group.finish();
 }
 
+/// The same for large-pool blocks (8 MiB), which sit in the pool's ordered map.
+fn large_cache_hit_pair(c: &mut Criterion) {
+    const LARGE: usize = 8 << 20;
+    let mut group = c.benchmark_group("large_cache_hit_malloc_free");
+    for live in [1_000, 10_000] {
+        let mut a = DeviceAllocator::new(SimDevice::new(1 << 50), 0, Config::default());
+        let ptrs: Vec<u64> = (0..live + 2).map(|_| a.malloc(LARGE, 0).unwrap()).collect();
+        a.free(ptrs[live / 2]).unwrap();
+        group.bench_with_input(BenchmarkId::from_parameter(live), &live, |b, _| {
+            b.iter(|| {
+                let p = a.malloc(black_box(LARGE), 0).unwrap();
+                a.free(black_box(p)).unwrap();
+            })
+        });
+    }
+    group.finish();
+}
+
 fn split_merge_pair(c: &mut Criterion) {
     let mut group = c.benchmark_group("split_merge_malloc_free");
     for live in [1_000, 10_000, 100_000] {
@@ -51,5 +69,10 @@ fn split_merge_pair(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, cache_hit_pair, split_merge_pair);
+criterion_group!(
+    benches,
+    cache_hit_pair,
+    large_cache_hit_pair,
+    split_merge_pair
+);
 criterion_main!(benches);
