@@ -4,5 +4,6 @@
 pub mod allocator;
 pub mod config;
 pub mod device;
+pub mod ffi;
 pub mod logging;
 pub mod policy;
