@@ -715,5 +715,5 @@ pub extern "C" fn ferrocache_version() -> *const c_char {
             Ok(version) => version,
             Err(_) => panic!("the package version has no NUL inside"),
         };
-    VERSION.as_ptr()
+    guarded("ferrocache_version", c"".as_ptr(), || VERSION.as_ptr())
 }

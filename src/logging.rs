@@ -144,7 +144,7 @@ pub fn configuration(config: &Config) {
     }
     if log::log_enabled!(target: TARGET, log::Level::Info) {
         for line in config.describe().lines() {
-            info!(target: TARGET, "Allocator: setting {line}");
+            info!(target: TARGET, "Allocator: settings in effect: {line}");
         }
     }
     if !config.ignored_keys.is_empty() {

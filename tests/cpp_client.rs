@@ -141,7 +141,7 @@ fn info_forms() -> Vec<(&'static str, Regex)> {
         ("waits", format!(r"^\[INFO\] Allocator: block {ptr} freed, waiting for \d+ other stream\(s\) before reuse$")),
         ("segment", format!(r"^\[INFO\] Allocator: new segment {ptr} \(size {size}\) from the device for stream {stream}$")),
         ("released", format!(r"^\[INFO\] Allocator: segment {ptr} \(size {size}\) released to the device$")),
-        ("setting", r"^\[INFO\] Allocator: setting all allocator settings are PyTorch's defaults$".to_string()),
+        ("setting", r"^\[INFO\] Allocator: settings in effect: all allocator settings are PyTorch's defaults$".to_string()),
         ("init", r"^\[INFO\] Allocator: ferrocache \d+\.\d+\.\d+\S* initialised for 1 device\(s\); TORCH_CUDA_ALLOC_LOG_LEVEL=INFO$".to_string()),
     ]
     .into_iter()
@@ -192,7 +192,7 @@ fn the_settings_in_effect_are_logged_once_at_start_up() {
         .collect();
     let expected = [
         r#"^\[INFO\] Allocator: settings from PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:64,pinned_use_background_threads:True,expandable_segments,False"$"#,
-        r"^\[INFO\] Allocator: setting max_split_size: 64 ?MiB .*$",
+        r"^\[INFO\] Allocator: settings in effect: max_split_size: 64 MiB .*$",
         r"^\[INFO\] Allocator: keys accepted as PyTorch does but not used by ferrocache: pinned_use_background_threads$",
         r"^\[WARN\] Allocator: Expected ':' at index 9 of the allocator settings but got ',';.*$",
     ];
@@ -226,6 +226,20 @@ fn out_of_memory_arrives_as_a_cpp_exception_with_pytorchs_message() {
             "{line}"
         );
     }
+}
+
+#[test]
+fn a_driver_failure_arrives_as_a_cpp_exception_with_the_drivers_words() {
+    let output = run_client(&[], Driver::Fake, &[], &["driver-failure"]);
+    assert_passed(&output);
+    assert_eq!(
+        stderr_lines(&output),
+        vec![
+            "[ERROR] Allocator: allocation failed: CUDA error: cuMemAlloc_v2 failed with error \
+             999: unknown error"
+                .to_string()
+        ]
+    );
 }
 
 #[test]

@@ -439,6 +439,25 @@ fn out_of_memory_gives_null_and_pytorchs_message() {
 }
 
 #[test]
+fn a_driver_failure_is_reported_as_a_cuda_error() {
+    in_own_process("a_driver_failure_is_reported_as_a_cuda_error", &[], || {
+        let api = Api::open();
+        let fake = FakeCuda::open();
+        // The device is opened by the first allocation; fail the allocation after that.
+        let first = api.alloc(4096, 0, 0);
+        assert!(!first.is_null());
+        fake.fail_next("cuMemAlloc_v2", 999);
+        assert!(api.alloc(100 * MIB, 0, 0).is_null());
+        assert_eq!(
+            api.last_error(),
+            "CUDA error: cuMemAlloc_v2 failed with error 999: unknown error"
+        );
+        assert_eq!(api.stat("num_ooms"), 0, "not an out-of-memory");
+        assert!(!api.alloc(100 * MIB, 0, 0).is_null(), "the next one works");
+    });
+}
+
+#[test]
 fn devices_that_do_not_exist_are_errors() {
     in_own_process("devices_that_do_not_exist_are_errors", &[], || {
         let api = Api::open();

@@ -6,6 +6,7 @@
 //   pytorch_like_client LIBRARY stress THREADS OPS   random allocations on several threads and
 //                                                    streams; a pattern checked before each free
 //   pytorch_like_client LIBRARY oom                  out of memory arrives as std::exception
+//   pytorch_like_client LIBRARY driver-failure       another driver failure: std::exception too
 //   pytorch_like_client LIBRARY no-driver            no libcuda: std::exception naming it
 //   pytorch_like_client LIBRARY bad-config           invalid PYTORCH_CUDA_ALLOC_CONF: std::exception
 //   pytorch_like_client LIBRARY bad-input            bad frees and wrong arguments: logged only
@@ -128,6 +129,12 @@ struct FakeDriver {
         check(reinterpret_cast<CuStreamCreate>(symbol(library, "cuStreamCreate"))(&stream, 0) == 0,
               "cuStreamCreate");
         return stream;
+    }
+
+    // The next call of driver function `name` fails with `code`.
+    void fail_next(const char* name, unsigned code) const {
+        using FailFn = void (*)(const char*, unsigned);
+        reinterpret_cast<FailFn>(symbol(library, "fake_cuda_fail_next"))(name, code);
     }
 
     long long stat(const char* name) const {
@@ -306,6 +313,18 @@ int oom(const Ferrocache& ferrocache) {
     return 0;
 }
 
+// Any other driver failure is an exception too, with the driver's words.
+int driver_failure(const Ferrocache& ferrocache) {
+    FakeDriver driver;
+    void* first = ferrocache.alloc(4096, 0, nullptr);  // opens the device
+    driver.fail_next("cuMemAlloc_v2", 999);
+    std::string message = expect_throw(ferrocache, 8 << 20);
+    check(message == "CUDA error: cuMemAlloc_v2 failed with error 999: unknown error",
+          "the driver's error: " + message);
+    ferrocache.free(first, 4096, 0, nullptr);
+    return 0;
+}
+
 // The library search path holds no libcuda.
 int no_driver(const Ferrocache& ferrocache) {
     for (int attempt = 0; attempt < 2; ++attempt) {
@@ -366,7 +385,8 @@ int bad_input(const Ferrocache& ferrocache) {
 
 int main(int argc, char** argv) {
     if (argc < 3) {
-        std::printf("usage: %s LIBRARY stress THREADS OPS | oom | no-driver | bad-config | bad-input\n",
+        std::printf("usage: %s LIBRARY stress THREADS OPS | oom | driver-failure | no-driver | bad-config | "
+                    "bad-input\n",
                     argv[0]);
         return 2;
     }
@@ -376,6 +396,8 @@ int main(int argc, char** argv) {
         stress(ferrocache, std::atoi(argv[3]), std::atoi(argv[4]));
     } else if (scenario == "oom") {
         oom(ferrocache);
+    } else if (scenario == "driver-failure") {
+        driver_failure(ferrocache);
     } else if (scenario == "no-driver") {
         no_driver(ferrocache);
     } else if (scenario == "bad-config") {
