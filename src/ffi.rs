@@ -148,20 +148,28 @@ fn created_allocators() -> impl Iterator<Item = (c_int, &'static LockedAllocator
         })
 }
 
-/// The allocator that handed out `ptr`, if any: `preferred` is looked at first.
-fn owner_of(ptr: DevicePtr, preferred: Option<c_int>) -> Option<(c_int, &'static LockedAllocator)> {
-    let preferred_allocator = preferred
-        .and_then(|device| device_slot(device).ok())
-        .and_then(OnceLock::get)
-        .and_then(|created| created.as_ref().ok());
-    if let (Some(device), Some(allocator)) = (preferred, preferred_allocator)
-        && allocator.lock().allocation_info(ptr).is_some()
-    {
-        return Some((device, allocator));
+/// The allocator of `device` if it has been created (and could be).
+fn created_allocator(device: c_int) -> Option<&'static LockedAllocator> {
+    device_slot(device).ok()?.get()?.as_ref().ok()
+}
+
+/// Runs `action` under the lock of the allocator that handed out `ptr`, looking at `preferred`
+/// first; `None` when no allocator knows `ptr`. The look-up and the action share one lock, so
+/// another thread cannot free `ptr` in between.
+fn with_owner<R>(
+    ptr: DevicePtr,
+    preferred: Option<c_int>,
+    action: impl FnOnce(c_int, &mut DeviceAllocator<CudaDevice>) -> R,
+) -> Option<R> {
+    let first = preferred.and_then(|device| Some((device, created_allocator(device)?)));
+    let others = created_allocators().filter(|(device, _)| Some(*device) != preferred);
+    for (device, allocator) in first.into_iter().chain(others) {
+        let mut allocator = allocator.lock();
+        if allocator.allocation_info(ptr).is_some() {
+            return Some(action(device, &mut allocator));
+        }
     }
-    created_allocators().find(|(device, allocator)| {
-        Some(*device) != preferred && allocator.lock().allocation_info(ptr).is_some()
-    })
+    None
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -276,36 +284,32 @@ struct FreeClaims {
 /// Frees `ptr`. Wrong claims about it are logged at WARN and the recorded values used; a pointer
 /// no allocator knows is refused (logged at ERROR by the caller) and nothing changes.
 fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
-    let Some((device, allocator)) = owner_of(ptr, claims.device) else {
-        return Err(format!(
-            "invalid device pointer: {ptr:#x} (never allocated by ferrocache, or already freed)"
-        ));
-    };
-    if let Some(claimed) = claims.device
-        && claimed != device
-    {
-        logging::free_argument_mismatch(ptr, "device", &claimed, &device);
-    }
-    let mut allocator = allocator.lock();
-    if let Some(info) = allocator.allocation_info(ptr) {
-        if let Some(size) = claims.size
-            && size != info.requested_size
+    with_owner(ptr, claims.device, |device, allocator| {
+        if let Some(claimed) = claims.device
+            && claimed != device
         {
-            logging::free_argument_mismatch(ptr, "size", &size, &info.requested_size);
+            logging::free_argument_mismatch(ptr, "device", &claimed, &device);
         }
-        if let Some(stream) = claims.stream
-            && stream != info.stream
-        {
-            logging::free_argument_mismatch(
-                ptr,
-                "stream",
-                &logging::StreamName(stream),
-                &logging::StreamName(info.stream),
-            );
+        if let Some(info) = allocator.allocation_info(ptr) {
+            if let Some(size) = claims.size
+                && size != info.requested_size
+            {
+                logging::free_argument_mismatch(ptr, "size", &size, &info.requested_size);
+            }
+            if let Some(stream) = claims.stream
+                && stream != info.stream
+            {
+                logging::free_argument_mismatch(
+                    ptr,
+                    "stream",
+                    &logging::StreamName(stream),
+                    &logging::StreamName(info.stream),
+                );
+            }
         }
-    }
-    // Another thread may have freed it between the look-up and the lock.
-    allocator.free(ptr).map_err(|err| err.to_string())
+        allocator.free(ptr).map_err(|err| err.to_string())
+    })
+    .unwrap_or_else(|| Err(unknown_pointer(ptr)))
 }
 
 /// For `rust_malloc` in `oom.cpp` only (not exported from the library): allocates `size` bytes
@@ -447,13 +451,12 @@ pub extern "C" fn rust_record_stream(ptr: *mut c_void, stream: cudaStream_t) {
     guarded("rust_record_stream", (), || {
         settings();
         let address = ptr.addr() as DevicePtr;
-        let result = match owner_of(address, None) {
-            Some((_, allocator)) => allocator
-                .lock()
+        let result = with_owner(address, None, |_, allocator| {
+            allocator
                 .record_stream(address, stream_id(stream))
-                .map_err(|err| err.to_string()),
-            None => Err(unknown_pointer(address)),
-        };
+                .map_err(|err| err.to_string())
+        })
+        .unwrap_or_else(|| Err(unknown_pointer(address)));
         if let Err(why) = result {
             logging::call_refused("rust_record_stream", &why);
         }
@@ -471,14 +474,12 @@ pub unsafe extern "C" fn rust_base_alloc(ptr: *mut c_void, size: *mut usize) -> 
     let (base, base_size) = guarded("rust_base_alloc", (ptr, 0), || {
         settings();
         let address = ptr.addr() as DevicePtr;
-        let found = owner_of(address, None)
-            .ok_or_else(|| unknown_pointer(address))
-            .and_then(|(_, allocator)| {
-                allocator
-                    .lock()
-                    .base_allocation(address)
-                    .map_err(|err| err.to_string())
-            });
+        let found = with_owner(address, None, |_, allocator| {
+            allocator
+                .base_allocation(address)
+                .map_err(|err| err.to_string())
+        })
+        .unwrap_or_else(|| Err(unknown_pointer(address)));
         match found {
             Ok((base, base_size)) => (device_pointer(base), base_size),
             Err(why) => {
