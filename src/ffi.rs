@@ -103,9 +103,10 @@ fn device_slot(
         .ok_or_else(|| format!("invalid device ordinal {device}"))
 }
 
-/// The allocator of `device`, created on first use.
+/// The allocator of `device`, created on first use. A device number out of range is bad input,
+/// logged at ERROR.
 fn allocator(device: c_int) -> Result<&'static LockedAllocator, String> {
-    let slot = device_slot(device)?;
+    let slot = device_slot(device).inspect_err(|why| logging::invalid_device(why))?;
     if let Some(created) = slot.get() {
         return created.as_ref().map_err(String::clone);
     }

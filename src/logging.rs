@@ -170,6 +170,11 @@ pub fn library_initialised(version: &str, device_count: i32) {
     info!(target: TARGET, "Allocator: ferrocache {version} initialised for {device_count} device(s); {LOG_LEVEL_VAR}={}", log::max_level());
 }
 
+/// A device number that cannot be one (PyTorch's device indices are 0 to 127).
+pub fn invalid_device(why: &str) {
+    error!(target: TARGET, "Allocator: {why}; nothing changed");
+}
+
 /// A call through the C ABI was refused (bad input); nothing changed.
 pub fn call_refused(function: &str, why: &dyn fmt::Display) {
     error!(target: TARGET, "Allocator: {function}: {why}; nothing changed");

@@ -305,6 +305,7 @@ fn bad_input_is_logged_and_changes_nothing() {
         format!(
             r"^\[WARN\] Allocator: rust_free of block {ptr} was given device 3, but the block was allocated with device 0; using the recorded one$"
         ),
+        r"^\[ERROR\] Allocator: invalid device ordinal -1; nothing changed$".to_string(),
     ];
     let lines = stderr_lines(&output);
     assert_eq!(lines.len(), expected.len(), "{}", describe(&output));

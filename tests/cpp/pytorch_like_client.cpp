@@ -278,9 +278,9 @@ int stress(const Ferrocache& ferrocache, int threads, int operations) {
 // ---------------------------------------------------------------------------------------------
 
 // Calls rust_malloc, which must throw; returns the message ("" when it did not throw).
-std::string expect_throw(const Ferrocache& ferrocache, size_t size) {
+std::string expect_throw(const Ferrocache& ferrocache, size_t size, int device = 0) {
     try {
-        void* ptr = ferrocache.alloc(size, 0, nullptr);
+        void* ptr = ferrocache.alloc(size, device, nullptr);
         fail("rust_malloc(" + std::to_string(size) + ") returned " +
              std::to_string(reinterpret_cast<uintptr_t>(ptr)) + " instead of throwing");
         return "";
@@ -377,6 +377,9 @@ int bad_input(const Ferrocache& ferrocache) {
     // The wrong device: logged, and freed where it was allocated.
     ferrocache.free(kept, 4096, 3, nullptr);
     check(ferrocache.stat("allocated_bytes.all.current") == 0, "freed on its own device");
+    // A device that cannot be: an exception, as for any failed allocation.
+    std::string message = expect_throw(ferrocache, 1024, -1);
+    check(message == "invalid device ordinal -1", "the device number: " + message);
     std::printf("bad-input: every call returned\n");
     return 0;
 }
