@@ -3,10 +3,16 @@
 //! Lines look like `[INFO] Allocator: block 0x7f8c4a000000 (size 1024 MB) allocated to stream 0`.
 //! Each event has one function here, so the formats live in one place. The `log` macros check the
 //! level before they format anything, so a disabled level costs one relaxed atomic load.
+//!
+//! [`init`] installs the logger; the C ABI calls it on the library's first use (not when the
+//! library is loaded, so that loading it never writes anything or reads the environment early).
 
+use crate::config::{Config, LOG_LEVEL_VAR, LogLevel};
 use crate::device::{DevicePtr, StreamId};
-use log::{error, info};
+use log::{error, info, warn};
 use std::fmt;
+use std::io::Write;
+use std::sync::Once;
 
 /// The log target of every ferrocache line.
 pub const TARGET: &str = "ferrocache";
@@ -115,6 +121,96 @@ pub fn out_of_memory(message: &str) {
 #[inline]
 pub fn device_error(what: &str, err: &dyn fmt::Display) {
     error!(target: TARGET, "Allocator: {what}: {err}");
+}
+
+/// Installs the stderr logger at the level `TORCH_CUDA_ALLOC_LOG_LEVEL` names (WARN when unset),
+/// once per process; later calls do nothing. Lines are exactly `[LEVEL] message`: no timestamp,
+/// no module path, no colour. Only ferrocache's own target is shown.
+///
+/// Another logger already installed in this copy of the `log` crate (a test harness, a program
+/// that links the rlib) is left alone.
+pub fn init() {
+    static INIT: Once = Once::new();
+    INIT.call_once(|| {
+        let (level, problem) = match LogLevel::from_env() {
+            Ok(level) => (level, None),
+            Err(err) => (LogLevel::default(), Some(err)),
+        };
+        let installed = env_logger::Builder::new()
+            .filter_level(log::LevelFilter::Off)
+            .filter_module(TARGET, level.to_level_filter())
+            .format(|out, record| writeln!(out, "[{}] {}", record.level(), record.args()))
+            .target(env_logger::Target::Stderr)
+            .try_init();
+        if let (Ok(()), Some(err)) = (installed, problem) {
+            warn!(target: TARGET, "Allocator: {err}; using {} (the default)", LogLevel::default());
+        }
+    });
+}
+
+/// The settings in effect, at start-up: where they came from, each one that differs from
+/// PyTorch's defaults, the keys that ferrocache accepts but does not use (once), and the
+/// warnings about things that look like mistakes.
+pub fn configuration(config: &Config) {
+    if let Some((variable, value)) = &config.source {
+        info!(target: TARGET, "Allocator: settings from {variable}={value:?}");
+    }
+    if log::log_enabled!(target: TARGET, log::Level::Info) {
+        for line in config.describe().lines() {
+            info!(target: TARGET, "Allocator: settings in effect: {line}");
+        }
+    }
+    if !config.ignored_keys.is_empty() {
+        info!(target: TARGET, "Allocator: keys accepted as PyTorch does but not used by ferrocache: {}", config.ignored_keys.join(", "));
+    }
+    for warning in &config.warnings {
+        warn!(target: TARGET, "Allocator: {warning}");
+    }
+}
+
+/// The allocator settings are invalid: every allocation will fail with this message.
+pub fn configuration_invalid(variable: &str, message: &str) {
+    error!(target: TARGET, "Allocator: {variable} is invalid, so every allocation will fail: {message}");
+}
+
+/// Device `device` cannot be used (no driver, no such device): its allocations will fail.
+pub fn device_unavailable(device: i32, why: &str) {
+    error!(target: TARGET, "Allocator: device {device} is unavailable, so its allocations will fail: {why}");
+}
+
+/// The library was initialised by PyTorch's `init` hook.
+pub fn library_initialised(version: &str, device_count: i32) {
+    info!(target: TARGET, "Allocator: ferrocache {version} initialised for {device_count} device(s); {LOG_LEVEL_VAR}={}", log::max_level());
+}
+
+/// A device number that cannot be one (PyTorch's device indices are 0 to 127).
+pub fn invalid_device(why: &str) {
+    error!(target: TARGET, "Allocator: {why}; nothing changed");
+}
+
+/// A call through the C ABI was refused (bad input); nothing changed.
+pub fn call_refused(function: &str, why: &dyn fmt::Display) {
+    error!(target: TARGET, "Allocator: {function}: {why}; nothing changed");
+}
+
+/// A call through the C ABI failed part way (a driver error); the message says what happened.
+pub fn call_failed(function: &str, why: &dyn fmt::Display) {
+    error!(target: TARGET, "Allocator: {function} failed: {why}");
+}
+
+/// `rust_free` was given an argument that differs from what the allocation recorded.
+pub fn free_argument_mismatch(
+    ptr: DevicePtr,
+    argument: &str,
+    given: &dyn fmt::Display,
+    recorded: &dyn fmt::Display,
+) {
+    warn!(target: TARGET, "Allocator: rust_free of block {ptr:#x} was given {argument} {given}, but the block was allocated with {argument} {recorded}; using the recorded one");
+}
+
+/// A panic inside ferrocache was caught at the C ABI (a bug in ferrocache).
+pub fn internal_error(function: &str, why: &str) {
+    error!(target: TARGET, "Allocator: internal error in {function}: {why}");
 }
 
 #[cfg(test)]

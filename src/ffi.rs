@@ -1,0 +1,721 @@
+//! The C ABI: what PyTorch's `CUDAPluggableAllocator` and the Python package call.
+//!
+//! - `rust_malloc` lives in `src/oom.cpp`: it calls [`ferrocache_internal_malloc`] and throws a
+//!   `std::runtime_error` with the message when that returns NULL, because PyTorch does not check
+//!   the pointer `alloc` returns. Every decision is made here; the C++ only throws.
+//! - [`rust_free`] and the hooks PyTorch can set with `_allocator.set_*_fn`: [`rust_init`],
+//!   [`rust_reset`] (empty cache), [`rust_memory_fraction`], [`rust_record_stream`],
+//!   [`rust_base_alloc`].
+//! - `ferrocache_*`: statistics, snapshot, history, config validation and a NULL-returning
+//!   allocation for the Python package and C callers. Functions that can fail set this thread's
+//!   last error ([`ferrocache_last_error`]), which every such call clears on entry.
+//!
+//! One [`DeviceAllocator`] per device, created on first use with `Config::from_env()` and kept for
+//! the life of the process, each behind its own lock. Every function catches panics, so nothing
+//! unwinds into C. No allocation policy here: this module only routes calls and reports errors.
+
+use std::cell::RefCell;
+use std::ffi::{CStr, CString, c_char, c_double, c_int, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::ptr;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicI32, Ordering};
+
+use parking_lot::Mutex;
+
+use crate::allocator::history::MemorySnapshot;
+use crate::allocator::{AllocError, DeviceAllocator};
+use crate::config::{ALLOC_CONF_VARS, Config, selected_alloc_conf};
+use crate::device::cuda::CudaDevice;
+use crate::device::{DeviceError, DevicePtr, StreamId};
+use crate::logging;
+
+/// A CUDA stream handle as PyTorch passes it; 0 is the legacy default stream.
+#[allow(
+    non_camel_case_types,
+    reason = "the CUDA runtime's name, as the header shows it"
+)]
+pub type cudaStream_t = *mut c_void;
+
+/// PyTorch's `c10::DeviceIndex` is an `int8_t`, so there are never more devices than this.
+const MAX_DEVICES: usize = 128;
+
+type LockedAllocator = Mutex<DeviceAllocator<CudaDevice>>;
+
+/// Per device: its allocator once created, or why it could not be (kept, so that a missing
+/// driver is reported once and not retried on every allocation).
+static DEVICES: [OnceLock<Result<LockedAllocator, String>>; MAX_DEVICES] =
+    [const { OnceLock::new() }; MAX_DEVICES];
+
+/// Held while a device allocator is created and while the history setting changes, so that a
+/// device created meanwhile cannot miss the new setting.
+static CREATION: Mutex<HistorySetting> = Mutex::new(HistorySetting {
+    enabled: false,
+    max_entries: 0,
+});
+
+/// The device count PyTorch gave to `rust_init`, or -1 before it did.
+static DEVICE_COUNT: AtomicI32 = AtomicI32::new(-1);
+
+/// What `ferrocache_record_history` asked for; applied to devices created later too.
+struct HistorySetting {
+    enabled: bool,
+    max_entries: usize,
+}
+
+/// The settings, read from the environment once, on the library's first use.
+struct Settings {
+    config: Result<Config, String>,
+}
+
+fn settings() -> &'static Settings {
+    static SETTINGS: OnceLock<Settings> = OnceLock::new();
+    SETTINGS.get_or_init(|| {
+        logging::init();
+        let config = match Config::from_env() {
+            Ok(config) => {
+                logging::configuration(&config);
+                Ok(config)
+            }
+            Err(err) => {
+                let variable = selected_alloc_conf(|name| {
+                    std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
+                })
+                .map_or(ALLOC_CONF_VARS[0], |(name, _)| name);
+                logging::configuration_invalid(variable, &err.message);
+                Err(format!("{variable} is invalid: {}", err.message))
+            }
+        };
+        Settings { config }
+    })
+}
+
+fn config() -> Result<&'static Config, String> {
+    settings().config.as_ref().map_err(String::clone)
+}
+
+fn device_slot(
+    device: c_int,
+) -> Result<&'static OnceLock<Result<LockedAllocator, String>>, String> {
+    usize::try_from(device)
+        .ok()
+        .and_then(|index| DEVICES.get(index))
+        .ok_or_else(|| format!("invalid device ordinal {device}"))
+}
+
+/// The allocator of `device`, created on first use. A device number out of range is bad input,
+/// logged at ERROR.
+fn allocator(device: c_int) -> Result<&'static LockedAllocator, String> {
+    let slot = device_slot(device).inspect_err(|why| logging::invalid_device(why))?;
+    if let Some(created) = slot.get() {
+        return created.as_ref().map_err(String::clone);
+    }
+    let config = config()?;
+    let history = CREATION.lock();
+    slot.get_or_init(|| match CudaDevice::new(device) {
+        Ok(cuda) => {
+            let mut allocator = DeviceAllocator::new(cuda, device, config.clone());
+            if history.enabled {
+                allocator.record_history(true, history.max_entries);
+            }
+            Ok(Mutex::new(allocator))
+        }
+        Err(err) => {
+            let why = unavailable_message(device, &err);
+            logging::device_unavailable(device, &why);
+            Err(why)
+        }
+    })
+    .as_ref()
+    .map_err(String::clone)
+}
+
+fn unavailable_message(device: c_int, err: &DeviceError) -> String {
+    match err {
+        // Already a whole sentence that names the library or the device.
+        DeviceError::Unavailable(why) => why.clone(),
+        other => format!("CUDA device {device} could not be opened: {other}"),
+    }
+}
+
+/// The allocators created so far, with their device numbers.
+fn created_allocators() -> impl Iterator<Item = (c_int, &'static LockedAllocator)> {
+    DEVICES
+        .iter()
+        .enumerate()
+        .filter_map(|(index, slot)| match slot.get() {
+            Some(Ok(allocator)) => Some((index as c_int, allocator)),
+            _ => None,
+        })
+}
+
+/// The allocator of `device` if it has been created (and could be).
+fn created_allocator(device: c_int) -> Option<&'static LockedAllocator> {
+    device_slot(device).ok()?.get()?.as_ref().ok()
+}
+
+/// Runs `action` under the lock of the allocator that handed out `ptr`, looking at `preferred`
+/// first; `None` when no allocator knows `ptr`. The look-up and the action share one lock, so
+/// another thread cannot free `ptr` in between.
+fn with_owner<R>(
+    ptr: DevicePtr,
+    preferred: Option<c_int>,
+    action: impl FnOnce(c_int, &mut DeviceAllocator<CudaDevice>) -> R,
+) -> Option<R> {
+    let first = preferred.and_then(|device| Some((device, created_allocator(device)?)));
+    let others = created_allocators().filter(|(device, _)| Some(*device) != preferred);
+    for (device, allocator) in first.into_iter().chain(others) {
+        let mut allocator = allocator.lock();
+        if allocator.allocation_info(ptr).is_some() {
+            return Some(action(device, &mut allocator));
+        }
+    }
+    None
+}
+
+// ------------------------------------------------------------------------------------------------
+// The last error, per thread
+// ------------------------------------------------------------------------------------------------
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_last_error(message: &str) {
+    // A NUL inside would cut the message short in C; none of ours has one, but be sure.
+    let message = CString::new(message.replace('\0', " ")).unwrap_or_default();
+    let _ = LAST_ERROR.try_with(|last| *last.borrow_mut() = message);
+}
+
+fn clear_last_error() {
+    let _ = LAST_ERROR.try_with(|last| {
+        if !last.borrow().is_empty() {
+            *last.borrow_mut() = CString::default();
+        }
+    });
+}
+
+/// This thread's last error, as a pointer that stays valid until the next call on this thread.
+fn last_error_ptr() -> *const c_char {
+    LAST_ERROR
+        .try_with(|last| last.borrow().as_ptr())
+        .unwrap_or(c"".as_ptr())
+}
+
+// ------------------------------------------------------------------------------------------------
+// Panics
+// ------------------------------------------------------------------------------------------------
+
+/// Runs `body`; a panic becomes an ERROR line, this thread's last error and `on_panic`.
+fn guarded<R>(function: &str, on_panic: R, body: impl FnOnce() -> R) -> R {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(result) => result,
+        Err(payload) => {
+            let why = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_string());
+            // Even reporting must not unwind into C.
+            let _ = catch_unwind(|| {
+                logging::internal_error(function, &why);
+                set_last_error(&format!("ferrocache: internal error in {function}: {why}"));
+            });
+            on_panic
+        }
+    }
+}
+
+/// [`guarded`] for the `ferrocache_*` functions that report through the last error: clears it,
+/// runs `body`, and on `Err` sets it. Logging, where wanted, is `body`'s business.
+fn with_last_error<T: Copy>(
+    function: &str,
+    on_error: T,
+    body: impl FnOnce() -> Result<T, String>,
+) -> T {
+    guarded(function, on_error, || {
+        clear_last_error();
+        settings();
+        body().unwrap_or_else(|message| {
+            set_last_error(&message);
+            on_error
+        })
+    })
+}
+
+// ------------------------------------------------------------------------------------------------
+// Allocation and free
+// ------------------------------------------------------------------------------------------------
+
+fn stream_id(stream: cudaStream_t) -> StreamId {
+    stream.addr() as StreamId
+}
+
+fn device_pointer(ptr: DevicePtr) -> *mut c_void {
+    // The address is the driver's; Rust never dereferences it.
+    ptr::without_provenance_mut(ptr as usize)
+}
+
+/// Allocates, or says why not (the message the C++ exception or the last error carries).
+fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_void, String> {
+    if size == 0 {
+        return Ok(ptr::null_mut());
+    }
+    let allocator = allocator(device)?;
+    let result = allocator.lock().malloc(size, stream_id(stream));
+    match result {
+        Ok(ptr) => Ok(device_pointer(ptr)),
+        // The allocator has logged it, with the same message.
+        Err(AllocError::OutOfMemory(oom)) => Err(oom.message),
+        Err(err) => {
+            let message = err.to_string();
+            logging::call_failed("allocation", &message);
+            Err(message)
+        }
+    }
+}
+
+/// What the caller of a free says about the allocation; `None` where it says nothing.
+struct FreeClaims {
+    size: Option<usize>,
+    device: Option<c_int>,
+    stream: Option<StreamId>,
+}
+
+/// Frees `ptr`. Wrong claims about it are logged at WARN and the recorded values used; a pointer
+/// no allocator knows is refused (logged at ERROR by the caller) and nothing changes.
+fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
+    with_owner(ptr, claims.device, |device, allocator| {
+        if let Some(claimed) = claims.device
+            && claimed != device
+        {
+            logging::free_argument_mismatch(ptr, "device", &claimed, &device);
+        }
+        if let Some(info) = allocator.allocation_info(ptr) {
+            if let Some(size) = claims.size
+                && size != info.requested_size
+            {
+                logging::free_argument_mismatch(ptr, "size", &size, &info.requested_size);
+            }
+            if let Some(stream) = claims.stream
+                && stream != info.stream
+            {
+                logging::free_argument_mismatch(
+                    ptr,
+                    "stream",
+                    &logging::StreamName(stream),
+                    &logging::StreamName(info.stream),
+                );
+            }
+        }
+        allocator.free(ptr).map_err(|err| err.to_string())
+    })
+    .unwrap_or_else(|| Err(unknown_pointer(ptr)))
+}
+
+/// For `rust_malloc` in `oom.cpp` only (not exported from the library): allocates `size` bytes
+/// on `device` for `stream`. Returns the pointer with `*error` set to NULL, or NULL with `*error`
+/// pointing at the reason (this thread's last error, valid until the next call on this thread).
+/// Size 0 gives NULL with no error.
+///
+/// # Safety
+/// `error` is NULL or valid for one pointer write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_internal_malloc(
+    size: usize,
+    device: c_int,
+    stream: cudaStream_t,
+    error: *mut *const c_char,
+) -> *mut c_void {
+    let failure = guarded("rust_malloc", Err(()), || {
+        settings();
+        allocate(size, device, stream).map_err(|message| set_last_error(&message))
+    });
+    let (ptr, reason) = match failure {
+        Ok(ptr) => (ptr, ptr::null()),
+        Err(()) => (ptr::null_mut(), last_error_ptr()),
+    };
+    if !error.is_null() {
+        // SAFETY: non-NULL, and the caller promises it is valid for a write.
+        unsafe { error.write(reason) };
+    }
+    ptr
+}
+
+/// `CUDAPluggableAllocator`'s free function. NULL does nothing. A pointer ferrocache did not give
+/// out, or one already freed, is logged at ERROR and nothing changes. A `size`, `device` or
+/// `stream` that differs from what the allocation recorded is logged at WARN and the recorded
+/// value is used.
+#[unsafe(no_mangle)]
+pub extern "C" fn rust_free(ptr: *mut c_void, size: usize, device: c_int, stream: cudaStream_t) {
+    if ptr.is_null() {
+        return;
+    }
+    guarded("rust_free", (), || {
+        settings();
+        let claims = FreeClaims {
+            size: Some(size),
+            device: Some(device),
+            stream: Some(stream_id(stream)),
+        };
+        if let Err(why) = release(ptr.addr() as DevicePtr, &claims) {
+            logging::call_refused("rust_free", &why);
+        }
+    });
+}
+
+/// Allocates `size` bytes on `device` for `stream` (0 is the default stream). Returns NULL when
+/// `size` is 0 (last error empty) or on failure (last error set: PyTorch's out-of-memory
+/// message, a driver error, or why the device or the settings are unusable). Never throws.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_alloc(
+    size: usize,
+    device: c_int,
+    stream: cudaStream_t,
+) -> *mut c_void {
+    with_last_error("ferrocache_alloc", ptr::null_mut(), || {
+        allocate(size, device, stream)
+    })
+}
+
+/// Frees an allocation from `ferrocache_alloc` or `rust_malloc`, on whichever device it is.
+/// Returns 0, or -1 (last error set, logged at ERROR, nothing changed) for a pointer ferrocache
+/// did not give out or already freed. NULL returns 0 and does nothing.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_free(ptr: *mut c_void) -> c_int {
+    with_last_error("ferrocache_free", -1, || {
+        if ptr.is_null() {
+            return Ok(0);
+        }
+        let claims = FreeClaims {
+            size: None,
+            device: None,
+            stream: None,
+        };
+        release(ptr.addr() as DevicePtr, &claims)
+            .map(|()| 0)
+            .inspect_err(|why| logging::call_refused("ferrocache_free", why))
+    })
+}
+
+/// This thread's last error: empty when the latest `ferrocache_*` call that can fail succeeded.
+/// Never NULL. Owned by ferrocache; valid until the next ferrocache call on this thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_last_error() -> *const c_char {
+    guarded("ferrocache_last_error", c"".as_ptr(), last_error_ptr)
+}
+
+// ------------------------------------------------------------------------------------------------
+// PyTorch's hooks (`CUDAPluggableAllocator._allocator.set_*_fn`)
+// ------------------------------------------------------------------------------------------------
+
+/// `set_init_fn`: PyTorch tells the device count. Reads the settings and sets up logging; device
+/// allocators are still created on first use.
+#[unsafe(no_mangle)]
+pub extern "C" fn rust_init(device_count: c_int) {
+    guarded("rust_init", (), || {
+        settings();
+        DEVICE_COUNT.store(device_count, Ordering::Relaxed);
+        logging::library_initialised(env!("CARGO_PKG_VERSION"), device_count);
+    });
+}
+
+/// `set_reset_fn`, which PyTorch calls for `torch.cuda.empty_cache()`: gives every wholly free
+/// cached segment of every device back to the driver. Errors are logged.
+#[unsafe(no_mangle)]
+pub extern "C" fn rust_reset() {
+    guarded("rust_reset", (), || {
+        settings();
+        if let Err(why) = empty_all_caches() {
+            logging::call_failed("rust_reset", &why);
+        }
+    });
+}
+
+/// `set_memory_fraction_fn`: `torch.cuda.set_per_process_memory_fraction(fraction, device)`.
+/// Errors (a fraction outside [0, 1], an unusable device) are logged.
+#[unsafe(no_mangle)]
+pub extern "C" fn rust_memory_fraction(fraction: c_double, device: c_int) {
+    guarded("rust_memory_fraction", (), || {
+        settings();
+        if let Err(why) = set_memory_fraction(fraction, device) {
+            logging::call_refused("rust_memory_fraction", &why);
+        }
+    });
+}
+
+/// `set_record_stream_fn`: `Tensor.record_stream(stream)`. The allocation at `ptr` is not reused
+/// after its free until the work queued on `stream` by then has completed. An unknown pointer is
+/// logged at ERROR.
+#[unsafe(no_mangle)]
+pub extern "C" fn rust_record_stream(ptr: *mut c_void, stream: cudaStream_t) {
+    guarded("rust_record_stream", (), || {
+        settings();
+        let address = ptr.addr() as DevicePtr;
+        let result = with_owner(address, None, |_, allocator| {
+            allocator
+                .record_stream(address, stream_id(stream))
+                .map_err(|err| err.to_string())
+        })
+        .unwrap_or_else(|| Err(unknown_pointer(address)));
+        if let Err(why) = result {
+            logging::call_refused("rust_record_stream", &why);
+        }
+    });
+}
+
+/// `set_base_alloc_fn`: the start of the segment that holds the allocation at `ptr`, with the
+/// segment's size in `*size` (used for CUDA IPC). An unknown pointer is logged at ERROR and
+/// gives `ptr` itself with `*size` = 0.
+///
+/// # Safety
+/// `size` is NULL or valid for one `size_t` write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rust_base_alloc(ptr: *mut c_void, size: *mut usize) -> *mut c_void {
+    let (base, base_size) = guarded("rust_base_alloc", (ptr, 0), || {
+        settings();
+        let address = ptr.addr() as DevicePtr;
+        let found = with_owner(address, None, |_, allocator| {
+            allocator
+                .base_allocation(address)
+                .map_err(|err| err.to_string())
+        })
+        .unwrap_or_else(|| Err(unknown_pointer(address)));
+        match found {
+            Ok((base, base_size)) => (device_pointer(base), base_size),
+            Err(why) => {
+                logging::call_refused("rust_base_alloc", &why);
+                (ptr, 0)
+            }
+        }
+    });
+    if !size.is_null() {
+        // SAFETY: non-NULL, and the caller promises it is valid for a write.
+        unsafe { size.write(base_size) };
+    }
+    base
+}
+
+fn unknown_pointer(ptr: DevicePtr) -> String {
+    format!("invalid device pointer: {ptr:#x} (never allocated by ferrocache, or already freed)")
+}
+
+fn empty_all_caches() -> Result<(), String> {
+    let mut failures = Vec::new();
+    for (device, allocator) in created_allocators() {
+        if let Err(err) = allocator.lock().empty_cache() {
+            failures.push(format!("device {device}: {err}"));
+        }
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("; "))
+    }
+}
+
+fn set_memory_fraction(fraction: f64, device: c_int) -> Result<(), String> {
+    let result = allocator(device)?.lock().set_memory_fraction(fraction);
+    result.map_err(|err| match err {
+        // The allocator's wording for a bad fraction is a message of its own, not a driver error.
+        AllocError::Device(DeviceError::Driver {
+            call: "set_memory_fraction",
+            message,
+            ..
+        }) => message,
+        other => other.to_string(),
+    })
+}
+
+// ------------------------------------------------------------------------------------------------
+// The Python package's functions
+// ------------------------------------------------------------------------------------------------
+
+/// Hands a string to C; the caller gives it back with [`ferrocache_string_free`].
+fn into_c_string(text: String) -> *mut c_char {
+    CString::new(text.replace('\0', " "))
+        .unwrap_or_default()
+        .into_raw()
+}
+
+/// Frees a string that a `ferrocache_*` function returned. NULL does nothing. Never pass it
+/// anything else (in particular not `ferrocache_last_error`'s pointer), nor free those with
+/// `free()`.
+///
+/// # Safety
+/// `text` is NULL or a string returned by a `ferrocache_*` function and not yet freed.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_string_free(text: *mut c_char) {
+    if text.is_null() {
+        return;
+    }
+    guarded("ferrocache_string_free", (), || {
+        // SAFETY: the caller promises `text` came from `into_c_string` (CString::into_raw) and
+        // has not been freed.
+        drop(unsafe { CString::from_raw(text) });
+    });
+}
+
+/// `torch.cuda.memory_stats(device)`: one JSON object with PyTorch's flat keys
+/// (`allocated_bytes.all.current`, `num_ooms`, ...). Returns a string to free with
+/// `ferrocache_string_free`, or NULL (last error set).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_memory_stats(device: c_int) -> *mut c_char {
+    with_last_error("ferrocache_memory_stats", ptr::null_mut(), || {
+        let json = allocator(device)?.lock().stats().to_json();
+        Ok(into_c_string(json))
+    })
+}
+
+/// `torch.cuda.memory._snapshot()`: PyTorch's structure as JSON (`segments` of every device,
+/// `device_traces` indexed by device, `allocator_settings`). Returns a string to free with
+/// `ferrocache_string_free`, or NULL (last error set).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_snapshot() -> *mut c_char {
+    with_last_error("ferrocache_snapshot", ptr::null_mut(), || {
+        let config = config()?;
+        let reported_devices = usize::try_from(DEVICE_COUNT.load(Ordering::Relaxed)).unwrap_or(0);
+        let mut combined = MemorySnapshot {
+            segments: Vec::new(),
+            device_traces: Vec::new(),
+            allocator_settings: config.to_pytorch_settings(),
+        };
+        for (device, allocator) in created_allocators() {
+            let snapshot = allocator.lock().snapshot();
+            combined.segments.extend(snapshot.segments);
+            let index = device as usize;
+            if combined.device_traces.len() <= index {
+                combined.device_traces.resize_with(index + 1, Vec::new);
+            }
+            combined.device_traces[index] = snapshot.device_traces.into_iter().flatten().collect();
+        }
+        if combined.device_traces.len() < reported_devices {
+            combined
+                .device_traces
+                .resize_with(reported_devices, Vec::new);
+        }
+        combined.segments.sort_by_key(|s| (s.device, s.address));
+        serde_json::to_string(&combined)
+            .map(into_c_string)
+            .map_err(|err| format!("the snapshot could not be written as JSON: {err}"))
+    })
+}
+
+/// `torch.cuda.memory._record_memory_history`: `enabled` non-zero starts recording allocator
+/// events (at most `max_entries`, the newest kept) on every device, including devices used
+/// later; zero stops and clears. Returns 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_record_history(enabled: c_int, max_entries: usize) -> c_int {
+    with_last_error("ferrocache_record_history", -1, || {
+        let mut setting = CREATION.lock();
+        *setting = HistorySetting {
+            enabled: enabled != 0,
+            max_entries,
+        };
+        for (_, allocator) in created_allocators() {
+            allocator.lock().record_history(enabled != 0, max_entries);
+        }
+        Ok(0)
+    })
+}
+
+/// `torch.cuda.reset_peak_memory_stats(device)`. Returns 0, or -1 (last error set).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_reset_peak_stats(device: c_int) -> c_int {
+    with_last_error("ferrocache_reset_peak_stats", -1, || {
+        allocator(device)?.lock().reset_peak_stats();
+        Ok(0)
+    })
+}
+
+/// `torch.cuda.reset_accumulated_memory_stats(device)`. Returns 0, or -1 (last error set).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_reset_accumulated_stats(device: c_int) -> c_int {
+    with_last_error("ferrocache_reset_accumulated_stats", -1, || {
+        allocator(device)?.lock().reset_accumulated_stats();
+        Ok(0)
+    })
+}
+
+/// `torch.cuda.empty_cache()`: gives every wholly free cached segment of every device back to
+/// the driver. Returns 0, or -1 (last error set).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_empty_cache() -> c_int {
+    with_last_error("ferrocache_empty_cache", -1, || {
+        empty_all_caches().map(|()| 0)
+    })
+}
+
+/// `torch.cuda.set_per_process_memory_fraction(fraction, device)`. Returns 0, or -1 (last error
+/// set: a fraction outside [0, 1], an unusable device).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_set_memory_fraction(fraction: c_double, device: c_int) -> c_int {
+    with_last_error("ferrocache_set_memory_fraction", -1, || {
+        set_memory_fraction(fraction, device).map(|()| 0)
+    })
+}
+
+/// Reads a `PYTORCH_CUDA_ALLOC_CONF` value, or the process environment when `text` is NULL.
+///
+/// # Safety
+/// `text` is NULL or a NUL-terminated string.
+unsafe fn read_config(text: *const c_char) -> Result<Config, String> {
+    if text.is_null() {
+        return Config::from_env().map_err(|err| err.message);
+    }
+    // SAFETY: non-NULL, and the caller promises a NUL-terminated string.
+    let text = unsafe { CStr::from_ptr(text) };
+    let text = text
+        .to_str()
+        .map_err(|_| "the setting is not valid UTF-8".to_string())?;
+    Config::parse(text).map_err(|err| err.message)
+}
+
+/// Checks a `PYTORCH_CUDA_ALLOC_CONF` value (NULL: the one in the process environment, read as
+/// PyTorch reads it). Returns 1 when PyTorch would accept it, 0 when not, with PyTorch's
+/// wording in the last error.
+///
+/// # Safety
+/// `text` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_check_config(text: *const c_char) -> c_int {
+    with_last_error("ferrocache_check_config", 0, || {
+        // SAFETY: passed on from our caller, who promises the same.
+        unsafe { read_config(text) }.map(|_| 1)
+    })
+}
+
+/// What a `PYTORCH_CUDA_ALLOC_CONF` value (NULL: the process environment's) sets: one line per
+/// setting that differs from PyTorch's defaults, then the keys ferrocache does not use and the
+/// warnings. Returns a string to free with `ferrocache_string_free`, or NULL when the value is
+/// invalid (last error set, with PyTorch's wording).
+///
+/// # Safety
+/// `text` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_describe_config(text: *const c_char) -> *mut c_char {
+    with_last_error("ferrocache_describe_config", ptr::null_mut(), || {
+        // SAFETY: passed on from our caller, who promises the same.
+        let config = unsafe { read_config(text) }?;
+        let mut lines = vec![config.describe()];
+        if !config.ignored_keys.is_empty() {
+            lines.push(format!(
+                "not used by ferrocache: {}",
+                config.ignored_keys.join(", ")
+            ));
+        }
+        lines.extend(config.warnings.iter().map(|w| format!("warning: {w}")));
+        Ok(into_c_string(lines.join("\n")))
+    })
+}
+
+/// The library's version, e.g. `0.1.0`. A static string; do not free it.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_version() -> *const c_char {
+    const VERSION: &CStr =
+        match CStr::from_bytes_with_nul(concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes()) {
+            Ok(version) => version,
+            Err(_) => panic!("the package version has no NUL inside"),
+        };
+    guarded("ferrocache_version", c"".as_ptr(), || VERSION.as_ptr())
+}

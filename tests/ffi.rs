@@ -1,0 +1,541 @@
+//! The C ABI from Rust, through the real `libferrocache.so` (dlopen by path, as PyTorch and the
+//! Python package load it), against the fake libcuda. Each scenario runs in a process of its own
+//! (see `support`): the library keeps its allocators for the life of the process.
+
+mod cdylib;
+mod support;
+
+use std::ffi::{CStr, CString, c_char, c_double, c_int, c_void};
+use std::ptr;
+
+use cdylib::Ferrocache;
+use serde_json::Value;
+use support::{FakeCuda, in_own_process, in_own_process_without_libcuda};
+
+const MIB: usize = 1 << 20;
+
+type AllocFn = unsafe extern "C" fn(usize, c_int, *mut c_void) -> *mut c_void;
+type FreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
+type RustFreeFn = unsafe extern "C" fn(*mut c_void, usize, c_int, *mut c_void);
+type StringFn = unsafe extern "C" fn() -> *const c_char;
+type OwnedStringFn = unsafe extern "C" fn() -> *mut c_char;
+type DeviceStringFn = unsafe extern "C" fn(c_int) -> *mut c_char;
+type DeviceFn = unsafe extern "C" fn(c_int) -> c_int;
+type ConfigFn = unsafe extern "C" fn(*const c_char) -> c_int;
+type DescribeFn = unsafe extern "C" fn(*const c_char) -> *mut c_char;
+
+/// The functions a test calls, with their C signatures.
+struct Api {
+    library: Ferrocache,
+}
+
+impl Api {
+    fn open() -> Api {
+        Api {
+            library: Ferrocache::open(),
+        }
+    }
+
+    fn alloc(&self, size: usize, device: c_int, stream: u64) -> *mut c_void {
+        let alloc: AllocFn = self.library.function("ferrocache_alloc");
+        // SAFETY: plain values; a stream handle is only passed on.
+        unsafe { alloc(size, device, ptr::without_provenance_mut(stream as usize)) }
+    }
+
+    fn free(&self, ptr: *mut c_void) -> c_int {
+        let free: FreeFn = self.library.function("ferrocache_free");
+        // SAFETY: ferrocache checks the pointer against what it handed out.
+        unsafe { free(ptr) }
+    }
+
+    fn rust_free(&self, ptr: *mut c_void, size: usize, stream: u64) {
+        let free: RustFreeFn = self.library.function("rust_free");
+        // SAFETY: as for `free`.
+        unsafe { free(ptr, size, 0, ptr::without_provenance_mut(stream as usize)) }
+    }
+
+    fn last_error(&self) -> String {
+        let last_error: StringFn = self.library.function("ferrocache_last_error");
+        // SAFETY: a NUL-terminated string that stays valid until our next call on this thread.
+        unsafe { CStr::from_ptr(last_error()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// Takes a string the library returned: its text, after freeing it; `None` for NULL.
+    fn take_string(&self, text: *mut c_char) -> Option<String> {
+        if text.is_null() {
+            return None;
+        }
+        // SAFETY: a NUL-terminated string from the library, not yet freed.
+        let owned = unsafe { CStr::from_ptr(text) }
+            .to_string_lossy()
+            .into_owned();
+        let free: unsafe extern "C" fn(*mut c_char) =
+            self.library.function("ferrocache_string_free");
+        // SAFETY: returned by the library and freed once.
+        unsafe { free(text) };
+        Some(owned)
+    }
+
+    fn stats(&self, device: c_int) -> Option<Value> {
+        let stats: DeviceStringFn = self.library.function("ferrocache_memory_stats");
+        // SAFETY: a plain value.
+        let text = self.take_string(unsafe { stats(device) })?;
+        Some(serde_json::from_str(&text).expect("the statistics are JSON"))
+    }
+
+    fn stat(&self, key: &str) -> i64 {
+        let stats = self.stats(0).expect("statistics of device 0");
+        stats[key]
+            .as_i64()
+            .unwrap_or_else(|| panic!("no {key} in {stats}"))
+    }
+
+    fn snapshot(&self) -> Option<Value> {
+        let snapshot: OwnedStringFn = self.library.function("ferrocache_snapshot");
+        // SAFETY: no arguments.
+        let text = self.take_string(unsafe { snapshot() })?;
+        Some(serde_json::from_str(&text).expect("the snapshot is JSON"))
+    }
+
+    fn device_call(&self, name: &str, device: c_int) -> c_int {
+        let call: DeviceFn = self.library.function(name);
+        // SAFETY: a plain value.
+        unsafe { call(device) }
+    }
+
+    fn check_config(&self, text: Option<&str>) -> c_int {
+        let check: ConfigFn = self.library.function("ferrocache_check_config");
+        let text = text.map(|t| CString::new(t).expect("no NUL"));
+        // SAFETY: NULL or a NUL-terminated string that outlives the call.
+        unsafe { check(text.as_ref().map_or(ptr::null(), |t| t.as_ptr())) }
+    }
+
+    fn describe_config(&self, text: &str) -> Option<String> {
+        let describe: DescribeFn = self.library.function("ferrocache_describe_config");
+        let text = CString::new(text).expect("no NUL");
+        // SAFETY: a NUL-terminated string that outlives the call.
+        self.take_string(unsafe { describe(text.as_ptr()) })
+    }
+
+    fn record_history(&self, enabled: bool, max_entries: usize) {
+        let record: unsafe extern "C" fn(c_int, usize) -> c_int =
+            self.library.function("ferrocache_record_history");
+        // SAFETY: plain values.
+        assert_eq!(unsafe { record(c_int::from(enabled), max_entries) }, 0);
+    }
+
+    fn base_alloc(&self, ptr: *mut c_void) -> (*mut c_void, usize) {
+        let base_alloc: unsafe extern "C" fn(*mut c_void, *mut usize) -> *mut c_void =
+            self.library.function("rust_base_alloc");
+        let mut size = usize::MAX;
+        // SAFETY: the size pointer is a live local.
+        let base = unsafe { base_alloc(ptr, &mut size) };
+        (base, size)
+    }
+
+    fn record_stream(&self, ptr: *mut c_void, stream: u64) {
+        let record: unsafe extern "C" fn(*mut c_void, *mut c_void) =
+            self.library.function("rust_record_stream");
+        // SAFETY: ferrocache checks the pointer; the stream is only passed on.
+        unsafe { record(ptr, ptr::without_provenance_mut(stream as usize)) }
+    }
+
+    fn rust_memory_fraction(&self, fraction: f64, device: c_int) {
+        let set: unsafe extern "C" fn(c_double, c_int) =
+            self.library.function("rust_memory_fraction");
+        // SAFETY: plain values.
+        unsafe { set(fraction, device) }
+    }
+
+    fn set_memory_fraction(&self, fraction: f64, device: c_int) -> c_int {
+        let set: unsafe extern "C" fn(c_double, c_int) -> c_int =
+            self.library.function("ferrocache_set_memory_fraction");
+        // SAFETY: plain values.
+        unsafe { set(fraction, device) }
+    }
+
+    fn rust_reset(&self) {
+        let reset: unsafe extern "C" fn() = self.library.function("rust_reset");
+        // SAFETY: no arguments.
+        unsafe { reset() }
+    }
+}
+
+/// Writes `len` bytes at a device pointer, which on the fake is host memory, and reads them back.
+fn fill_and_check(ptr: *mut c_void, len: usize, byte: u8) -> bool {
+    // SAFETY: `ptr..ptr + len` is a live allocation from ferrocache on the fake (host memory)
+    // that only this test uses.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(ptr.cast::<u8>(), len) };
+    bytes.fill(byte);
+    bytes.iter().all(|&b| b == byte)
+}
+
+/// Retains device 0's primary context on this thread and creates a stream, as PyTorch would.
+fn new_stream() -> u64 {
+    // SAFETY: in a child process libcuda.so is the fake, already loaded by ferrocache.
+    let cuda = unsafe { libloading::Library::new("libcuda.so") }.expect("load the fake");
+    // SAFETY: each signature is the driver API's.
+    unsafe {
+        let init = cuda
+            .get::<unsafe extern "C" fn(u32) -> c_int>(b"cuInit")
+            .expect("cuInit");
+        let retain = cuda
+            .get::<unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int>(
+                b"cuDevicePrimaryCtxRetain",
+            )
+            .expect("cuDevicePrimaryCtxRetain");
+        let set_current = cuda
+            .get::<unsafe extern "C" fn(*mut c_void) -> c_int>(b"cuCtxSetCurrent")
+            .expect("cuCtxSetCurrent");
+        let create = cuda
+            .get::<unsafe extern "C" fn(*mut *mut c_void, u32) -> c_int>(b"cuStreamCreate")
+            .expect("cuStreamCreate");
+        assert_eq!(init(0), 0);
+        let mut context = ptr::null_mut();
+        assert_eq!(retain(&mut context, 0), 0);
+        assert_eq!(set_current(context), 0);
+        let mut stream = ptr::null_mut();
+        assert_eq!(create(&mut stream, 0), 0);
+        stream.addr() as u64
+    }
+}
+
+#[test]
+fn allocations_round_trip_with_statistics() {
+    in_own_process("allocations_round_trip_with_statistics", &[], || {
+        let api = Api::open();
+        assert!(api.alloc(0, 0, 0).is_null(), "size 0 gives NULL");
+        assert_eq!(api.last_error(), "", "and it is no failure");
+
+        let first = api.alloc(MIB, 0, 0);
+        assert!(!first.is_null(), "{}", api.last_error());
+        assert!(fill_and_check(first, MIB, 0xa5));
+        let second = api.alloc(512 << 10, 0, 0);
+        assert!(fill_and_check(second, 512 << 10, 0x5a));
+        assert!(fill_and_check(first, MIB, 0xa5), "the blocks overlap");
+        assert_eq!(
+            api.stat("allocated_bytes.all.current"),
+            (MIB + (512 << 10)) as i64
+        );
+        assert_eq!(api.stat("allocation.all.current"), 2);
+
+        // Both are carved from one 2 MiB small-pool segment.
+        let (base, size) = api.base_alloc(second);
+        assert_eq!((base, size), (first, 2 * MIB));
+        assert_eq!(api.base_alloc(first), (first, 2 * MIB));
+
+        assert_eq!(api.free(first), 0);
+        assert_eq!(api.free(ptr::null_mut()), 0);
+        assert_eq!(api.free(first), -1, "a second free is refused");
+        assert!(
+            api.last_error().starts_with("invalid device pointer: 0x"),
+            "{}",
+            api.last_error()
+        );
+        // Another thread has its own last error.
+        let other_thread = std::thread::scope(|s| s.spawn(|| api.last_error()).join());
+        assert_eq!(other_thread.expect("the thread ran"), "");
+        assert_eq!(api.free(second), 0);
+        assert_eq!(api.last_error(), "", "a success clears the last error");
+        assert_eq!(api.stat("allocated_bytes.all.current"), 0);
+
+        assert_eq!(
+            api.stat("allocated_bytes.all.peak"),
+            (MIB + (512 << 10)) as i64
+        );
+        assert_eq!(api.device_call("ferrocache_reset_peak_stats", 0), 0);
+        assert_eq!(api.stat("allocated_bytes.all.peak"), 0);
+        assert_eq!(
+            api.stat("allocated_bytes.all.allocated"),
+            (MIB + (512 << 10)) as i64
+        );
+        assert_eq!(api.device_call("ferrocache_reset_accumulated_stats", 0), 0);
+        assert_eq!(api.stat("allocated_bytes.all.allocated"), 0);
+
+        let fake = FakeCuda::open();
+        assert_eq!(
+            fake.stat("bytes_in_use"),
+            2 * MIB as i64,
+            "the segment is cached"
+        );
+        let empty_cache: unsafe extern "C" fn() -> c_int =
+            api.library.function("ferrocache_empty_cache");
+        // SAFETY: no arguments.
+        assert_eq!(unsafe { empty_cache() }, 0);
+        assert_eq!(fake.stat("bytes_in_use"), 0);
+
+        let version: StringFn = api.library.function("ferrocache_version");
+        // SAFETY: a static NUL-terminated string.
+        let version = unsafe { CStr::from_ptr(version()) };
+        assert_eq!(version.to_str(), Ok(env!("CARGO_PKG_VERSION")));
+    });
+}
+
+#[test]
+fn rust_free_uses_what_the_allocation_recorded() {
+    in_own_process("rust_free_uses_what_the_allocation_recorded", &[], || {
+        let api = Api::open();
+        let block = api.alloc(3000, 0, 0);
+        api.rust_free(ptr::null_mut(), 10, 0);
+        api.rust_free(ptr::without_provenance_mut(0x1000), 10, 0);
+        assert_eq!(
+            api.stat("allocation.all.current"),
+            1,
+            "bad frees changed nothing"
+        );
+        api.rust_free(block, 1, 0);
+        assert_eq!(
+            api.stat("allocation.all.current"),
+            0,
+            "freed despite the wrong size"
+        );
+        api.rust_free(block, 3000, 0);
+        assert_eq!(api.stat("allocation.all.current"), 0);
+        assert_eq!(
+            api.stat("inactive_split.all.current"),
+            0,
+            "{:?}",
+            api.stats(0)
+        );
+    });
+}
+
+#[test]
+fn history_and_snapshot_have_pytorchs_structure() {
+    in_own_process("history_and_snapshot_have_pytorchs_structure", &[], || {
+        let api = Api::open();
+        // Asked for before the device is first used: applies once it is.
+        api.record_history(true, 100);
+        let block = api.alloc(MIB, 0, 0);
+        assert_eq!(api.free(block), 0);
+        let kept = api.alloc(4096, 0, 0);
+
+        let snapshot = api.snapshot().expect("a snapshot");
+        let segments = snapshot["segments"].as_array().expect("segments");
+        assert_eq!(segments.len(), 1, "{snapshot}");
+        assert_eq!(segments[0]["device"], 0);
+        assert_eq!(segments[0]["total_size"], 2 * MIB);
+        assert_eq!(segments[0]["allocated_size"], 4096);
+        let traces = snapshot["device_traces"].as_array().expect("device_traces");
+        assert_eq!(traces.len(), 1, "one device");
+        let actions: Vec<&str> = traces[0]
+            .as_array()
+            .expect("a trace")
+            .iter()
+            .map(|entry| entry["action"].as_str().expect("an action"))
+            .collect();
+        assert_eq!(
+            actions,
+            [
+                "segment_alloc",
+                "alloc",
+                "free_requested",
+                "free_completed",
+                "alloc"
+            ]
+        );
+        assert_eq!(
+            snapshot["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"],
+            ""
+        );
+
+        api.record_history(false, 0);
+        let snapshot = api.snapshot().expect("a snapshot");
+        assert_eq!(snapshot["device_traces"][0], Value::Array(vec![]));
+        assert_eq!(api.free(kept), 0);
+    });
+}
+
+#[test]
+fn record_stream_holds_a_block_back_until_that_stream_is_done() {
+    in_own_process(
+        "record_stream_holds_a_block_back_until_that_stream_is_done",
+        &[],
+        || {
+            let api = Api::open();
+            let fake = FakeCuda::open();
+            let stream = new_stream();
+            // Without record_stream, a freed block is reused at once.
+            let block = api.alloc(MIB, 0, 0);
+            assert_eq!(api.free(block), 0);
+            let again = api.alloc(MIB, 0, 0);
+            assert_eq!(again, block);
+
+            fake.set_event_delay(1_000);
+            api.record_stream(again, stream);
+            assert_eq!(api.last_error(), "");
+            api.rust_free(again, MIB, 0);
+            let other = api.alloc(MIB, 0, 0);
+            assert_ne!(
+                other, again,
+                "reused while the other stream may still use it"
+            );
+            assert!(fake.stat("cuEventRecord") >= 1);
+            assert_eq!(api.free(other), 0);
+        },
+    );
+}
+
+#[test]
+fn memory_fraction_and_reset_hooks_reach_the_allocator() {
+    let total = (64 * MIB).to_string();
+    let env = [("FAKE_LIBCUDA_TOTAL_MEM", total.as_str())];
+    in_own_process(
+        "memory_fraction_and_reset_hooks_reach_the_allocator",
+        &env,
+        || {
+            let api = Api::open();
+            api.rust_memory_fraction(0.25, 0);
+            assert!(api.alloc(20 * MIB, 0, 0).is_null(), "16 MiB are allowed");
+            let message = api.last_error();
+            assert!(
+                message.starts_with("CUDA out of memory. Tried to allocate 20.00 MiB."),
+                "{message}"
+            );
+            assert!(message.contains("16.00 MiB allowed"), "{message}");
+            assert_eq!(api.stat("num_ooms"), 1);
+
+            assert_eq!(api.set_memory_fraction(1.5, 0), -1);
+            assert!(
+                api.last_error().contains("invalid fraction: 1.5"),
+                "{}",
+                api.last_error()
+            );
+            assert_eq!(api.set_memory_fraction(1.0, 0), 0);
+            let block = api.alloc(20 * MIB, 0, 0);
+            assert!(!block.is_null(), "{}", api.last_error());
+            assert_eq!(api.free(block), 0);
+
+            let fake = FakeCuda::open();
+            assert_eq!(fake.stat("bytes_in_use"), 20 * MIB as i64);
+            api.rust_reset();
+            assert_eq!(fake.stat("bytes_in_use"), 0);
+        },
+    );
+}
+
+#[test]
+fn out_of_memory_gives_null_and_pytorchs_message() {
+    let total = (64 * MIB).to_string();
+    let env = [("FAKE_LIBCUDA_TOTAL_MEM", total.as_str())];
+    in_own_process(
+        "out_of_memory_gives_null_and_pytorchs_message",
+        &env,
+        || {
+            let api = Api::open();
+            assert!(api.alloc(1 << 40, 0, 0).is_null());
+            let message = api.last_error();
+            assert!(
+            message.starts_with(
+                "CUDA out of memory. Tried to allocate 1024.00 GiB. GPU 0 has a total capacity of 64.00 MiB"
+            ),
+            "{message}"
+        );
+            assert_eq!(api.stat("num_ooms"), 1);
+        },
+    );
+}
+
+#[test]
+fn a_driver_failure_is_reported_as_a_cuda_error() {
+    in_own_process("a_driver_failure_is_reported_as_a_cuda_error", &[], || {
+        let api = Api::open();
+        let fake = FakeCuda::open();
+        // The device is opened by the first allocation; fail the allocation after that.
+        let first = api.alloc(4096, 0, 0);
+        assert!(!first.is_null());
+        fake.fail_next("cuMemAlloc_v2", 999);
+        assert!(api.alloc(100 * MIB, 0, 0).is_null());
+        assert_eq!(
+            api.last_error(),
+            "CUDA error: cuMemAlloc_v2 failed with error 999: unknown error"
+        );
+        assert_eq!(api.stat("num_ooms"), 0, "not an out-of-memory");
+        assert!(!api.alloc(100 * MIB, 0, 0).is_null(), "the next one works");
+    });
+}
+
+#[test]
+fn devices_that_do_not_exist_are_errors() {
+    in_own_process("devices_that_do_not_exist_are_errors", &[], || {
+        let api = Api::open();
+        assert!(api.alloc(MIB, -1, 0).is_null());
+        assert_eq!(api.last_error(), "invalid device ordinal -1");
+        assert!(api.alloc(MIB, 1, 0).is_null());
+        assert_eq!(
+            api.last_error(),
+            "there is no CUDA device 1: the driver reports 1 device(s)"
+        );
+        assert!(api.stats(1).is_none());
+        assert!(!api.alloc(MIB, 0, 0).is_null(), "device 0 is fine");
+    });
+}
+
+#[test]
+fn settings_are_checked_with_pytorchs_words() {
+    in_own_process("settings_are_checked_with_pytorchs_words", &[], || {
+        let api = Api::open();
+        assert_eq!(
+            api.check_config(Some("max_split_size_mb:40,expandable_segments:True")),
+            1
+        );
+        assert_eq!(api.last_error(), "");
+        assert_eq!(api.check_config(Some("foo:1")), 0);
+        assert_eq!(
+            api.last_error(),
+            "Unrecognized key 'foo' in Accelerator allocator config."
+        );
+        assert_eq!(api.check_config(None), 1, "the environment sets nothing");
+
+        let described = api
+            .describe_config("expandable_segments:True,pinned_use_background_threads:True")
+            .expect("a valid setting");
+        assert_eq!(
+            described,
+            "expandable_segments: True\nnot used by ferrocache: pinned_use_background_threads"
+        );
+        assert!(api.describe_config("max_split_size_mb:abc").is_none());
+        assert!(!api.last_error().is_empty());
+    });
+}
+
+#[test]
+fn invalid_settings_fail_every_allocation() {
+    let env = [("PYTORCH_CUDA_ALLOC_CONF", "foo:1")];
+    in_own_process("invalid_settings_fail_every_allocation", &env, || {
+        let api = Api::open();
+        let expected = "PYTORCH_CUDA_ALLOC_CONF is invalid: Unrecognized key 'foo' in Accelerator allocator config.";
+        for _ in 0..2 {
+            assert!(api.alloc(MIB, 0, 0).is_null());
+            assert_eq!(api.last_error(), expected);
+        }
+        assert!(api.stats(0).is_none());
+        assert!(api.snapshot().is_none());
+        assert_eq!(api.last_error(), expected);
+        assert_eq!(api.check_config(None), 0);
+    });
+}
+
+#[test]
+fn without_libcuda_every_allocation_says_so() {
+    if let Some(reason) = cdylib::real_driver_installed() {
+        println!("skipped: {reason}, so a process cannot be without one");
+        return;
+    }
+    in_own_process_without_libcuda("without_libcuda_every_allocation_says_so", || {
+        let api = Api::open();
+        for _ in 0..2 {
+            assert!(api.alloc(MIB, 0, 0).is_null());
+            let message = api.last_error();
+            assert!(
+                message.starts_with("ferrocache could not load the CUDA driver library libcuda.so"),
+                "{message}"
+            );
+        }
+        assert!(api.stats(0).is_none());
+        let snapshot = api.snapshot().expect("a snapshot of nothing");
+        assert_eq!(snapshot["segments"], Value::Array(vec![]));
+    });
+}

@@ -1,0 +1,147 @@
+//! What `libferrocache.so` shows the world: exactly the C ABI as exports (no Rust or C++ symbols
+//! leaking), libstdc++ linked dynamically, and a committed header that matches the code.
+
+mod cdylib;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::Command;
+
+use regex::Regex;
+
+/// The C ABI: `rust_malloc` (C++), `rust_free` and the hooks PyTorch takes, the `ferrocache_*`
+/// functions of the Python package.
+const EXPORTS: [&str; 21] = [
+    "ferrocache_alloc",
+    "ferrocache_check_config",
+    "ferrocache_describe_config",
+    "ferrocache_empty_cache",
+    "ferrocache_free",
+    "ferrocache_last_error",
+    "ferrocache_memory_stats",
+    "ferrocache_record_history",
+    "ferrocache_reset_accumulated_stats",
+    "ferrocache_reset_peak_stats",
+    "ferrocache_set_memory_fraction",
+    "ferrocache_snapshot",
+    "ferrocache_string_free",
+    "ferrocache_version",
+    "rust_base_alloc",
+    "rust_free",
+    "rust_init",
+    "rust_malloc",
+    "rust_memory_fraction",
+    "rust_record_stream",
+    "rust_reset",
+];
+
+fn run(program: &str, args: &[&str], library: &Path) -> String {
+    let output = Command::new(program)
+        .args(args)
+        .arg(library)
+        .output()
+        .unwrap_or_else(|e| panic!("run {program} (binutils): {e}"));
+    assert!(
+        output.status.success(),
+        "{program} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+#[test]
+fn the_library_exports_exactly_the_c_abi() {
+    let listing = run("nm", &["-D", "--defined-only"], &cdylib::library_path());
+    let exported: BTreeSet<&str> = listing
+        .lines()
+        .filter_map(|line| line.split_whitespace().nth(2))
+        .collect();
+    let intended: BTreeSet<&str> = EXPORTS.into_iter().collect();
+    assert_eq!(
+        exported,
+        intended,
+        "exported but not intended: {:?}; intended but missing: {:?}",
+        exported.difference(&intended).collect::<Vec<_>>(),
+        intended.difference(&exported).collect::<Vec<_>>()
+    );
+    // All of them are functions in the text section.
+    for line in listing.lines() {
+        assert!(line.contains(" T "), "not a plain function: {line}");
+    }
+}
+
+#[test]
+fn libstdcxx_is_linked_dynamically() {
+    let library = cdylib::library_path();
+    let dynamic = run("objdump", &["-p"], &library);
+    assert!(
+        dynamic
+            .lines()
+            .any(|l| l.contains("NEEDED") && l.contains("libstdc++.so")),
+        "libstdc++ is not a dependency:\n{dynamic}"
+    );
+    // The exception machinery comes from libstdc++ itself, so that PyTorch (which links the same
+    // libstdc++) recognises the exception as a std::exception.
+    let undefined = run("nm", &["-D", "--undefined-only"], &library);
+    for symbol in [
+        "__cxa_throw",
+        "__cxa_allocate_exception",
+        "_ZTISt13runtime_error",
+    ] {
+        assert!(
+            undefined
+                .lines()
+                .filter_map(|line| line.split_whitespace().last())
+                .any(|name| name.split('@').next() == Some(symbol)),
+            "{symbol} is not taken from libstdc++:\n{undefined}"
+        );
+    }
+}
+
+fn generated_header() -> String {
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let config =
+        cbindgen::Config::from_file(crate_dir.join("cbindgen.toml")).expect("read cbindgen.toml");
+    let bindings = cbindgen::Builder::new()
+        .with_crate(crate_dir)
+        .with_config(config)
+        .generate()
+        .expect("cbindgen generates the header");
+    let mut text = Vec::new();
+    bindings.write(&mut text);
+    String::from_utf8(text).expect("the header is UTF-8")
+}
+
+fn committed_header() -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("include/ferrocache.h");
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
+}
+
+#[test]
+fn the_committed_header_is_up_to_date() {
+    let generated = generated_header();
+    let committed = committed_header();
+    if generated != committed {
+        let first_difference = generated
+            .lines()
+            .zip(committed.lines())
+            .position(|(a, b)| a != b)
+            .unwrap_or(generated.lines().count().min(committed.lines().count()));
+        panic!(
+            "include/ferrocache.h is stale (first difference at line {}): run `cargo build` \
+             without CI set, which regenerates it, and commit it.\n--- generated\n{generated}",
+            first_difference + 1
+        );
+    }
+}
+
+#[test]
+fn the_header_declares_every_export_and_nothing_else() {
+    let declaration = Regex::new(r"(?m)^(?:const )?\w+ \*?(\w+)\(.*\);$").expect("a valid pattern");
+    let declared: BTreeSet<String> = declaration
+        .captures_iter(&committed_header())
+        .map(|c| c[1].to_string())
+        .collect();
+    let intended: BTreeSet<String> = EXPORTS.iter().map(|s| s.to_string()).collect();
+    assert_eq!(declared, intended);
+}
