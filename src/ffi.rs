@@ -516,15 +516,7 @@ fn empty_all_caches() -> Result<(), String> {
 
 fn set_memory_fraction(fraction: f64, device: c_int) -> Result<(), String> {
     let result = allocator(device)?.lock().set_memory_fraction(fraction);
-    result.map_err(|err| match err {
-        // The allocator's wording for a bad fraction is a message of its own, not a driver error.
-        AllocError::Device(DeviceError::Driver {
-            call: "set_memory_fraction",
-            message,
-            ..
-        }) => message,
-        other => other.to_string(),
-    })
+    result.map_err(|err| err.to_string())
 }
 
 // ------------------------------------------------------------------------------------------------

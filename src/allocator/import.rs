@@ -21,14 +21,10 @@ impl<D: Device> DeviceAllocator<D> {
         let mut cursor = 0;
         for b in live {
             if b.offset < cursor || b.size == 0 || b.offset + b.size > size {
-                return Err(AllocError::Device(DeviceError::Driver {
-                    call: "import_segment",
-                    code: 1,
-                    message: format!(
-                        "block at offset {} (size {}) does not fit a segment of {size} bytes",
-                        b.offset, b.size
-                    ),
-                }));
+                return Err(AllocError::InvalidArgument(format!(
+                    "block at offset {} (size {}) does not fit a segment of {size} bytes",
+                    b.offset, b.size
+                )));
             }
             cursor = b.offset + b.size;
         }

@@ -59,6 +59,8 @@ pub enum AllocError {
     OutOfMemory(Box<OutOfMemoryError>),
     /// The driver failed for another reason (PyTorch raises at once in that case too).
     Device(DeviceError),
+    /// The caller asked for something impossible (a fraction outside [0, 1], ...).
+    InvalidArgument(String),
 }
 
 impl fmt::Display for AllocError {
@@ -67,6 +69,7 @@ impl fmt::Display for AllocError {
             AllocError::OutOfMemory(oom) => f.write_str(&oom.message),
             AllocError::Device(DeviceError::Unavailable(why)) => f.write_str(why),
             AllocError::Device(err) => write!(f, "CUDA error: {err}"),
+            AllocError::InvalidArgument(why) => f.write_str(why),
         }
     }
 }
@@ -914,11 +917,9 @@ impl<D: Device> DeviceAllocator<D> {
     /// `setMemoryFraction`: limits what this allocator holds to `fraction` of the device.
     pub fn set_memory_fraction(&mut self, fraction: f64) -> Result<(), AllocError> {
         if !(0.0..=1.0).contains(&fraction) {
-            return Err(AllocError::Device(DeviceError::Driver {
-                call: "set_memory_fraction",
-                code: 1,
-                message: format!("invalid fraction: {fraction}. Please set within (0, 1)."),
-            }));
+            return Err(AllocError::InvalidArgument(format!(
+                "invalid fraction: {fraction}. Please set within (0, 1)."
+            )));
         }
         let info = self.device.mem_get_info()?;
         self.allowed_memory_maximum = Some((fraction * info.total as f64) as usize);
