@@ -100,6 +100,30 @@ impl BlockArena {
         }
     }
 
+    /// Adds `block` to the chain just below `at` (it takes `at`'s place after `at.prev`).
+    pub fn insert_before(&mut self, at: BlockId, mut block: Block) -> BlockId {
+        block.prev = self.get(at).prev;
+        block.next = Some(at);
+        let id = self.insert(block);
+        if let Some(prev) = self.get(id).prev {
+            self.get_mut(prev).next = Some(id);
+        }
+        self.get_mut(at).prev = Some(id);
+        id
+    }
+
+    /// Adds `block` to the chain just above `at`.
+    pub fn insert_after(&mut self, at: BlockId, mut block: Block) -> BlockId {
+        block.prev = Some(at);
+        block.next = self.get(at).next;
+        let id = self.insert(block);
+        if let Some(next) = self.get(id).next {
+            self.get_mut(next).prev = Some(id);
+        }
+        self.get_mut(at).next = Some(id);
+        id
+    }
+
     pub fn remove(&mut self, id: BlockId) -> Block {
         let block = self.slots[id.0 as usize]
             .take()

@@ -347,15 +347,8 @@ impl<D: Device> DeviceAllocator<D> {
             );
             rest.mapped = false;
             rest.expandable = Some(segment_id);
-            rest.prev = Some(id);
-            rest.next = self.arena.get(id).next;
-            let rest_id = self.arena.insert(rest);
-            if let Some(n) = self.arena.get(rest_id).next {
-                self.arena.get_mut(n).prev = Some(rest_id);
-            }
-            let block = self.arena.get_mut(id);
-            block.next = Some(rest_id);
-            block.size = range.size;
+            self.arena.get_mut(id).size = range.size;
+            let rest_id = self.arena.insert_after(id, rest);
             self.pools[pool_index(pool)].insert_unmapped(rest_id, self.arena.get(rest_id));
         }
         let (prev, next) = (self.arena.get(id).prev, self.arena.get(id).next);
@@ -392,31 +385,22 @@ impl<D: Device> DeviceAllocator<D> {
             return failure.map_or(Ok(()), Err);
         }
         self.pools[pool_index(pool)].remove(id, self.arena.get(id));
+        // Partial pages at either end stay mapped, as free blocks of their own.
         let before = (range.ptr - ptr) as usize;
+        let after = size - before - range.size;
+        let mut pieces = Vec::with_capacity(2);
         if before > 0 {
             let mut piece = Block::new(ptr, before, stream, pool);
             piece.expandable = Some(segment_id);
-            piece.prev = self.arena.get(id).prev;
-            piece.next = Some(id);
-            let piece_id = self.arena.insert(piece);
-            if let Some(p) = self.arena.get(piece_id).prev {
-                self.arena.get_mut(p).next = Some(piece_id);
-            }
-            self.arena.get_mut(id).prev = Some(piece_id);
-            self.pools[pool_index(pool)].insert(piece_id, self.arena.get_mut(piece_id));
+            pieces.push(self.arena.insert_before(id, piece));
         }
-        let after = size - before - range.size;
         if after > 0 {
             let mut piece = Block::new(range.ptr + range.size as u64, after, stream, pool);
             piece.expandable = Some(segment_id);
-            piece.prev = Some(id);
-            piece.next = self.arena.get(id).next;
-            let piece_id = self.arena.insert(piece);
-            if let Some(n) = self.arena.get(piece_id).next {
-                self.arena.get_mut(n).prev = Some(piece_id);
-            }
-            self.arena.get_mut(id).next = Some(piece_id);
-            self.pools[pool_index(pool)].insert(piece_id, self.arena.get_mut(piece_id));
+            pieces.push(self.arena.insert_after(id, piece));
+        }
+        for piece in pieces {
+            self.pools[pool_index(pool)].insert(piece, self.arena.get_mut(piece));
         }
         let block = self.arena.get_mut(id);
         block.ptr = range.ptr;

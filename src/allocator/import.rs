@@ -1,10 +1,9 @@
 //! Replay support: placing the allocations a recorded trace starts with.
 
 use super::block::Block;
-use super::history::TraceAction;
 use super::{AllocError, DeviceAllocator, ImportedBlock, Request, pool_index};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
-use crate::policy::{self, PoolKind};
+use crate::policy::PoolKind;
 
 impl<D: Device> DeviceAllocator<D> {
     /// Takes a segment of `size` bytes from the device and places live allocations at the given
@@ -86,21 +85,7 @@ impl<D: Device> DeviceAllocator<D> {
             };
             match requested {
                 Some(requested) => {
-                    let b = self.arena.get_mut(id);
-                    b.allocated = true;
-                    b.requested_size = requested;
-                    self.allocated.insert(ptr, id);
-                    let stats = &mut self.stats;
-                    stats.allocation.increase(pool, 1);
-                    stats.allocated_bytes.increase(pool, piece_size as u64);
-                    stats.active.increase(pool, 1);
-                    stats.active_bytes.increase(pool, piece_size as u64);
-                    stats.requested_bytes.increase(pool, requested as u64);
-                    if policy::is_oversize(piece_size, &self.config) {
-                        stats.oversize_allocations.increase(1);
-                    }
-                    self.history
-                        .record(TraceAction::Alloc, ptr, requested, stream);
+                    self.hand_out(id, requested);
                     pointers.push(ptr);
                 }
                 None => {

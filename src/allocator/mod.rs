@@ -358,14 +358,8 @@ impl<D: Device> DeviceAllocator<D> {
             // The allocated part is a new block at the front; the original becomes the rest.
             let mut front = Block::new(block_ptr, request.size, request.stream, pool);
             front.expandable = self.arena.get(id).expandable;
-            front.prev = self.arena.get(id).prev;
-            front.next = Some(id);
-            let front_id = self.arena.insert(front);
-            if let Some(prev) = self.arena.get(front_id).prev {
-                self.arena.get_mut(prev).next = Some(front_id);
-            }
+            let front_id = self.arena.insert_before(id, front);
             let rest = self.arena.get_mut(id);
-            rest.prev = Some(front_id);
             rest.ptr += request.size as u64;
             rest.size -= request.size;
             let rest_size = rest.size;
@@ -398,23 +392,30 @@ impl<D: Device> DeviceAllocator<D> {
             id
         };
 
+        let ptr = self.hand_out(id, orig_size);
+        let size = self.arena.get(id).size;
+        logging::block_allocated(ptr, size, request.stream);
+        ptr
+    }
+
+    /// Marks a block allocated to the program, with its statistics and trace entry.
+    fn hand_out(&mut self, id: BlockId, requested_size: usize) -> DevicePtr {
         let block = self.arena.get_mut(id);
         block.allocated = true;
-        block.requested_size = orig_size;
-        let (ptr, size) = (block.ptr, block.size);
+        block.requested_size = requested_size;
+        let (ptr, size, pool, stream) = (block.ptr, block.size, block.pool, block.stream);
         self.allocated.insert(ptr, id);
         let stats = &mut self.stats;
         stats.allocation.increase(pool, 1);
         stats.allocated_bytes.increase(pool, size as u64);
         stats.active.increase(pool, 1);
         stats.active_bytes.increase(pool, size as u64);
-        stats.requested_bytes.increase(pool, orig_size as u64);
+        stats.requested_bytes.increase(pool, requested_size as u64);
         if policy::is_oversize(size, &self.config) {
             stats.oversize_allocations.increase(1);
         }
         self.history
-            .record(TraceAction::Alloc, ptr, orig_size, request.stream);
-        logging::block_allocated(ptr, size, request.stream);
+            .record(TraceAction::Alloc, ptr, requested_size, stream);
         ptr
     }
 
