@@ -16,6 +16,23 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+/// `println!` that ignores a closed stdout (`ferrocache replay ... | head`) instead of panicking.
+macro_rules! say {
+    () => {{
+        let _ = writeln!(std::io::stdout().lock());
+    }};
+    ($($arg:tt)*) => {{
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
+/// `eprintln!` that ignores a closed stderr.
+macro_rules! complain {
+    ($($arg:tt)*) => {{
+        let _ = writeln!(std::io::stderr().lock(), $($arg)*);
+    }};
+}
+
 #[derive(Parser)]
 #[command(
     name = "ferrocache",
@@ -98,23 +115,23 @@ fn main() -> ExitCode {
 fn check_config(conf: &str) -> ExitCode {
     match Config::parse(conf) {
         Ok(config) => {
-            println!("accepted: PyTorch and ferrocache both accept {conf:?}");
+            say!("accepted: PyTorch and ferrocache both accept {conf:?}");
             for line in config.describe().lines() {
-                println!("  {line}");
+                say!("  {line}");
             }
             if !config.ignored_keys.is_empty() {
-                println!(
+                say!(
                     "  ignored by ferrocache (PyTorch reads them; they change nothing here): {}",
                     config.ignored_keys.join(", ")
                 );
             }
             for warning in &config.warnings {
-                println!("warning: {warning}");
+                say!("warning: {warning}");
             }
             ExitCode::SUCCESS
         }
         Err(err) => {
-            eprintln!("error: PyTorch rejects {conf:?}: {err}");
+            complain!("error: PyTorch rejects {conf:?}: {err}");
             ExitCode::from(2)
         }
     }
@@ -138,7 +155,7 @@ struct Setting {
 
 fn replay_command(args: &ReplayArgs) -> ExitCode {
     if args.traces.is_empty() && !args.demo {
-        eprintln!("error: nothing to replay: give TRACE files, or --demo");
+        complain!("error: nothing to replay: give TRACE files, or --demo");
         return ExitCode::from(2);
     }
     let given = match parse_settings(&args.confs) {
@@ -170,7 +187,7 @@ fn replay_command(args: &ReplayArgs) -> ExitCode {
         let snapshot = match replay::load(path) {
             Ok(snapshot) => snapshot,
             Err(err) => {
-                eprintln!("error: {err}");
+                complain!("error: {err}");
                 failed = true;
                 continue;
             }
@@ -225,18 +242,18 @@ fn replay_command(args: &ReplayArgs) -> ExitCode {
 
     if args.json {
         for note in &notes {
-            eprintln!("note: {note}");
+            complain!("note: {note}");
         }
     } else {
         print_table(&rows);
         for note in &notes {
-            println!("note: {note}");
+            say!("note: {note}");
         }
-        println!();
-        println!("{}", wrap(&column_key(), 100));
+        say!();
+        say!("{}", wrap(&column_key(), 100));
         if args.demo {
-            println!();
-            println!(
+            say!();
+            say!(
                 "{}",
                 wrap(&demo_explanation(&rows, demo_ops, args.capacity_gib), 100)
             );
@@ -245,7 +262,7 @@ fn replay_command(args: &ReplayArgs) -> ExitCode {
     if let Some(file) = &args.plot
         && let Err(message) = write_plot(file, &rows)
     {
-        eprintln!("error: {message}");
+        complain!("error: {message}");
         failed = true;
     }
     if failed {
@@ -265,7 +282,7 @@ fn parse_settings(confs: &[String]) -> Result<Vec<Setting>, ExitCode> {
                 config,
             }),
             Err(err) => {
-                eprintln!("error: --conf {raw:?}: PyTorch rejects it: {err}");
+                complain!("error: --conf {raw:?}: PyTorch rejects it: {err}");
                 Err(ExitCode::from(2))
             }
         })
