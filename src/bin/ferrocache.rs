@@ -214,6 +214,7 @@ fn replay_command(args: &ReplayArgs) -> ExitCode {
                 {
                     notes.extend(mismatch_note(&row, device));
                 }
+                notes.extend(start_note(&row, args.capacity_gib));
                 emit(args.json, row, &mut rows);
             }
         }
@@ -395,6 +396,21 @@ fn mismatch_note(row: &Row, device: &DeviceWorkload) -> Option<String> {
         ));
     }
     Some(note)
+}
+
+/// Says when the start state did not fit the simulated GPU (the rows then understate).
+fn start_note(row: &Row, capacity_gib: f64) -> Option<String> {
+    let start = &row.report.start;
+    (start.failures > 0).then(|| {
+        format!(
+            "{} under {}: {} segments or allocations of the start state did not fit on the \
+             simulated {} GiB GPU (see --capacity-gib)",
+            row.trace,
+            conf_name(&row.conf),
+            start.failures,
+            trim_float(capacity_gib)
+        )
+    })
 }
 
 fn describe_mismatch(m: &SegmentMismatch) -> String {
