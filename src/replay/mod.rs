@@ -5,7 +5,9 @@
 //! ([`pickle`], [`snapshot`]) and turns it into what a replay needs ([`workload`]): the segments and
 //! allocations that existed when recording began, the ordered operations to replay with dense ids,
 //! PyTorch's own segment decisions to compare against, and PyTorch's own figures (peak requested
-//! and reserved bytes) replayed from the trace's accounting.
+//! and reserved bytes) replayed from the trace's accounting. [`engine`] replays a workload through
+//! ferrocache's allocator on a simulated GPU and compares; [`demo`] makes a synthetic training
+//! workload; [`plot`] draws memory over a replay.
 //!
 //! ```no_run
 //! use ferrocache::replay::{load, Workload};
@@ -16,11 +18,19 @@
 //! }
 //! ```
 
+pub mod demo;
+pub mod engine;
 pub mod pickle;
+pub mod plot;
 pub mod snapshot;
 pub mod workload;
 
+pub use engine::{
+    DEFAULT_CAPACITY, MemoryPoint, NativeFigures, ReplayOptions, ReplayReport, SegmentMismatch,
+    StartReport, StartState, replay,
+};
 pub use pickle::{Document, PickleError, PickleErrorKind, PickleValue, ValueRef};
+pub use plot::{PlotPanel, PlotSeries, render_svg};
 pub use snapshot::{
     Action, AllocatorSettings, BlockState, BlockStatus, Segment, Snapshot, TraceEvent, load,
     parse_snapshot,

@@ -1,0 +1,513 @@
+//! The replay engine: runs one [`DeviceWorkload`] through ferrocache's allocator on a fresh
+//! simulated GPU under a [`Config`], and measures what it did.
+//!
+//! A replay has two phases.
+//! - **Start state.** Either the reconstructed one ([`StartState::Reconstructed`]): every segment
+//!   that existed when recording began is taken from the device again and the allocations live
+//!   then are placed at their recorded offsets in it ([`DeviceAllocator::import_segment`]), so
+//!   the cache holds exactly what PyTorch's held; or an empty GPU ([`StartState::Fresh`]) on which
+//!   the allocations live at the start are made first, in address order. The reconstructed start
+//!   is the faithful one (it is what PyTorch's decisions were made from); the fresh start is the
+//!   fair one for settings that would have laid the start out differently.
+//! - **Operations,** in order: `Alloc` -> `malloc`, `Free` -> `free`, `EmptyCache` ->
+//!   `empty_cache`; an `Oom` (PyTorch could not serve a request) is counted, not replayed.
+//!
+//! Only the operations are timed. Failures (an out-of-memory in ferrocache, a free of an
+//! allocation that does not exist) are counted, never fatal.
+//!
+//! **Matching PyTorch's decisions.** For each `malloc` the engine notes whether ferrocache took
+//! memory from the device (`num_device_alloc` before and after) and how much (the growth of the
+//! accumulated reserved bytes), which costs two loads per `malloc` instead of a trace. A PyTorch
+//! segment decision matches when ferrocache, in the malloc of the same op, made as many device
+//! allocations of the same total size; when both made exactly one, that is the same size.
+
+use super::workload::{DeviceWorkload, Op, SegmentDecision, StartAllocation, StartSegment};
+use crate::allocator::{AllocError, DeviceAllocator, ImportedBlock};
+use crate::config::Config;
+use crate::device::sim::SimDevice;
+use crate::policy::K_MIN_BLOCK_SIZE;
+use std::time::{Duration, Instant};
+
+/// The simulated GPU's memory unless told otherwise: an 80 GiB card (A100/H100).
+pub const DEFAULT_CAPACITY: u64 = 80 << 30;
+
+/// Requests above this are refused as out of memory without asking the allocator: no GPU has
+/// 64 PiB, and PyTorch's rounding arithmetic would overflow near `usize::MAX`.
+const LARGEST_SANE_REQUEST: u64 = 1 << 56;
+
+/// Where a replay starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StartState {
+    /// The segments and live blocks PyTorch had when recording began, at their offsets.
+    #[default]
+    Reconstructed,
+    /// An empty GPU; the allocations live at the start are made first, in address order.
+    Fresh,
+}
+
+/// How to replay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayOptions {
+    /// Bytes of memory of the simulated GPU.
+    pub capacity: u64,
+    pub start: StartState,
+    /// Record requested and reserved bytes after every operation (for plots; costs a push per
+    /// operation, so benchmarks leave it off).
+    pub record_timeline: bool,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        ReplayOptions {
+            capacity: DEFAULT_CAPACITY,
+            start: StartState::Reconstructed,
+            record_timeline: false,
+        }
+    }
+}
+
+/// Requested and reserved bytes (ferrocache's statistics) at one point of a replay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MemoryPoint {
+    pub requested: u64,
+    pub reserved: u64,
+}
+
+/// A malloc where ferrocache and PyTorch did not take the same memory from the device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentMismatch {
+    /// Index of the operation in `ops`; `None` for a PyTorch decision made in a malloc that
+    /// then failed (its op is an `Oom`, which is not replayed).
+    pub op_index: Option<usize>,
+    /// Where the operation came from in the trace, when known.
+    pub trace_index: Option<usize>,
+    /// The requested size of the allocation, when the op is an `Alloc`.
+    pub requested: Option<u64>,
+    /// Sizes of PyTorch's `segment_alloc` / `segment_map` in this malloc (empty: none).
+    pub pytorch_sizes: Vec<u64>,
+    /// How many device allocations ferrocache made in this malloc, and their total size.
+    pub ferrocache_count: u32,
+    pub ferrocache_bytes: u64,
+}
+
+/// What the start state needed and what did not fit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StartReport {
+    /// Segments taken from the device and filled with their recorded blocks.
+    pub imported_segments: usize,
+    /// Allocations placed at their recorded offsets.
+    pub placed_allocations: usize,
+    /// Allocations made with `malloc` (all of them on a fresh start; otherwise those whose
+    /// segment is unknown or whose recorded place does not fit).
+    pub allocated_allocations: usize,
+    /// Allocations placed with `malloc` because their recorded place was impossible (overlap,
+    /// outside their segment, misaligned); 0 for a consistent snapshot.
+    pub misplaced_allocations: usize,
+    /// Segments or allocations the simulated GPU could not hold.
+    pub failures: usize,
+}
+
+/// The figures of one replay.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ReplayReport {
+    pub start: StartReport,
+    /// Operations replayed (`Alloc`, `Free`, `EmptyCache`).
+    pub events: u64,
+    /// Peaks of ferrocache's requested and reserved bytes, start state included.
+    pub peak_requested: u64,
+    pub peak_reserved: u64,
+    pub end_requested: u64,
+    pub end_reserved: u64,
+    /// Device allocations (`cudaMalloc`s and page mappings) made while replaying the operations:
+    /// the figure to compare with PyTorch's `segment_alloc` + `segment_map` count.
+    pub segment_allocs: u64,
+    /// `num_device_alloc` / `num_device_free` over the whole replay, start state included.
+    pub device_mallocs: u64,
+    pub device_frees: u64,
+    /// `num_alloc_retries` (mallocs that released cached memory and tried the device again).
+    pub retries: u64,
+    /// Allocations ferrocache could not serve (out of memory).
+    pub ooms: u64,
+    /// `Oom` operations: requests PyTorch could not serve, skipped.
+    pub native_ooms: u64,
+    /// Frees of allocations that do not exist (never made, failed, already freed).
+    pub unknown_frees: u64,
+    /// Device errors other than out-of-memory (from the simulated GPU: none expected).
+    pub device_errors: u64,
+    /// PyTorch's segment decisions that ferrocache made identically (see the module docs).
+    pub matching_segment_allocs: u64,
+    /// Every malloc where the two differ, in op order.
+    pub mismatches: Vec<SegmentMismatch>,
+    /// Wall time of the operations loop.
+    pub elapsed: Duration,
+    /// After the start state, then after every operation, when asked for.
+    pub timeline: Vec<MemoryPoint>,
+}
+
+impl ReplayReport {
+    /// Peak requested over peak reserved; 0 when nothing was reserved.
+    pub fn utilization(&self) -> f64 {
+        ratio(self.peak_requested, self.peak_reserved)
+    }
+
+    /// Operations replayed per second of the loop; `None` when too fast to time.
+    pub fn events_per_second(&self) -> Option<f64> {
+        let seconds = self.elapsed.as_secs_f64();
+        (seconds > 0.0).then(|| self.events as f64 / seconds)
+    }
+}
+
+/// PyTorch's own figures for a recorded workload, as the replay compares with them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NativeFigures {
+    pub peak_requested: u64,
+    pub peak_reserved: u64,
+    /// `segment_alloc` + `segment_map` events while recording.
+    pub segment_allocs: u64,
+    pub utilization: f64,
+}
+
+impl NativeFigures {
+    pub fn of(workload: &DeviceWorkload) -> NativeFigures {
+        let figures = &workload.figures;
+        NativeFigures {
+            peak_requested: figures.peak_requested,
+            peak_reserved: figures.peak_reserved,
+            segment_allocs: workload.segment_decisions.len() as u64,
+            utilization: figures.utilization(),
+        }
+    }
+}
+
+fn ratio(numerator: u64, denominator: u64) -> f64 {
+    if denominator == 0 {
+        0.0
+    } else {
+        numerator as f64 / denominator as f64
+    }
+}
+
+/// A malloc in which ferrocache took memory from the device.
+#[derive(Debug, Clone, Copy)]
+struct DeviceAllocation {
+    op_index: usize,
+    count: u32,
+    bytes: u64,
+}
+
+/// Replays `workload` under `config` on a new simulated GPU.
+pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOptions) -> ReplayReport {
+    let capacity = usize::try_from(options.capacity).unwrap_or(usize::MAX);
+    let mut device = SimDevice::new(capacity);
+    // Traces record no cross-stream waits: work is complete as soon as it is submitted.
+    device.set_complete_immediately(true);
+    let mut allocator = DeviceAllocator::new(device, 0, config.clone());
+    let mut report = ReplayReport::default();
+
+    // Pointer of each allocation id; 0 = not live (the simulated GPU never hands out 0).
+    let mut pointers = vec![0u64; workload.allocations.len()];
+    report.start = match options.start {
+        StartState::Reconstructed => reconstructed_start(&mut allocator, workload, &mut pointers),
+        StartState::Fresh => {
+            fresh_start(&mut allocator, &workload.start_allocations, &mut pointers)
+        }
+    };
+    let device_allocs_at_start = allocator.stats().num_device_alloc;
+
+    if options.record_timeline {
+        report.timeline.reserve(workload.ops.len() + 1);
+        report.timeline.push(memory_point(&allocator));
+    }
+    let mut device_allocations: Vec<DeviceAllocation> = Vec::new();
+    let started = Instant::now();
+    for (op_index, op) in workload.ops.iter().enumerate() {
+        match *op {
+            Op::Alloc { id, size, stream } => {
+                report.events += 1;
+                let stats = allocator.stats();
+                let (allocs_before, bytes_before) =
+                    (stats.num_device_alloc, stats.reserved_bytes.all.allocated);
+                let result = if size > LARGEST_SANE_REQUEST {
+                    None
+                } else {
+                    Some(allocator.malloc(size as usize, stream))
+                };
+                match result {
+                    Some(Ok(ptr)) => {
+                        if let Some(slot) = pointers.get_mut(id as usize) {
+                            *slot = ptr;
+                        }
+                    }
+                    None | Some(Err(AllocError::OutOfMemory(_))) => report.ooms += 1,
+                    Some(Err(AllocError::Device(_))) => report.device_errors += 1,
+                }
+                let stats = allocator.stats();
+                if stats.num_device_alloc != allocs_before {
+                    device_allocations.push(DeviceAllocation {
+                        op_index,
+                        count: (stats.num_device_alloc - allocs_before) as u32,
+                        bytes: (stats.reserved_bytes.all.allocated - bytes_before) as u64,
+                    });
+                }
+            }
+            Op::Free { id } => {
+                report.events += 1;
+                match pointers.get_mut(id as usize) {
+                    Some(slot) if *slot != 0 => {
+                        let ptr = std::mem::take(slot);
+                        if allocator.free(ptr).is_err() {
+                            report.unknown_frees += 1;
+                        }
+                    }
+                    _ => report.unknown_frees += 1,
+                }
+            }
+            Op::EmptyCache => {
+                report.events += 1;
+                if allocator.empty_cache().is_err() {
+                    report.device_errors += 1;
+                }
+            }
+            Op::Oom { .. } => report.native_ooms += 1,
+        }
+        if options.record_timeline {
+            report.timeline.push(memory_point(&allocator));
+        }
+    }
+    report.elapsed = started.elapsed();
+
+    let stats = allocator.stats();
+    report.peak_requested = stats.requested_bytes.all.peak.max(0) as u64;
+    report.peak_reserved = stats.reserved_bytes.all.peak.max(0) as u64;
+    report.end_requested = stats.requested_bytes.all.current.max(0) as u64;
+    report.end_reserved = stats.reserved_bytes.all.current.max(0) as u64;
+    report.segment_allocs = (stats.num_device_alloc - device_allocs_at_start).max(0) as u64;
+    report.device_mallocs = stats.num_device_alloc.max(0) as u64;
+    report.device_frees = stats.num_device_free.max(0) as u64;
+    report.retries = stats.num_alloc_retries.max(0) as u64;
+    let (matching, mismatches) = compare_decisions(workload, &device_allocations);
+    report.matching_segment_allocs = matching;
+    report.mismatches = mismatches;
+    report
+}
+
+fn memory_point(allocator: &DeviceAllocator<SimDevice>) -> MemoryPoint {
+    let stats = allocator.stats();
+    MemoryPoint {
+        requested: stats.requested_bytes.all.current.max(0) as u64,
+        reserved: stats.reserved_bytes.all.current.max(0) as u64,
+    }
+}
+
+/// Makes one allocation live at the start with `malloc`; false if the GPU cannot hold it.
+fn allocate_start(
+    allocator: &mut DeviceAllocator<SimDevice>,
+    allocation: &StartAllocation,
+    pointers: &mut [u64],
+) -> bool {
+    if allocation.requested_size > LARGEST_SANE_REQUEST {
+        return false;
+    }
+    match allocator.malloc(allocation.requested_size as usize, allocation.stream) {
+        Ok(ptr) => {
+            if let Some(slot) = pointers.get_mut(allocation.id as usize) {
+                *slot = ptr;
+            }
+            true
+        }
+        Err(_) => false,
+    }
+}
+
+fn fresh_start(
+    allocator: &mut DeviceAllocator<SimDevice>,
+    start_allocations: &[StartAllocation],
+    pointers: &mut [u64],
+) -> StartReport {
+    let mut report = StartReport::default();
+    // `start_allocations` is in address order already; PyTorch would have made them in some
+    // order we do not know, and address order is the closest guess to allocation order.
+    for allocation in start_allocations {
+        if allocate_start(allocator, allocation, pointers) {
+            report.allocated_allocations += 1;
+        } else {
+            report.failures += 1;
+        }
+    }
+    report
+}
+
+fn reconstructed_start(
+    allocator: &mut DeviceAllocator<SimDevice>,
+    workload: &DeviceWorkload,
+    pointers: &mut [u64],
+) -> StartReport {
+    let mut report = StartReport::default();
+    let segments = &workload.start_segments;
+    // Allocations per start segment, in address (so offset) order.
+    let mut by_segment: Vec<Vec<&StartAllocation>> = vec![Vec::new(); segments.len()];
+    let mut unplaced: Vec<&StartAllocation> = Vec::new();
+    for allocation in &workload.start_allocations {
+        match allocation.segment.and_then(|s| by_segment.get_mut(s)) {
+            Some(list) => list.push(allocation),
+            None => unplaced.push(allocation),
+        }
+    }
+    // Allocations whose segment is unknown get segments of their own first, so that they do
+    // not take the free space of the imported segments, which PyTorch's cache held.
+    for allocation in unplaced {
+        if allocate_start(allocator, allocation, pointers) {
+            report.allocated_allocations += 1;
+        } else {
+            report.failures += 1;
+        }
+    }
+    let mut misplaced: Vec<&StartAllocation> = Vec::new();
+    for (segment, allocations) in segments.iter().zip(&by_segment) {
+        let (fitting, rest) = fit_in_segment(segment, allocations);
+        misplaced.extend(rest);
+        let blocks: Vec<ImportedBlock> = fitting
+            .iter()
+            .map(|a| ImportedBlock {
+                offset: a.offset as usize,
+                size: a.size as usize,
+                requested_size: a.requested_size as usize,
+            })
+            .collect();
+        let imported = usize::try_from(segment.size).ok().and_then(|size| {
+            allocator
+                .import_segment(size, segment.stream, segment.pool, &blocks)
+                .ok()
+        });
+        match imported {
+            Some((_, placed)) => {
+                report.imported_segments += 1;
+                report.placed_allocations += placed.len();
+                for (allocation, ptr) in fitting.iter().zip(placed) {
+                    if let Some(slot) = pointers.get_mut(allocation.id as usize) {
+                        *slot = ptr;
+                    }
+                }
+            }
+            None => {
+                report.failures += 1;
+                misplaced.extend(fitting);
+            }
+        }
+    }
+    for allocation in misplaced {
+        report.misplaced_allocations += 1;
+        if allocate_start(allocator, allocation, pointers) {
+            report.allocated_allocations += 1;
+        } else {
+            report.failures += 1;
+        }
+    }
+    report
+}
+
+/// Splits a segment's allocations into those whose recorded place is possible (aligned, inside
+/// the segment, not overlapping the one before) and the rest.
+fn fit_in_segment<'a>(
+    segment: &StartSegment,
+    allocations: &[&'a StartAllocation],
+) -> (Vec<&'a StartAllocation>, Vec<&'a StartAllocation>) {
+    let align = K_MIN_BLOCK_SIZE as u64;
+    let mut fitting = Vec::with_capacity(allocations.len());
+    let mut rest = Vec::new();
+    let mut cursor = 0u64;
+    for &allocation in allocations {
+        let end = allocation.offset.checked_add(allocation.size);
+        let fits = allocation.size > 0
+            && allocation.offset >= cursor
+            && allocation.offset.is_multiple_of(align)
+            && allocation.size.is_multiple_of(align)
+            && end.is_some_and(|end| end <= segment.size);
+        if fits {
+            cursor = allocation.offset + allocation.size;
+            fitting.push(allocation);
+        } else {
+            rest.push(allocation);
+        }
+    }
+    (fitting, rest)
+}
+
+/// Counts PyTorch's decisions that ferrocache made identically and lists the mallocs where the
+/// two differ. Both lists are in op order.
+fn compare_decisions(
+    workload: &DeviceWorkload,
+    ours: &[DeviceAllocation],
+) -> (u64, Vec<SegmentMismatch>) {
+    let decisions: &[SegmentDecision] = &workload.segment_decisions;
+    let mut matching = 0u64;
+    let mut mismatches = Vec::new();
+    let mismatch =
+        |op_index: Option<usize>, pytorch_sizes: Vec<u64>, ours: Option<&DeviceAllocation>| {
+            let (trace_index, requested) = match op_index {
+                Some(i) => (
+                    workload.op_origins.get(i).map(|o| o.trace_index),
+                    match workload.ops.get(i) {
+                        Some(Op::Alloc { size, .. }) => Some(*size),
+                        _ => None,
+                    },
+                ),
+                None => (None, None),
+            };
+            SegmentMismatch {
+                op_index,
+                trace_index,
+                requested,
+                pytorch_sizes,
+                ferrocache_count: ours.map_or(0, |a| a.count),
+                ferrocache_bytes: ours.map_or(0, |a| a.bytes),
+            }
+        };
+
+    // PyTorch's decisions grouped by the op they served (consecutive in trace order).
+    let mut groups: Vec<(Option<usize>, Vec<u64>)> = Vec::new();
+    for decision in decisions {
+        match groups.last_mut() {
+            Some((op, sizes)) if decision.serves_op.is_some() && *op == decision.serves_op => {
+                sizes.push(decision.size)
+            }
+            _ => groups.push((decision.serves_op, vec![decision.size])),
+        }
+    }
+    let mut our_index = 0;
+    for (op, sizes) in groups {
+        let Some(op) = op else {
+            // Made in a malloc that failed: the op is an Oom, which a replay skips.
+            mismatches.push(mismatch(None, sizes, None));
+            continue;
+        };
+        // Our device allocations at ops before this one were made where PyTorch made none.
+        while our_index < ours.len() && ours[our_index].op_index < op {
+            mismatches.push(mismatch(
+                Some(ours[our_index].op_index),
+                Vec::new(),
+                Some(&ours[our_index]),
+            ));
+            our_index += 1;
+        }
+        let ours_here = ours.get(our_index).filter(|a| a.op_index == op).copied();
+        if ours_here.is_some() {
+            our_index += 1;
+        }
+        let total: u64 = sizes.iter().fold(0u64, |sum, s| sum.saturating_add(*s));
+        let matched = match ours_here {
+            Some(a) if a.count as usize == sizes.len() && a.bytes == total => sizes.len(),
+            // One device allocation of ours: it matches one of PyTorch's of the same size.
+            Some(a) if a.count == 1 && sizes.contains(&a.bytes) => 1,
+            _ => 0,
+        };
+        matching += matched as u64;
+        if matched != sizes.len() || ours_here.is_some_and(|a| a.count as usize != matched) {
+            mismatches.push(mismatch(Some(op), sizes, ours_here.as_ref()));
+        }
+    }
+    for extra in &ours[our_index..] {
+        mismatches.push(mismatch(Some(extra.op_index), Vec::new(), Some(extra)));
+    }
+    (matching, mismatches)
+}
