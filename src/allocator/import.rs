@@ -19,7 +19,7 @@ impl<D: Device> DeviceAllocator<D> {
     ) -> Result<(DevicePtr, Vec<DevicePtr>), AllocError> {
         let mut cursor = 0;
         for b in live {
-            if b.offset < cursor || b.size == 0 || b.offset + b.size > size {
+            if b.offset < cursor || b.size == 0 || b.offset.saturating_add(b.size) > size {
                 return Err(AllocError::InvalidArgument(format!(
                     "block at offset {} (size {}) does not fit a segment of {size} bytes",
                     b.offset, b.size

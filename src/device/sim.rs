@@ -83,6 +83,9 @@ pub struct SimDevice {
     physical_limit: Option<usize>,
     /// Occupied address ranges (allocations and reservations): start -> end.
     occupied: BTreeMap<DevicePtr, DevicePtr>,
+    /// Everything in `[ADDRESS_BASE, no_gap_below)` is occupied: the first-fit search starts
+    /// here, so a run of allocations without frees costs a lookup each, not a scan.
+    no_gap_below: DevicePtr,
     allocations: HashMap<DevicePtr, usize>,
     reservations: BTreeMap<DevicePtr, usize>,
     mappings: BTreeMap<DevicePtr, Mapping>,
@@ -114,6 +117,7 @@ impl SimDevice {
             physical_in_use: 0,
             physical_limit: None,
             occupied: BTreeMap::new(),
+            no_gap_below: ADDRESS_BASE,
             allocations: HashMap::new(),
             reservations: BTreeMap::new(),
             mappings: BTreeMap::new(),
@@ -257,15 +261,26 @@ impl SimDevice {
     /// First fit in the address space, 2 MiB aligned, so freed ranges are reused.
     fn place(&mut self, size: usize) -> DevicePtr {
         let size = (size as u64).div_ceil(ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT;
-        let mut cursor = ADDRESS_BASE;
-        for (&start, &end) in &self.occupied {
+        let mut cursor = self.no_gap_below;
+        let mut first_gap = None;
+        for (&start, &end) in self.occupied.range(cursor..) {
             if start >= cursor + size {
                 break;
+            }
+            if start > cursor && first_gap.is_none() {
+                first_gap = Some(cursor); // too small for this request, not for a later one
             }
             cursor = cursor.max(end.div_ceil(ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT);
         }
         self.occupied.insert(cursor, cursor + size);
+        self.no_gap_below = first_gap.unwrap_or(cursor + size);
         cursor
+    }
+
+    /// Gives an address range back to the first-fit search.
+    fn unplace(&mut self, ptr: DevicePtr) {
+        self.occupied.remove(&ptr);
+        self.no_gap_below = self.no_gap_below.min(ptr);
     }
 
     fn stream_progress(&mut self, stream: StreamId) -> &mut StreamProgress {
@@ -306,7 +321,7 @@ impl Device for SimDevice {
             .allocations
             .remove(&ptr)
             .ok_or_else(|| invalid("cuMemFree_v2", "unknown pointer"))?;
-        self.occupied.remove(&ptr);
+        self.unplace(ptr);
         self.physical_in_use -= size;
         Ok(())
     }
@@ -397,7 +412,7 @@ impl Device for SimDevice {
             return Err(invalid("cuMemAddressFree", "range still mapped"));
         }
         self.reservations.remove(&ptr);
-        self.occupied.remove(&ptr);
+        self.unplace(ptr);
         Ok(())
     }
 
@@ -606,5 +621,39 @@ mod tests {
         assert!(d.malloc(MIB, 0).is_ok());
         assert!(d.malloc(MIB, 0).is_err());
         assert!(d.malloc(MIB, 0).is_ok());
+    }
+
+    /// The search hint changes nothing: placement equals a plain first-fit scan from the base.
+    #[test]
+    fn placement_is_plain_first_fit() {
+        fn naive(occupied: &BTreeMap<u64, u64>, size: u64) -> u64 {
+            let size = size.div_ceil(ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT;
+            let mut cursor = ADDRESS_BASE;
+            for (&start, &end) in occupied {
+                if start >= cursor + size {
+                    break;
+                }
+                cursor = cursor.max(end.div_ceil(ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT);
+            }
+            cursor
+        }
+        let mut d = SimDevice::new(1 << 50);
+        let mut live: Vec<u64> = Vec::new();
+        let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+        for _ in 0..3000 {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            if seed.is_multiple_of(3) && !live.is_empty() {
+                let p = live.swap_remove((seed >> 8) as usize % live.len());
+                d.free(p).unwrap();
+            } else {
+                let size = 1 + (seed >> 20) as usize % (64 * MIB);
+                let expected = naive(&d.occupied, size as u64);
+                let p = d.malloc(size, 0).unwrap();
+                assert_eq!(p, expected);
+                live.push(p);
+            }
+        }
     }
 }
