@@ -539,3 +539,47 @@ fn without_libcuda_every_allocation_says_so() {
         assert_eq!(snapshot["segments"], Value::Array(vec![]));
     });
 }
+
+/// `expandable_segments:True` through the real driver path: pages are created, mapped and made
+/// accessible by `CudaDevice` (on the fake, mmap'ed host memory), written through, and given
+/// back by `empty_cache`, with nothing left mapped or reserved.
+#[test]
+fn expandable_segments_map_real_pages_and_give_them_back() {
+    let env = [("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")];
+    in_own_process(
+        "expandable_segments_map_real_pages_and_give_them_back",
+        &env,
+        || {
+            let api = Api::open();
+            let fake = FakeCuda::open();
+            let first = api.alloc(30 * MIB, 0, 0);
+            assert!(!first.is_null(), "{}", api.last_error());
+            // The next request grows the same range: it starts where the first ends.
+            let second = api.alloc(30 * MIB, 0, 0);
+            assert_eq!(second as usize, first as usize + 30 * MIB);
+            assert!(fill_and_check(first, 30 * MIB, 0x11));
+            assert!(fill_and_check(second, 30 * MIB, 0x22));
+            assert!(fill_and_check(first, 30 * MIB, 0x11), "the blocks overlap");
+            assert_eq!(fake.stat("cuMemAlloc_v2"), 0, "no cudaMalloc at all");
+            assert_eq!(fake.stat("cuMemCreate"), 3, "three 20 MiB pages");
+            assert_eq!(api.stat("reserved_bytes.all.current"), 60 * MIB as i64);
+            assert_eq!(api.stat("segment.all.current"), 0);
+
+            assert_eq!(api.free(first), 0);
+            let empty_cache: unsafe extern "C" fn() -> c_int =
+                api.library.function("ferrocache_empty_cache");
+            // SAFETY: no arguments.
+            assert_eq!(unsafe { empty_cache() }, 0);
+            // The first page lies wholly in the freed block; the second holds part of `second`.
+            assert_eq!(api.stat("reserved_bytes.all.current"), 40 * MIB as i64);
+            assert!(fill_and_check(second, 30 * MIB, 0x33));
+            assert_eq!(api.free(second), 0);
+            // SAFETY: no arguments.
+            assert_eq!(unsafe { empty_cache() }, 0);
+            assert_eq!(api.stat("reserved_bytes.all.current"), 0);
+            assert_eq!(fake.stat("bytes_in_use"), 0);
+            assert_eq!(fake.stat("live_mappings"), 0);
+            assert_eq!(fake.stat("cuMemAddressFree"), 1, "the range is given back");
+        },
+    );
+}
