@@ -264,13 +264,7 @@ def _write_wheel(
     for arcname, data, executable in contents:
         writer.add(arcname, data, executable)
     writer.add(f"{dist_info}/METADATA", _metadata_text(version).encode("utf-8"))
-    wheel = (
-        "Wheel-Version: 1.0\n"
-        "Generator: ferrocache_build\n"
-        "Root-Is-Purelib: false\n"
-        f"Tag: {tag}\n"
-    )
-    writer.add(f"{dist_info}/WHEEL", wheel.encode("utf-8"))
+    writer.add(f"{dist_info}/WHEEL", _wheel_file(tag).encode("utf-8"))
     writer.add(f"{dist_info}/top_level.txt", b"ferrocache\n")
     writer.close()
     return filename
@@ -298,6 +292,27 @@ def get_requires_for_build_editable(
     config_settings: Optional[Mapping[str, Any]] = None,
 ) -> list[str]:
     return []
+
+
+def _wheel_file(tag: str) -> str:
+    return (
+        "Wheel-Version: 1.0\n"
+        "Generator: ferrocache_build\n"
+        "Root-Is-Purelib: false\n"
+        f"Tag: {tag}\n"
+    )
+
+
+def prepare_metadata_for_build_wheel(
+    metadata_directory: str, config_settings: Optional[Mapping[str, Any]] = None
+) -> str:
+    """Writes the ``.dist-info`` directory without building anything (pip asks for it first)."""
+    version = project_version()
+    dist_info = Path(metadata_directory) / f"{_name()}-{version}.dist-info"
+    dist_info.mkdir(parents=True, exist_ok=True)
+    (dist_info / "METADATA").write_text(_metadata_text(version), encoding="utf-8")
+    (dist_info / "WHEEL").write_text(_wheel_file(f"py3-none-{platform_tag()}"), encoding="utf-8")
+    return dist_info.name
 
 
 def build_wheel(
