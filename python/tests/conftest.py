@@ -70,6 +70,7 @@ def run_python(
     fake_torch: bool = False,
     block_torch: bool = False,
     check: bool = True,
+    cwd: Optional[Path] = None,
 ) -> subprocess.CompletedProcess[str]:
     """Runs ``code`` in a new Python process with ``env`` added to this one's environment.
 
@@ -105,6 +106,7 @@ def run_python(
         capture_output=True,
         text=True,
         timeout=timeout,
+        cwd=cwd,
     )
     if check and process.returncode != 0:
         raise ChildFailed(
