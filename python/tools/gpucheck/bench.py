@@ -48,7 +48,7 @@ class _Worker:
             self.process.wait(timeout=10)
             raise BenchError(
                 f"{self.name} worker exited with status {self.process.returncode}: "
-                f"{tail(self.log)}"
+                f"{last_line(self.log)}"
             )
         try:
             return dict(json.loads(line))
@@ -61,7 +61,13 @@ class _Worker:
             self.process.stdin.write(text + "\n")
             self.process.stdin.flush()
         except BrokenPipeError:
-            raise BenchError(f"{self.name} worker is gone: {tail(self.log)}") from None
+            raise BenchError(f"{self.name} worker is gone: {last_line(self.log)}") from None
+
+
+def last_line(path: Path) -> str:
+    """The last non-empty line of a log: for a traceback, the exception."""
+    lines = [line.strip() for line in tail(path, 4000).splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
 
 
 def tail(path: Path, characters: int = 600) -> str:

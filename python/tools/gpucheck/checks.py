@@ -13,6 +13,14 @@ OOM_PREFIX = "CUDA out of memory."
 WARMUP_STEPS = 3
 
 
+def _part(features: Mapping[str, Mapping[str, Any]], allocator: str, name: str) -> Mapping[str, Any]:
+    """One part of a features run; the run's own error where the process failed."""
+    run = features.get(allocator, {"error": f"no {allocator} run"})
+    if "error" in run:
+        return {"error": run["error"]}
+    return run.get(name, {"error": f"{allocator} run has no {name!r} result"})
+
+
 def _error(key: str, title: str, raw: Mapping[str, Any]) -> Optional[CheckResult]:
     if "error" in raw:
         first = str(raw["error"]).strip().splitlines()[-1:] or ["(no message)"]
@@ -25,7 +33,8 @@ def losses(runs: Mapping[str, Mapping[str, Any]]) -> CheckResult:
     key, title = "losses", "Same training, same losses (native vs ferrocache)"
     native = runs.get("native", {}).get("losses")
     if not native:
-        return CheckResult(key, title, ERROR, "the native run gave no losses", data={"runs": runs})
+        why = runs.get("native", {}).get("error", "no losses")
+        return CheckResult(key, title, ERROR, f"native run: {why}")
     rows, verdicts = [], []
     for name, run in runs.items():
         values = run.get("losses")
@@ -94,6 +103,9 @@ def _size_name(size: int) -> str:
 def peaks(runs: Mapping[str, Mapping[str, Any]]) -> CheckResult:
     """(3) Peak reserved memory and step time of the training run, per allocator."""
     key, title = "peaks", "Peak reserved and step time (training run)"
+    broken = [f"{name}: {run['error']}" for name, run in runs.items() if "error" in run]
+    if not runs or broken:
+        return CheckResult(key, title, ERROR, "; ".join(broken) or "no training run")
     rows = []
     for name, run in runs.items():
         if "error" in run or "step_seconds" not in run:
@@ -123,7 +135,7 @@ def peaks(runs: Mapping[str, Mapping[str, Any]]) -> CheckResult:
 def streams(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
     """(4) record_stream on a second stream: the data read there stays right."""
     key, title = "streams", "Two streams with record_stream"
-    ours = features.get("ferrocache", {}).get("streams", {"error": "not run"})
+    ours = _part(features, "ferrocache", "streams")
     failed = _error(key, title, ours)
     if failed:
         return failed
@@ -145,7 +157,7 @@ def streams(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
 def out_of_memory(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
     """(5) An impossible allocation raises PyTorch's out-of-memory message and the run goes on."""
     key, title = "oom", "Out of memory: an exception with PyTorch's message, then carry on"
-    ours = features.get("ferrocache", {}).get("oom", {"error": "not run"})
+    ours = _part(features, "ferrocache", "oom")
     failed = _error(key, title, ours)
     if failed:
         return failed
@@ -173,7 +185,7 @@ def out_of_memory(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
 def empty_cache(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
     """(6) torch.cuda.empty_cache() gives the cached memory back (torch.cuda.mem_get_info)."""
     key, title = "empty_cache", "torch.cuda.empty_cache() gives memory back"
-    ours = features.get("ferrocache", {}).get("empty_cache", {"error": "not run"})
+    ours = _part(features, "ferrocache", "empty_cache")
     failed = _error(key, title, ours)
     if failed:
         return failed
@@ -199,7 +211,8 @@ def example(returncode: Optional[int], output: str) -> CheckResult:
     if returncode is None:
         return CheckResult(key, title, SKIPPED, output)
     ok = returncode == 0 and "CUDA memory summary" in output
-    summary = "ok" if ok else f"exit status {returncode}: {output.strip()[-200:]}"
+    last = ([line.strip() for line in output.splitlines() if line.strip()] or ["(no output)"])[-1]
+    summary = "ok" if ok else f"exit status {returncode}: {last}"
     return CheckResult(key, title, PASS if ok else FAIL, summary)
 
 

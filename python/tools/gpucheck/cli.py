@@ -166,7 +166,7 @@ def install(ctx: Context) -> Optional[str]:
     if _run_logged(command, ctx.logs / "pip-install.log", cwd=REPO) != 0:
         ctx.report.problem = f"pip install failed; see {ctx.logs / 'pip-install.log'}"
         return None
-    ctx.report.environment["build + install"] = f"{time.monotonic() - started:.0f} s ({' '.join(command[1:4])} .)"
+    ctx.report.environment["build + install"] = f"{time.monotonic() - started:.0f} s (pip install {REPO})"
     return python
 
 
@@ -182,7 +182,7 @@ def workload(ctx: Context, name: str, allocator: str, label: str, extra: Sequenc
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s; see logs/{label}.log"}
     if code != 0:
-        return {"error": f"exit status {code}: {bench.tail(ctx.logs / f'{label}.log', 800)}"}
+        return {"error": f"exit status {code}: {bench.last_line(ctx.logs / f'{label}.log')} (logs/{label}.log)"}
     return dict(json.loads(out.read_text()))
 
 
@@ -328,7 +328,8 @@ def probe_ferrocache(python: str, env: dict[str, str]) -> str:
     code = "import ferrocache; print(ferrocache.__version__, ferrocache.library_path())"
     process = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env)
     if process.returncode != 0:
-        return "error: " + process.stderr.strip()[-300:]
+        lines = process.stderr.strip().splitlines() or ["(no output)"]
+        return "error: " + lines[-1]
     return process.stdout.strip()
 
 
