@@ -122,8 +122,14 @@ def test_verdict_on_losses() -> None:
     result = checks.losses(same)
     assert result.status == PASS and "bit-identical" in result.summary
     result = checks.losses({**same, "ferrocache-expandable": {"losses": [2.5, 2.0000001]}})
-    assert result.status == FAIL and "ferrocache-expandable max |diff| 1e-07" in result.summary
+    assert result.status == FAIL
+    assert result.summary == "losses differ from native: ferrocache-expandable (max |diff| 1e-07)"
     assert checks.losses({"native": {"error": "x"}}).status == ERROR
+    control_differs = {**same, "native-history": {"losses": [2.5, 2.1]}, "ferrocache": {"losses": [2.5, 2.2]}}
+    result = checks.losses(control_differs)
+    assert result.status == ERROR and result.summary.startswith("inconclusive: two native runs differ")
+    result = checks.losses({**same, "native-history": {"losses": [2.5, 2.0]}, "ferrocache": {"error": "boom"}})
+    assert result.status == FAIL and result.summary == "losses differ from native: ferrocache (failed: boom)"
 
 
 def test_verdict_on_host_cost_and_peaks() -> None:

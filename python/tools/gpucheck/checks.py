@@ -28,39 +28,63 @@ def _error(key: str, title: str, raw: Mapping[str, Any]) -> Optional[CheckResult
     return None
 
 
-def losses(runs: Mapping[str, Mapping[str, Any]]) -> CheckResult:
-    """(1) The same deterministic training under each allocator gives identical losses."""
+#: The second native run (with history recording), the control of the loss comparison.
+CONTROL = "native-history"
+
+
+def losses(runs: Mapping[str, Mapping[str, Any]], control: str = CONTROL) -> CheckResult:
+    """(1) The same deterministic training under each allocator gives identical losses.
+
+    ``runs[control]``, a second native run, shows whether the run is deterministic at all here:
+    if even two native runs differ, a difference under ferrocache proves nothing.
+    """
     key, title = "losses", "Same training, same losses (native vs ferrocache)"
     native = runs.get("native", {}).get("losses")
     if not native:
         why = runs.get("native", {}).get("error", "no losses")
         return CheckResult(key, title, ERROR, f"native run: {why}")
-    rows, verdicts = [], []
+    rows, verdicts, control_identical = [], [], None
     for name, run in runs.items():
+        if name == "native":
+            continue
         values = run.get("losses")
-        if name == "native" or values is None:
+        if values is None:
+            rows.append([name, "-", "run failed", str(run.get("error", "no losses"))])
+            if name != control:
+                verdicts.append(False)
             continue
         identical = list(values) == list(native)
         worst = max((abs(a - b) for a, b in zip(values, native)), default=float("nan"))
-        verdicts.append(identical and len(values) == len(native))
         rows.append([name, str(len(values)), "yes" if identical else "no", f"{worst:.3g}"])
-    if not rows:
-        return CheckResult(key, title, ERROR, "no ferrocache run gave losses")
-    steps = len(native)
-    status = PASS if all(verdicts) else FAIL
-    summary = (
-        f"{steps} steps, bit-identical losses ({native[0]:.4f} -> {native[-1]:.4f})"
-        if status == PASS
-        else "losses differ: " + ", ".join(f"{r[0]} max |diff| {r[3]}" for r in rows if r[2] == "no")
+        if name == control:
+            control_identical = identical
+        else:
+            verdicts.append(identical)
+    if not verdicts:
+        return CheckResult(key, title, ERROR, "no ferrocache run")
+    differing = ", ".join(
+        f"{r[0]} (failed: {r[3]})" if r[2] == "run failed" else f"{r[0]} (max |diff| {r[3]})"
+        for r in rows
+        if r[2] != "yes"
     )
-    table = Table("", ["allocator", "steps", "identical to native", "max abs difference"], rows)
+    if all(verdicts):
+        status = PASS
+        summary = f"{len(native)} steps, bit-identical losses ({native[0]:.4f} -> {native[-1]:.4f})"
+    elif control_identical is False:
+        status = ERROR
+        summary = f"inconclusive: two native runs differ too, the run is not deterministic here ({differing})"
+    else:
+        status = FAIL
+        summary = f"losses differ from native: {differing}"
+    table = Table("", ["run", "steps", "identical to native", "max abs difference"], rows)
+    compared = [name for name, run in runs.items() if name != "native" and run.get("losses")]
     per_step = Table(
         "Losses, step by step:",
-        ["step", "native"] + [r[0] for r in rows],
+        ["step", "native", *compared],
         [
             [str(i), f"{native[i]:.6f}"]
-            + [f"{runs[r[0]]['losses'][i]:.6f}" if i < len(runs[r[0]]["losses"]) else "-" for r in rows]
-            for i in range(steps)
+            + [f"{runs[n]['losses'][i]:.6f}" if i < len(runs[n]["losses"]) else "-" for n in compared]
+            for i in range(len(native))
         ],
     )
     return CheckResult(key, title, status, summary, [table, per_step])

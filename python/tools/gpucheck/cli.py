@@ -227,8 +227,16 @@ def run_checks(ctx: Context) -> None:
     runs: dict[str, dict[str, Any]] = {}
     steps = ["--example", example, "--steps", str(args.steps)]
 
+    native_snapshot = out / "native-snapshot.pickle"
+
     def training() -> CheckResult:
         runs["native"] = workload(ctx, "train", "native", "train-native", steps)
+        # The same native run again, recording PyTorch's history: the control of the loss
+        # comparison, and the snapshot for the replay.
+        runs[checks.CONTROL] = workload(
+            ctx, "train", "native", "train-native-history",
+            [*steps, "--record-history", "--snapshot", str(native_snapshot)],
+        )  # fmt: skip
         runs["ferrocache"] = workload(
             ctx, "train", "ferrocache", "train-ferrocache",
             [*steps, "--snapshot", str(out / "ferrocache-snapshot.pickle")],
@@ -274,14 +282,10 @@ def run_checks(ctx: Context) -> None:
     guarded(ctx, "host_cost", "Host cost of torch.empty + free (interleaved, medians)", host_cost)
 
     def replay() -> CheckResult:
-        snapshot = out / "native-snapshot.pickle"
-        native = workload(
-            ctx, "train", "native", "train-native-history",
-            [*steps, "--record-history", "--snapshot", str(snapshot)],
-        )  # fmt: skip
-        if "error" in native:
-            return CheckResult("replay", "Replay of the native run's snapshot", ERROR, native["error"])
-        return checks.replay(run_replay(ctx, snapshot), runs.get("native", native))
+        history = runs.get(checks.CONTROL, {"error": "the native run with history did not run"})
+        if "error" in history:
+            return CheckResult("replay", "Replay of the native run's snapshot", ERROR, history["error"])
+        return checks.replay(run_replay(ctx, native_snapshot), runs.get("native", {}))
 
     guarded(ctx, "replay", "Replay of the native run's snapshot", replay)
 
