@@ -93,7 +93,7 @@ def project_version() -> str:
 
 def _package_dir() -> Path:
     settings = _pyproject().get("tool", {}).get("ferrocache", {})
-    return ROOT / settings.get("package-dir", "python/ferrocache")
+    return ROOT / str(settings.get("package-dir", "python/ferrocache"))
 
 
 def _metadata_text(version: str) -> str:

@@ -173,7 +173,7 @@ def address(name: str) -> int:
 
 def last_error() -> str:
     """This thread's last error message from the library ('' after a success)."""
-    raw = getattr(load(), "ferrocache_last_error")()
+    raw = load().ferrocache_last_error()
     return (raw or b"").decode("utf-8", "replace")
 
 
@@ -184,7 +184,7 @@ def take_string(pointer: Optional[int]) -> Optional[str]:
     try:
         return ctypes.string_at(pointer).decode("utf-8", "replace")
     finally:
-        getattr(load(), "ferrocache_string_free")(pointer)
+        load().ferrocache_string_free(pointer)
 
 
 def call_string(name: str, *args: Any) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from typing import Optional
@@ -27,10 +28,10 @@ class LibraryVersionError(ImportError):
     """The library found is not the version of the Python package (a stale build)."""
 
 
-_torch_oom_class: Optional[type] = None
+_torch_oom_class: Optional[type[RuntimeError]] = None
 
 
-def _oom_class() -> type:
+def _oom_class() -> type[RuntimeError]:
     """:class:`OutOfMemoryError`, joined with ``torch.cuda.OutOfMemoryError`` where PyTorch is
     importable (imported only now, when memory has already run out)."""
     global _torch_oom_class
@@ -39,7 +40,7 @@ def _oom_class() -> type:
     torch = sys.modules.get("torch")
     if torch is None and importlib.util.find_spec("torch") is not None:
         try:
-            import torch  # noqa: F811 - PyTorch is optional
+            torch = importlib.import_module("torch")
         except Exception:  # a broken installation must not hide the out-of-memory error
             torch = None
     torch_oom = getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)

@@ -234,14 +234,18 @@ def format_summary(stats: dict[str, int], device: int, abbreviated: bool = False
         double_rule,
         f" {'':13} ferrocache CUDA memory summary, device ID {device:<17d} ",
         rule,
-        f"  {'':9} CUDA OOMs: {stats['num_ooms']:<12d} | "
-        f"{'':6} cudaMalloc retries: {stats['num_alloc_retries']:<8d}  ",
-        f"  {'':6} Block splits: {stats.get('num_splits', 0):<12d} | "
-        f"{'':6} Block merges: {stats.get('num_merges', 0):<14d}  ",
+        (
+            f"  {'':9} CUDA OOMs: {stats['num_ooms']:<12d} | "
+            f"{'':6} cudaMalloc retries: {stats['num_alloc_retries']:<8d}  "
+        ),
+        (
+            f"  {'':6} Block splits: {stats.get('num_splits', 0):<12d} | "
+            f"{'':6} Block merges: {stats.get('num_merges', 0):<14d}  "
+        ),
         double_rule,
         "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  ",
     ]
-    pools = [("all", None)]
+    pools: list[tuple[str, Optional[str]]] = [("all", None)]
     if not abbreviated:
         pools += [("large_pool", "      from large pool"), ("small_pool", "      from small pool")]
     for statistic, label, kind in _SUMMARY_ROWS:

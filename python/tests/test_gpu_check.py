@@ -10,8 +10,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-import pytest
 
+import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "python" / "tools"))

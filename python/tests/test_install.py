@@ -4,7 +4,6 @@ without PyTorch."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import GIB, MIB, memory_env, run_json, run_python
 
 pytestmark = pytest.mark.usefixtures("fake_libcuda")

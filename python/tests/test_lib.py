@@ -7,12 +7,10 @@ import re
 import shutil
 from pathlib import Path
 
-import pytest
-
 import ferrocache
-from ferrocache import _lib
-
+import pytest
 from conftest import HEADER, REPO, run_json, run_python
+from ferrocache import _lib
 
 #: C type (as cbindgen writes it) -> the ctypes type it must be declared with. An owned string
 #: (``char *``) comes back as c_void_p so that it can be given back to ferrocache_string_free.

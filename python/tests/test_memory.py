@@ -6,10 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-from ferrocache import memory
-
 from conftest import GIB, MIB, memory_env, run_json
+from ferrocache import memory
 
 pytestmark = pytest.mark.usefixtures("fake_libcuda")
 

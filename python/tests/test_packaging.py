@@ -18,7 +18,6 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-
 from conftest import REPO, STRICT
 
 BACKEND_FILE = REPO / "python" / "build_backend" / "ferrocache_build.py"
@@ -105,9 +104,11 @@ def test_the_source_distribution(tmp_path: Path) -> None:
     base = name[: -len(".tar.gz")]
     with tarfile.open(tmp_path / name) as archive:
         names = set(archive.getnames())
-    for required in ("Cargo.toml", "Cargo.lock", "build.rs", "src/ffi.rs", "include/ferrocache.h",
-                     "pyproject.toml", "python/build_backend/ferrocache_build.py",
-                     "python/ferrocache/__init__.py", "PKG-INFO"):  # fmt: skip
+    required_files = (
+        "Cargo.toml", "Cargo.lock", "build.rs", "src/ffi.rs", "include/ferrocache.h", "pyproject.toml",
+        "python/build_backend/ferrocache_build.py", "python/ferrocache/__init__.py", "PKG-INFO",
+    )
+    for required in required_files:
         assert f"{base}/{required}" in names, required
     assert not any("/target/" in n or n.endswith(".so") for n in names)
 
@@ -138,12 +139,12 @@ def test_cargo_artifacts_are_read_from_its_json_messages() -> None:
     lines = [
         "Compiling something",
         json.dumps({"reason": "compiler-artifact", "target": {"name": "cc", "kind": ["lib"]},
-                    "filenames": ["/t/libcc.rlib"]}),  # fmt: skip
+                    "filenames": ["/t/libcc.rlib"]}),
         json.dumps({"reason": "compiler-artifact",
                     "target": {"name": "ferrocache", "kind": ["cdylib", "rlib"]},
                     "filenames": ["/t/release/libferrocache.so", "/t/release/libferrocache.rlib"]}),
         json.dumps({"reason": "build-finished", "success": True}),
-    ]  # fmt: skip
+    ]
     assert backend.cdylib_from_messages(lines) == Path("/t/release/libferrocache.so")
     assert backend.cdylib_from_messages(lines[:2]) is None
 

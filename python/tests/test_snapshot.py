@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import GIB, MIB, TRACES, memory_env, run_json, run_python
 
 pytestmark = pytest.mark.usefixtures("fake_libcuda")

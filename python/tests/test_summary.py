@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from ferrocache import memory
-
 from conftest import GIB, MIB, memory_env, run_json
+from ferrocache import memory
 
 WIDTH = 75 + 2  # PyTorch's 75 columns between the outer bars
 INNER_BARS = [24, 37, 50, 63]  # where every table row has its column separators

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import fake_libcuda_loaded, run_json
 
 REASON = "needs PyTorch with a CUDA GPU"

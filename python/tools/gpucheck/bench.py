@@ -28,6 +28,7 @@ class _Worker:
     name: str
     process: subprocess.Popen[str]
     log: Path
+    log_handle: IO[str]
     lines: "queue.Queue[Optional[str]]" = field(default_factory=queue.Queue)
 
     def start_reader(self) -> None:
@@ -98,17 +99,18 @@ def interleaved(
     try:
         for name, command in commands.items():
             log = logs / f"bench-{name}.log"
+            log_handle = open(log, "w")  # noqa: SIM115 - closed in the finally below
             process = subprocess.Popen(
                 list(command),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=open(log, "w"),
+                stderr=log_handle,
                 text=True,
                 bufsize=1,
                 env=None if env is None else dict(env),
                 cwd=cwd,
             )
-            worker = _Worker(name, process, log)
+            worker = _Worker(name, process, log, log_handle)
             worker.start_reader()
             workers.append(worker)
         for worker in workers:
@@ -138,6 +140,7 @@ def interleaved(
                 except (BenchError, subprocess.TimeoutExpired, OSError):
                     worker.process.kill()
                     worker.process.wait()
+            worker.log_handle.close()
 
 
 def medians(samples: Mapping[str, Mapping[int, Sequence[float]]]) -> dict[str, dict[int, float]]:

@@ -4,7 +4,7 @@ report's items. Pure functions, tested without a GPU."""
 from __future__ import annotations
 
 import statistics
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 from .report import ERROR, FAIL, MEASURED, PASS, SKIPPED, CheckResult, Table, mib, milliseconds, nanoseconds
 
@@ -18,7 +18,8 @@ def _part(features: Mapping[str, Mapping[str, Any]], allocator: str, name: str) 
     run = features.get(allocator, {"error": f"no {allocator} run"})
     if "error" in run:
         return {"error": run["error"]}
-    return run.get(name, {"error": f"{allocator} run has no {name!r} result"})
+    part: Mapping[str, Any] = run.get(name, {"error": f"{allocator} run has no {name!r} result"})
+    return part
 
 
 def _error(key: str, title: str, raw: Mapping[str, Any]) -> Optional[CheckResult]:

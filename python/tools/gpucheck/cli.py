@@ -106,7 +106,7 @@ class Context:
         return self.out / "raw"
 
     def remaining(self) -> float:
-        return self.args.budget - (time.monotonic() - self.started)
+        return float(self.args.budget) - (time.monotonic() - self.started)
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_VARIABLES}
@@ -251,17 +251,21 @@ def run_checks(ctx: Context) -> None:
 
     features: dict[str, dict[str, Any]] = {}
 
-    def feature_runs() -> None:
-        if not features:
-            for allocator in ("native", "ferrocache"):
-                features[allocator] = workload(ctx, "features", allocator, f"features-{allocator}")
+    def judged(judge: Callable[[dict[str, dict[str, Any]]], CheckResult]) -> Callable[[], CheckResult]:
+        """The feature runs (once, for all three checks), then ``judge`` on their results."""
 
-    for key, title, judge in (
-        ("streams", "Two streams with record_stream", checks.streams),
-        ("oom", "Out of memory: an exception with PyTorch's message, then carry on", checks.out_of_memory),
-        ("empty_cache", "torch.cuda.empty_cache() gives memory back", checks.empty_cache),
-    ):
-        guarded(ctx, key, title, lambda judge=judge: (feature_runs(), judge(features))[1])
+        def step() -> CheckResult:
+            if not features:
+                for allocator in ("native", "ferrocache"):
+                    features[allocator] = workload(ctx, "features", allocator, f"features-{allocator}")
+            return judge(features)
+
+        return step
+
+    guarded(ctx, "streams", "Two streams with record_stream", judged(checks.streams))
+    guarded(ctx, "oom", "Out of memory: an exception with PyTorch's message, then carry on",
+            judged(checks.out_of_memory))  # fmt: skip
+    guarded(ctx, "empty_cache", "torch.cuda.empty_cache() gives memory back", judged(checks.empty_cache))
 
     def host_cost() -> CheckResult:
         log("host cost, interleaved workers ...")
@@ -325,6 +329,13 @@ def run(ctx: Context) -> int:
         "cleared, and with CUBLAS_WORKSPACE_CONFIG=:4096:8 (deterministic cuBLAS)."
     )
     run_checks(ctx)
+    snapshots = [p.name for p in sorted(ctx.out.glob("*-snapshot.pickle"))]
+    if snapshots:
+        ctx.report.notes.append(
+            f"Snapshots for https://pytorch.org/memory_viz in {ctx.out}: {', '.join(snapshots)} "
+            "(native-snapshot.pickle: PyTorch's allocator with its history; "
+            "ferrocache-snapshot.pickle: ferrocache's state at the end of its run)"
+        )
     return 1 if ctx.report.failed() else 0
 
 

@@ -13,6 +13,7 @@ judges them.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import os
@@ -30,8 +31,7 @@ FERROCACHE_CONF = {"ferrocache": None, "ferrocache-expandable": "expandable_segm
 
 def setup(allocator: str) -> ModuleType:
     """Imports PyTorch and, for a ferrocache variant, installs ferrocache before CUDA starts."""
-    import torch
-
+    torch = importlib.import_module("torch")
     if allocator != "native":
         import ferrocache
 
