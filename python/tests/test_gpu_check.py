@@ -108,7 +108,7 @@ def test_the_whole_run_with_a_pytorch_that_only_claims_a_gpu(tmp_path: Path) -> 
     assert report["environment"]["ferrocache"].startswith("0.")  # imported from the new venv
     assert str(out / "venv") in report["environment"]["ferrocache"]
     statuses = {c["key"]: c["status"] for c in report["checks"]}
-    assert list(statuses) == ["losses", "peaks", "streams", "oom", "empty_cache", "host_cost", "replay", "example"]
+    assert list(statuses) == ["losses", "peaks", "streams", "oom", "empty_cache", "host_cost", "example", "replay"]
     for key in ("losses", "streams", "oom", "empty_cache", "host_cost", "replay"):
         assert statuses[key] == ERROR, (key, report["checks"])
     assert statuses["example"] == FAIL

@@ -4,11 +4,12 @@ native allocator on the GPU, and writes ``report.md`` and ``report.json`` into `
 Steps: (0) probe PyTorch and the GPU, stop with status 2 where there is none; (1) make a
 virtual environment with the system's packages (PyTorch) and ``pip install`` the repository
 into it; (2) train the example model under native, ferrocache and ferrocache with expandable
-segments, one process each: losses, peak reserved memory, step time; (3) two streams with
-``record_stream``, ``empty_cache`` against ``mem_get_info``, an out-of-memory error, per
-allocator; (4) host cost of ``torch.empty`` + free, two worker processes measured in turns;
-(5) a native run with PyTorch's history recording, dumped as a snapshot and replayed with
-``cargo run --release -- replay``; (6) ``examples/train.py`` as a user runs it.
+segments, one process each, plus a second native run with PyTorch's history recording (the
+control of the loss comparison, and a snapshot): losses, peak reserved memory, step time;
+(3) two streams with ``record_stream``, ``empty_cache`` against ``mem_get_info``, an
+out-of-memory error, per allocator; (4) host cost of ``torch.empty`` + free, two worker
+processes measured in turns; (5) ``examples/train.py`` as a user runs it; (6) the native
+snapshot replayed with ``cargo run --release -- replay``.
 
 Exit status: 0 all checks passed, 1 something failed, 2 no usable GPU or PyTorch.
 """
@@ -73,7 +74,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     parser.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check (default 450)")
     parser.add_argument("--bench-repetitions", type=int, default=9)
-    parser.add_argument("--bench-iterations", type=int, default=2000)
+    parser.add_argument("--bench-iterations", type=int, default=5000)
     parser.add_argument(
         "--skip-install",
         action="store_true",
@@ -285,14 +286,6 @@ def run_checks(ctx: Context) -> None:
 
     guarded(ctx, "host_cost", "Host cost of torch.empty + free (interleaved, medians)", host_cost)
 
-    def replay() -> CheckResult:
-        history = runs.get(checks.CONTROL, {"error": "the native run with history did not run"})
-        if "error" in history:
-            return CheckResult("replay", "Replay of the native run's snapshot", ERROR, history["error"])
-        return checks.replay(run_replay(ctx, native_snapshot), runs.get("native", {}))
-
-    guarded(ctx, "replay", "Replay of the native run's snapshot", replay)
-
     def example_run() -> CheckResult:
         log("examples/train.py ...")
         log_file = ctx.logs / "example.log"
@@ -303,6 +296,14 @@ def run_checks(ctx: Context) -> None:
         return checks.example(code, log_file.read_text(errors="replace"))
 
     guarded(ctx, "example", "examples/train.py runs and prints the summary", example_run)
+
+    def replay() -> CheckResult:
+        history = runs.get(checks.CONTROL, {"error": "the native run with history did not run"})
+        if "error" in history:
+            return CheckResult("replay", "Replay of the native run's snapshot", ERROR, history["error"])
+        return checks.replay(run_replay(ctx, native_snapshot), runs.get("native", {}))
+
+    guarded(ctx, "replay", "Replay of the native run's snapshot", replay)
 
 
 def run(ctx: Context) -> int:
