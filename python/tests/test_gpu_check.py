@@ -174,11 +174,23 @@ def test_verdict_on_the_replay() -> None:
     assert checks.replay({"skipped": "cargo not found"}, {}).status == SKIPPED
     missing = checks.replay({"returncode": 2, "stderr_tail": "unrecognized subcommand 'replay'"}, {})
     assert missing.status == SKIPPED and "unrecognized subcommand" in missing.summary
-    result = checks.replay({"returncode": 0, "json": {"peak": {"reserved": 5}, "segments": [1, 2]}},
-                           {"peak_reserved": 4 << 20})  # fmt: skip
+    assert checks.replay({"returncode": 0, "rows": None}, {}).status == ERROR
+    rows = [
+        {"conf": "", "peak_reserved_bytes": 6 << 20, "native_peak_reserved_bytes": 5 << 20,
+         "native_segment_allocs": 7, "matching_segment_allocs": 7, "ooms": 0},
+        {"conf": "expandable_segments:True", "peak_reserved_bytes": 4 << 20,
+         "native_peak_reserved_bytes": 5 << 20, "native_segment_allocs": 7, "matching_segment_allocs": 2,
+         "ooms": 0},
+    ]  # fmt: skip
+    runs = {"native": {"peak_reserved": 5 << 20}, "ferrocache": {"peak_reserved": 6 << 20},
+            "ferrocache-expandable": {"peak_reserved": 4 << 20}}  # fmt: skip
+    result = checks.replay({"returncode": 0, "rows": rows}, runs)
     assert result.status == MEASURED
-    assert ["replay", "peak.reserved", "5"] in result.tables[0].rows
-    assert ["native run (measured)", "peak reserved", "4.0 MiB"] in result.tables[0].rows
+    assert result.summary == "PyTorch's segment decisions reproduced: 7 of 7"
+    assert result.tables[0].rows == [
+        ['"" (defaults)', "6.0 MiB", "6.0 MiB", "5.0 MiB", "5.0 MiB", "7/7", "0"],
+        ["'expandable_segments:True'", "4.0 MiB", "4.0 MiB", "5.0 MiB", "5.0 MiB", "2/7", "0"],
+    ]
 
 
 def test_the_replay_step_calls_cargo_and_tolerates_its_absence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,12 +199,14 @@ def test_the_replay_step_calls_cargo_and_tolerates_its_absence(tmp_path: Path, m
     ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path)
     ctx.logs.mkdir()
     cargo = tmp_path / "cargo"
-    cargo.write_text('#!/bin/sh\necho "$@" >&2\necho \'{"peak_reserved": 7}\'\n')
+    cargo.write_text('#!/bin/sh\necho "$@" >&2\necho \'{"conf": ""}\'\necho \'{"conf": "x"}\'\n')
     cargo.chmod(0o755)
     monkeypatch.setenv("CARGO", str(cargo))
     outcome = cli.run_replay(ctx, snapshot)
-    assert outcome["returncode"] == 0 and outcome["json"] == {"peak_reserved": 7}
-    assert f"run --quiet --release -- replay {snapshot} --json" in (ctx.logs / "replay.log").read_text()
+    assert outcome["returncode"] == 0 and outcome["rows"] == [{"conf": ""}, {"conf": "x"}]
+    assert (ctx.logs / "replay.log").read_text() == (
+        f"run --quiet --release -- replay {snapshot} --json --conf  --conf expandable_segments:True\n"
+    )
     cargo.write_text("#!/bin/sh\necho \"error: unrecognized subcommand 'replay'\" >&2\nexit 2\n")
     outcome = cli.run_replay(ctx, snapshot)
     assert checks.replay(outcome, {}).status == SKIPPED

@@ -241,20 +241,13 @@ def example(returncode: Optional[int], output: str) -> CheckResult:
     return CheckResult(key, title, PASS if ok else FAIL, summary)
 
 
-def flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """Scalar leaves of nested JSON, with dotted paths."""
-    if isinstance(value, dict):
-        out: list[tuple[str, Any]] = []
-        for k, v in value.items():
-            out += flatten(v, f"{prefix}.{k}" if prefix else str(k))
-        return out
-    if isinstance(value, list):
-        return [(f"{prefix}[]", f"{len(value)} items")]
-    return [(prefix, value)]
+#: Which GPU run each replayed setting corresponds to.
+REPLAY_RUNS = {"": "ferrocache", "expandable_segments:True": "ferrocache-expandable"}
 
 
-def replay(outcome: Mapping[str, Any], native_run: Mapping[str, Any]) -> CheckResult:
-    """The replayer on the native run's snapshot: its figures next to the run's own."""
+def replay(outcome: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -> CheckResult:
+    """The replayer on the native run's snapshot (``--json``: one object per setting), its
+    figures next to those measured on the GPU."""
     key, title = "replay", "Replay of the native run's snapshot (cargo run --release -- replay)"
     if outcome.get("skipped"):
         return CheckResult(key, title, SKIPPED, str(outcome["skipped"]))
@@ -263,11 +256,33 @@ def replay(outcome: Mapping[str, Any], native_run: Mapping[str, Any]) -> CheckRe
             key, title, SKIPPED,
             f"replay not available or failed (exit {outcome.get('returncode')}): {outcome.get('stderr_tail', '')}",
         )  # fmt: skip
-    parsed = outcome.get("json")
-    if parsed is None:
-        return CheckResult(key, title, ERROR, "the replay's output is not JSON", data=dict(outcome))
-    rows = [["native run (measured)", "peak reserved", mib(native_run.get("peak_reserved"))]]
-    rows.append(["native run (measured)", "peak allocated", mib(native_run.get("peak_allocated"))])
-    rows += [["replay", name, str(value)] for name, value in flatten(parsed)[:40]]
-    summary = "replayed; figures side by side in the table below"
-    return CheckResult(key, title, MEASURED, summary, [Table("", ["source", "figure", "value"], rows)])
+    rows_in = outcome.get("rows")
+    if not rows_in or not all(isinstance(row, dict) for row in rows_in):
+        return CheckResult(key, title, ERROR, "the replay printed no JSON rows", data=dict(outcome))
+    native = runs.get("native", {})
+    rows, notes = [], []
+    for row in rows_in:
+        conf = str(row.get("conf", ""))
+        measured = runs.get(REPLAY_RUNS.get(conf, ""), {})
+        rows.append(
+            [
+                repr(conf) if conf else '"" (defaults)',
+                mib(row.get("peak_reserved_bytes")),
+                mib(measured.get("peak_reserved")),
+                mib(row.get("native_peak_reserved_bytes")),
+                mib(native.get("peak_reserved")),
+                f"{row.get('matching_segment_allocs')}/{row.get('native_segment_allocs')}",
+                str(row.get("ooms")),
+            ]
+        )
+        if conf == "" and row.get("native_segment_allocs") is not None:
+            notes.append(
+                f"PyTorch's segment decisions reproduced: {row.get('matching_segment_allocs')} of "
+                f"{row.get('native_segment_allocs')}"
+            )
+    headers = [
+        "setting", "replayed peak reserved", "ferrocache on the GPU", "PyTorch (from the trace)",
+        "PyTorch on the GPU", "matching segment allocs", "replay OOMs",
+    ]  # fmt: skip
+    summary = "; ".join(notes) or f"{len(rows)} setting(s) replayed"
+    return CheckResult(key, title, MEASURED, summary, [Table("", headers, rows)], data={"rows": list(rows_in)})

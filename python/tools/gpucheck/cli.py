@@ -42,6 +42,8 @@ ALLOCATOR_VARIABLES = (
     "FERROCACHE_LIBRARY",
 )
 BENCH_SIZES = (4 << 10, 8 << 20, 256 << 20)
+#: The ferrocache-expandable runs' setting, replayed too.
+REPLAY_EXPANDABLE = "expandable_segments:True"
 #: A step is not started with less time than this left of the budget.
 MINIMUM_STEP_SECONDS = 20.0
 
@@ -205,7 +207,9 @@ def run_replay(ctx: Context, snapshot: Path) -> dict[str, Any]:
         return {"skipped": "cargo not found"}
     if not snapshot.is_file():
         return {"skipped": f"no native snapshot at {snapshot}"}
-    command = [cargo, "run", "--quiet", "--release", "--", "replay", str(snapshot), "--json"]
+    # Both settings the GPU runs used, so that each replayed row has a measured counterpart.
+    command = [cargo, "run", "--quiet", "--release", "--", "replay", str(snapshot), "--json",
+               "--conf", "", "--conf", REPLAY_EXPANDABLE]  # fmt: skip
     log("replay of the native snapshot (cargo run --release -- replay) ...")
     timeout = max(min(ctx.remaining(), 300.0), MINIMUM_STEP_SECONDS)
     try:
@@ -215,11 +219,16 @@ def run_replay(ctx: Context, snapshot: Path) -> dict[str, Any]:
     (ctx.out / "replay.json").write_text(process.stdout)
     (ctx.logs / "replay.log").write_text(process.stderr)
     outcome: dict[str, Any] = {"returncode": process.returncode, "stderr_tail": process.stderr.strip()[-300:]}
-    try:
-        outcome["json"] = json.loads(process.stdout)
-    except json.JSONDecodeError:
-        outcome["json"] = None
+    outcome["rows"] = json_lines(process.stdout)
     return outcome
+
+
+def json_lines(text: str) -> Optional[list[Any]]:
+    """The replay's ``--json`` output: one JSON object per line (None if it is not that)."""
+    try:
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError:
+        return None
 
 
 def run_checks(ctx: Context) -> None:
@@ -301,7 +310,7 @@ def run_checks(ctx: Context) -> None:
         history = runs.get(checks.CONTROL, {"error": "the native run with history did not run"})
         if "error" in history:
             return CheckResult("replay", "Replay of the native run's snapshot", ERROR, history["error"])
-        return checks.replay(run_replay(ctx, native_snapshot), runs.get("native", {}))
+        return checks.replay(run_replay(ctx, native_snapshot), runs)
 
     guarded(ctx, "replay", "Replay of the native run's snapshot", replay)
 
