@@ -85,6 +85,12 @@ def install(conf: Optional[str] = None, log_level: Optional[str] = None) -> Any:
         if _installed is not None:
             _check_same_settings(_installed, conf, log_level)
             return _installed.allocator
+        version = getattr(torch, "version", None)
+        if getattr(version, "cuda", None) is None:
+            raise RuntimeError(
+                "ferrocache.install(): this PyTorch is built without CUDA (torch.version.cuda is "
+                f"None; torch {getattr(torch, '__version__', '?')}); install a CUDA build of PyTorch"
+            )
         memory = getattr(getattr(torch, "cuda", None), "memory", None)
         if memory is None or not hasattr(memory, "CUDAPluggableAllocator"):
             raise RuntimeError(

@@ -110,6 +110,21 @@ def test_install_after_cuda_initialisation_says_to_call_it_earlier() -> None:
     assert changes == 0 and installed is False
 
 
+def test_a_pytorch_without_cuda_is_refused() -> None:
+    out = run_json(
+        """
+        import ferrocache, torch
+        try:
+            ferrocache.install()
+        except RuntimeError as err:
+            result([str(err), torch.cuda.memory.changes])
+        """,
+        fake_torch=True,
+        env={"FAKE_TORCH_CUDA_VERSION": ""},
+    )
+    assert out[0].startswith("ferrocache.install(): this PyTorch is built without CUDA") and out[1] == 0
+
+
 def test_without_torch_only_install_complains() -> None:
     out = run_json(
         """

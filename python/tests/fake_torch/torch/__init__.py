@@ -6,6 +6,13 @@ addresses they are given; ``change_current_allocator`` records the allocator and
 PyTorch does, once CUDA is initialised (``FAKE_TORCH_CUDA_INITIALIZED=1``).
 """
 
+import os
+
 __version__ = "0.0+fake"
+
+
+class version:  # noqa: N801 - torch.version
+    cuda = os.environ.get("FAKE_TORCH_CUDA_VERSION", "12.8") or None
+
 
 from . import cuda  # noqa: E402,F401
