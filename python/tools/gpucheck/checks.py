@@ -13,6 +13,19 @@ OOM_PREFIX = "CUDA out of memory."
 WARMUP_STEPS = 3
 
 
+#: The report's items, in order, with their titles.
+TITLES = {
+    "losses": "Same training, same losses (native vs ferrocache)",
+    "host_cost": "Host cost of torch.empty + free (interleaved, medians)",
+    "peaks": "Peak reserved and step time (training run)",
+    "streams": "Two streams with record_stream",
+    "oom": "Out of memory: an exception with PyTorch's message, then carry on",
+    "empty_cache": "torch.cuda.empty_cache() gives memory back",
+    "example": "examples/train.py runs and prints the summary",
+    "replay": "Replay of the native run's snapshot (cargo run --release -- replay)",
+}
+
+
 def _part(features: Mapping[str, Mapping[str, Any]], allocator: str, name: str) -> Mapping[str, Any]:
     """One part of a features run; the run's own error where the process failed."""
     run = features.get(allocator, {"error": f"no {allocator} run"})
@@ -39,7 +52,7 @@ def losses(runs: Mapping[str, Mapping[str, Any]], control: str = CONTROL) -> Che
     ``runs[control]``, a second native run, shows whether the run is deterministic at all here:
     if even two native runs differ, a difference under ferrocache proves nothing.
     """
-    key, title = "losses", "Same training, same losses (native vs ferrocache)"
+    key, title = "losses", TITLES["losses"]
     native = runs.get("native", {}).get("losses")
     if not native:
         why = runs.get("native", {}).get("error", "no losses")
@@ -94,7 +107,7 @@ def losses(runs: Mapping[str, Mapping[str, Any]], control: str = CONTROL) -> Che
 def host_cost(result: Mapping[str, Any], native: str = "native", ours: str = "ferrocache") -> CheckResult:
     """(2) Host time of one torch.empty + free, ferrocache / native, medians of interleaved
     repetitions."""
-    key, title = "host_cost", "Host cost of torch.empty + free (interleaved, medians)"
+    key, title = "host_cost", TITLES["host_cost"]
     if "error" in result:
         return CheckResult(key, title, ERROR, str(result["error"]), data=dict(result))
     samples = result["samples"]
@@ -127,7 +140,7 @@ def _size_name(size: int) -> str:
 
 def peaks(runs: Mapping[str, Mapping[str, Any]]) -> CheckResult:
     """(3) Peak reserved memory and step time of the training run, per allocator."""
-    key, title = "peaks", "Peak reserved and step time (training run)"
+    key, title = "peaks", TITLES["peaks"]
     broken = [f"{name}: {run['error']}" for name, run in runs.items() if "error" in run]
     if not runs or broken:
         return CheckResult(key, title, ERROR, "; ".join(broken) or "no training run")
@@ -159,7 +172,7 @@ def peaks(runs: Mapping[str, Mapping[str, Any]]) -> CheckResult:
 
 def streams(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
     """(4) record_stream on a second stream: the data read there stays right."""
-    key, title = "streams", "Two streams with record_stream"
+    key, title = "streams", TITLES["streams"]
     ours = _part(features, "ferrocache", "streams")
     failed = _error(key, title, ours)
     if failed:
@@ -181,7 +194,7 @@ def streams(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
 
 def out_of_memory(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
     """(5) An impossible allocation raises PyTorch's out-of-memory message and the run goes on."""
-    key, title = "oom", "Out of memory: an exception with PyTorch's message, then carry on"
+    key, title = "oom", TITLES["oom"]
     ours = _part(features, "ferrocache", "oom")
     failed = _error(key, title, ours)
     if failed:
@@ -209,7 +222,7 @@ def out_of_memory(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
 
 def empty_cache(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
     """(6) torch.cuda.empty_cache() gives the cached memory back (torch.cuda.mem_get_info)."""
-    key, title = "empty_cache", "torch.cuda.empty_cache() gives memory back"
+    key, title = "empty_cache", TITLES["empty_cache"]
     ours = _part(features, "ferrocache", "empty_cache")
     failed = _error(key, title, ours)
     if failed:
@@ -232,7 +245,7 @@ def empty_cache(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
 
 
 def example(returncode: Optional[int], output: str) -> CheckResult:
-    key, title = "example", "examples/train.py runs and prints the summary"
+    key, title = "example", TITLES["example"]
     if returncode is None:
         return CheckResult(key, title, SKIPPED, output)
     ok = returncode == 0 and "CUDA memory summary" in output
@@ -248,7 +261,7 @@ REPLAY_RUNS = {"": "ferrocache", "expandable_segments:True": "ferrocache-expanda
 def replay(outcome: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -> CheckResult:
     """The replayer on the native run's snapshot (``--json``: one object per setting), its
     figures next to those measured on the GPU."""
-    key, title = "replay", "Replay of the native run's snapshot (cargo run --release -- replay)"
+    key, title = "replay", TITLES["replay"]
     if outcome.get("skipped"):
         return CheckResult(key, title, SKIPPED, str(outcome["skipped"]))
     if outcome.get("returncode") != 0:

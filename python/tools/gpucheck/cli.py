@@ -189,8 +189,9 @@ def workload(ctx: Context, name: str, allocator: str, label: str, extra: Sequenc
     return dict(json.loads(out.read_text()))
 
 
-def guarded(ctx: Context, key: str, title: str, step: Callable[[], CheckResult]) -> None:
+def guarded(ctx: Context, key: str, step: Callable[[], CheckResult]) -> None:
     """Runs a step unless the budget is spent; an exception becomes an ERROR item."""
+    title = checks.TITLES[key]
     if ctx.remaining() < MINIMUM_STEP_SECONDS:
         ctx.report.checks.append(CheckResult(key, title, SKIPPED, "time budget spent"))
         return
@@ -256,8 +257,8 @@ def run_checks(ctx: Context) -> None:
         )
         return checks.losses(runs)
 
-    guarded(ctx, "losses", "Same training, same losses (native vs ferrocache)", training)
-    guarded(ctx, "peaks", "Peak reserved and step time (training run)", lambda: checks.peaks(runs))
+    guarded(ctx, "losses", training)
+    guarded(ctx, "peaks", lambda: checks.peaks(runs))
 
     features: dict[str, dict[str, Any]] = {}
 
@@ -272,10 +273,9 @@ def run_checks(ctx: Context) -> None:
 
         return step
 
-    guarded(ctx, "streams", "Two streams with record_stream", judged(checks.streams))
-    guarded(ctx, "oom", "Out of memory: an exception with PyTorch's message, then carry on",
-            judged(checks.out_of_memory))  # fmt: skip
-    guarded(ctx, "empty_cache", "torch.cuda.empty_cache() gives memory back", judged(checks.empty_cache))
+    guarded(ctx, "streams", judged(checks.streams))
+    guarded(ctx, "oom", judged(checks.out_of_memory))
+    guarded(ctx, "empty_cache", judged(checks.empty_cache))
 
     def host_cost() -> CheckResult:
         log("host cost, interleaved workers ...")
@@ -289,11 +289,11 @@ def run_checks(ctx: Context) -> None:
                 ctx.logs, env=ctx.env(), cwd=out, timeout=max(ctx.remaining(), MINIMUM_STEP_SECONDS),
             )  # fmt: skip
         except bench.BenchError as err:
-            return CheckResult("host_cost", "Host cost of torch.empty + free", ERROR, str(err))
+            return CheckResult("host_cost", checks.TITLES["host_cost"], ERROR, str(err))
         (ctx.raw / "bench.json").write_text(json.dumps(result, indent=1))
         return checks.host_cost(result)
 
-    guarded(ctx, "host_cost", "Host cost of torch.empty + free (interleaved, medians)", host_cost)
+    guarded(ctx, "host_cost", host_cost)
 
     def example_run() -> CheckResult:
         log("examples/train.py ...")
@@ -304,15 +304,15 @@ def run_checks(ctx: Context) -> None:
                            timeout=max(ctx.remaining(), MINIMUM_STEP_SECONDS))  # fmt: skip
         return checks.example(code, log_file.read_text(errors="replace"))
 
-    guarded(ctx, "example", "examples/train.py runs and prints the summary", example_run)
+    guarded(ctx, "example", example_run)
 
     def replay() -> CheckResult:
         history = runs.get(checks.CONTROL, {"error": "the native run with history did not run"})
         if "error" in history:
-            return CheckResult("replay", "Replay of the native run's snapshot", ERROR, history["error"])
+            return CheckResult("replay", checks.TITLES["replay"], ERROR, history["error"])
         return checks.replay(run_replay(ctx, native_snapshot), runs)
 
-    guarded(ctx, "replay", "Replay of the native run's snapshot", replay)
+    guarded(ctx, "replay", replay)
 
 
 def run(ctx: Context) -> int:
