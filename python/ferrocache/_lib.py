@@ -1,0 +1,212 @@
+"""Finding and loading ``libferrocache.so`` with ctypes, and its C signatures.
+
+Every function of ``include/ferrocache.h`` is declared in :data:`SIGNATURES`;
+``python/tests/test_lib.py`` parses the header and checks each declaration against it. Strings
+that the library hands over (``char *``) are declared ``c_void_p`` so that they can be given
+back to ``ferrocache_string_free``; strings it keeps (``const char *``) are ``c_char_p``.
+
+The library reads its settings (``PYTORCH_CUDA_ALLOC_CONF``, ``TORCH_CUDA_ALLOC_LOG_LEVEL``)
+at the first call that needs them, not when it is loaded: :func:`settings_may_be_read` tells
+whether this package has made such a call yet.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+from ctypes import POINTER, c_char_p, c_double, c_int, c_size_t, c_void_p
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ._version import __version__
+from .errors import LibraryNotFoundError, LibraryVersionError, library_error
+
+#: Set it to the path of a ``libferrocache.so`` to use that one (development builds).
+LIBRARY_ENV = "FERROCACHE_LIBRARY"
+#: The library's file name inside the installed package.
+LIBRARY_NAME = "libferrocache.so"
+
+_CType = Any  # a ctypes type, or None for void
+
+#: name -> (restype, argtypes), as in include/ferrocache.h.
+SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
+    # PyTorch's CUDAPluggableAllocator functions. rust_malloc throws a C++ exception on
+    # failure: it is only ever called by PyTorch, never through ctypes.
+    "rust_malloc": (c_void_p, (c_size_t, c_int, c_void_p)),
+    "rust_free": (None, (c_void_p, c_size_t, c_int, c_void_p)),
+    "rust_init": (None, (c_int,)),
+    "rust_reset": (None, ()),
+    "rust_memory_fraction": (None, (c_double, c_int)),
+    "rust_record_stream": (None, (c_void_p, c_void_p)),
+    "rust_base_alloc": (c_void_p, (c_void_p, POINTER(c_size_t))),
+    # For Python and C callers.
+    "ferrocache_alloc": (c_void_p, (c_size_t, c_int, c_void_p)),
+    "ferrocache_free": (c_int, (c_void_p,)),
+    "ferrocache_last_error": (c_char_p, ()),
+    "ferrocache_string_free": (None, (c_void_p,)),
+    "ferrocache_memory_stats": (c_void_p, (c_int,)),
+    "ferrocache_snapshot": (c_void_p, ()),
+    "ferrocache_record_history": (c_int, (c_int, c_size_t)),
+    "ferrocache_reset_peak_stats": (c_int, (c_int,)),
+    "ferrocache_reset_accumulated_stats": (c_int, (c_int,)),
+    "ferrocache_empty_cache": (c_int, ()),
+    "ferrocache_set_memory_fraction": (c_int, (c_double, c_int)),
+    "ferrocache_check_config": (c_int, (c_char_p,)),
+    "ferrocache_describe_config": (c_void_p, (c_char_p,)),
+    "ferrocache_version": (c_char_p, ()),
+}
+
+#: Functions that must never be called through ctypes (they throw C++ exceptions).
+NOT_CALLABLE = frozenset({"rust_malloc"})
+#: Functions that do not make the library read its settings.
+_SETTINGS_FREE = frozenset({"ferrocache_version", "ferrocache_last_error", "ferrocache_string_free"})
+
+_lock = threading.Lock()
+_library: Optional[ctypes.CDLL] = None
+_library_file: Optional[Path] = None
+_settings_touched = False
+
+
+def _checkout_candidates(package_dir: Path) -> list[Path]:
+    """Where a build in a source checkout is (``pip install -e .``, or running from source)."""
+    root = package_dir.parent.parent
+    if not (root / "Cargo.toml").is_file():
+        return []
+    target = Path(os.environ.get("CARGO_TARGET_DIR") or root / "target")
+    if not target.is_absolute():
+        target = root / target
+    return [target / "release" / LIBRARY_NAME, target / "debug" / LIBRARY_NAME]
+
+
+def library_path() -> Path:
+    """The ``libferrocache.so`` this package uses, as an absolute path.
+
+    ``$FERROCACHE_LIBRARY`` when set; otherwise the library installed inside the package; for a
+    package imported from a source checkout, the checkout's ``target/release`` (then
+    ``target/debug``) build.
+    """
+    override = os.environ.get(LIBRARY_ENV)
+    if override:
+        path = Path(override).expanduser().resolve()
+        if not path.is_file():
+            raise LibraryNotFoundError(f"{LIBRARY_ENV}={override!r} is not a file")
+        return path
+    package_dir = Path(__file__).resolve().parent
+    candidates = [package_dir / LIBRARY_NAME, *_checkout_candidates(package_dir)]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    looked = ", ".join(str(c) for c in candidates)
+    raise LibraryNotFoundError(
+        f"ferrocache's library was not found (looked at {looked}): install the package with "
+        f"`pip install .` from the repository root, or set {LIBRARY_ENV} to a libferrocache.so"
+    )
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    for name, (restype, argtypes) in SIGNATURES.items():
+        function = getattr(library, name)
+        function.restype = restype
+        function.argtypes = list(argtypes)
+
+
+def load() -> ctypes.CDLL:
+    """The loaded library (loaded once), its signatures declared and its version checked."""
+    global _library, _library_file
+    if _library is not None:
+        return _library
+    with _lock:
+        if _library is not None:
+            return _library
+        path = library_path()
+        try:
+            library = ctypes.CDLL(str(path))
+        except OSError as err:
+            raise LibraryNotFoundError(f"{path} could not be loaded: {err}") from err
+        try:
+            _declare(library)
+        except AttributeError as err:
+            raise LibraryVersionError(
+                f"{path} lacks a function of ferrocache {__version__}'s C ABI ({err}); "
+                "rebuild it (pip install .)"
+            ) from err
+        version = (library.ferrocache_version() or b"").decode("utf-8", "replace")
+        if version != __version__:
+            raise LibraryVersionError(
+                f"{path} is ferrocache {version or '(unknown)'}, but the Python package is "
+                f"{__version__}: reinstall with `pip install .`, or point {LIBRARY_ENV} at a "
+                "matching build"
+            )
+        _library, _library_file = library, path
+        return library
+
+
+def loaded_path() -> Optional[Path]:
+    """The file of the loaded library, or None before :func:`load`."""
+    return _library_file
+
+
+def settings_may_be_read() -> bool:
+    """Whether this package has called a library function that reads the settings."""
+    return _settings_touched
+
+
+def function(name: str) -> Callable[..., Any]:
+    """A library function, for a call through ctypes."""
+    global _settings_touched
+    if name in NOT_CALLABLE:
+        raise ValueError(f"{name} throws C++ exceptions: it must not be called through ctypes")
+    if name not in _SETTINGS_FREE:
+        _settings_touched = True
+    return getattr(load(), name)  # type: ignore[no-any-return]
+
+
+def address(name: str) -> int:
+    """The address of a library function, as PyTorch's ``set_*_fn`` hooks take it."""
+    pointer = ctypes.cast(getattr(load(), name), c_void_p).value
+    if not pointer:
+        raise LibraryVersionError(f"the library has no function {name}")
+    return pointer
+
+
+def last_error() -> str:
+    """This thread's last error message from the library ('' after a success)."""
+    raw = load().ferrocache_last_error()
+    return (raw or b"").decode("utf-8", "replace")
+
+
+def take_string(pointer: Optional[int]) -> Optional[str]:
+    """Copies a string the library handed over and gives it back to the library."""
+    if not pointer:
+        return None
+    try:
+        return ctypes.string_at(pointer).decode("utf-8", "replace")
+    finally:
+        load().ferrocache_string_free(pointer)
+
+
+def call_string(name: str, *args: Any) -> str:
+    """Calls a function that returns an owned string; raises on NULL."""
+    text = take_string(function(name)(*args))
+    if text is None:
+        raise library_error(last_error(), name)
+    return text
+
+
+def call_json(name: str, *args: Any) -> Any:
+    """Calls a function that returns an owned JSON string, and parses it."""
+    return json.loads(call_string(name, *args))
+
+
+def call_status(name: str, *args: Any) -> None:
+    """Calls a function that returns 0 on success and -1 (last error set) on failure."""
+    if function(name)(*args) != 0:
+        raise library_error(last_error(), name)
+
+
+def encode(text: Optional[str]) -> Optional[bytes]:
+    """A Python string as a C string argument (None stays NULL)."""
+    return None if text is None else text.encode("utf-8")
+

@@ -1,0 +1,153 @@
+"""``ferrocache.install()``: makes ferrocache PyTorch's CUDA allocator.
+
+It builds ``torch.cuda.memory.CUDAPluggableAllocator(library_path(), "rust_malloc",
+"rust_free")``, hands PyTorch the addresses of the library's hooks (PyTorch's ``set_*_fn``
+methods of the allocator object take function addresses as integers), and calls
+``torch.cuda.memory.change_current_allocator``. PyTorch only allows that before CUDA is
+initialised, so ``install()`` must come before the first CUDA tensor.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import warnings
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Optional
+
+from . import _lib, config
+
+#: PyTorch's hook setters, the library function each one gets, and what is lost without it.
+HOOKS = (
+    ("set_init_fn", "rust_init", "ferrocache is not told the device count"),
+    ("set_reset_fn", "rust_reset", "torch.cuda.empty_cache() does nothing"),
+    (
+        "set_memory_fraction_fn",
+        "rust_memory_fraction",
+        "torch.cuda.set_per_process_memory_fraction() does nothing",
+    ),
+    ("set_record_stream_fn", "rust_record_stream", "Tensor.record_stream() is ignored"),
+    ("set_base_alloc_fn", "rust_base_alloc", "CUDA IPC sees allocations, not their segments"),
+)
+
+
+@dataclass(frozen=True)
+class _Installed:
+    allocator: Any  # torch.cuda.memory.CUDAPluggableAllocator
+    conf: Optional[str]
+    log_level: Optional[str]
+
+
+_lock = threading.Lock()
+_installed: Optional[_Installed] = None
+
+
+def _import_torch() -> ModuleType:
+    try:
+        return importlib.import_module("torch")
+    except ImportError as err:
+        raise ImportError(
+            "ferrocache.install() needs PyTorch (`import torch` failed: "
+            f"{err}); install PyTorch with CUDA support. Everything else in ferrocache "
+            "(memory_stats, memory_summary, snapshot, ...) works without it."
+        ) from err
+
+
+def is_installed() -> bool:
+    """Whether :func:`install` has made ferrocache PyTorch's allocator in this process."""
+    return _installed is not None
+
+
+def install(conf: Optional[str] = None, log_level: Optional[str] = None) -> Any:
+    """Makes ferrocache PyTorch's CUDA caching allocator; call it before the first CUDA tensor.
+
+    ``conf`` is a ``PYTORCH_CUDA_ALLOC_CONF`` value (``"expandable_segments:True"``,
+    ``"max_split_size_mb:128,garbage_collection_threshold:0.8"``, ...); None uses the
+    environment's setting as PyTorch would. A given ``conf`` is written into
+    ``PYTORCH_CUDA_ALLOC_CONF`` before ferrocache reads its settings, which it does once, at
+    its first use: so install() must also come before any other ferrocache call. ``log_level``
+    sets ``TORCH_CUDA_ALLOC_LOG_LEVEL`` (OFF, ERROR, WARN, INFO, DEBUG, TRACE) the same way.
+
+    Returns the ``torch.cuda.memory.CUDAPluggableAllocator``. Raises ``ValueError`` with
+    PyTorch's wording for an invalid setting, ``RuntimeError`` when CUDA is already initialised
+    (too late to change PyTorch's allocator) and ``ImportError`` without PyTorch. A second call
+    returns the same allocator and changes nothing.
+
+    Once installed, PyTorch's ``torch.cuda.empty_cache()``,
+    ``torch.cuda.set_per_process_memory_fraction()`` and ``Tensor.record_stream()`` act on
+    ferrocache; for statistics, summaries and snapshots use ferrocache's functions of the same
+    names (PyTorch's cannot see inside a pluggable allocator).
+    """
+    global _installed
+    torch = _import_torch()
+    with _lock:
+        if _installed is not None:
+            _check_same_settings(_installed, conf, log_level)
+            return _installed.allocator
+        version = getattr(torch, "version", None)
+        if getattr(version, "cuda", None) is None:
+            raise RuntimeError(
+                "ferrocache.install(): this PyTorch is built without CUDA (torch.version.cuda is "
+                f"None; torch {getattr(torch, '__version__', '?')}); install a CUDA build of PyTorch"
+            )
+        memory = getattr(getattr(torch, "cuda", None), "memory", None)
+        if memory is None or not hasattr(memory, "CUDAPluggableAllocator"):
+            raise RuntimeError(
+                "ferrocache.install(): this PyTorch has no CUDAPluggableAllocator "
+                f"(torch {getattr(torch, '__version__', '?')}; a CUDA build of PyTorch >= 2.1 "
+                "is needed)"
+            )
+        if torch.cuda.is_initialized():
+            raise RuntimeError(
+                "ferrocache.install() came after CUDA was initialised, when PyTorch can no "
+                "longer change its allocator: call ferrocache.install() earlier, right after "
+                "`import torch` and before the first CUDA tensor or torch.cuda call that "
+                "initialises CUDA"
+            )
+        config.apply(conf, log_level)
+        path = str(_lib.library_path())
+        _lib.load()
+        allocator = memory.CUDAPluggableAllocator(path, "rust_malloc", "rust_free")
+        _connect_hooks(allocator)
+        try:
+            memory.change_current_allocator(allocator)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"ferrocache.install(): PyTorch refused to change its allocator ({err}); "
+                "call ferrocache.install() before anything uses CUDA"
+            ) from err
+        _installed = _Installed(allocator, conf, log_level)
+        return allocator
+
+
+def _connect_hooks(allocator: Any) -> None:
+    """Gives PyTorch the address of each hook this PyTorch can take."""
+    native = allocator.allocator()
+    for setter_name, symbol, lost in HOOKS:
+        setter = getattr(native, setter_name, None)
+        if setter is None:
+            warnings.warn(
+                f"this PyTorch has no CUDAPluggableAllocator.{setter_name}: {lost}",
+                stacklevel=3,
+            )
+            continue
+        setter(_lib.address(symbol))
+
+
+def _check_same_settings(installed: _Installed, conf: Optional[str], log_level: Optional[str]) -> None:
+    if conf is not None and conf != installed.conf:
+        in_effect = config.settings_in_effect().get(config.ALLOC_CONF_VARS[0])
+        if conf != in_effect:
+            raise RuntimeError(
+                f"ferrocache is already installed with {config.ALLOC_CONF_VARS[0]}="
+                f"{in_effect!r}; its settings cannot change within a process"
+            )
+    if log_level is not None and log_level != installed.log_level:
+        warnings.warn(
+            f"ferrocache is already installed; log_level={log_level!r} is ignored",
+            stacklevel=3,
+        )
+
+
+__all__ = ["HOOKS", "install", "is_installed"]

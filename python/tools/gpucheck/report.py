@@ -1,0 +1,113 @@
+"""The GPU check's results, and the Markdown and JSON that report them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+PASS, FAIL, MEASURED, SKIPPED, ERROR = "pass", "FAIL", "measured", "skipped", "ERROR"
+#: Statuses that make the check as a whole fail.
+FAILING = (FAIL, ERROR)
+
+
+@dataclass
+class Table:
+    """A Markdown table: a title, column headers and rows of cells."""
+
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+
+
+@dataclass
+class CheckResult:
+    """One numbered item of the report."""
+
+    key: str
+    title: str
+    status: str
+    summary: str
+    tables: list[Table] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    started: str
+    environment: dict[str, Any] = field(default_factory=dict)
+    checks: list[CheckResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    problem: Optional[str] = None  # why the check could not run at all
+    seconds: float = 0.0
+
+    def failed(self) -> bool:
+        return self.problem is not None or any(c.status in FAILING for c in self.checks)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=False, default=str) + "\n"
+
+    def to_markdown(self) -> str:
+        lines = ["# ferrocache GPU check", ""]
+        lines.append(f"Started {self.started}, took {self.seconds:.0f} s.")
+        lines.append("")
+        if self.problem is not None:
+            lines += [f"**Could not run: {self.problem}**", ""]
+        if self.environment:
+            lines += markdown_table(
+                ["environment", ""], [[str(k), str(v)] for k, v in self.environment.items()]
+            )
+            lines.append("")
+        if self.checks:
+            lines.append("| # | check | result | summary |")
+            lines.append("|---|---|---|---|")
+            for number, check in enumerate(self.checks, 1):
+                status = check.status if check.status not in FAILING else f"**{check.status}**"
+                lines.append(f"| {number} | {escape(check.title)} | {status} | {escape(check.summary)} |")
+            lines.append("")
+        for number, check in enumerate(self.checks, 1):
+            if not check.tables:
+                continue
+            lines += [f"## {number}. {check.title}", ""]
+            for table in check.tables:
+                if table.title:
+                    lines += [table.title, ""]
+                lines += markdown_table(table.headers, table.rows)
+                lines.append("")
+        if self.notes:
+            lines += ["## Notes", ""]
+            lines += [f"- {escape(note)}" for note in self.notes]
+            lines.append("")
+        return "\n".join(lines)
+
+    def write(self, out: Path) -> tuple[Path, Path]:
+        out.mkdir(parents=True, exist_ok=True)
+        markdown, data = out / "report.md", out / "report.json"
+        markdown.write_text(self.to_markdown(), encoding="utf-8")
+        data.write_text(self.to_json(), encoding="utf-8")
+        return markdown, data
+
+
+def escape(text: str) -> str:
+    """Text for a Markdown table cell: no bars or line breaks."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(escape(h) for h in headers) + " |"]
+    lines.append("|" + "|".join("---" for _ in headers) + "|")
+    lines += ["| " + " | ".join(escape(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def mib(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value / 2**20:,.1f} MiB"
+
+
+def milliseconds(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value * 1000:.2f} ms"
+
+
+def nanoseconds(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:,.0f} ns"

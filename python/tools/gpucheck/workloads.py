@@ -1,0 +1,251 @@
+"""The GPU programs of the check, each run in a process of its own (an allocator cannot be
+swapped once CUDA is initialised):
+
+    python -m gpucheck.workloads train    --allocator A --example examples/train.py --out r.json
+    python -m gpucheck.workloads features --allocator A --out r.json
+    python -m gpucheck.workloads bench    --allocator A          (the line protocol of bench.py)
+
+``--allocator`` is ``native`` (PyTorch's), ``ferrocache`` or ``ferrocache-expandable``
+(``expandable_segments:True``). Each program writes its raw results as JSON; gpucheck.checks
+judges them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Optional, Sequence
+
+ALLOCATORS = ("native", "ferrocache", "ferrocache-expandable")
+#: The ferrocache settings of each ferrocache variant.
+FERROCACHE_CONF = {"ferrocache": None, "ferrocache-expandable": "expandable_segments:True"}
+
+
+def setup(allocator: str) -> ModuleType:
+    """Imports PyTorch and, for a ferrocache variant, installs ferrocache before CUDA starts."""
+    torch = importlib.import_module("torch")
+    if allocator != "native":
+        import ferrocache
+
+        ferrocache.install(conf=FERROCACHE_CONF[allocator])
+    return torch
+
+
+def memory_api(allocator: str) -> Any:
+    """Where the statistics come from: torch.cuda, or ferrocache for a pluggable allocator."""
+    if allocator == "native":
+        import torch
+
+        return torch.cuda
+    import ferrocache
+
+    return ferrocache
+
+
+def load_example(path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("ferrocache_example_train", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------------------------------------
+# train: the same deterministic run under each allocator
+# ------------------------------------------------------------------------------------------------
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    torch = setup(args.allocator)
+    example = load_example(args.example)
+    # Deterministic kernels, so that the losses can be compared bit for bit across processes;
+    # CUBLAS_WORKSPACE_CONFIG is set by the parent before this process started. warn_only: an
+    # op without a deterministic kernel warns (a second native run, the control, then shows
+    # whether the run is deterministic at all) instead of stopping the check.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    memory = memory_api(args.allocator)
+    if args.record_history:
+        if args.allocator == "native":
+            torch.cuda.memory._record_memory_history(max_entries=args.history_entries)
+        else:
+            memory.record_memory_history(max_entries=args.history_entries)
+    losses, seconds = example.train(torch, args.steps, seed=0)
+    result: dict[str, Any] = {
+        "allocator": args.allocator,
+        "losses": losses,
+        "step_seconds": seconds,
+        "peak_reserved": memory.max_memory_reserved(),
+        "peak_allocated": memory.max_memory_allocated(),
+        "reserved": memory.memory_reserved(),
+        "num_device_alloc": memory.memory_stats().get("num_device_alloc"),
+    }
+    if args.snapshot:
+        if args.allocator == "native":
+            torch.cuda.memory._dump_snapshot(args.snapshot)
+        else:
+            memory.dump_snapshot(args.snapshot)
+        result["snapshot"] = args.snapshot
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# features: record_stream across two streams, empty_cache, out of memory
+# ------------------------------------------------------------------------------------------------
+
+
+def two_streams(torch: Any) -> dict[str, Any]:
+    """A tensor read on a side stream is freed on the default stream after record_stream; a new
+    tensor of the same size is then written on the default stream while the side stream still
+    sleeps. Were record_stream ignored, the new tensor could take the old one's memory and the
+    side stream would read 7s instead of 1s."""
+    n = 1 << 24  # 64 MiB of float32
+    side = torch.cuda.Stream()
+    x = torch.ones(n, device="cuda")
+    x_address = x.data_ptr()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(500_000_000)  # keep the side stream busy for a while
+        y = x * 2
+    x.record_stream(side)
+    del x
+    z = torch.full((n,), 7.0, device="cuda")
+    reused_while_pending = z.data_ptr() == x_address
+    torch.cuda.synchronize()
+    correct = bool((y == 2).all().item())
+    del z
+    w = torch.empty(n, device="cuda")  # the side stream is done: the block may be reused now
+    reused_after = w.data_ptr() == x_address
+    return {
+        "correct": correct,
+        "reused_while_pending": reused_while_pending,
+        "reused_after_sync": reused_after,
+    }
+
+
+def empty_cache(torch: Any, memory: Any) -> dict[str, Any]:
+    """A 1 GiB tensor freed stays cached; torch.cuda.empty_cache() must give it back."""
+    size = 1 << 30
+    free_start = torch.cuda.mem_get_info()[0]
+    x = torch.empty(size, dtype=torch.uint8, device="cuda")
+    free_holding = torch.cuda.mem_get_info()[0]
+    del x
+    free_cached = torch.cuda.mem_get_info()[0]
+    reserved_cached = memory.memory_reserved()
+    torch.cuda.empty_cache()
+    free_emptied = torch.cuda.mem_get_info()[0]
+    return {
+        "size": size,
+        "free_start": free_start,
+        "free_holding": free_holding,
+        "free_cached": free_cached,
+        "free_emptied": free_emptied,
+        "reserved_cached": reserved_cached,
+        "reserved_emptied": memory.memory_reserved(),
+    }
+
+
+def out_of_memory(torch: Any, memory: Any) -> dict[str, Any]:
+    """Twice the device's memory must fail as PyTorch fails, and the program must go on."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    result: dict[str, Any] = {"requested": 2 * total}
+    try:
+        torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+        result["raised"] = None
+    except Exception as err:  # the check reports whatever comes
+        result["raised"] = type(err).__name__
+        result["is_torch_oom"] = isinstance(err, torch.cuda.OutOfMemoryError)
+        result["is_runtime_error"] = isinstance(err, RuntimeError)
+        result["message"] = str(err)
+    a = torch.randn(1024, 1024, device="cuda")
+    result["continued"] = bool(torch.isfinite((a @ a).sum()).item())
+    result["num_ooms"] = memory.memory_stats().get("num_ooms")
+    return result
+
+
+def features(args: argparse.Namespace) -> dict[str, Any]:
+    torch = setup(args.allocator)
+    memory = memory_api(args.allocator)
+    result: dict[str, Any] = {"allocator": args.allocator}
+    parts: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("streams", lambda: two_streams(torch)),
+        ("empty_cache", lambda: empty_cache(torch, memory)),
+        ("oom", lambda: out_of_memory(torch, memory)),  # last: it may leave the cache emptied
+    ]
+    for name, part in parts:
+        try:
+            result[name] = part()
+        except Exception:
+            result[name] = {"error": traceback.format_exc(limit=5)}
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# bench: the worker of bench.interleaved
+# ------------------------------------------------------------------------------------------------
+
+
+def bench_worker(args: argparse.Namespace) -> None:
+    """Answers ``run <size> <iterations>`` with the host time of one ``torch.empty`` + free."""
+    torch = setup(args.allocator)
+    empty, uint8, device = torch.empty, torch.uint8, torch.device("cuda")
+    empty(1, dtype=uint8, device=device)  # initialises CUDA
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if not words or words[0] == "quit":
+            break
+        size, iterations = int(words[1]), int(words[2])
+        for _ in range(10):  # the cache now holds a block of this size
+            x = empty(size, dtype=uint8, device=device)
+            del x
+        started = time.perf_counter_ns()
+        for _ in range(iterations):
+            x = empty(size, dtype=uint8, device=device)
+            del x
+        elapsed = time.perf_counter_ns() - started
+        print(json.dumps({"size": size, "ns_per_op": elapsed / iterations}), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m gpucheck.workloads")
+    parser.add_argument("workload", choices=("train", "features", "bench"))
+    parser.add_argument("--allocator", choices=ALLOCATORS, required=True)
+    parser.add_argument("--out", type=Path, help="where the JSON result goes")
+    parser.add_argument("--example", help="examples/train.py (for train)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--snapshot", help="dump a memory snapshot here at the end")
+    parser.add_argument("--record-history", action="store_true", help="record allocator events")
+    parser.add_argument("--history-entries", type=int, default=1_000_000)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.workload == "bench":
+        bench_worker(args)
+        return 0
+    if args.out is None:
+        raise SystemExit("--out is required")
+    programs = {"train": train, "features": features}
+    result = programs[args.workload](args)
+    result["pid"] = os.getpid()
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
