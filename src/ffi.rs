@@ -233,9 +233,21 @@ fn with_last_error<T: Copy>(
     on_error: T,
     body: impl FnOnce() -> Result<T, String>,
 ) -> T {
+    reporting_errors(function, on_error, || {
+        settings();
+        body()
+    })
+}
+
+/// [`with_last_error`] for calls that must not read the process's settings for good (checking
+/// a configuration string before it is put in the environment).
+fn reporting_errors<T: Copy>(
+    function: &str,
+    on_error: T,
+    body: impl FnOnce() -> Result<T, String>,
+) -> T {
     guarded(function, on_error, || {
         clear_last_error();
-        settings();
         body().unwrap_or_else(|message| {
             set_last_error(&message);
             on_error
@@ -671,7 +683,7 @@ unsafe fn read_config(text: *const c_char) -> Result<Config, String> {
 /// `text` is NULL or a NUL-terminated string.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ferrocache_check_config(text: *const c_char) -> c_int {
-    with_last_error("ferrocache_check_config", 0, || {
+    reporting_errors("ferrocache_check_config", 0, || {
         // SAFETY: passed on from our caller, who promises the same.
         unsafe { read_config(text) }.map(|_| 1)
     })
@@ -686,7 +698,7 @@ pub unsafe extern "C" fn ferrocache_check_config(text: *const c_char) -> c_int {
 /// `text` is NULL or a NUL-terminated string.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ferrocache_describe_config(text: *const c_char) -> *mut c_char {
-    with_last_error("ferrocache_describe_config", ptr::null_mut(), || {
+    reporting_errors("ferrocache_describe_config", ptr::null_mut(), || {
         // SAFETY: passed on from our caller, who promises the same.
         let config = unsafe { read_config(text) }?;
         let mut lines = vec![config.describe()];

@@ -21,15 +21,36 @@ pub enum TraceAction {
 }
 
 /// One entry of `device_traces`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TraceEntry {
     pub action: TraceAction,
+    /// The address; for `oom` entries, the device's free bytes at the time (PyTorch reuses the
+    /// field and names it `device_free` in snapshots).
     pub addr: DevicePtr,
     pub size: u64,
     pub stream: StreamId,
     pub time_us: i64,
     /// Stack frames; ferrocache records none (it cannot see Python's stack from the driver side).
     pub frames: Vec<serde_json::Value>,
+}
+
+impl Serialize for TraceEntry {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(Some(6))?;
+        map.serialize_entry("action", &self.action)?;
+        let address_key = if self.action == TraceAction::Oom {
+            "device_free"
+        } else {
+            "addr"
+        };
+        map.serialize_entry(address_key, &self.addr)?;
+        map.serialize_entry("size", &self.size)?;
+        map.serialize_entry("stream", &self.stream)?;
+        map.serialize_entry("time_us", &self.time_us)?;
+        map.serialize_entry("frames", &self.frames)?;
+        map.end()
+    }
 }
 
 /// The ring buffer of trace entries, off until recording is asked for.
@@ -225,6 +246,24 @@ mod tests {
         assert_eq!(addrs, vec![3, 4, 5]);
         h.set_recording(false, 3);
         assert!(h.entries().is_empty());
+    }
+
+    #[test]
+    fn oom_entries_carry_device_free_like_pytorchs() {
+        let entry = |action| TraceEntry {
+            action,
+            addr: 42,
+            size: 512,
+            stream: 0,
+            time_us: 1,
+            frames: Vec::new(),
+        };
+        let oom = serde_json::to_value(entry(TraceAction::Oom)).unwrap();
+        assert_eq!(oom["device_free"], 42);
+        assert!(oom.get("addr").is_none());
+        let alloc = serde_json::to_value(entry(TraceAction::Alloc)).unwrap();
+        assert_eq!(alloc["addr"], 42);
+        assert_eq!(alloc["action"], "alloc");
     }
 
     #[test]
