@@ -7,25 +7,17 @@
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use ferrocache::config::Config;
 use ferrocache::replay::{self, DeviceWorkload, ReplayOptions, Workload, demo};
-use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+#[path = "../tests/common/traces.rs"]
+mod traces;
+use traces::traces_dir;
 
 const TRACES: [&str; 3] = [
     "eor_nn.pickle",
     "cs336_memory_ctx128_forward.pickle",
     "bcrafton_0c0e8a7.pickle",
 ];
-
-fn traces_dir() -> Option<PathBuf> {
-    let beside = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");
-    let found = [beside, PathBuf::from("/work/shared/traces")]
-        .into_iter()
-        .find(|d| d.is_dir());
-    if found.is_none() {
-        eprintln!("note: shared/traces not found; benchmarking the demo only");
-    }
-    found
-}
 
 fn workloads() -> Vec<(String, DeviceWorkload)> {
     let mut out = Vec::new();

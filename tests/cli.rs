@@ -2,8 +2,12 @@
 //! JSON rows, plots, `check-config`, and hostile files, with exit codes and one-line errors.
 
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
+
+#[path = "common/traces.rs"]
+mod traces;
+use traces::traces_dir;
 
 const JSON_KEYS: [&str; 15] = [
     "trace",
@@ -36,17 +40,6 @@ fn stdout(output: &Output) -> String {
 
 fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
-}
-
-fn traces_dir() -> Option<PathBuf> {
-    let beside = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");
-    let found = [beside, PathBuf::from("/work/shared/traces")]
-        .into_iter()
-        .find(|d| d.is_dir());
-    if found.is_none() {
-        eprintln!("note: shared/traces not found; skipping the tests on real snapshots");
-    }
-    found
 }
 
 /// A scratch directory of this test process.

@@ -7,22 +7,13 @@ use ferrocache::replay::{
     self, DeviceWorkload, NativeFigures, Op, ReplayOptions, ReplayReport, StartAllocation,
     StartSegment, StartState, Workload, demo,
 };
-use std::path::{Path, PathBuf};
+
+#[path = "common/traces.rs"]
+mod traces;
+use traces::traces_dir;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
-
-/// The shared traces, or `None` (with a note) where this checkout has none.
-fn traces_dir() -> Option<PathBuf> {
-    let beside = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");
-    let found = [beside, PathBuf::from("/work/shared/traces")]
-        .into_iter()
-        .find(|d| d.is_dir());
-    if found.is_none() {
-        eprintln!("note: shared/traces not found; skipping the tests on real snapshots");
-    }
-    found
-}
 
 fn trace(name: &str) -> Option<DeviceWorkload> {
     let dir = traces_dir()?;

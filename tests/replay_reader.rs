@@ -9,19 +9,12 @@ use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+#[path = "common/traces.rs"]
+mod traces;
+use traces::traces_dir;
+
 const MIB: u64 = 1 << 20;
 const GIB: f64 = (1u64 << 30) as f64;
-
-/// The shared traces, or `None` (with a note) where this checkout has none.
-fn traces_dir() -> Option<PathBuf> {
-    let beside = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");
-    let candidates = [beside, PathBuf::from("/work/shared/traces")];
-    let found = candidates.into_iter().find(|d| d.is_dir());
-    if found.is_none() {
-        eprintln!("note: shared/traces not found; skipping the tests on real snapshots");
-    }
-    found
-}
 
 struct Expected {
     file: &'static str,
