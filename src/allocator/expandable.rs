@@ -312,21 +312,22 @@ impl<D: Device> DeviceAllocator<D> {
         Ok(id)
     }
 
+    /// An expandable block's address, size, stream, pool and segment.
+    fn expandable_block(
+        &self,
+        id: BlockId,
+    ) -> (DevicePtr, usize, StreamId, PoolKind, ExpandableId) {
+        let b = self.arena.get(id);
+        let segment = b.expandable.expect("a block of an expandable segment");
+        (b.ptr, b.size, b.stream, b.pool, segment)
+    }
+
     /// `map_block`: maps pages under the first `size` bytes of an unmapped block; the mapped part
     /// becomes a free block (merged with free neighbours), the rest stays unmapped.
     /// `Ok(false)` when the device is out of memory.
     pub(super) fn map_block(&mut self, id: BlockId, size: usize) -> Result<bool, AllocError> {
-        let (ptr, block_size, stream, pool, segment_id) = {
-            let b = self.arena.get(id);
-            debug_assert!(!b.mapped && size <= b.size);
-            (
-                b.ptr,
-                b.size,
-                b.stream,
-                b.pool,
-                b.expandable.expect("expandable block"),
-            )
-        };
+        debug_assert!(!self.arena.get(id).mapped && size <= self.arena.get(id).size);
+        let (ptr, block_size, stream, pool, segment_id) = self.expandable_block(id);
         let segment = self.expandable_segments[segment_id as usize]
             .as_mut()
             .expect("live expandable segment");
@@ -367,16 +368,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// `unmap_block`: unmaps the whole pages inside a free expandable block; partial pages at
     /// either end stay mapped as free blocks of their own.
     pub(super) fn unmap_block(&mut self, id: BlockId) -> Result<(), DeviceError> {
-        let (ptr, size, stream, pool, segment_id) = {
-            let b = self.arena.get(id);
-            (
-                b.ptr,
-                b.size,
-                b.stream,
-                b.pool,
-                b.expandable.expect("expandable block"),
-            )
-        };
+        let (ptr, size, stream, pool, segment_id) = self.expandable_block(id);
         let segment = self.expandable_segments[segment_id as usize]
             .as_mut()
             .expect("live expandable segment");
