@@ -75,10 +75,9 @@ pub const CUDA_KEYS: [&str; 13] = [
 
 /// The keys that change what ferrocache does. Every other accepted key goes to
 /// [`Config::ignored_keys`]: pinned (host) memory is PyTorch's business, `backend` picks
-/// PyTorch's own allocator, ferrocache never releases its lock around `cudaMalloc`, and
-/// `large_segment_size_mb` is checked and applied to the limits below but `policy` still packs
-/// 1-10 MiB requests into `K_LARGE_BUFFER` segments.
-const HONOURED_KEYS: [&str; 6] = [
+/// PyTorch's own allocator, and ferrocache never releases its lock around `cudaMalloc`.
+const HONOURED_KEYS: [&str; 7] = [
+    "large_segment_size_mb",
     "max_split_size_mb",
     "max_non_split_rounding_mb",
     "garbage_collection_threshold",
@@ -293,9 +292,8 @@ impl Config {
         }
         if self.large_segment_size != default.large_segment_size {
             lines.push(format!(
-                "large_segment_size: {} (sets the limits above; segments are still {})",
-                format_bytes(self.large_segment_size),
-                format_bytes(K_LARGE_BUFFER)
+                "large_segment_size: {} (segments for 1-10 MiB requests, expandable large-pool pages, lower limit of the two limits above)",
+                format_bytes(self.large_segment_size)
             ));
         }
         if lines.is_empty() {
@@ -1373,7 +1371,7 @@ mod tests {
         assert_eq!(c.max_split_size, 12 * KMB);
         // max_non_split_rounding_mb defaults to the large segment size.
         assert_eq!(c.max_non_split_rounding_size, 12 * KMB);
-        assert_eq!(c.ignored_keys, ["large_segment_size_mb"]);
+        assert!(c.ignored_keys.is_empty());
         assert_eq!(
             err("large_segment_size_mb:40,max_non_split_rounding_mb:30"),
             "CachingAllocator option max_non_split_rounding_mb too small, must be >= 40"

@@ -47,11 +47,13 @@ impl PoolKind {
         }
     }
 
-    /// The page size of an expandable segment of this pool (2 MiB small, 20 MiB large).
-    pub fn expandable_page_size(self) -> usize {
+    /// The page size of an expandable segment of this pool: 2 MiB small, `large_segment_size`
+    /// (20 MiB by default) large. A `large_segment_size_mb` that is not a multiple of 2 MiB is
+    /// rounded up to one, because physical pages come in multiples of the device granularity.
+    pub fn expandable_page_size(self, config: &Config) -> usize {
         match self {
             PoolKind::Small => K_SMALL_BUFFER,
-            PoolKind::Large => K_LARGE_BUFFER,
+            PoolKind::Large => config.large_segment_size.div_ceil(K_SMALL_BUFFER) * K_SMALL_BUFFER,
         }
     }
 }
@@ -117,12 +119,13 @@ pub fn round_size(size: usize, config: &Config) -> usize {
 }
 
 /// `get_allocation_size`: the size of the segment to ask the driver for when no cached block fits
-/// a request of `rounded_size`.
-pub fn allocation_size(rounded_size: usize) -> usize {
+/// a request of `rounded_size`: 2 MiB for small requests, `large_segment_size_mb` (20 MiB by
+/// default, `kLargeBuffer`) for requests under 10 MiB, else the request rounded up to 2 MiB.
+pub fn allocation_size(rounded_size: usize, config: &Config) -> usize {
     if rounded_size <= K_SMALL_SIZE {
         K_SMALL_BUFFER
     } else if rounded_size < K_MIN_LARGE_ALLOC {
-        K_LARGE_BUFFER
+        config.large_segment_size
     } else {
         K_ROUND_LARGE * rounded_size.div_ceil(K_ROUND_LARGE)
     }
@@ -244,13 +247,28 @@ mod tests {
 
     #[test]
     fn allocation_sizes_follow_pytorch() {
-        assert_eq!(allocation_size(512), 2 * MIB);
-        assert_eq!(allocation_size(MIB), 2 * MIB);
-        assert_eq!(allocation_size(MIB + 512), 20 * MIB);
-        assert_eq!(allocation_size(10 * MIB - 512), 20 * MIB);
-        assert_eq!(allocation_size(10 * MIB), 10 * MIB);
-        assert_eq!(allocation_size(10 * MIB + 512), 12 * MIB);
-        assert_eq!(allocation_size(100_000_000), 100_663_296);
+        let c = Config::default();
+        assert_eq!(allocation_size(512, &c), 2 * MIB);
+        assert_eq!(allocation_size(MIB, &c), 2 * MIB);
+        assert_eq!(allocation_size(MIB + 512, &c), 20 * MIB);
+        assert_eq!(allocation_size(10 * MIB - 512, &c), 20 * MIB);
+        assert_eq!(allocation_size(10 * MIB, &c), 10 * MIB);
+        assert_eq!(allocation_size(10 * MIB + 512, &c), 12 * MIB);
+        assert_eq!(allocation_size(100_000_000, &c), 100_663_296);
+        // large_segment_size_mb:64 packs 1-10 MiB requests into 64 MiB segments.
+        let c = Config {
+            large_segment_size: 64 * MIB,
+            ..Config::default()
+        };
+        assert_eq!(allocation_size(MIB + 512, &c), 64 * MIB);
+        assert_eq!(allocation_size(10 * MIB, &c), 10 * MIB);
+        assert_eq!(PoolKind::Large.expandable_page_size(&c), 64 * MIB);
+        let c = Config {
+            large_segment_size: 11 * MIB,
+            ..Config::default()
+        };
+        assert_eq!(PoolKind::Large.expandable_page_size(&c), 12 * MIB);
+        assert_eq!(PoolKind::Small.expandable_page_size(&c), 2 * MIB);
     }
 
     #[test]

@@ -468,3 +468,16 @@ fn the_simulated_device_is_never_asked_on_a_cache_hit() {
     assert_eq!(a.device().counters(), &calls);
     let _ = a.device_mut().mem_get_info();
 }
+
+#[test]
+fn large_segment_size_sets_the_segments_of_medium_requests() {
+    let config = Config::parse("large_segment_size_mb:64").unwrap();
+    let mut a = with_config(GIB, config);
+    let p = a.malloc(5 * MIB, 0).unwrap();
+    assert_eq!(a.device().allocations()[&p], 64 * MIB);
+    assert_eq!(
+        a.stats().inactive_split_bytes.large_pool.current,
+        59 * MIB as i64
+    );
+    checked(&a);
+}

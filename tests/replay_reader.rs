@@ -155,7 +155,11 @@ fn shared_traces_give_the_readme_figures() {
                 panic!("decision points at {:?}", w.ops[op])
             };
             let rounded = policy::round_size(size as usize, &config);
-            assert_eq!(d.size, policy::allocation_size(rounded) as u64, "{d:?}");
+            assert_eq!(
+                d.size,
+                policy::allocation_size(rounded, &config) as u64,
+                "{d:?}"
+            );
             assert_eq!(d.pool, policy::pool_for(rounded));
         }
     }

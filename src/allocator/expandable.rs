@@ -49,9 +49,9 @@ impl ExpandableSegment {
         device: &mut D,
         stream: StreamId,
         pool: PoolKind,
+        page_size: usize,
         total_memory: usize,
     ) -> Result<ExpandableSegment, DeviceError> {
-        let page_size = pool.expandable_page_size();
         let size = reservation_size(total_memory, page_size);
         let base = device.reserve_address_range(size)?;
         Ok(ExpandableSegment {
@@ -292,8 +292,14 @@ impl<D: Device> DeviceAllocator<D> {
             }
         }
         let total = self.device.mem_get_info()?.total;
-        let segment =
-            ExpandableSegment::reserve(&mut self.device, request.stream, request.pool, total)?;
+        let page_size = request.pool.expandable_page_size(&self.config);
+        let segment = ExpandableSegment::reserve(
+            &mut self.device,
+            request.stream,
+            request.pool,
+            page_size,
+            total,
+        )?;
         let mut block = Block::new(segment.base(), segment.size(), request.stream, request.pool);
         block.mapped = false;
         let segment_id = match self.expandable_segments.iter().position(Option::is_none) {
@@ -447,7 +453,8 @@ mod tests {
     #[test]
     pub(super) fn maps_whole_pages_and_unmaps_only_whole_free_pages() {
         let mut d = SimDevice::new(1 << 30);
-        let mut s = ExpandableSegment::reserve(&mut d, 0, PoolKind::Large, 1 << 30).unwrap();
+        let mut s =
+            ExpandableSegment::reserve(&mut d, 0, PoolKind::Large, 20 * MIB, 1 << 30).unwrap();
         let r = s.map(&mut d, s.base(), 30 * MIB).unwrap();
         assert_eq!(
             r,
@@ -489,7 +496,8 @@ mod tests {
             (SimOp::SetAccess, 1),
         ] {
             let mut d = SimDevice::new(1 << 30);
-            let mut s = ExpandableSegment::reserve(&mut d, 0, PoolKind::Small, 1 << 30).unwrap();
+            let mut s =
+                ExpandableSegment::reserve(&mut d, 0, PoolKind::Small, 2 * MIB, 1 << 30).unwrap();
             s.map(&mut d, s.base(), 2 * MIB).unwrap();
             d.fail_nth(op, nth, fault.clone());
             let result = s.map(&mut d, s.base() + 2 * MIB as u64, 6 * MIB);

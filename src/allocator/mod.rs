@@ -261,7 +261,7 @@ impl<D: Device> DeviceAllocator<D> {
             size: rounded,
             stream,
             pool,
-            alloc_size: policy::allocation_size(rounded),
+            alloc_size: policy::allocation_size(rounded, &self.config),
         };
         let id = match self.get_free_block(&request) {
             Some(id) => id,
