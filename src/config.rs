@@ -798,30 +798,29 @@ impl Parser {
     /// `max_split_size_mb`: at least `large_segment_size_mb` (20), kept in bytes. Older PyTorch
     /// required more than 20 ("too small, must be > 20"); the newest takes 20.
     fn parse_max_split_size(&mut self, i: usize) -> Result<usize> {
-        const KEY: &str = "max_split_size_mb";
-        let (mb, i) = self.mb_setting(i, KEY)?;
-        let min_mb = self.config.large_segment_size / MB;
-        if mb < min_mb {
-            return Err(ConfigError::new(format!(
-                "CachingAllocator option {KEY} too small, must be >= {min_mb}"
-            )));
-        }
-        self.config.max_split_size = mb_to_bytes(mb);
+        let (bytes, i) = self.parse_segment_limit(i, "max_split_size_mb")?;
+        self.config.max_split_size = bytes;
         Ok(i)
     }
 
     /// `max_non_split_rounding_mb`: at least `large_segment_size_mb` (20), kept in bytes.
     fn parse_max_non_split_rounding_size(&mut self, i: usize) -> Result<usize> {
-        const KEY: &str = "max_non_split_rounding_mb";
-        let (mb, i) = self.mb_setting(i, KEY)?;
+        let (bytes, i) = self.parse_segment_limit(i, "max_non_split_rounding_mb")?;
+        self.config.max_non_split_rounding_size = bytes;
+        Ok(i)
+    }
+
+    /// A size in MB that may not be below `large_segment_size_mb`: the value in bytes and the
+    /// index of its last token.
+    fn parse_segment_limit(&mut self, i: usize, key: &str) -> Result<(usize, usize)> {
+        let (mb, i) = self.mb_setting(i, key)?;
         let min_mb = self.config.large_segment_size / MB;
         if mb < min_mb {
             return Err(ConfigError::new(format!(
-                "CachingAllocator option {KEY} too small, must be >= {min_mb}"
+                "CachingAllocator option {key} too small, must be >= {min_mb}"
             )));
         }
-        self.config.max_non_split_rounding_size = mb_to_bytes(mb);
-        Ok(i)
+        Ok((mb_to_bytes(mb), i))
     }
 
     /// `garbage_collection_threshold`: strictly between 0 and 1. Older PyTorch said
