@@ -1,7 +1,7 @@
 // A client that uses libferrocache.so the way PyTorch's CUDAPluggableAllocator does: dlopen, then
 // rust_malloc / rust_free (and the hooks) through function pointers, with C++ exceptions
 // expected from rust_malloc on failure. tests/cpp_client.rs builds it with g++ and runs it
-// against the fake libcuda (tests/fake-libcuda), once per scenario:
+// against the fake libcuda (tests/fake-cuda/driver), once per scenario:
 //
 //   pytorch_like_client LIBRARY stress THREADS OPS   random allocations on several threads and
 //                                                    streams; a pattern checked before each free

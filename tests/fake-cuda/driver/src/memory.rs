@@ -1,7 +1,7 @@
 //! `cuMemAlloc` memory: real host memory, so tests can write and read through device pointers.
 
 use std::alloc::Layout;
-use std::ffi::c_void;
+use std::ffi::{c_int, c_void};
 
 use crate::{
     CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
@@ -13,6 +13,8 @@ const SMALL_ALIGNMENT: u64 = 512;
 
 pub struct Allocation {
     layout: Layout,
+    /// The device whose context made it.
+    pub device: i32,
 }
 
 impl Driver {
@@ -27,12 +29,26 @@ impl Driver {
         }
         self.check_accessible_mapping(ptr, len)
     }
+
+    /// The device that owns the device memory at `ptr`, or None for any other address.
+    fn device_of_pointer(&self, ptr: u64) -> Option<i32> {
+        if let Some((&start, allocation)) = self.allocations.range(..=ptr).next_back()
+            && ptr < start + allocation.layout.size() as u64
+        {
+            return Some(allocation.device);
+        }
+        self.mapped_device(ptr)
+    }
 }
+
+const POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
+const POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
+const MEMORY_TYPE_DEVICE: u32 = 2;
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: usize) -> CuResult {
     call("cuMemAlloc_v2", |driver| {
-        driver.require_primary_context()?;
+        let device = driver.require_primary_context()?;
         if dptr.is_null() || size == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -50,15 +66,17 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: usize) -> CuResult 
         };
         let layout = Layout::from_size_align(size, alignment as usize)
             .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
-        driver.charge(size as u64)?;
+        driver.charge(device, size as u64)?;
         // SAFETY: `layout` has a non-zero size.
         let memory = unsafe { std::alloc::alloc(layout) };
         if memory.is_null() {
-            driver.bytes_in_use -= size as u64;
+            driver.uncharge(device, size as u64);
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         let address = memory as u64;
-        driver.allocations.insert(address, Allocation { layout });
+        driver
+            .allocations
+            .insert(address, Allocation { layout, device });
         // SAFETY: `dptr` was checked non-NULL; the caller promises it is writable.
         unsafe { put(dptr, address) }
     })
@@ -72,7 +90,7 @@ pub extern "C" fn cuMemFree_v2(dptr: u64) -> CuResult {
             .allocations
             .remove(&dptr)
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        driver.bytes_in_use -= allocation.layout.size() as u64;
+        driver.uncharge(allocation.device, allocation.layout.size() as u64);
         // SAFETY: `dptr` came from `std::alloc::alloc` with this very layout and is freed once,
         // since it was just removed from the table.
         unsafe { std::alloc::dealloc(dptr as *mut u8, allocation.layout) };
@@ -83,10 +101,11 @@ pub extern "C" fn cuMemFree_v2(dptr: u64) -> CuResult {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CuResult {
     call("cuMemGetInfo_v2", |driver| {
-        driver.require_primary_context()?;
+        let device = driver.require_primary_context()?;
+        let in_use = driver.bytes_in_use[device as usize];
         // SAFETY: out pointers from the caller, valid for writes by the driver API contract.
         unsafe {
-            put(free, (driver.capacity - driver.bytes_in_use) as usize)?;
+            put(free, (driver.capacity - in_use) as usize)?;
             put(total, driver.capacity as usize)
         }
     })
@@ -130,5 +149,61 @@ pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, count: usiz
         // writable bytes at `dst`. `copy` tolerates overlap.
         unsafe { std::ptr::copy(src as *const u8, dst.cast::<u8>(), count) };
         Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, count: usize) -> CuResult {
+    call("cuMemcpyDtoD_v2", |driver| {
+        driver.require_primary_context()?;
+        driver.check_device_range(dst, count as u64)?;
+        driver.check_device_range(src, count as u64)?;
+        // SAFETY: both ranges were just checked to be live device (= host) memory; `copy`
+        // tolerates overlap.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, count) };
+        Ok(())
+    })
+}
+
+/// The unified-addressing copy: either side may be host or device memory. A side that lies in
+/// device memory must lie wholly in one live allocation or accessible mapping.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemcpy(dst: u64, src: u64, count: usize) -> CuResult {
+    call("cuMemcpy", |driver| {
+        driver.require_primary_context()?;
+        for side in [dst, src] {
+            if side == 0 && count > 0 {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            if driver.device_of_pointer(side).is_some() {
+                driver.check_device_range(side, count as u64)?;
+            }
+        }
+        // SAFETY: device sides were checked above; host sides are the caller's promise, as
+        // with the real driver. `copy` tolerates overlap.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, count) };
+        Ok(())
+    })
+}
+
+/// Answers the memory type and the device ordinal of device memory; any other address is
+/// `CUDA_ERROR_INVALID_VALUE`, as the driver answers for memory it does not know.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuPointerGetAttribute(
+    data: *mut c_void,
+    attribute: c_int,
+    ptr: u64,
+) -> CuResult {
+    call("cuPointerGetAttribute", |driver| {
+        let device = driver
+            .device_of_pointer(ptr)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        match attribute {
+            // SAFETY: the caller provides room for the attribute's type, as the API requires.
+            POINTER_ATTRIBUTE_MEMORY_TYPE => unsafe { put(data.cast::<u32>(), MEMORY_TYPE_DEVICE) },
+            // SAFETY: as above.
+            POINTER_ATTRIBUTE_DEVICE_ORDINAL => unsafe { put(data.cast::<c_int>(), device) },
+            _ => Err(CUDA_ERROR_INVALID_VALUE),
+        }
     })
 }

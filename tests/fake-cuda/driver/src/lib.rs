@@ -18,6 +18,7 @@
 
 mod device;
 mod memory;
+mod stubs;
 mod sync;
 mod vmm;
 
@@ -39,7 +40,9 @@ pub const CUDA_ERROR_INVALID_CONTEXT: CuResult = 201;
 pub const CUDA_ERROR_INVALID_HANDLE: CuResult = 400;
 pub const CUDA_ERROR_NOT_READY: CuResult = 600;
 pub const CUDA_ERROR_NOT_SUPPORTED: CuResult = 801;
+pub const CUDA_ERROR_ILLEGAL_STATE: CuResult = 401;
 pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CuResult = 900;
+pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CuResult = 901;
 pub const CUDA_ERROR_UNKNOWN: CuResult = 999;
 
 /// Name and description of each code the fake returns, as the real driver spells them.
@@ -95,6 +98,16 @@ const ERROR_TEXTS: &[(CuResult, &CStr, &CStr)] = &[
         c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
         c"operation not permitted when stream is capturing",
     ),
+    (
+        CUDA_ERROR_ILLEGAL_STATE,
+        c"CUDA_ERROR_ILLEGAL_STATE",
+        c"the operation cannot be performed in the present state",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+        c"CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+        c"operation failed due to a previous error during capture",
+    ),
     (CUDA_ERROR_UNKNOWN, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
 ];
 
@@ -112,8 +125,8 @@ pub struct Driver {
     device_count: i32,
     /// Bytes of device memory per device (accounting only; host memory backs what is used).
     capacity: u64,
-    /// Bytes held by `cuMemAlloc` allocations and not yet freed physical handles.
-    bytes_in_use: u64,
+    /// Per device: bytes held by `cuMemAlloc` allocations and not yet freed physical handles.
+    bytes_in_use: Vec<u64>,
     /// Retain count of each device's primary context.
     primary_context_refs: Vec<u32>,
     allocations: BTreeMap<u64, memory::Allocation>,
@@ -138,10 +151,13 @@ impl Driver {
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(default)
         }
+        let device_count = env_or("FAKE_LIBCUDA_DEVICE_COUNT", 1);
         Driver {
-            driver_version: env_or("FAKE_LIBCUDA_DRIVER_VERSION", 12040),
-            device_count: env_or("FAKE_LIBCUDA_DEVICE_COUNT", 1),
+            driver_version: env_or("FAKE_LIBCUDA_DRIVER_VERSION", 13020),
+            device_count,
             capacity: env_or("FAKE_LIBCUDA_TOTAL_MEM", 16 << 30),
+            bytes_in_use: vec![0; usize::try_from(device_count).unwrap_or(0)],
+            event_delay: env_or("FAKE_LIBCUDA_EVENT_DELAY", 0),
             next_handle: 1,
             ..Driver::default()
         }
@@ -163,13 +179,19 @@ impl Driver {
         }
     }
 
-    /// Claims `size` bytes of the device's capacity.
-    fn charge(&mut self, size: u64) -> Outcome {
-        if self.capacity.saturating_sub(self.bytes_in_use) < size {
+    /// Claims `size` bytes of `device`'s capacity (each device has `capacity` bytes).
+    fn charge(&mut self, device: i32, size: u64) -> Outcome {
+        let in_use = &mut self.bytes_in_use[device as usize];
+        if self.capacity.saturating_sub(*in_use) < size {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
-        self.bytes_in_use += size;
+        *in_use += size;
         Ok(())
+    }
+
+    /// Gives back what [`Driver::charge`] claimed.
+    fn uncharge(&mut self, device: i32, size: u64) {
+        self.bytes_in_use[device as usize] -= size;
     }
 }
 
@@ -290,7 +312,7 @@ pub unsafe extern "C" fn fake_cuda_stat(name: *const c_char) -> i64 {
     };
     let driver = lock();
     let value = match name {
-        "bytes_in_use" => driver.bytes_in_use,
+        "bytes_in_use" => driver.bytes_in_use.iter().sum(),
         "live_allocations" => driver.allocations.len() as u64,
         "live_reservations" => driver.reservations.len() as u64,
         "live_physical" => driver.physical.len() as u64,

@@ -158,6 +158,24 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(
     })
 }
 
+/// Whether the primary context is active (retained); its flags are always 0 here.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(
+    device: c_int,
+    flags: *mut c_uint,
+    active: *mut c_int,
+) -> CuResult {
+    call("cuDevicePrimaryCtxGetState", |driver| {
+        driver.valid_device(device)?;
+        let retained = driver.primary_context_refs[device as usize] > 0;
+        // SAFETY: out pointers from the caller, valid for writes by the driver API contract.
+        unsafe {
+            put(flags, 0)?;
+            put(active, c_int::from(retained))
+        }
+    })
+}
+
 fn release_primary_context(driver: &mut Driver, device: c_int) -> Result<(), CuResult> {
     driver.valid_device(device)?;
     let refs = &mut driver.primary_context_refs[device as usize];

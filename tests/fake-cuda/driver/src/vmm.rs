@@ -48,6 +48,8 @@ pub struct AccessDesc {
 pub struct Physical {
     fd: c_int,
     size: u64,
+    /// The device whose memory it is.
+    device: i32,
     mappings: u32,
     /// `cuMemRelease` was called; the memory goes when the last mapping does.
     released: bool,
@@ -109,6 +111,14 @@ impl Driver {
         }
     }
 
+    /// The device whose physical memory is mapped at `ptr`, if any.
+    pub fn mapped_device(&self, ptr: u64) -> Option<i32> {
+        let (&start, mapping) = self.mappings.range(..=ptr).next_back()?;
+        (ptr < start + mapping.size)
+            .then(|| self.physical.get(&mapping.handle).map(|p| p.device))
+            .flatten()
+    }
+
     fn reservation_containing(&self, ptr: u64, len: u64) -> Option<u64> {
         let (&start, &size) = self.reservations.range(..=ptr).next_back()?;
         (ptr + len <= start + size).then_some(start)
@@ -120,9 +130,10 @@ impl Driver {
             return;
         };
         if physical.released && physical.mappings == 0 {
-            self.bytes_in_use -= physical.size;
+            let (device, size, fd) = (physical.device, physical.size, physical.fd);
+            self.uncharge(device, size);
             // SAFETY: the fd is ours, open, and closed exactly once (the entry goes with it).
-            unsafe { libc::close(physical.fd) };
+            unsafe { libc::close(fd) };
             self.physical.remove(&handle);
         }
     }
@@ -189,7 +200,8 @@ pub unsafe extern "C" fn cuMemCreate(
         if handle.is_null() || flags != 0 || !is_granular(size) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        driver.charge(size)?;
+        let device = prop.location.id;
+        driver.charge(device, size)?;
         // SAFETY: plain syscalls on a fresh fd we own; failure is checked.
         let fd = unsafe { libc::memfd_create(c"fake-cuda-physical".as_ptr(), libc::MFD_CLOEXEC) };
         // SAFETY: as above.
@@ -198,13 +210,14 @@ pub unsafe extern "C" fn cuMemCreate(
                 // SAFETY: our own fd, closed once.
                 unsafe { libc::close(fd) };
             }
-            driver.bytes_in_use -= size;
+            driver.uncharge(device, size);
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         let new_handle = driver.new_handle();
         let physical = Physical {
             fd,
             size,
+            device,
             mappings: 0,
             released: false,
         };
