@@ -61,8 +61,11 @@ pub extern "C" fn cuInit(flags: c_uint) -> CuResult {
         if driver.device_count <= 0 {
             return Err(CUDA_ERROR_NO_DEVICE);
         }
-        driver.initialized = true;
-        driver.primary_context_refs = vec![0; driver.device_count as usize];
+        // Idempotent, as the real one: the runtime and ferrocache both call it.
+        if !driver.initialized {
+            driver.initialized = true;
+            driver.primary_context_refs = vec![0; driver.device_count as usize];
+        }
         Ok(())
     })
 }
