@@ -167,7 +167,8 @@ def stub_source(soname: str, names: set[str]) -> str:
 
 def version_script(version: str | None, names: set[str]) -> str:
     listed = "".join(f"    {n};\n" for n in sorted(names))
-    return f"{version or ''} {{\n  global:\n{listed}  local: *;\n}};\n"
+    exported = f"  global:\n{listed}" if names else ""
+    return f"{version or ''} {{\n{exported}  local: *;\n}};\n"
 
 
 def link(out: Path, soname: str, names: set[str], version: str | None, sources: list[Path],

@@ -10,7 +10,9 @@ of a driver function such as ``cuMemAlloc_v2``; see tests/fake-cuda/README.md).
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 import textwrap
 from typing import Any, Mapping, Optional
 
@@ -18,6 +20,21 @@ import pytest
 from conftest import STRICT, run_json, run_python
 
 FAKE_CUDA = os.environ.get("FERROCACHE_FAKE_CUDA")
+
+
+def _torch_version() -> tuple[int, ...]:
+    try:
+        text = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    return tuple(int(part) for part in re.findall(r"\d+", text.split("+")[0])[:2])
+
+
+#: The installed PyTorch's (major, minor), without importing it.
+TORCH_VERSION = _torch_version()
+#: ferrocache's messages for refused settings are those of this PyTorch and newer (older ones
+#: word some of them differently).
+WORDING_FROM = (2, 15)
 MIB = 1 << 20
 GIB = 1 << 30
 
