@@ -65,9 +65,8 @@ fn limit_exports(out_dir: &Path) {
 /// The `ferrocache` binary calls the command in `libferrocache.so` (src/bin/ferrocache.rs). The
 /// linker finds the library in cargo's `deps` directory of this profile, beside which `OUT_DIR`
 /// lies (`<target>/<profile>/build/ferrocache-<hash>/out`); at run time the binary looks beside
-/// itself, where cargo puts a copy (`target/release/`), then in `deps/`. `cargo run` and
-/// `cargo test` also put `deps/` on the library path; maturin rewrites the run path when it
-/// copies the library into the wheel.
+/// itself, where cargo puts a copy (`target/release/`), then in `deps/`. maturin adds to the run
+/// path: the wheel's `ferrocache.libs/`, or for `pip install -e .` this build's directories.
 fn link_binary_to_library(out_dir: &Path) {
     let Some(profile_dir) = out_dir.ancestors().nth(3) else {
         println!(
