@@ -64,9 +64,11 @@ fn limit_exports(out_dir: &Path) {
 
 /// The `ferrocache` binary calls the command in `libferrocache.so` (src/bin/ferrocache.rs). The
 /// linker finds the library in cargo's `deps` directory of this profile, beside which `OUT_DIR`
-/// lies (`<target>/<profile>/build/ferrocache-<hash>/out`); at run time the binary looks beside
-/// itself, where cargo puts a copy (`target/release/`), then in `deps/`. maturin adds to the run
-/// path: the wheel's `ferrocache.libs/`, or for `pip install -e .` this build's directories.
+/// lies (`<target>/<profile>/build/ferrocache-<hash>/out`); at run time the binary looks in that
+/// `deps/` directory first (always the latest build; the copy beside the binary, in
+/// `target/release/`, is refreshed only by builds that ask for the library), then beside itself.
+/// maturin adds to the run path: the wheel's `ferrocache.libs/`, or for `pip install -e .` this
+/// build's directories.
 fn link_binary_to_library(out_dir: &Path) {
     let Some(profile_dir) = out_dir.ancestors().nth(3) else {
         println!(
@@ -80,7 +82,7 @@ fn link_binary_to_library(out_dir: &Path) {
         "cargo:rustc-link-search=native={}",
         profile_dir.join("deps").display()
     );
-    println!("cargo:rustc-link-arg-bins=-Wl,-rpath,$ORIGIN:$ORIGIN/deps");
+    println!("cargo:rustc-link-arg-bins=-Wl,-rpath,$ORIGIN/deps:$ORIGIN");
 }
 
 /// Regenerates `include/ferrocache.h` when it differs. Never fails the build: where cbindgen
