@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-import maturin
+import maturin  # type: ignore[import-untyped]
 from maturin import (  # noqa: F401  (PEP 517 hooks, re-exported as they are)
     build_sdist,
     get_requires_for_build_editable,
@@ -69,7 +69,7 @@ def build_wheel(
 ) -> str:
     forget_patched_binaries()
     try:
-        return maturin.build_wheel(wheel_directory, with_audit(config_settings), metadata_directory)
+        return str(maturin.build_wheel(wheel_directory, with_audit(config_settings), metadata_directory))
     finally:
         forget_patched_binaries()
 
@@ -85,6 +85,6 @@ def build_editable(
     wheel.)"""
     forget_patched_binaries()
     try:
-        return maturin.build_editable(wheel_directory, config_settings, metadata_directory)
+        return str(maturin.build_editable(wheel_directory, config_settings, metadata_directory))
     finally:
         forget_patched_binaries()
