@@ -31,6 +31,7 @@ fn main() {
 
     if env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
         limit_exports(&out_dir);
+        link_binary_to_library(&out_dir);
     }
 
     generate_header(&manifest_dir);
@@ -59,6 +60,29 @@ fn limit_exports(out_dir: &Path) {
         "cargo:rustc-cdylib-link-arg=-Wl,--version-script={}",
         script.display()
     );
+}
+
+/// The `ferrocache` binary calls the command in `libferrocache.so` (src/bin/ferrocache.rs). The
+/// linker finds the library in cargo's `deps` directory of this profile, beside which `OUT_DIR`
+/// lies (`<target>/<profile>/build/ferrocache-<hash>/out`); at run time the binary looks in that
+/// `deps/` directory first (always the latest build; the copy beside the binary, in
+/// `target/release/`, is refreshed only by builds that ask for the library), then beside itself.
+/// maturin adds to the run path: the wheel's `ferrocache.libs/`, or for `pip install -e .` this
+/// build's directories.
+fn link_binary_to_library(out_dir: &Path) {
+    let Some(profile_dir) = out_dir.ancestors().nth(3) else {
+        println!(
+            "cargo:warning=OUT_DIR {} is not inside a cargo profile directory; the ferrocache \
+             binary may not link",
+            out_dir.display()
+        );
+        return;
+    };
+    println!(
+        "cargo:rustc-link-search=native={}",
+        profile_dir.join("deps").display()
+    );
+    println!("cargo:rustc-link-arg-bins=-Wl,-rpath,$ORIGIN/deps:$ORIGIN");
 }
 
 /// Regenerates `include/ferrocache.h` when it differs. Never fails the build: where cbindgen

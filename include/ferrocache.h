@@ -138,6 +138,16 @@ char *ferrocache_describe_config(const char *text);
 // The library's version, e.g. `0.1.0`. A static string; do not free it.
 const char *ferrocache_version(void);
 
+// The `ferrocache` command (`replay`, `check-config`; see `docs/replay.md`), run in this
+// process: `argv[0]` is the program's name, output goes to stdout and stderr, and the return
+// value is the exit status. It never exits the process. The `ferrocache` binary is this call
+// and nothing else, so that cargo's binary and the wheel's command are one program.
+//
+// # Safety
+// `argv` is NULL (with `argc` 0) or points to `argc` pointers, each NULL or a NUL-terminated
+// string.
+int ferrocache_cli_main(int argc, const char *const *argv);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

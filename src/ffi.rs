@@ -15,7 +15,8 @@
 //! unwinds into C. No allocation policy here: this module only routes calls and reports errors.
 
 use std::cell::RefCell;
-use std::ffi::{CStr, CString, c_char, c_double, c_int, c_void};
+use std::ffi::{CStr, CString, OsStr, OsString, c_char, c_double, c_int, c_void};
+use std::os::unix::ffi::OsStrExt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
 use std::sync::OnceLock;
@@ -722,4 +723,41 @@ pub extern "C" fn ferrocache_version() -> *const c_char {
             Err(_) => panic!("the package version has no NUL inside"),
         };
     guarded("ferrocache_version", c"".as_ptr(), || VERSION.as_ptr())
+}
+
+/// The exit status of the command when it panicked, as a Rust program's would be.
+const CLI_PANIC_STATUS: c_int = 101;
+
+/// The `ferrocache` command (`replay`, `check-config`; see `docs/replay.md`), run in this
+/// process: `argv[0]` is the program's name, output goes to stdout and stderr, and the return
+/// value is the exit status. It never exits the process. The `ferrocache` binary is this call
+/// and nothing else, so that cargo's binary and the wheel's command are one program.
+///
+/// # Safety
+/// `argv` is NULL (with `argc` 0) or points to `argc` pointers, each NULL or a NUL-terminated
+/// string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_cli_main(argc: c_int, argv: *const *const c_char) -> c_int {
+    guarded("ferrocache_cli_main", CLI_PANIC_STATUS, || {
+        let count = usize::try_from(argc).unwrap_or(0);
+        let mut args: Vec<OsString> = Vec::with_capacity(count);
+        for index in 0..count {
+            if argv.is_null() {
+                break;
+            }
+            // SAFETY: the caller promises `argc` readable pointers behind a non-NULL `argv`.
+            let arg = unsafe { *argv.add(index) };
+            if arg.is_null() {
+                // Like C's argv, the list ends at a NULL entry.
+                break;
+            }
+            // SAFETY: the caller promises NUL-terminated strings.
+            let bytes = unsafe { CStr::from_ptr(arg) }.to_bytes();
+            args.push(OsStr::from_bytes(bytes).to_os_string());
+        }
+        if args.is_empty() {
+            args.push("ferrocache".into());
+        }
+        c_int::from(crate::cli::run(args))
+    })
 }

@@ -10,10 +10,11 @@ use std::process::Command;
 use regex::Regex;
 
 /// The C ABI: `rust_malloc` (C++), `rust_free` and the hooks PyTorch takes, the `ferrocache_*`
-/// functions of the Python package.
-const EXPORTS: [&str; 21] = [
+/// functions of the Python package, and the command line the `ferrocache` binary runs.
+const EXPORTS: [&str; 22] = [
     "ferrocache_alloc",
     "ferrocache_check_config",
+    "ferrocache_cli_main",
     "ferrocache_describe_config",
     "ferrocache_empty_cache",
     "ferrocache_free",
@@ -144,4 +145,28 @@ fn the_header_declares_every_export_and_nothing_else() {
         .collect();
     let intended: BTreeSet<String> = EXPORTS.iter().map(|s| s.to_string()).collect();
     assert_eq!(declared, intended);
+}
+
+#[test]
+fn the_binary_runs_the_command_of_the_library() {
+    // One program: the `ferrocache` binary is linked to libferrocache.so and only calls
+    // ferrocache_cli_main there, so that maturin copies the library into the wheel beside it.
+    let binary = Path::new(env!("CARGO_BIN_EXE_ferrocache"));
+    let dynamic = run("objdump", &["-p"], binary);
+    assert!(
+        dynamic
+            .lines()
+            .any(|l| l.contains("NEEDED") && l.trim_end().ends_with("libferrocache.so")),
+        "the binary is not linked to libferrocache.so:\n{dynamic}"
+    );
+    let symbols = run("nm", &["-D", "--undefined-only"], binary);
+    assert!(
+        symbols.contains("ferrocache_cli_main"),
+        "the binary does not call ferrocache_cli_main:\n{symbols}"
+    );
+    let defined = run("nm", &["--defined-only", "--demangle"], binary);
+    assert!(
+        !defined.contains("ferrocache::cli::"),
+        "the binary carries its own copy of the command"
+    );
 }

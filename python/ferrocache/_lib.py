@@ -25,8 +25,13 @@ from .errors import LibraryNotFoundError, LibraryVersionError, library_error
 
 #: Set it to the path of a ``libferrocache.so`` to use that one (development builds).
 LIBRARY_ENV = "FERROCACHE_LIBRARY"
-#: The library's file name inside the installed package.
+#: The library's file name as cargo builds it.
 LIBRARY_NAME = "libferrocache.so"
+#: Where a wheel puts the library, beside the package in site-packages: maturin copies the library
+#: that the ``ferrocache`` binary links to into ``ferrocache.libs/``, its name suffixed with a
+#: hash of its contents (``libferrocache-1a2b3c4d.so``), as auditwheel does.
+WHEEL_LIBRARY_DIR = "ferrocache.libs"
+WHEEL_LIBRARY_GLOB = "libferrocache-*.so"
 
 _CType = Any  # a ctypes type, or None for void
 
@@ -56,12 +61,16 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_check_config": (c_int, (c_char_p,)),
     "ferrocache_describe_config": (c_void_p, (c_char_p,)),
     "ferrocache_version": (c_char_p, ()),
+    # The `ferrocache` command (the binary calls it; so may anyone who has argv at hand).
+    "ferrocache_cli_main": (c_int, (c_int, POINTER(c_char_p))),
 }
 
 #: Functions that must never be called through ctypes (they throw C++ exceptions).
 NOT_CALLABLE = frozenset({"rust_malloc"})
 #: Functions that do not make the library read its settings.
-_SETTINGS_FREE = frozenset({"ferrocache_version", "ferrocache_last_error", "ferrocache_string_free"})
+_SETTINGS_FREE = frozenset(
+    {"ferrocache_version", "ferrocache_last_error", "ferrocache_string_free", "ferrocache_cli_main"}
+)
 
 _lock = threading.Lock()
 _library: Optional[ctypes.CDLL] = None
@@ -80,12 +89,25 @@ def _checkout_candidates(package_dir: Path) -> list[Path]:
     return [target / "release" / LIBRARY_NAME, target / "debug" / LIBRARY_NAME]
 
 
+def _wheel_candidates(package_dir: Path) -> list[Path]:
+    """The library a wheel installed beside the package; an error if there are several."""
+    libs = package_dir.parent / WHEEL_LIBRARY_DIR
+    found = sorted(libs.glob(WHEEL_LIBRARY_GLOB)) if libs.is_dir() else []
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise LibraryNotFoundError(
+            f"{libs} holds several ferrocache libraries ({names}), left by more than one "
+            "installation: reinstall the package (pip install --force-reinstall ...)"
+        )
+    return found
+
+
 def library_path() -> Path:
     """The ``libferrocache.so`` this package uses, as an absolute path.
 
-    ``$FERROCACHE_LIBRARY`` when set; otherwise the library installed inside the package; for a
-    package imported from a source checkout, the checkout's ``target/release`` (then
-    ``target/debug``) build.
+    ``$FERROCACHE_LIBRARY`` when set; otherwise the library the wheel installed beside the
+    package (``site-packages/ferrocache.libs/``); for a package imported from a source checkout
+    (``pip install -e .``), the checkout's ``target/release`` (then ``target/debug``) build.
     """
     override = os.environ.get(LIBRARY_ENV)
     if override:
@@ -94,14 +116,16 @@ def library_path() -> Path:
             raise LibraryNotFoundError(f"{LIBRARY_ENV}={override!r} is not a file")
         return path
     package_dir = Path(__file__).resolve().parent
-    candidates = [package_dir / LIBRARY_NAME, *_checkout_candidates(package_dir)]
+    candidates = [*_wheel_candidates(package_dir), *_checkout_candidates(package_dir)]
     for candidate in candidates:
         if candidate.is_file():
             return candidate
-    looked = ", ".join(str(c) for c in candidates)
+    looked = ", ".join([str(package_dir.parent / WHEEL_LIBRARY_DIR / WHEEL_LIBRARY_GLOB)]
+                       + [str(c) for c in candidates])
     raise LibraryNotFoundError(
         f"ferrocache's library was not found (looked at {looked}): install the package with "
-        f"`pip install .` from the repository root, or set {LIBRARY_ENV} to a libferrocache.so"
+        f"`pip install .` from the repository root or from a wheel (scripts/build-wheel), or "
+        f"set {LIBRARY_ENV} to a libferrocache.so"
     )
 
 

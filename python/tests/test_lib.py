@@ -24,6 +24,7 @@ C_TO_CTYPES = {
     "char *": ctypes.c_void_p,
     "const char *": ctypes.c_char_p,
     "cudaStream_t": ctypes.c_void_p,
+    "const char * const *": ctypes.POINTER(ctypes.c_char_p),
 }
 
 _PROTOTYPE = re.compile(r"^\s*([A-Za-z_][\w\s]*?\**)\s*\b(\w+)\(([^)]*)\);", re.MULTILINE)
@@ -156,13 +157,55 @@ def test_without_its_library_the_package_imports_and_says_how_to_get_one(tmp_pat
     assert "library was not found" in out and "pip install ." in out
 
 
-def test_the_installed_package_carries_its_library() -> None:
-    """Under scripts/python-tests the package comes from `pip install .` into a fresh venv."""
+def test_the_installed_package_finds_the_library_its_wheel_carried() -> None:
+    """Under scripts/python-tests the package comes from a wheel (`pip install .`, or
+    FERROCACHE_WHEEL) in a fresh venv: the library lies beside it in ferrocache.libs/."""
     package_dir = Path(ferrocache.__file__).resolve().parent
     if REPO / "python" in package_dir.parents or package_dir == REPO / "python" / "ferrocache":
         pytest.skip("ferrocache is imported from the source tree, not from an installation")
-    assert ferrocache.library_path() == package_dir / "libferrocache.so"
-    assert (package_dir / "libferrocache.so").stat().st_size > 0
+    libraries = list((package_dir.parent / "ferrocache.libs").glob("libferrocache-*.so"))
+    assert len(libraries) == 1, libraries
+    assert ferrocache.library_path() == libraries[0]
+    assert libraries[0].stat().st_size > 100_000
+
+
+def test_two_libraries_beside_the_package_are_refused(tmp_path: Path) -> None:
+    shutil.copytree(Path(ferrocache.__file__).parent, tmp_path / "ferrocache",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    libs = tmp_path / "ferrocache.libs"
+    libs.mkdir()
+    for name in ("libferrocache-00000000.so", "libferrocache-11111111.so"):
+        shutil.copy(ferrocache.library_path(), libs / name)
+    out = run_json(
+        """
+        import ferrocache
+        try:
+            ferrocache.library_path()
+        except ImportError as err:
+            result(str(err))
+        """,
+        env={"PYTHONPATH": str(tmp_path)},
+    )
+    assert "several ferrocache libraries" in out and "libferrocache-11111111.so" in out
+
+
+def test_the_command_line_entry_point_runs_in_process() -> None:
+    """ferrocache_cli_main is the whole command: the binary only forwards its arguments."""
+    out = run_json(
+        """
+        import ctypes, ferrocache._lib as lib
+        def main(*args):
+            argv = (ctypes.c_char_p * len(args))(*[a.encode() for a in args])
+            return lib.function("ferrocache_cli_main")(len(args), argv)
+        result([main("ferrocache", "check-config", "expandable_segments:True"),
+                main("ferrocache", "check-config", "expandable_segments:yes"),
+                main("ferrocache", "--no-such-option"),
+                main("ferrocache", "--version"),
+                lib.function("ferrocache_cli_main")(0, None)])
+        """
+    )
+    # Accepted, rejected by PyTorch's rules, a usage error, the version, no arguments at all.
+    assert out == [0, 2, 2, 0, 2]
 
 
 def test_loading_reads_no_settings() -> None:
