@@ -14,10 +14,10 @@
 //! - pools are reference-counted: a capture into an existing pool id (a shared
 //!   `torch.cuda.graph_pool_handle()`) takes another reference and reuses the blocks earlier
 //!   captures freed, with the ordinary stream rule (a block serves its own stream only);
-//! - [`DeviceAllocator::release_pool`] drops a reference; once none is left, `empty_cache` (and
-//!   the out-of-memory retry that releases every cached block) gives the pool's wholly free
-//!   segments back to the device, and forgets the pool once it has none. A pool that is still
-//!   referenced never loses memory.
+//! - [`DeviceAllocator::release_pool`] drops a reference; once none is left and no block in the
+//!   pool is live, `empty_cache` (and the out-of-memory retry that releases every cached block)
+//!   gives the pool's segments back to the device and forgets the pool. A pool that is still
+//!   referenced, or holds a live block, never loses memory.
 //!
 //! Departures from PyTorch, each refused where PyTorch would assert or corrupt memory:
 //! - a capture into a pool whose references have all been released takes the pool back (PyTorch
@@ -27,7 +27,9 @@
 //!   be freed under the capture);
 //! - the out-of-memory path never releases oversize cached blocks of a private pool (PyTorch's
 //!   `release_available_cached_blocks` would `cudaFree` them although a graph of the pool may
-//!   replay into them).
+//!   replay into them);
+//! - an unreferenced pool keeps all its segments while any of its blocks is live (an output
+//!   tensor of a reset graph); PyTorch already releases its wholly free ones.
 
 use super::block::{Block, BlockId};
 use super::pool::BlockPool;
@@ -418,14 +420,18 @@ impl<D: Device> DeviceAllocator<D> {
             .sum()
     }
 
-    /// The private-pool part of `release_cached_blocks`: every pool without references gives
-    /// its wholly free segments (and free pages) back to the device, and a pool left with no
-    /// segment is forgotten. Referenced pools keep everything.
+    /// The private-pool part of `release_cached_blocks`: every pool without references and
+    /// without a live block gives its segments back to the device, and is then forgotten. Any
+    /// other pool keeps everything.
     pub(super) fn release_unreferenced_private_pools(&mut self) -> Result<(), DeviceError> {
+        if self.pools.private_pools().next().is_none() {
+            return Ok(());
+        }
+        let holding_live_blocks = self.private_pools_with_live_blocks();
         let unreferenced: Vec<PrivatePoolIndex> = self
             .pools
             .private_pools()
-            .filter(|(_, pool)| pool.use_count == 0)
+            .filter(|(index, pool)| pool.use_count == 0 && !holding_live_blocks.contains(index))
             .map(|(index, _)| index)
             .collect();
         for index in unreferenced {
@@ -438,6 +444,20 @@ impl<D: Device> DeviceAllocator<D> {
             }
         }
         Ok(())
+    }
+
+    /// The private pools holding a block that is allocated, or freed but waiting for other
+    /// streams. A full walk: only `empty_cache` and the out-of-memory path ask.
+    fn private_pools_with_live_blocks(&self) -> Vec<PrivatePoolIndex> {
+        let mut pools: Vec<PrivatePoolIndex> = self
+            .arena
+            .iter()
+            .filter(|(_, b)| b.mapped && !b.is_available())
+            .filter_map(|(_, b)| b.private_pool)
+            .collect();
+        pools.sort_unstable();
+        pools.dedup();
+        pools
     }
 
     /// `record_stream` while a capture is under way: the use is remembered apart, because the
