@@ -16,11 +16,15 @@
 #include <string>
 #include <utility>
 
+struct CUstream_st;
+typedef CUstream_st* cudaStream_t;
+
 namespace {
 
 using MempoolId = std::pair<unsigned long long, unsigned long long>;
-// cudaStream_t is an opaque pointer.
-using StreamFilter = std::function<bool(void*)>;
+// The CUDA runtime's cudaStream_t, without its headers: the filter's type must be exactly
+// PyTorch's std::function<bool(cudaStream_t)>.
+using StreamFilter = std::function<bool(cudaStream_t)>;
 
 // What the last failed filter call said, per thread: the pointer handed to Rust stays valid
 // until this thread's next call.
@@ -33,7 +37,7 @@ extern "C" {
 // Asks a capture's filter whether `stream` belongs to the capture: 1 yes, 0 no, -1 when the
 // filter threw (PyTorch's filter calls cudaStreamGetCaptureInfo, which may fail), with `*error`
 // pointing at what it said.
-static int ferrocache_filter_accepts(const void* filter, void* stream, const char** error) {
+static int ferrocache_filter_accepts(const void* filter, cudaStream_t stream, const char** error) {
     try {
         return (*static_cast<const StreamFilter*>(filter))(stream) ? 1 : 0;
     } catch (const std::exception& e) {
@@ -52,14 +56,14 @@ static void ferrocache_filter_drop(void* filter) { delete static_cast<StreamFilt
 // through `accepts` and destroyed through `drop`. Returns NULL, or why the capture is refused.
 const char* ferrocache_internal_begin_allocate_to_pool(
     int device, unsigned long long pool_first, unsigned long long pool_second, void* filter,
-    int (*accepts)(const void*, void*, const char**), void (*drop)(void*));
+    int (*accepts)(const void*, cudaStream_t, const char**), void (*drop)(void*));
 void ferrocache_internal_end_allocate_to_pool(int device, unsigned long long pool_first,
                                               unsigned long long pool_second);
 void ferrocache_internal_release_pool(int device, unsigned long long pool_first,
                                       unsigned long long pool_second);
 
 __attribute__((visibility("default"))) void rust_begin_allocate_to_pool(
-    int device, MempoolId pool, std::function<bool(void*)> filter) {
+    int device, MempoolId pool, std::function<bool(cudaStream_t)> filter) {
     StreamFilter* kept = new (std::nothrow) StreamFilter(std::move(filter));
     const char* refused = ferrocache_internal_begin_allocate_to_pool(
         device, pool.first, pool.second, kept, &ferrocache_filter_accepts, &ferrocache_filter_drop);
