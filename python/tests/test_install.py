@@ -14,6 +14,9 @@ HOOKS = {
     "set_memory_fraction_fn": "rust_memory_fraction",
     "set_record_stream_fn": "rust_record_stream",
     "set_base_alloc_fn": "rust_base_alloc",
+    "set_begin_allocate_to_pool": "rust_begin_allocate_to_pool",
+    "set_end_allocate_to_pool_fn": "rust_end_allocate_to_pool",
+    "set_release_pool": "rust_release_pool",
 }
 
 
