@@ -126,7 +126,7 @@ int ferrocache_release_pool(int device, unsigned long long pool_first, unsigned 
 
 // PyTorch's `createOrIncrefPool` (what `torch.cuda.MemPool()` calls): creates the private
 // pool with one reference, or gives an existing one another. Returns 0, or -1 (last error set)
-// when the device is unusable.
+// when the device is unusable or the id is `(0, 0)` (the ordinary pools').
 int ferrocache_create_or_incref_pool(int device, unsigned long long pool_first, unsigned long long pool_second);
 
 // PyTorch's `getPoolUseCount`: the references the private pool holds. Returns -1 (last error

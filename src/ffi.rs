@@ -746,7 +746,7 @@ pub extern "C" fn ferrocache_release_pool(
 
 /// PyTorch's `createOrIncrefPool` (what `torch.cuda.MemPool()` calls): creates the private
 /// pool with one reference, or gives an existing one another. Returns 0, or -1 (last error set)
-/// when the device is unusable.
+/// when the device is unusable or the id is `(0, 0)` (the ordinary pools').
 #[unsafe(no_mangle)]
 pub extern "C" fn ferrocache_create_or_incref_pool(
     device: c_int,
@@ -754,10 +754,10 @@ pub extern "C" fn ferrocache_create_or_incref_pool(
     pool_second: c_ulonglong,
 ) -> c_int {
     with_last_error("ferrocache_create_or_incref_pool", -1, || {
-        allocator(device)?
+        let result = allocator(device)?
             .lock()
             .create_or_incref_pool(pool_id(pool_first, pool_second));
-        Ok(0)
+        result.map(|_| 0).map_err(|err| err.to_string())
     })
 }
 

@@ -254,6 +254,10 @@ fn refused_pool_calls_change_nothing() {
     a.release_pool(POOL).unwrap();
     assert_eq!(a.release_pool(POOL), Err(PoolError::NotReferenced(POOL)));
     assert_eq!(
+        a.begin_allocate_to_pool((0, 0), on(OTHER)),
+        Err(PoolError::OrdinaryId)
+    );
+    assert_eq!(
         PoolError::AlreadyRecording(POOL).to_string(),
         "beginAllocateToPool: already recording to mempool_id (1, 0)"
     );

@@ -241,6 +241,8 @@ pub enum PoolError {
     NotReferenced(MempoolId),
     /// `release_pool` of the last reference while a capture still records into the pool.
     StillRecording(MempoolId),
+    /// `(0, 0)`, which names the ordinary pools, used as a private pool's id.
+    OrdinaryId,
 }
 
 /// A pool id as PyTorch prints a `MempoolId_t` from Python: `(1, 0)`.
@@ -276,6 +278,9 @@ impl fmt::Display for PoolError {
                 "releasePool: a capture still records into mempool_id {}; end it first",
                 PoolName(id)
             ),
+            PoolError::OrdinaryId => f.write_str(
+                "mempool_id (0, 0) names the ordinary pools and cannot be a private pool's",
+            ),
         }
     }
 }
@@ -285,14 +290,17 @@ impl std::error::Error for PoolError {}
 impl<D: Device> DeviceAllocator<D> {
     /// PyTorch's `create_or_incref_pool`: a new pool with one reference, or one more reference
     /// to an existing one (which revives a pool whose references were all released).
-    pub fn create_or_incref_pool(&mut self, id: MempoolId) -> PrivatePoolIndex {
-        match self.pools.find(id) {
+    pub fn create_or_incref_pool(&mut self, id: MempoolId) -> Result<PrivatePoolIndex, PoolError> {
+        if id == ORDINARY_POOL_ID {
+            return Err(PoolError::OrdinaryId);
+        }
+        Ok(match self.pools.find(id) {
             Some(index) => {
                 self.pools.private_mut(index).use_count += 1;
                 index
             }
             None => self.pools.create(id),
-        }
+        })
     }
 
     /// `beginAllocateToPool`: from now until [`end_allocate_to_pool`](Self::end_allocate_to_pool),
@@ -306,7 +314,7 @@ impl<D: Device> DeviceAllocator<D> {
         if self.captures.iter().any(|c| c.id == id) {
             return Err(PoolError::AlreadyRecording(id));
         }
-        let pool = self.create_or_incref_pool(id);
+        let pool = self.create_or_incref_pool(id)?;
         self.captures.push(Capture { id, pool, filter });
         logging::capture_begins(id, self.pools.private(pool).use_count);
         Ok(())
