@@ -9,8 +9,8 @@
 //!
 //! - between [`DeviceAllocator::begin_allocate_to_pool`] and
 //!   [`DeviceAllocator::end_allocate_to_pool`], an allocation whose stream the capture's filter
-//!   accepts is served from that pool's blocks and segments only ([`DeviceAllocator::
-//!   private_pool_for`]); a block freed in a pool goes back to that pool only;
+//!   accepts is served from that pool's blocks and segments only (`private_pool_for`, PyTorch's
+//!   `get_pool`); a block freed in a pool goes back to that pool only;
 //! - pools are reference-counted: a capture into an existing pool id (a shared
 //!   `torch.cuda.graph_pool_handle()`) takes another reference and reuses the blocks earlier
 //!   captures freed, with the ordinary stream rule (a block serves its own stream only);
