@@ -31,6 +31,32 @@ void *rust_malloc(size_t size, int device, cudaStream_t stream);
 }  // extern "C"
 #endif
 
+#ifdef __cplusplus  /* C++ only */
+#include <functional>
+#include <utility>
+
+// CUDAPluggableAllocator's CUDA graph pool hooks, with the C++ types PyTorch casts them to
+// (torch/csrc/cuda/Module.cpp); the pool id is c10::cuda::MempoolId_t. Defined in
+// src/pool_hooks.cpp. They exist for PyTorch (set_begin_allocate_to_pool,
+// set_end_allocate_to_pool_fn, set_release_pool); C callers use the ferrocache_*_pool functions.
+extern "C" {
+
+// beginAllocateToPool: until the end hook, allocations on `device` whose stream `filter` accepts
+// come from the private pool `pool` (created, or given one more reference). Throws
+// std::runtime_error when the capture cannot be served from its own pool (a capture already
+// records into `pool`; the device is unusable).
+void rust_begin_allocate_to_pool(int device, std::pair<unsigned long long, unsigned long long> pool, std::function<bool(cudaStream_t)> filter);
+
+// endAllocateToPool: allocations stop going to `pool`. Never throws; bad input is logged.
+void rust_end_allocate_to_pool(int device, std::pair<unsigned long long, unsigned long long> pool);
+
+// releasePool (g.reset(), or a graph's deletion): drops one reference to `pool`; once none is left
+// and no block in it is live, empty_cache gives its memory back. Never throws; bad input is logged.
+void rust_release_pool(int device, std::pair<unsigned long long, unsigned long long> pool);
+
+}  // extern "C"
+#endif  /* C++ only */
+
 
 #ifdef __cplusplus
 extern "C" {
@@ -80,6 +106,32 @@ void rust_record_stream(void *ptr, cudaStream_t stream);
 // # Safety
 // `size` is NULL or valid for one `size_t` write.
 void *rust_base_alloc(void *ptr, size_t *size);
+
+// PyTorch's `_cuda_beginAllocateCurrentThreadToPool` (what `torch.cuda.use_mem_pool` calls):
+// allocations this thread makes on `device` come from the private pool `(pool_first,
+// pool_second)` (created, or given one more reference) until
+// `ferrocache_end_allocate_to_pool`. Returns 0, or -1 (last error set) when a capture already
+// records into that pool.
+int ferrocache_begin_allocate_current_thread_to_pool(int device, unsigned long long pool_first, unsigned long long pool_second);
+
+// PyTorch's `_cuda_endAllocateToPool`: allocations stop going to the pool; it keeps its
+// memory and references. Returns 0, or -1 (last error set) when nothing records into it.
+int ferrocache_end_allocate_to_pool(int device, unsigned long long pool_first, unsigned long long pool_second);
+
+// PyTorch's `_cuda_releasePool`: drops one reference to the pool. Once none is left and no
+// block in it is live, `empty_cache` gives its memory back to the driver. Returns 0, or -1
+// (last error set) for an unknown pool, one without references, or the last reference of a
+// pool that something still records into.
+int ferrocache_release_pool(int device, unsigned long long pool_first, unsigned long long pool_second);
+
+// PyTorch's `createOrIncrefPool` (what `torch.cuda.MemPool()` calls): creates the private
+// pool with one reference, or gives an existing one another. Returns 0, or -1 (last error set)
+// when the device is unusable or the id is `(0, 0)` (the ordinary pools').
+int ferrocache_create_or_incref_pool(int device, unsigned long long pool_first, unsigned long long pool_second);
+
+// PyTorch's `getPoolUseCount`: the references the private pool holds. Returns -1 (last error
+// set) when there is no such pool (never created, or gone after `empty_cache`).
+int ferrocache_pool_use_count(int device, unsigned long long pool_first, unsigned long long pool_second);
 
 // Frees a string that a `ferrocache_*` function returned. NULL does nothing. Never pass it
 // anything else (in particular not `ferrocache_last_error`'s pointer), nor free those with

@@ -6,6 +6,9 @@
 //! - [`rust_free`] and the hooks PyTorch can set with `_allocator.set_*_fn`: [`rust_init`],
 //!   [`rust_reset`] (empty cache), [`rust_memory_fraction`], [`rust_record_stream`],
 //!   [`rust_base_alloc`].
+//! - The CUDA graph pool hooks (`set_begin_allocate_to_pool`, `set_end_allocate_to_pool_fn`,
+//!   `set_release_pool`) take C++ types, so they live in `src/pool_hooks.cpp`, which hands
+//!   everything to [`ferrocache_internal_begin_allocate_to_pool`] and its two siblings here.
 //! - `ferrocache_*`: statistics, snapshot, history, config validation and a NULL-returning
 //!   allocation for the Python package and C callers. Functions that can fail set this thread's
 //!   last error ([`ferrocache_last_error`]), which every such call clears on entry.
@@ -15,7 +18,7 @@
 //! unwinds into C. No allocation policy here: this module only routes calls and reports errors.
 
 use std::cell::RefCell;
-use std::ffi::{CStr, CString, OsStr, OsString, c_char, c_double, c_int, c_void};
+use std::ffi::{CStr, CString, OsStr, OsString, c_char, c_double, c_int, c_ulonglong, c_void};
 use std::os::unix::ffi::OsStrExt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
@@ -25,6 +28,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use parking_lot::Mutex;
 
 use crate::allocator::history::MemorySnapshot;
+use crate::allocator::private_pool::{MempoolId, StreamFilter};
 use crate::allocator::{AllocError, DeviceAllocator};
 use crate::config::{ALLOC_CONF_VARS, Config, selected_alloc_conf};
 use crate::device::cuda::CudaDevice;
@@ -530,6 +534,249 @@ fn empty_all_caches() -> Result<(), String> {
 fn set_memory_fraction(fraction: f64, device: c_int) -> Result<(), String> {
     let result = allocator(device)?.lock().set_memory_fraction(fraction);
     result.map_err(|err| err.to_string())
+}
+
+// ------------------------------------------------------------------------------------------------
+// CUDA graphs: private pools (`set_begin_allocate_to_pool`, `set_end_allocate_to_pool_fn`,
+// `set_release_pool`, through src/pool_hooks.cpp)
+// ------------------------------------------------------------------------------------------------
+
+/// How `pool_hooks.cpp` asks a `std::function<bool(cudaStream_t)>`: 1 yes, 0 no, -1 it threw
+/// (with what it said in `*error`).
+type FilterAcceptsFn =
+    unsafe extern "C" fn(*const c_void, cudaStream_t, *mut *const c_char) -> c_int;
+/// How `pool_hooks.cpp` destroys the filter.
+type FilterDropFn = unsafe extern "C" fn(*mut c_void);
+
+/// A capture's stream filter: PyTorch's `std::function`, kept on the C++ heap and called
+/// through `pool_hooks.cpp`. Destroyed when dropped.
+struct CppStreamFilter {
+    filter: *mut c_void,
+    accepts: FilterAcceptsFn,
+    drop: FilterDropFn,
+}
+
+// SAFETY: the allocator calls the filter only under its lock, one call at a time, from whichever
+// thread allocates, as PyTorch's own allocator does; PyTorch's filter only asks the CUDA runtime
+// about a stream's capture.
+unsafe impl Send for CppStreamFilter {}
+
+impl CppStreamFilter {
+    fn accepts(&self, stream: StreamId) -> Result<bool, String> {
+        let mut error: *const c_char = ptr::null();
+        // SAFETY: `filter` is the live std::function pool_hooks.cpp gave us with `accepts`; the
+        // stream handle is only passed on; `error` is valid for one write.
+        let answer = unsafe { (self.accepts)(self.filter, stream_handle(stream), &mut error) };
+        match answer {
+            1 => Ok(true),
+            0 => Ok(false),
+            _ if error.is_null() => Err("it failed without saying why".to_string()),
+            // SAFETY: on failure `error` points at a NUL-terminated string that stays valid
+            // until this thread's next filter call.
+            _ => Err(unsafe { CStr::from_ptr(error) }
+                .to_string_lossy()
+                .into_owned()),
+        }
+    }
+}
+
+impl Drop for CppStreamFilter {
+    fn drop(&mut self) {
+        // SAFETY: the filter was made by pool_hooks.cpp, with this `drop`, and is dropped once.
+        unsafe { (self.drop)(self.filter) };
+    }
+}
+
+fn stream_handle(stream: StreamId) -> cudaStream_t {
+    ptr::without_provenance_mut(stream as usize)
+}
+
+fn pool_id(first: c_ulonglong, second: c_ulonglong) -> MempoolId {
+    (first, second)
+}
+
+fn begin_allocate_to_pool(
+    device: c_int,
+    id: MempoolId,
+    filter: StreamFilter,
+) -> Result<(), String> {
+    let result = allocator(device)?.lock().begin_allocate_to_pool(id, filter);
+    result.map_err(|err| err.to_string())
+}
+
+fn end_allocate_to_pool(device: c_int, id: MempoolId) -> Result<(), String> {
+    let result = allocator(device)?.lock().end_allocate_to_pool(id);
+    result.map_err(|err| err.to_string())
+}
+
+fn release_pool(device: c_int, id: MempoolId) -> Result<(), String> {
+    let result = allocator(device)?.lock().release_pool(id);
+    result.map_err(|err| err.to_string())
+}
+
+/// For `rust_begin_allocate_to_pool` in `pool_hooks.cpp` only (not exported): PyTorch's
+/// `beginAllocateToPool`. From now until the end hook, allocations on `device` whose stream
+/// `filter` accepts come from the private pool `(pool_first, pool_second)`. Takes ownership of
+/// `filter` (NULL: the C++ side could not copy it), asked through `accepts` and destroyed
+/// through `drop`. Returns NULL, or why the capture is refused (logged at ERROR; this thread's
+/// last error), which the C++ side throws: a capture ferrocache cannot serve from its own pool
+/// must not start.
+///
+/// # Safety
+/// `filter` is NULL or an object that `accepts` and `drop` work on, not used by the caller
+/// afterwards.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_internal_begin_allocate_to_pool(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+    filter: *mut c_void,
+    accepts: FilterAcceptsFn,
+    drop: FilterDropFn,
+) -> *const c_char {
+    // Owned from the first line, so that it is destroyed on every path, a panic included.
+    let filter = (!filter.is_null()).then_some(CppStreamFilter {
+        filter,
+        accepts,
+        drop,
+    });
+    let id = pool_id(pool_first, pool_second);
+    let outcome = guarded("rust_begin_allocate_to_pool", Err(()), || {
+        settings();
+        let result = match filter {
+            Some(filter) => {
+                begin_allocate_to_pool(device, id, Box::new(move |stream| filter.accepts(stream)))
+            }
+            None => Err(
+                "the capture's stream filter could not be copied (out of host memory)".to_string(),
+            ),
+        };
+        result.map_err(|why| {
+            logging::call_refused("rust_begin_allocate_to_pool", &why);
+            set_last_error(&why);
+        })
+    });
+    match outcome {
+        Ok(()) => ptr::null(),
+        Err(()) => last_error_ptr(),
+    }
+}
+
+/// For `rust_end_allocate_to_pool` in `pool_hooks.cpp` only (not exported): PyTorch's
+/// `endAllocateToPool`. A pool no capture records into is logged at ERROR; nothing changes.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_internal_end_allocate_to_pool(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+) {
+    guarded("rust_end_allocate_to_pool", (), || {
+        settings();
+        if let Err(why) = end_allocate_to_pool(device, pool_id(pool_first, pool_second)) {
+            logging::call_refused("rust_end_allocate_to_pool", &why);
+        }
+    });
+}
+
+/// For `rust_release_pool` in `pool_hooks.cpp` only (not exported): PyTorch's `releasePool`
+/// (`g.reset()`, or a graph's deletion). An unknown pool, or one with no reference left, is
+/// logged at ERROR; nothing changes.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_internal_release_pool(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+) {
+    guarded("rust_release_pool", (), || {
+        settings();
+        if let Err(why) = release_pool(device, pool_id(pool_first, pool_second)) {
+            logging::call_refused("rust_release_pool", &why);
+        }
+    });
+}
+
+/// PyTorch's `_cuda_beginAllocateCurrentThreadToPool` (what `torch.cuda.use_mem_pool` calls):
+/// allocations this thread makes on `device` come from the private pool `(pool_first,
+/// pool_second)` (created, or given one more reference) until
+/// `ferrocache_end_allocate_to_pool`. Returns 0, or -1 (last error set) when a capture already
+/// records into that pool.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_begin_allocate_current_thread_to_pool(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+) -> c_int {
+    with_last_error(
+        "ferrocache_begin_allocate_current_thread_to_pool",
+        -1,
+        || {
+            let thread = std::thread::current().id();
+            let filter: StreamFilter = Box::new(move |_| Ok(std::thread::current().id() == thread));
+            begin_allocate_to_pool(device, pool_id(pool_first, pool_second), filter).map(|()| 0)
+        },
+    )
+}
+
+/// PyTorch's `_cuda_endAllocateToPool`: allocations stop going to the pool; it keeps its
+/// memory and references. Returns 0, or -1 (last error set) when nothing records into it.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_end_allocate_to_pool(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+) -> c_int {
+    with_last_error("ferrocache_end_allocate_to_pool", -1, || {
+        end_allocate_to_pool(device, pool_id(pool_first, pool_second)).map(|()| 0)
+    })
+}
+
+/// PyTorch's `_cuda_releasePool`: drops one reference to the pool. Once none is left and no
+/// block in it is live, `empty_cache` gives its memory back to the driver. Returns 0, or -1
+/// (last error set) for an unknown pool, one without references, or the last reference of a
+/// pool that something still records into.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_release_pool(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+) -> c_int {
+    with_last_error("ferrocache_release_pool", -1, || {
+        release_pool(device, pool_id(pool_first, pool_second)).map(|()| 0)
+    })
+}
+
+/// PyTorch's `createOrIncrefPool` (what `torch.cuda.MemPool()` calls): creates the private
+/// pool with one reference, or gives an existing one another. Returns 0, or -1 (last error set)
+/// when the device is unusable or the id is `(0, 0)` (the ordinary pools').
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_create_or_incref_pool(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+) -> c_int {
+    with_last_error("ferrocache_create_or_incref_pool", -1, || {
+        let result = allocator(device)?
+            .lock()
+            .create_or_incref_pool(pool_id(pool_first, pool_second));
+        result.map(|_| 0).map_err(|err| err.to_string())
+    })
+}
+
+/// PyTorch's `getPoolUseCount`: the references the private pool holds. Returns -1 (last error
+/// set) when there is no such pool (never created, or gone after `empty_cache`).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_pool_use_count(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+) -> c_int {
+    with_last_error("ferrocache_pool_use_count", -1, || {
+        let id = pool_id(pool_first, pool_second);
+        let count = allocator(device)?.lock().pool_use_count(id);
+        count
+            .map(|count| c_int::try_from(count).unwrap_or(c_int::MAX))
+            .ok_or_else(|| crate::allocator::private_pool::PoolError::Unknown(id).to_string())
+    })
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -109,6 +109,26 @@ pub fn pages_unmapped(ptr: DevicePtr, size: usize) {
 }
 
 #[inline]
+/// A CUDA graph capture begins: allocations on its streams now come from its private pool.
+pub fn capture_begins(pool: (u64, u64), use_count: u32) {
+    info!(target: TARGET, "Allocator: capture into private pool ({}, {}) begins; the pool has {use_count} reference(s)", pool.0, pool.1);
+}
+
+/// A capture ended; its pool keeps its memory for the graph.
+pub fn capture_ends(pool: (u64, u64)) {
+    info!(target: TARGET, "Allocator: capture into private pool ({}, {}) ends", pool.0, pool.1);
+}
+
+/// A graph holding a private pool is gone (`releasePool`).
+pub fn pool_released(pool: (u64, u64), use_count: u32) {
+    info!(target: TARGET, "Allocator: private pool ({}, {}) released; {use_count} reference(s) remain", pool.0, pool.1);
+}
+
+/// An unreferenced private pool gave back its last segment and is forgotten.
+pub fn pool_forgotten(pool: (u64, u64)) {
+    info!(target: TARGET, "Allocator: private pool ({}, {}) holds no memory any more and is gone", pool.0, pool.1);
+}
+
 pub fn alloc_retry(size: usize, what: &str) {
     info!(target: TARGET, "Allocator: device allocation of {} failed; {what} and retrying", HumanSize(size));
 }

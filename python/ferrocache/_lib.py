@@ -16,7 +16,7 @@ import ctypes
 import json
 import os
 import threading
-from ctypes import POINTER, c_char_p, c_double, c_int, c_size_t, c_void_p
+from ctypes import POINTER, c_char_p, c_double, c_int, c_size_t, c_ulonglong, c_void_p
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -63,10 +63,24 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_version": (c_char_p, ()),
     # The `ferrocache` command (the binary calls it; so may anyone who has argv at hand).
     "ferrocache_cli_main": (c_int, (c_int, POINTER(c_char_p))),
+    # Private pools (CUDA graphs, ferrocache.mem_pool): device, then the pool id's two halves.
+    "ferrocache_begin_allocate_current_thread_to_pool": (c_int, (c_int, c_ulonglong, c_ulonglong)),
+    "ferrocache_end_allocate_to_pool": (c_int, (c_int, c_ulonglong, c_ulonglong)),
+    "ferrocache_release_pool": (c_int, (c_int, c_ulonglong, c_ulonglong)),
+    "ferrocache_create_or_incref_pool": (c_int, (c_int, c_ulonglong, c_ulonglong)),
+    "ferrocache_pool_use_count": (c_int, (c_int, c_ulonglong, c_ulonglong)),
 }
 
-#: Functions that must never be called through ctypes (they throw C++ exceptions).
-NOT_CALLABLE = frozenset({"rust_malloc"})
+#: PyTorch's CUDA graph pool hooks. Their parameter types are C++ (``std::pair``,
+#: ``std::function``), so they are only handed to PyTorch by address, never declared or called
+#: through ctypes; the header declares them in its C++-only part.
+CPP_HOOKS = frozenset(
+    {"rust_begin_allocate_to_pool", "rust_end_allocate_to_pool", "rust_release_pool"}
+)
+
+#: Functions that must never be called through ctypes (they throw C++ exceptions, or take C++
+#: types).
+NOT_CALLABLE = frozenset({"rust_malloc"}) | CPP_HOOKS
 #: Functions that do not make the library read its settings.
 _SETTINGS_FREE = frozenset(
     {"ferrocache_version", "ferrocache_last_error", "ferrocache_string_free", "ferrocache_cli_main"}
@@ -181,7 +195,9 @@ def function(name: str) -> Callable[..., Any]:
     """A library function, for a call through ctypes."""
     global _settings_touched
     if name in NOT_CALLABLE:
-        raise ValueError(f"{name} throws C++ exceptions: it must not be called through ctypes")
+        raise ValueError(
+            f"{name} throws C++ exceptions or takes C++ types: it must not be called through ctypes"
+        )
     if name not in _SETTINGS_FREE:
         _settings_touched = True
     return getattr(load(), name)  # type: ignore[no-any-return]

@@ -9,6 +9,54 @@ from conftest import GIB, MIB, memory_env, run_json
 
 pytestmark = pytest.mark.usefixtures("fake_libcuda")
 
+HOOKS = {
+    "set_init_fn": "rust_init",
+    "set_reset_fn": "rust_reset",
+    "set_memory_fraction_fn": "rust_memory_fraction",
+    "set_record_stream_fn": "rust_record_stream",
+    "set_base_alloc_fn": "rust_base_alloc",
+    "set_begin_allocate_to_pool": "rust_begin_allocate_to_pool",
+    "set_end_allocate_to_pool_fn": "rust_end_allocate_to_pool",
+    "set_release_pool": "rust_release_pool",
+}
+
+
+def test_install_connects_every_hook_and_swaps_the_allocator() -> None:
+    out = run_json(
+        """
+        import ctypes, ferrocache, torch
+        allocator = ferrocache.install()
+        library = ctypes.CDLL(str(ferrocache.library_path()))
+        address = lambda name: ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+        again = ferrocache.install()
+        result({
+            "path": allocator.path == str(ferrocache.library_path()),
+            "alloc": allocator.alloc_fn == address("rust_malloc"),
+            "free": allocator.free_fn == address("rust_free"),
+            "hooks": {k: v == address(n) for k, (v, n) in
+                      {k: (v, %r[k]) for k, v in allocator.allocator().hooks.items()}.items()},
+            "current": torch.cuda.memory.current is allocator,
+            "changes": torch.cuda.memory.changes,
+            "again": again is allocator,
+            "installed": ferrocache.is_installed(),
+        })
+        """
+        % HOOKS,
+        fake_torch=True,
+        env=memory_env(GIB),
+    )
+    assert out == {
+        "path": True,
+        "alloc": True,
+        "free": True,
+        "hooks": {name: True for name in HOOKS},
+        "current": True,
+        "changes": 1,
+        "again": True,
+        "installed": True,
+    }
+
+
 def test_the_hooks_work_when_called_as_pytorch_calls_them() -> None:
     """PyTorch calls the addresses it was given: empty_cache -> reset, and so on."""
     out = run_json(

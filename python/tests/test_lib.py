@@ -25,6 +25,7 @@ C_TO_CTYPES = {
     "const char *": ctypes.c_char_p,
     "cudaStream_t": ctypes.c_void_p,
     "const char * const *": ctypes.POINTER(ctypes.c_char_p),
+    "unsigned long long": ctypes.c_ulonglong,
 }
 
 _PROTOTYPE = re.compile(r"^\s*([A-Za-z_][\w\s]*?\**)\s*\b(\w+)\(([^)]*)\);", re.MULTILINE)
@@ -35,8 +36,14 @@ def _normalise(c_type: str) -> str:
     return c_type.replace(" *", " *").replace("* *", "**")
 
 
+#: The header's C++-only part (the CUDA graph pool hooks, whose types are C++).
+_CPP_ONLY = re.compile(r"#ifdef __cplusplus  /\* C\+\+ only \*/.*?#endif  /\* C\+\+ only \*/", re.DOTALL)
+
+
 def header_prototypes(text: str) -> dict[str, tuple[str, list[str]]]:
-    """``name -> (return type, [parameter types])`` for every function prototype in ``text``."""
+    """``name -> (return type, [parameter types])`` for every C function prototype in
+    ``text`` (the C++-only part left out)."""
+    text = _CPP_ONLY.sub("", text)
     text = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.DOTALL)
     prototypes = {}
     for match in _PROTOTYPE.finditer(text):
@@ -90,6 +97,19 @@ def test_rust_malloc_is_never_callable_through_ctypes() -> None:
     with pytest.raises(ValueError, match="C\\+\\+ exceptions"):
         _lib.function("rust_malloc")
     assert _lib.address("rust_malloc") > 0
+
+
+def test_the_cpp_pool_hooks_are_in_the_header_and_only_given_by_address() -> None:
+    text = HEADER.read_text()
+    cpp_only = _CPP_ONLY.search(text)
+    assert cpp_only is not None, "the header has no C++-only part"
+    declared = set(re.findall(r"^void (rust_\w+)\(int device, std::pair", cpp_only.group(0), re.M))
+    assert declared == set(_lib.CPP_HOOKS)
+    for name in _lib.CPP_HOOKS:
+        assert name not in _lib.SIGNATURES
+        with pytest.raises(ValueError, match="C\\+\\+ types"):
+            _lib.function(name)
+        assert _lib.address(name) > 0
 
 
 def test_versions_agree() -> None:

@@ -7,7 +7,8 @@
 
 use super::block::{Block, BlockId, ExpandableId};
 use super::history::TraceAction;
-use super::{AllocError, DeviceAllocator, Request, pool_index};
+use super::private_pool::PrivatePoolIndex;
+use super::{AllocError, DeviceAllocator, Request};
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 use crate::logging;
 use crate::policy::PoolKind;
@@ -257,7 +258,7 @@ impl<D: Device> DeviceAllocator<D> {
             candidate = next;
         }
         let block = self.arena.get(candidate);
-        self.pools[pool_index(block.pool)].remove(candidate, block);
+        self.pools.of_block_mut(block).remove(candidate, block);
         Ok(Some(candidate))
     }
 
@@ -283,7 +284,7 @@ impl<D: Device> DeviceAllocator<D> {
             }
             bytes >= request.size
         };
-        let pool = &self.pools[pool_index(request.pool)];
+        let pool = self.pools.get(request.private_pool, request.pool);
         for unmapped in pool.unmapped_of(request.stream) {
             // A free mapped block just before the unmapped space extends it downwards.
             let start = available(arena.get(unmapped).prev).unwrap_or(unmapped);
@@ -302,6 +303,7 @@ impl<D: Device> DeviceAllocator<D> {
         )?;
         let mut block = Block::new(segment.base(), segment.size(), request.stream, request.pool);
         block.mapped = false;
+        block.private_pool = request.private_pool;
         let segment_id = match self.expandable_segments.iter().position(Option::is_none) {
             Some(free) => {
                 self.expandable_segments[free] = Some(segment);
@@ -314,18 +316,28 @@ impl<D: Device> DeviceAllocator<D> {
         };
         block.expandable = Some(segment_id as ExpandableId);
         let id = self.arena.insert(block);
-        self.pools[pool_index(request.pool)].insert_unmapped(id, self.arena.get(id));
+        self.pools
+            .get_mut(request.private_pool, request.pool)
+            .insert_unmapped(id, self.arena.get(id));
+        self.count_segment_taken(request.private_pool);
         Ok(id)
     }
 
-    /// An expandable block's address, size, stream, pool and segment.
+    /// An expandable block's address, size, stream, pool, private pool and segment.
     fn expandable_block(
         &self,
         id: BlockId,
-    ) -> (DevicePtr, usize, StreamId, PoolKind, ExpandableId) {
+    ) -> (
+        DevicePtr,
+        usize,
+        StreamId,
+        PoolKind,
+        Option<PrivatePoolIndex>,
+        ExpandableId,
+    ) {
         let b = self.arena.get(id);
         let segment = b.expandable.expect("a block of an expandable segment");
-        (b.ptr, b.size, b.stream, b.pool, segment)
+        (b.ptr, b.size, b.stream, b.pool, b.private_pool, segment)
     }
 
     /// `map_block`: maps pages under the first `size` bytes of an unmapped block; the mapped part
@@ -333,7 +345,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// `Ok(false)` when the device is out of memory.
     pub(super) fn map_block(&mut self, id: BlockId, size: usize) -> Result<bool, AllocError> {
         debug_assert!(!self.arena.get(id).mapped && size <= self.arena.get(id).size);
-        let (ptr, block_size, stream, pool, segment_id) = self.expandable_block(id);
+        let (ptr, block_size, stream, pool, owner, segment_id) = self.expandable_block(id);
         let segment = self.expandable_segments[segment_id as usize]
             .as_mut()
             .expect("live expandable segment");
@@ -343,25 +355,28 @@ impl<D: Device> DeviceAllocator<D> {
             Err(err) => return Err(err.into()),
         };
         debug_assert!(range.ptr == ptr && range.size >= size);
-        self.pools[pool_index(pool)].remove_unmapped(self.arena.get(id));
+        self.pools
+            .get_mut(owner, pool)
+            .remove_unmapped(self.arena.get(id));
         self.arena.get_mut(id).mapped = true;
         if range.size < block_size {
-            let mut rest = Block::new(
-                ptr + range.size as u64,
-                block_size - range.size,
-                stream,
-                pool,
-            );
+            let mut rest = self
+                .arena
+                .get(id)
+                .sibling(ptr + range.size as u64, block_size - range.size);
             rest.mapped = false;
-            rest.expandable = Some(segment_id);
             self.arena.get_mut(id).size = range.size;
             let rest_id = self.arena.insert_after(id, rest);
-            self.pools[pool_index(pool)].insert_unmapped(rest_id, self.arena.get(rest_id));
+            self.pools
+                .get_mut(owner, pool)
+                .insert_unmapped(rest_id, self.arena.get(rest_id));
         }
         let (prev, next) = (self.arena.get(id).prev, self.arena.get(id).next);
         self.try_merge_blocks(id, prev);
         self.try_merge_blocks(id, next);
-        self.pools[pool_index(pool)].insert(id, self.arena.get_mut(id));
+        self.pools
+            .get_mut(owner, pool)
+            .insert(id, self.arena.get_mut(id));
         self.total_allocated_memory += range.size;
         self.stats.reserved_bytes.increase(pool, range.size as u64);
         self.stats.num_device_alloc += 1;
@@ -374,7 +389,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// `unmap_block`: unmaps the whole pages inside a free expandable block; partial pages at
     /// either end stay mapped as free blocks of their own.
     pub(super) fn unmap_block(&mut self, id: BlockId) -> Result<(), DeviceError> {
-        let (ptr, size, stream, pool, segment_id) = self.expandable_block(id);
+        let (ptr, size, stream, pool, owner, segment_id) = self.expandable_block(id);
         let segment = self.expandable_segments[segment_id as usize]
             .as_mut()
             .expect("live expandable segment");
@@ -382,23 +397,28 @@ impl<D: Device> DeviceAllocator<D> {
         if range.size == 0 {
             return failure.map_or(Ok(()), Err);
         }
-        self.pools[pool_index(pool)].remove(id, self.arena.get(id));
+        self.pools
+            .get_mut(owner, pool)
+            .remove(id, self.arena.get(id));
         // Partial pages at either end stay mapped, as free blocks of their own.
         let before = (range.ptr - ptr) as usize;
         let after = size - before - range.size;
         let mut pieces = Vec::with_capacity(2);
         if before > 0 {
-            let mut piece = Block::new(ptr, before, stream, pool);
-            piece.expandable = Some(segment_id);
+            let piece = self.arena.get(id).sibling(ptr, before);
             pieces.push(self.arena.insert_before(id, piece));
         }
         if after > 0 {
-            let mut piece = Block::new(range.ptr + range.size as u64, after, stream, pool);
-            piece.expandable = Some(segment_id);
+            let piece = self
+                .arena
+                .get(id)
+                .sibling(range.ptr + range.size as u64, after);
             pieces.push(self.arena.insert_after(id, piece));
         }
         for piece in pieces {
-            self.pools[pool_index(pool)].insert(piece, self.arena.get_mut(piece));
+            self.pools
+                .get_mut(owner, pool)
+                .insert(piece, self.arena.get_mut(piece));
         }
         let block = self.arena.get_mut(id);
         block.ptr = range.ptr;
@@ -407,7 +427,9 @@ impl<D: Device> DeviceAllocator<D> {
         let (prev, next) = (block.prev, block.next);
         self.try_merge_blocks(id, prev);
         self.try_merge_blocks(id, next);
-        self.pools[pool_index(pool)].insert_unmapped(id, self.arena.get(id));
+        self.pools
+            .get_mut(owner, pool)
+            .insert_unmapped(id, self.arena.get(id));
         self.total_allocated_memory -= range.size;
         self.stats.reserved_bytes.decrease(pool, range.size as u64);
         self.stats.num_device_free += 1;
@@ -420,10 +442,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// `release_expandable_segment`: gives back the address range of a segment with nothing
     /// mapped (its one block spans the whole range, unmapped).
     pub(super) fn release_expandable_segment(&mut self, id: BlockId) -> Result<(), DeviceError> {
-        let (segment_id, pool) = {
-            let b = self.arena.get(id);
-            (b.expandable.expect("expandable block"), b.pool)
-        };
+        let segment_id = self.arena.get(id).expandable.expect("expandable block");
         debug_assert_eq!(self.arena.get(id).size, self.segment(segment_id).size());
         let slot = &mut self.expandable_segments[segment_id as usize];
         // If the device refuses, the segment stays: its (empty) address range is still ours.
@@ -432,7 +451,8 @@ impl<D: Device> DeviceAllocator<D> {
             .release(&mut self.device)?;
         *slot = None;
         let block = self.arena.remove(id);
-        self.pools[pool_index(pool)].remove_unmapped(&block);
+        self.pools.of_block_mut(&block).remove_unmapped(&block);
+        self.count_segment_returned(block.private_pool);
         Ok(())
     }
 }

@@ -176,7 +176,7 @@ impl<D: Device> DeviceAllocator<D> {
                 requested_size: 0,
                 stream: head.stream,
                 segment_type: head.pool.segment_type(),
-                segment_pool_id: (0, 0),
+                segment_pool_id: self.pool_id_of(head),
                 is_expandable: head.expandable.is_some(),
                 frames: Vec::new(),
                 blocks: Vec::new(),

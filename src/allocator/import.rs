@@ -1,7 +1,7 @@
 //! Replay support: placing the allocations a recorded trace starts with.
 
 use super::block::Block;
-use super::{AllocError, DeviceAllocator, ImportedBlock, Request, pool_index};
+use super::{AllocError, DeviceAllocator, ImportedBlock, Request};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::policy::PoolKind;
 
@@ -34,6 +34,7 @@ impl<D: Device> DeviceAllocator<D> {
                     size,
                     stream,
                     pool,
+                    private_pool: None,
                     alloc_size: size,
                 };
                 return Err(self.out_of_memory(&request, size));
@@ -89,7 +90,9 @@ impl<D: Device> DeviceAllocator<D> {
                     pointers.push(ptr);
                 }
                 None => {
-                    self.pools[pool_index(pool)].insert(id, self.arena.get_mut(id));
+                    self.pools
+                        .get_mut(None, pool)
+                        .insert(id, self.arena.get_mut(id));
                     if split {
                         self.stats.inactive_split.increase(pool, 1);
                         self.stats

@@ -239,9 +239,11 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
                         }
                     }
                     None | Some(Err(AllocError::OutOfMemory(_))) => report.ooms += 1,
-                    Some(Err(AllocError::Device(_) | AllocError::InvalidArgument(_))) => {
-                        report.device_errors += 1
-                    }
+                    Some(Err(
+                        AllocError::Device(_)
+                        | AllocError::InvalidArgument(_)
+                        | AllocError::StreamFilter { .. },
+                    )) => report.device_errors += 1,
                 }
                 let stats = allocator.stats();
                 if stats.num_device_alloc != allocs_before {
