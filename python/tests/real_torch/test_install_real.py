@@ -56,6 +56,8 @@ def test_a_bad_setting_is_refused_in_pytorchs_own_words(conf: str) -> None:
             result(str(err))
         """,
         env=torch_env(PYTORCH_CUDA_ALLOC_CONF=conf),
+        # torch 2.9 also aborts at exit on a setting it refused; the answer came before.
+        check=False,
     )
     ours = run_torch(
         f"""

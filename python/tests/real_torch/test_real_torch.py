@@ -166,6 +166,8 @@ def test_a_setting_pytorch_cannot_parse_is_a_value_error_that_says_why() -> None
         result(message)
         """,
         env=torch_env(PYTORCH_CUDA_ALLOC_CONF=conf),
+        # torch 2.9 also aborts at exit on a setting it refused; the answer came before.
+        check=False,
     )
     ours = run_torch(
         """
