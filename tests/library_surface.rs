@@ -11,7 +11,7 @@ use regex::Regex;
 
 /// The C ABI: `rust_malloc` (C++), `rust_free` and the hooks PyTorch takes, the `ferrocache_*`
 /// functions of the Python package, and the command line the `ferrocache` binary runs.
-const EXPORTS: [&str; 22] = [
+const EXPORTS: [&str; 24] = [
     "ferrocache_alloc",
     "ferrocache_check_config",
     "ferrocache_cli_main",
@@ -24,6 +24,8 @@ const EXPORTS: [&str; 22] = [
     "ferrocache_reset_accumulated_stats",
     "ferrocache_reset_peak_stats",
     "ferrocache_set_memory_fraction",
+    "ferrocache_set_oom_thrower",
+    "ferrocache_set_stack_gatherer",
     "ferrocache_snapshot",
     "ferrocache_string_free",
     "ferrocache_version",
