@@ -223,25 +223,39 @@ def _row(label: str, cells: list[str]) -> str:
     return f" {label:<21} | " + " | ".join(cells) + " "
 
 
-def format_summary(stats: dict[str, int], device: int, abbreviated: bool = False) -> str:
-    """The text of :func:`memory_summary` for the statistics ``stats`` (flat keys)."""
+def format_summary(
+    stats: dict[str, int], device: int, abbreviated: bool = False, layout: str = "ferrocache"
+) -> str:
+    """The text of :func:`memory_summary` for the statistics ``stats`` (flat keys). With
+    ``layout="pytorch"``, PyTorch's text line for line (its title, no split and merge line),
+    which is what ``torch.cuda.memory_summary()`` prints once ferrocache is installed."""
+    if layout not in ("ferrocache", "pytorch"):
+        raise ValueError(f"layout must be 'ferrocache' or 'pytorch', not {layout!r}")
     formats: dict[str, Callable[[int, int], str]] = {
         "size": format_size_cell,
         "count": format_count_cell,
     }
     rule, double_rule = "-" * SUMMARY_WIDTH, "=" * SUMMARY_WIDTH
+    title = (
+        f" {'':16} PyTorch CUDA memory summary, device ID {device:<17d} "
+        if layout == "pytorch"
+        else f" {'':13} ferrocache CUDA memory summary, device ID {device:<17d} "
+    )
     lines = [
         double_rule,
-        f" {'':13} ferrocache CUDA memory summary, device ID {device:<17d} ",
+        title,
         rule,
         (
             f"  {'':9} CUDA OOMs: {stats['num_ooms']:<12d} | "
             f"{'':6} cudaMalloc retries: {stats['num_alloc_retries']:<8d}  "
         ),
-        (
+    ]
+    if layout == "ferrocache":
+        lines.append(
             f"  {'':6} Block splits: {stats.get('num_splits', 0):<12d} | "
             f"{'':6} Block merges: {stats.get('num_merges', 0):<14d}  "
-        ),
+        )
+    lines += [
         double_rule,
         "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  ",
     ]
