@@ -37,8 +37,12 @@ COUNTERS = (
     "num_device_alloc",
     "num_device_free",
     "num_ooms",
+    "num_oom_rejections",
     "num_sync_all_streams",
 )
+#: Counters of PyTorch's that ferrocache has no event for: always 0 (``num_oom_rejections``,
+#: PyTorch 2.15, counts allocations refused without trying the device).
+ZERO_COUNTERS = ("num_oom_rejections",)
 #: The keys of ``torch.cuda.memory_stats()`` for PyTorch's native allocator, sorted as it sorts.
 PYTORCH_STAT_KEYS: tuple[str, ...] = tuple(
     sorted(
@@ -53,7 +57,10 @@ EXTRA_STAT_KEYS = ("num_merges", "num_splits")
 
 def _library_stats(device: Device) -> dict[str, int]:
     index = _torch.device_index(device)
-    return {str(k): int(v) for k, v in _lib.call_json("ferrocache_memory_stats", index).items()}
+    stats = {str(k): int(v) for k, v in _lib.call_json("ferrocache_memory_stats", index).items()}
+    for name in ZERO_COUNTERS:
+        stats.setdefault(name, 0)
+    return stats
 
 
 def memory_stats(device: Device = None) -> "collections.OrderedDict[str, int]":
@@ -83,6 +90,9 @@ def memory_stats_as_nested_dict(device: Device = None) -> dict[str, Any]:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
+    # PyTorch >= 2.10 lists the memory reserved by each private pool (CUDA graphs) here; it is
+    # empty without private pools, and no flat key comes from it.
+    nested.setdefault("reserved_bytes_by_private_pools", {})
     return nested
 
 
