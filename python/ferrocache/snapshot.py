@@ -52,7 +52,7 @@ _skipped_actions: frozenset[str] = frozenset()
 # Python stacks
 # ------------------------------------------------------------------------------------------------
 
-#: A recorded stack: (code, line) per frame, innermost first.
+#: A recorded stack: (code, instruction offset) per frame, innermost first.
 _Stack = tuple[tuple[CodeType, int], ...]
 #: The C type of the library's stack gatherer: event (0 alloc, 1 free) -> stack id.
 _GATHERER_TYPE = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_int)
@@ -60,24 +60,38 @@ _GATHERER_TYPE = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_int)
 _CONTEXT_ON_FREE = {"state": False, "alloc": False, "all": True}
 
 
+def _line_of(code: CodeType, offset: int) -> int:
+    """The source line of the instruction at byte ``offset`` of ``code`` (what ``f_lineno``
+    says, worked out only when a snapshot asks)."""
+    for start, end, line in code.co_lines():
+        if start <= offset < end:
+            return line or code.co_firstlineno
+    return code.co_firstlineno
+
+
 class _StackTable:
-    """Stacks by id, each recorded once. Ids are never reused, so an id the library still holds
-    from an earlier recording never names another stack."""
+    """Stacks by id, each recorded once. The look-up key is cheap to hash: ``(id(code),
+    offset, ...)``; every code object of a recorded stack is kept alive by the table, so its
+    ``id`` cannot name another code object while the key is in use. Ids are never reused, so an
+    id the library still holds from an earlier recording never names another stack."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._ids: dict[_Stack, int] = {}
+        self._ids: dict[tuple[int, ...], int] = {}
         self._stacks: dict[int, _Stack] = {}
         self._frames: dict[int, list[dict[str, Any]]] = {}
         self._next_id = 1
 
-    def intern(self, stack: _Stack) -> int:
+    def lookup(self, key: tuple[int, ...]) -> Optional[int]:
+        return self._ids.get(key)
+
+    def intern(self, key: tuple[int, ...], stack: _Stack) -> int:
         with self._lock:
-            found = self._ids.get(stack)
+            found = self._ids.get(key)
             if found is None:
                 found = self._next_id
                 self._next_id += 1
-                self._ids[stack] = found
+                self._ids[key] = found
                 self._stacks[found] = stack
             return found
 
@@ -88,8 +102,8 @@ class _StackTable:
             if frames is None:
                 stack = self._stacks.get(stack_id, ())
                 frames = [
-                    {"filename": code.co_filename, "line": line, "name": code.co_name}
-                    for code, line in stack
+                    {"filename": code.co_filename, "line": _line_of(code, offset), "name": code.co_name}
+                    for code, offset in stack
                 ]
                 self._frames[stack_id] = frames
         return [dict(f) for f in frames]
@@ -102,21 +116,31 @@ class _StackTable:
 
 
 _stacks = _StackTable()
-_this_file = __file__
 
 
 def _gather_python_stack(event: int) -> int:
     """The library's stack gatherer: the calling thread's Python frames, as a stack id. ctypes
-    takes the GIL around it; the library calls it before taking any lock of its own."""
+    takes the GIL around it; the library calls it before taking any lock of its own. Kept
+    small: it runs at every allocation while stacks are recorded."""
     try:
+        key: list[int] = []
         frame: Optional[FrameType] = sys._getframe(1)
-        stack = []
         while frame is not None:
-            code = frame.f_code
-            if code.co_filename != _this_file:  # ferrocache's own caller frames are noise
-                stack.append((code, frame.f_lineno or 0))
+            key.append(id(frame.f_code))
+            key.append(frame.f_lasti)
             frame = frame.f_back
-        return _stacks.intern(tuple(stack)) if stack else 0
+        if not key:
+            return 0
+        frozen = tuple(key)
+        found = _stacks.lookup(frozen)
+        if found is not None:
+            return found
+        stack = []
+        frame = sys._getframe(1)
+        while frame is not None:
+            stack.append((frame.f_code, frame.f_lasti))
+            frame = frame.f_back
+        return _stacks.intern(frozen, tuple(stack))
     except BaseException:  # nothing may escape into the allocator
         return 0
 
