@@ -12,16 +12,24 @@
 /* Generated from src/ffi.rs by build.rs (cbindgen); do not edit by hand. */
 
 #include <stddef.h>
+#include <stdint.h>
 /* The CUDA runtime's stream handle; the same typedef as in <cuda_runtime_api.h>. */
 typedef struct CUstream_st *cudaStream_t;
+
+/* Returns an id for the calling thread's stack (0: none); event 0 is an allocation, 1 a free.
+   See ferrocache_set_stack_gatherer. */
+typedef uint64_t (*ferrocache_stack_gatherer)(int event);
+/* Throws the C++ exception for an out-of-memory message. See ferrocache_set_oom_thrower. */
+typedef void (*ferrocache_oom_thrower)(const char *message);
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 // CUDAPluggableAllocator's allocation function. Returns device memory for `stream` on `device`;
-// size 0 gives NULL. On failure it throws a C++ std::runtime_error (PyTorch: RuntimeError) and
-// never returns NULL: on out of memory the message is PyTorch's, starting
+// size 0 gives NULL. On failure it throws a C++ std::runtime_error (PyTorch: RuntimeError), or
+// on out of memory the registered ferrocache_oom_thrower's exception, and never returns NULL:
+// on out of memory the message is PyTorch's, starting
 // "CUDA out of memory. Tried to allocate"; on a driver failure it starts "CUDA error: "; when
 // the driver or device is unusable or the settings are invalid, it says why. Defined in
 // src/oom.cpp.
@@ -61,6 +69,20 @@ void rust_release_pool(int device, std::pair<unsigned long long, unsigned long l
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// Registers `gatherer` (NULL: none), which every allocation (and every free too when
+// `on_free` is non-zero) calls before it takes any lock; the id it returns is kept with the
+// block and the trace entries, and `ferrocache_snapshot` reports it as `stack_id`. The Python
+// package uses it to record Python stacks. `gatherer` must stay callable for the life of the
+// process, be callable from any thread and never unwind. Returns 0.
+int ferrocache_set_stack_gatherer(ferrocache_stack_gatherer gatherer, int on_free);
+
+// Registers `thrower` (NULL: none), which `rust_malloc` calls with PyTorch's message when an
+// allocation fails for lack of memory. It must throw a C++ exception (the Python package's
+// shim throws `c10::OutOfMemoryError`, which PyTorch raises as `torch.OutOfMemoryError`); if
+// it returns, `rust_malloc` throws `std::runtime_error`. It must stay callable for the life of
+// the process. Returns 0.
+int ferrocache_set_oom_thrower(ferrocache_oom_thrower thrower);
 
 // `CUDAPluggableAllocator`'s free function. NULL does nothing. A pointer ferrocache did not give
 // out, or one already freed, is logged at ERROR and nothing changes. A `size`, `device` or

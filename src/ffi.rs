@@ -23,11 +23,11 @@ use std::os::unix::ffi::OsStrExt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::allocator::history::MemorySnapshot;
+use crate::allocator::history::{MemorySnapshot, StackId};
 use crate::allocator::private_pool::{MempoolId, StreamFilter};
 use crate::allocator::{AllocError, DeviceAllocator};
 use crate::config::{ALLOC_CONF_VARS, Config, selected_alloc_conf};
@@ -274,22 +274,136 @@ fn device_pointer(ptr: DevicePtr) -> *mut c_void {
 }
 
 /// Allocates, or says why not (the message the C++ exception or the last error carries).
-fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_void, String> {
+fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_void, AllocFailure> {
     if size == 0 {
         return Ok(ptr::null_mut());
     }
     let allocator = allocator(device)?;
-    let result = allocator.lock().malloc(size, stream_id(stream));
+    // Before the lock: the gatherer takes the GIL, which a thread waiting for the lock may hold.
+    let stack = gather_stack(StackEvent::Alloc);
+    let result = allocator
+        .lock()
+        .malloc_with_stack(size, stream_id(stream), stack);
     match result {
         Ok(ptr) => Ok(device_pointer(ptr)),
         // The allocator has logged it, with the same message.
-        Err(AllocError::OutOfMemory(oom)) => Err(oom.message),
+        Err(AllocError::OutOfMemory(oom)) => Err(AllocFailure::OutOfMemory(oom.message)),
         Err(err) => {
             let message = err.to_string();
             logging::call_failed("allocation", &message);
-            Err(message)
+            Err(AllocFailure::Other(message))
         }
     }
+}
+
+/// Why an allocation failed: out of memory (PyTorch's message) or anything else.
+enum AllocFailure {
+    OutOfMemory(String),
+    Other(String),
+}
+
+impl AllocFailure {
+    fn into_message(self) -> String {
+        match self {
+            AllocFailure::OutOfMemory(message) | AllocFailure::Other(message) => message,
+        }
+    }
+}
+
+impl From<String> for AllocFailure {
+    fn from(message: String) -> AllocFailure {
+        AllocFailure::Other(message)
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Stack traces and the out-of-memory exception, supplied by the Python package
+// ------------------------------------------------------------------------------------------------
+
+/// Returns an id for the calling thread's stack (0: none); see [`ferrocache_set_stack_gatherer`].
+/// `event` is 0 for an allocation, 1 for a free.
+pub type StackGatherer = extern "C" fn(event: c_int) -> u64;
+/// Throws the C++ exception for an out-of-memory message; never returns normally. See
+/// [`ferrocache_set_oom_thrower`].
+pub type OomThrower = extern "C" fn(message: *const c_char);
+/// A [`StackGatherer`] or NULL, as the C ABI takes it.
+#[allow(non_camel_case_types, reason = "a C type of the header")]
+pub type ferrocache_stack_gatherer = Option<StackGatherer>;
+/// An [`OomThrower`] or NULL, as the C ABI takes it.
+#[allow(non_camel_case_types, reason = "a C type of the header")]
+pub type ferrocache_oom_thrower = Option<OomThrower>;
+
+/// What a [`StackGatherer`] is asked about.
+#[repr(i32)]
+#[derive(Clone, Copy)]
+enum StackEvent {
+    Alloc = 0,
+    Free = 1,
+}
+
+/// The registered gatherer (NULL: none; recording stacks costs one atomic load then).
+static STACK_GATHERER: AtomicPtr<()> = AtomicPtr::new(ptr::null_mut());
+/// Whether frees ask the gatherer too (PyTorch's `context="all"`).
+static GATHER_ON_FREE: AtomicBool = AtomicBool::new(false);
+/// The registered thrower (NULL: `rust_malloc` throws `std::runtime_error`).
+static OOM_THROWER: AtomicPtr<()> = AtomicPtr::new(ptr::null_mut());
+
+/// The calling thread's stack id from the registered gatherer, or 0. Call it with no allocator
+/// lock held.
+fn gather_stack(event: StackEvent) -> StackId {
+    if matches!(event, StackEvent::Free) && !GATHER_ON_FREE.load(Ordering::Relaxed) {
+        return 0;
+    }
+    let gatherer = STACK_GATHERER.load(Ordering::Acquire);
+    if gatherer.is_null() {
+        return 0;
+    }
+    // SAFETY: only ferrocache_set_stack_gatherer stores here, and only a StackGatherer, whose
+    // owner promises it stays callable for the life of the process.
+    let gatherer: StackGatherer =
+        unsafe { std::mem::transmute::<*mut (), StackGatherer>(gatherer) };
+    gatherer(event as c_int)
+}
+
+/// Registers `gatherer` (NULL: none), which every allocation (and every free too when
+/// `on_free` is non-zero) calls before it takes any lock; the id it returns is kept with the
+/// block and the trace entries, and `ferrocache_snapshot` reports it as `stack_id`. The Python
+/// package uses it to record Python stacks. `gatherer` must stay callable for the life of the
+/// process, be callable from any thread and never unwind. Returns 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_set_stack_gatherer(
+    gatherer: ferrocache_stack_gatherer,
+    on_free: c_int,
+) -> c_int {
+    guarded("ferrocache_set_stack_gatherer", -1, || {
+        let pointer = gatherer.map_or(ptr::null_mut(), |f| f as *mut ());
+        GATHER_ON_FREE.store(on_free != 0 && gatherer.is_some(), Ordering::Relaxed);
+        STACK_GATHERER.store(pointer, Ordering::Release);
+        0
+    })
+}
+
+/// Registers `thrower` (NULL: none), which `rust_malloc` calls with PyTorch's message when an
+/// allocation fails for lack of memory. It must throw a C++ exception (the Python package's
+/// shim throws `c10::OutOfMemoryError`, which PyTorch raises as `torch.OutOfMemoryError`); if
+/// it returns, `rust_malloc` throws `std::runtime_error`. It must stay callable for the life of
+/// the process. Returns 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_set_oom_thrower(thrower: ferrocache_oom_thrower) -> c_int {
+    guarded("ferrocache_set_oom_thrower", -1, || {
+        let pointer = thrower.map_or(ptr::null_mut(), |f| f as *mut ());
+        OOM_THROWER.store(pointer, Ordering::Release);
+        0
+    })
+}
+
+fn oom_thrower() -> Option<OomThrower> {
+    let thrower = OOM_THROWER.load(Ordering::Acquire);
+    if thrower.is_null() {
+        return None;
+    }
+    // SAFETY: only ferrocache_set_oom_thrower stores here, and only an OomThrower.
+    Some(unsafe { std::mem::transmute::<*mut (), OomThrower>(thrower) })
 }
 
 /// What the caller of a free says about the allocation; `None` where it says nothing.
@@ -302,6 +416,8 @@ struct FreeClaims {
 /// Frees `ptr`. Wrong claims about it are logged at WARN and the recorded values used; a pointer
 /// no allocator knows is refused (logged at ERROR by the caller) and nothing changes.
 fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
+    // Before any lock, as in `allocate`.
+    let stack = gather_stack(StackEvent::Free);
     with_owner(ptr, claims.device, |device, allocator| {
         if let Some(claimed) = claims.device
             && claimed != device
@@ -325,7 +441,9 @@ fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
                 );
             }
         }
-        allocator.free(ptr).map_err(|err| err.to_string())
+        allocator
+            .free_with_stack(ptr, stack)
+            .map_err(|err| err.to_string())
     })
     .unwrap_or_else(|| Err(unknown_pointer(ptr)))
 }
@@ -333,28 +451,42 @@ fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
 /// For `rust_malloc` in `oom.cpp` only (not exported from the library): allocates `size` bytes
 /// on `device` for `stream`. Returns the pointer with `*error` set to NULL, or NULL with `*error`
 /// pointing at the reason (this thread's last error, valid until the next call on this thread).
-/// Size 0 gives NULL with no error.
+/// Size 0 gives NULL with no error. `*thrower` is the registered [`OomThrower`] when the
+/// allocation failed for lack of memory and one is registered, else NULL: what `rust_malloc`
+/// throws is decided here.
 ///
 /// # Safety
-/// `error` is NULL or valid for one pointer write.
+/// `error` and `thrower` are NULL or valid for one pointer write each.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ferrocache_internal_malloc(
     size: usize,
     device: c_int,
     stream: cudaStream_t,
     error: *mut *const c_char,
+    thrower: *mut ferrocache_oom_thrower,
 ) -> *mut c_void {
-    let failure = guarded("rust_malloc", Err(()), || {
+    let failure = guarded("rust_malloc", Err(None), || {
         settings();
-        allocate(size, device, stream).map_err(|message| set_last_error(&message))
+        allocate(size, device, stream).map_err(|failure| {
+            let throw_with = match &failure {
+                AllocFailure::OutOfMemory(_) => oom_thrower(),
+                AllocFailure::Other(_) => None,
+            };
+            set_last_error(&failure.into_message());
+            throw_with
+        })
     });
-    let (ptr, reason) = match failure {
-        Ok(ptr) => (ptr, ptr::null()),
-        Err(()) => (ptr::null_mut(), last_error_ptr()),
+    let (ptr, reason, throw_with) = match failure {
+        Ok(ptr) => (ptr, ptr::null(), None),
+        Err(throw_with) => (ptr::null_mut(), last_error_ptr(), throw_with),
     };
     if !error.is_null() {
         // SAFETY: non-NULL, and the caller promises it is valid for a write.
         unsafe { error.write(reason) };
+    }
+    if !thrower.is_null() {
+        // SAFETY: non-NULL, and the caller promises it is valid for a write.
+        unsafe { thrower.write(throw_with) };
     }
     ptr
 }
@@ -391,7 +523,7 @@ pub extern "C" fn ferrocache_alloc(
     stream: cudaStream_t,
 ) -> *mut c_void {
     with_last_error("ferrocache_alloc", ptr::null_mut(), || {
-        allocate(size, device, stream)
+        allocate(size, device, stream).map_err(AllocFailure::into_message)
     })
 }
 

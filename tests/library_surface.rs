@@ -12,7 +12,7 @@ use regex::Regex;
 /// The C ABI: `rust_malloc` and the CUDA graph pool hooks (C++), `rust_free` and the other hooks
 /// PyTorch takes, the `ferrocache_*` functions of the Python package, and the command line the
 /// `ferrocache` binary runs.
-const EXPORTS: [&str; 30] = [
+const EXPORTS: [&str; 32] = [
     "ferrocache_alloc",
     "ferrocache_begin_allocate_current_thread_to_pool",
     "ferrocache_check_config",
@@ -30,6 +30,8 @@ const EXPORTS: [&str; 30] = [
     "ferrocache_reset_accumulated_stats",
     "ferrocache_reset_peak_stats",
     "ferrocache_set_memory_fraction",
+    "ferrocache_set_oom_thrower",
+    "ferrocache_set_stack_gatherer",
     "ferrocache_snapshot",
     "ferrocache_string_free",
     "ferrocache_version",

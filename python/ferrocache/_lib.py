@@ -58,6 +58,9 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_reset_accumulated_stats": (c_int, (c_int,)),
     "ferrocache_empty_cache": (c_int, ()),
     "ferrocache_set_memory_fraction": (c_int, (c_double, c_int)),
+    # Function pointers as addresses (snapshot.py's stack gatherer, torch_api.py's OOM shim).
+    "ferrocache_set_stack_gatherer": (c_int, (c_void_p, c_int)),
+    "ferrocache_set_oom_thrower": (c_int, (c_void_p,)),
     "ferrocache_check_config": (c_int, (c_char_p,)),
     "ferrocache_describe_config": (c_void_p, (c_char_p,)),
     "ferrocache_version": (c_char_p, ()),
@@ -83,7 +86,14 @@ CPP_HOOKS = frozenset(
 NOT_CALLABLE = frozenset({"rust_malloc"}) | CPP_HOOKS
 #: Functions that do not make the library read its settings.
 _SETTINGS_FREE = frozenset(
-    {"ferrocache_version", "ferrocache_last_error", "ferrocache_string_free", "ferrocache_cli_main"}
+    {
+        "ferrocache_version",
+        "ferrocache_last_error",
+        "ferrocache_string_free",
+        "ferrocache_cli_main",
+        "ferrocache_set_stack_gatherer",
+        "ferrocache_set_oom_thrower",
+    }
 )
 
 _lock = threading.Lock()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Optional
 
-from . import _lib, config
+from . import _lib, config, torch_api
 
 #: PyTorch's hook setters, the library function each one gets, and what is lost without it.
 HOOKS = (
@@ -89,8 +89,10 @@ def install(conf: Optional[str] = None, log_level: Optional[str] = None) -> Any:
 
     Once installed, PyTorch's ``torch.cuda.empty_cache()``,
     ``torch.cuda.set_per_process_memory_fraction()`` and ``Tensor.record_stream()`` act on
-    ferrocache, and ``torch.cuda.graph`` captures allocate from private pools (docs/cuda-graphs.md); for statistics, summaries and snapshots use ferrocache's functions of the same
-    names (PyTorch's cannot see inside a pluggable allocator).
+    ferrocache, ``torch.cuda.graph`` captures allocate from private pools (docs/cuda-graphs.md),
+    and ``torch.cuda``'s statistics, summary, history and snapshot functions are
+    ferrocache's (the table in :mod:`ferrocache.torch_api`); an out of memory raises
+    ``torch.OutOfMemoryError`` where a C++ compiler can build the shim (see torch_api).
     """
     global _installed
     torch = _import_torch()
@@ -130,6 +132,8 @@ def install(conf: Optional[str] = None, log_level: Optional[str] = None) -> Any:
                 f"ferrocache.install(): PyTorch refused to change its allocator ({err}); "
                 "call ferrocache.install() before anything uses CUDA"
             ) from err
+        torch_api.patch_torch_cuda(torch)
+        torch_api.connect_oom_error(torch)
         _installed = _Installed(allocator, conf, log_level)
         return allocator
 

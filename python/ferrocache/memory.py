@@ -37,8 +37,12 @@ COUNTERS = (
     "num_device_alloc",
     "num_device_free",
     "num_ooms",
+    "num_oom_rejections",
     "num_sync_all_streams",
 )
+#: Counters of PyTorch's that ferrocache has no event for: always 0 (``num_oom_rejections``,
+#: PyTorch 2.15, counts allocations refused without trying the device).
+ZERO_COUNTERS = ("num_oom_rejections",)
 #: The keys of ``torch.cuda.memory_stats()`` for PyTorch's native allocator, sorted as it sorts.
 PYTORCH_STAT_KEYS: tuple[str, ...] = tuple(
     sorted(
@@ -53,7 +57,10 @@ EXTRA_STAT_KEYS = ("num_merges", "num_splits")
 
 def _library_stats(device: Device) -> dict[str, int]:
     index = _torch.device_index(device)
-    return {str(k): int(v) for k, v in _lib.call_json("ferrocache_memory_stats", index).items()}
+    stats = {str(k): int(v) for k, v in _lib.call_json("ferrocache_memory_stats", index).items()}
+    for name in ZERO_COUNTERS:
+        stats.setdefault(name, 0)
+    return stats
 
 
 def memory_stats(device: Device = None) -> "collections.OrderedDict[str, int]":
@@ -83,6 +90,9 @@ def memory_stats_as_nested_dict(device: Device = None) -> dict[str, Any]:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
+    # PyTorch >= 2.10 lists the memory reserved by each private pool (CUDA graphs) here; it is
+    # empty without private pools, and no flat key comes from it.
+    nested.setdefault("reserved_bytes_by_private_pools", {})
     return nested
 
 
@@ -223,25 +233,39 @@ def _row(label: str, cells: list[str]) -> str:
     return f" {label:<21} | " + " | ".join(cells) + " "
 
 
-def format_summary(stats: dict[str, int], device: int, abbreviated: bool = False) -> str:
-    """The text of :func:`memory_summary` for the statistics ``stats`` (flat keys)."""
+def format_summary(
+    stats: dict[str, int], device: int, abbreviated: bool = False, layout: str = "ferrocache"
+) -> str:
+    """The text of :func:`memory_summary` for the statistics ``stats`` (flat keys). With
+    ``layout="pytorch"``, PyTorch's text line for line (its title, no split and merge line),
+    which is what ``torch.cuda.memory_summary()`` prints once ferrocache is installed."""
+    if layout not in ("ferrocache", "pytorch"):
+        raise ValueError(f"layout must be 'ferrocache' or 'pytorch', not {layout!r}")
     formats: dict[str, Callable[[int, int], str]] = {
         "size": format_size_cell,
         "count": format_count_cell,
     }
     rule, double_rule = "-" * SUMMARY_WIDTH, "=" * SUMMARY_WIDTH
+    title = (
+        f" {'':16} PyTorch CUDA memory summary, device ID {device:<17d} "
+        if layout == "pytorch"
+        else f" {'':13} ferrocache CUDA memory summary, device ID {device:<17d} "
+    )
     lines = [
         double_rule,
-        f" {'':13} ferrocache CUDA memory summary, device ID {device:<17d} ",
+        title,
         rule,
         (
             f"  {'':9} CUDA OOMs: {stats['num_ooms']:<12d} | "
             f"{'':6} cudaMalloc retries: {stats['num_alloc_retries']:<8d}  "
         ),
-        (
+    ]
+    if layout == "ferrocache":
+        lines.append(
             f"  {'':6} Block splits: {stats.get('num_splits', 0):<12d} | "
             f"{'':6} Block merges: {stats.get('num_merges', 0):<14d}  "
-        ),
+        )
+    lines += [
         double_rule,
         "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  ",
     ]

@@ -24,6 +24,9 @@ C_TO_CTYPES = {
     "char *": ctypes.c_void_p,
     "const char *": ctypes.c_char_p,
     "cudaStream_t": ctypes.c_void_p,
+    # Function pointers: the package passes ctypes callbacks' addresses.
+    "ferrocache_stack_gatherer": ctypes.c_void_p,
+    "ferrocache_oom_thrower": ctypes.c_void_p,
     "const char * const *": ctypes.POINTER(ctypes.c_char_p),
     "unsigned long long": ctypes.c_ulonglong,
 }

@@ -4,6 +4,7 @@
 //! tile it: `prev`/`next` link address neighbours. Links are arena indices, never pointers, so a
 //! block can be freed, merged or moved between pools without any unsafe code.
 
+use super::history::StackId;
 use super::private_pool::PrivatePoolIndex;
 use crate::device::{DevicePtr, StreamId};
 use crate::policy::PoolKind;
@@ -46,6 +47,8 @@ pub struct Block {
     pub gc_count_base: u64,
     /// The expandable segment holding the block, if any.
     pub expandable: Option<ExpandableId>,
+    /// The stack of the allocation that last handed the block out (0: none recorded).
+    pub stack_id: StackId,
 }
 
 impl Block {
@@ -65,6 +68,7 @@ impl Block {
             stream_uses: Vec::new(),
             gc_count_base: 0,
             expandable: None,
+            stack_id: 0,
         }
     }
 

@@ -31,7 +31,7 @@ use crate::logging;
 use crate::policy::{self, PoolKind};
 use block::{Block, BlockArena, BlockId};
 use expandable::ExpandableSegment;
-use history::{History, TraceAction};
+use history::{History, StackId, TraceAction};
 use private_pool::{BlockPools, Capture, MempoolId, PrivatePoolIndex};
 use rustc_hash::FxHashMap;
 use stats::DeviceStats;
@@ -297,6 +297,30 @@ impl<D: Device> DeviceAllocator<D> {
         Ok(self.alloc_found_block(id, &request, size, split))
     }
 
+    /// [`malloc`](Self::malloc) on behalf of the caller's stack `stack` (an id the caller hands
+    /// out; 0: none): the block keeps it for snapshots, and every trace entry the allocation
+    /// records (`segment_alloc`, `alloc`, `oom`) carries it.
+    pub fn malloc_with_stack(
+        &mut self,
+        size: usize,
+        stream: StreamId,
+        stack: StackId,
+    ) -> Result<DevicePtr, AllocError> {
+        let previous = self.history.set_current_stack(stack);
+        let result = self.malloc(size, stream);
+        self.history.set_current_stack(previous);
+        result
+    }
+
+    /// [`free`](Self::free) on behalf of the caller's stack `stack`: the `free_requested` and
+    /// `free_completed` entries it records carry it.
+    pub fn free_with_stack(&mut self, ptr: DevicePtr, stack: StackId) -> Result<(), PointerError> {
+        let previous = self.history.set_current_stack(stack);
+        let result = self.free(ptr);
+        self.history.set_current_stack(previous);
+        result
+    }
+
     /// The miss path of `malloc`: garbage collection, then the device, with PyTorch's two
     /// retries, then the out-of-memory error.
     fn allocate_new_block(
@@ -433,6 +457,7 @@ impl<D: Device> DeviceAllocator<D> {
         let block = self.arena.get_mut(id);
         block.allocated = true;
         block.requested_size = requested_size;
+        block.stack_id = self.history.current_stack();
         let (ptr, size, pool, stream) = (block.ptr, block.size, block.pool, block.stream);
         self.allocated.insert(ptr, id);
         let stats = &mut self.stats;
