@@ -312,8 +312,8 @@ impl<'d, 'a> ValueRef<'d, 'a> {
 
     /// This value as an owned [`PickleValue`].
     pub fn to_value(self) -> Result<PickleValue, PickleError> {
-        let mut converted: Vec<Option<PickleValue>> = vec![None; self.doc.nodes.len()];
-        self.doc.convert(self.id, 0, &mut converted)
+        let mut converted: Vec<Option<Converted>> = vec![None; self.doc.nodes.len()];
+        Ok(self.doc.convert(self.id, 0, &mut converted)?.value)
     }
 }
 
@@ -520,21 +520,35 @@ impl<'a> Document<'a> {
         self.root().to_value()
     }
 
+    /// Converts node `id`, met `depth` levels below the root. A node met again (memoized, so
+    /// shared) is converted once and shared; it brings its own height along, and the depth limit
+    /// counts that too: a shallow chain of shared values could otherwise nest without bound.
     fn convert(
         &self,
         id: NodeId,
         depth: usize,
-        converted: &mut [Option<PickleValue>],
-    ) -> Result<PickleValue, PickleError> {
+        converted: &mut [Option<Converted>],
+    ) -> Result<Converted, PickleError> {
+        let too_deep = PickleError {
+            offset: 0,
+            kind: PickleErrorKind::TooDeep,
+        };
         if let Some(done) = &converted[id as usize] {
-            return Ok(done.clone());
+            return if depth + done.height <= MAX_DEPTH {
+                Ok(done.clone())
+            } else {
+                Err(too_deep)
+            };
         }
         if depth >= MAX_DEPTH {
-            return Err(PickleError {
-                offset: 0,
-                kind: PickleErrorKind::TooDeep,
-            });
+            return Err(too_deep);
         }
+        let mut height = 1;
+        let mut child = |id: NodeId, converted: &mut [Option<Converted>]| {
+            let c = self.convert(id, depth + 1, converted)?;
+            height = height.max(c.height + 1);
+            Ok::<_, PickleError>(c.value)
+        };
         let value = match &self.nodes[id as usize] {
             Node::None => PickleValue::None,
             Node::Bool(b) => PickleValue::Bool(*b),
@@ -542,35 +556,37 @@ impl<'a> Document<'a> {
             Node::Float(x) => PickleValue::Float(*x),
             Node::Str(s) => PickleValue::Str(Arc::from(&**s)),
             Node::Bytes(b) => PickleValue::Bytes(Arc::from(*b)),
-            Node::List(items) => PickleValue::List(self.convert_all(items, depth, converted)?),
-            Node::Tuple(items) => PickleValue::Tuple(self.convert_all(items, depth, converted)?),
+            Node::List(items) | Node::Tuple(items) => {
+                let mut out = Vec::with_capacity(items.len());
+                for &item in items {
+                    out.push(child(item, converted)?);
+                }
+                if matches!(self.nodes[id as usize], Node::List(_)) {
+                    PickleValue::List(Arc::from(out))
+                } else {
+                    PickleValue::Tuple(Arc::from(out))
+                }
+            }
             Node::Dict(entries) => {
                 let mut out = Vec::with_capacity(entries.len());
                 for &(k, v) in entries {
-                    out.push((
-                        self.convert(k, depth + 1, converted)?,
-                        self.convert(v, depth + 1, converted)?,
-                    ));
+                    out.push((child(k, converted)?, child(v, converted)?));
                 }
                 PickleValue::Dict(Arc::from(out))
             }
         };
-        converted[id as usize] = Some(value.clone());
-        Ok(value)
+        let done = Converted { value, height };
+        converted[id as usize] = Some(done.clone());
+        Ok(done)
     }
+}
 
-    fn convert_all(
-        &self,
-        items: &[NodeId],
-        depth: usize,
-        converted: &mut [Option<PickleValue>],
-    ) -> Result<Arc<[PickleValue]>, PickleError> {
-        let mut out = Vec::with_capacity(items.len());
-        for &item in items {
-            out.push(self.convert(item, depth + 1, converted)?);
-        }
-        Ok(Arc::from(out))
-    }
+/// A converted node, kept for the next reference to it: the value and how many levels it nests
+/// (1 for a scalar or an empty container).
+#[derive(Clone)]
+struct Converted {
+    value: PickleValue,
+    height: usize,
 }
 
 impl<'a> Parser<'a> {
