@@ -53,6 +53,7 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_reset_accumulated_stats": (c_int, (c_int,)),
     "ferrocache_empty_cache": (c_int, ()),
     "ferrocache_set_memory_fraction": (c_int, (c_double, c_int)),
+    "ferrocache_check_invariants": (c_int, ()),
     "ferrocache_check_config": (c_int, (c_char_p,)),
     "ferrocache_describe_config": (c_void_p, (c_char_p,)),
     "ferrocache_version": (c_char_p, ()),

@@ -26,7 +26,7 @@ use crate::device::{Device, DeviceError, DevicePtr, EventHandle, StreamId};
 use crate::logging;
 use crate::policy::{self, PoolKind};
 use block::{Block, BlockArena, BlockId};
-use expandable::ExpandableSegment;
+use expandable::{ExpandableSegment, LeftoverPage};
 use history::{History, TraceAction};
 use pool::BlockPool;
 use rustc_hash::FxHashMap;
@@ -67,7 +67,9 @@ impl fmt::Display for AllocError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             AllocError::OutOfMemory(oom) => f.write_str(&oom.message),
-            AllocError::Device(DeviceError::Unavailable(why)) => f.write_str(why),
+            AllocError::Device(DeviceError::Unavailable(why) | DeviceError::Unusable(why)) => {
+                f.write_str(why)
+            }
             AllocError::Device(err) => write!(f, "CUDA error: {err}"),
             AllocError::InvalidArgument(why) => f.write_str(why),
         }
@@ -151,6 +153,8 @@ pub struct DeviceAllocator<D: Device> {
     allowed_memory_maximum: Option<usize>,
     /// Live expandable segments; `None` marks a released slot.
     expandable_segments: Vec<Option<ExpandableSegment>>,
+    /// Pages whose unmap or release the device refused; retried by `release_cached_blocks`.
+    leftover_pages: Vec<LeftoverPage>,
     history: History,
 }
 
@@ -179,6 +183,7 @@ impl<D: Device> DeviceAllocator<D> {
             total_allocated_memory: 0,
             allowed_memory_maximum: None,
             expandable_segments: Vec::new(),
+            leftover_pages: Vec::new(),
             history: History::default(),
             config,
         };
@@ -757,14 +762,17 @@ impl<D: Device> DeviceAllocator<D> {
     // ----------------------------------------------------------------------------------------
 
     /// `emptyCache`: waits for pending frees, then gives every wholly free segment (and every
-    /// free page of expandable segments) back to the device.
+    /// free page of expandable segments) back to the device, and the device's pooled events
+    /// (PyTorch keeps its event pool; an emptied cache here holds nothing of the driver's).
     pub fn empty_cache(&mut self) -> Result<(), DeviceError> {
-        self.release_cached_blocks()
+        self.release_cached_blocks()?;
+        self.device.destroy_idle_events()
     }
 
     /// `release_cached_blocks`.
     fn release_cached_blocks(&mut self) -> Result<(), DeviceError> {
         self.synchronize_and_free_events()?;
+        self.release_leftover_pages()?;
         self.release_blocks(PoolKind::Large)?;
         self.release_blocks(PoolKind::Small)
     }
