@@ -747,3 +747,54 @@ fn every_driver_call_of_the_expandable_program_fails_once() {
         "expandable",
     );
 }
+
+/// The runs that went wrong before their fixes, by call index: each must still be that call
+/// (else the program changed and the list needs the new indices) and must now be clean.
+const FIXED: [(&str, u64, &str, usize); 9] = [
+    // A failure while opening the device was kept for the life of the process.
+    ("segments", 1, "cuDriverGetVersion", 0),
+    ("segments", 8, "cuDevicePrimaryCtxRetain", 1),
+    // Any failed capture query was read as "maybe capturing" and went unreported.
+    ("segments", 10, "cuStreamIsCapturing", 2),
+    // A sticky error was logged again by every later call.
+    ("segments", 11, "cuMemAlloc_v2", 4),
+    // empty_cache left pooled events alive; destroying them may fail too.
+    ("segments", 64, "cuEventDestroy_v2", 2),
+    // A page whose release failed was forgotten, its memory lost.
+    ("expandable", 76, "cuMemRelease", 1),
+    ("expandable", 75, "cuCtxGetCurrent", 0),
+    ("expandable", 141, "cuMemRelease", 3),
+    // An injected out-of-memory inside the out-of-memory step is that step's error.
+    ("expandable", 127, "cuMemCreate", 0),
+];
+
+#[test]
+fn the_runs_that_went_wrong_before_stay_fixed() {
+    const TEST: &str = "the_runs_that_went_wrong_before_stay_fixed";
+    if let Ok(which) = std::env::var(CHILD) {
+        run_child(&which);
+        return;
+    }
+    for which in ["segments", "expandable"] {
+        let clean_kind = Kind {
+            name: "none",
+            code: 0,
+            sticky: false,
+        };
+        let clean = run_once(TEST, which, 0, clean_kind, false)
+            .unwrap_or_else(|why| panic!("the clean {which} run: {why}"));
+        for &(program, index, call, kind) in FIXED.iter().filter(|f| f.0 == which) {
+            assert_eq!(
+                clean.names[index as usize - 1],
+                call,
+                "call {index} of the {program} program"
+            );
+            let kind = KINDS[kind];
+            let run = run_once(TEST, which, index, kind, kind.sticky || call == "cuInit")
+                .unwrap_or_else(|why| panic!("call {index} ({call}) with {}: {why}", kind.name));
+            if let Some(why) = judge(&clean, &run, index, call, kind) {
+                panic!("call {index} ({call}) with {}: {why}", kind.name);
+            }
+        }
+    }
+}

@@ -11,9 +11,10 @@ use regex::Regex;
 
 /// The C ABI: `rust_malloc` (C++), `rust_free` and the hooks PyTorch takes, the `ferrocache_*`
 /// functions of the Python package.
-const EXPORTS: [&str; 21] = [
+const EXPORTS: [&str; 22] = [
     "ferrocache_alloc",
     "ferrocache_check_config",
+    "ferrocache_check_invariants",
     "ferrocache_describe_config",
     "ferrocache_empty_cache",
     "ferrocache_free",

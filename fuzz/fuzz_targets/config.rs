@@ -23,5 +23,9 @@ fuzz_target!(|data: &[u8]| {
         let _ = LogLevel::parse(&text);
         config
     });
-    assert_eq!(first, Config::from_vars(lookup), "two reads of one setting differ");
+    assert_eq!(
+        first,
+        Config::from_vars(lookup),
+        "two reads of one setting differ"
+    );
 });
