@@ -477,7 +477,7 @@ impl Drop for ContextGuard {
             sys::cuCtxPopCurrent_v2(&mut popped)
         });
         if let Err(e) = result {
-            log::error!("ferrocache could not restore the caller's CUDA context: {e}");
+            logging::device_error("could not restore the caller's CUDA context", &e);
         }
     }
 }
@@ -498,7 +498,7 @@ impl RelaxedCaptureMode {
 impl Drop for RelaxedCaptureMode {
     fn drop(&mut self) {
         if let Err(e) = exchange_capture_mode(self.previous) {
-            log::error!("ferrocache could not restore the thread's stream capture mode: {e}");
+            logging::device_error("could not restore the thread's stream capture mode", &e);
         }
     }
 }
