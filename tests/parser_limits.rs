@@ -11,16 +11,22 @@ use ferrocache::config::{Config, LogLevel};
 use ferrocache::replay::{self, ReplayErrorKind, Workload, pickle};
 use harness::{CountingAllocator, within_memory_bound};
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
 
-/// The allocation counters are process-wide: measured sections run one at a time.
-static MEASURING: Mutex<()> = Mutex::new(());
+/// The allocation counters are process-wide: each test holds this for its whole body, so that
+/// nothing another test allocates meanwhile is counted against a measured parse.
+static ONE_TEST_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn one_test_at_a_time() -> MutexGuard<'static, ()> {
+    ONE_TEST_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 fn check_config(data: &[u8]) {
-    let _one_at_a_time = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     let text = String::from_utf8_lossy(data).into_owned();
     within_memory_bound(data.len(), || {
         if let Ok(config) = Config::parse(&text) {
@@ -34,7 +40,6 @@ fn check_config(data: &[u8]) {
 /// Reads `data` as `ferrocache replay` does (and as the unpickler's owned tree); the result of
 /// the snapshot reader.
 fn check_snapshot(data: &[u8]) -> Result<(), replay::ReplayError> {
-    let _one_at_a_time = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     let result = within_memory_bound(data.len(), || {
         replay::parse_snapshot(data, "input").map(|snapshot| {
             let _ = Workload::reconstruct(&snapshot);
@@ -69,6 +74,7 @@ fn inputs(dir: &str, target: &str) -> Vec<(String, Vec<u8>)> {
 
 #[test]
 fn config_seeds_and_regressions_hold_the_bounds() {
+    let _serial = one_test_at_a_time();
     let seeds = inputs("corpus", "config");
     assert!(seeds.len() >= 30, "the config seeds are missing");
     for (_, bytes) in seeds.iter().chain(&inputs("regressions", "config")) {
@@ -78,6 +84,7 @@ fn config_seeds_and_regressions_hold_the_bounds() {
 
 #[test]
 fn snapshot_seeds_and_regressions_hold_the_bounds() {
+    let _serial = one_test_at_a_time();
     let seeds = inputs("corpus", "snapshot");
     assert!(seeds.len() >= 8, "the snapshot seeds are missing");
     let mut read = 0;
@@ -100,6 +107,7 @@ fn snapshot_seeds_and_regressions_hold_the_bounds() {
 /// One 1 MiB input of each shape that costs the most per byte.
 #[test]
 fn large_hostile_inputs_stay_within_the_bound() {
+    let _serial = one_test_at_a_time();
     const LEN: usize = 1 << 20;
     // Config: every byte a token of its own, and a key repeated with ever new trailing text.
     check_config(&b":".repeat(LEN));
@@ -141,6 +149,7 @@ fn large_hostile_inputs_stay_within_the_bound() {
 /// the reader walk all the keys again, so the work must be counted by keys, not by events.
 #[test]
 fn an_event_with_many_keys_referred_to_many_times_is_refused() {
+    let _serial = one_test_at_a_time();
     const KEYS: usize = 60_000;
     const REFERENCES: usize = 100_000;
     let mut bytes = b"\x80\x04}(\x8c\x08segments]\x8c\x0ddevice_traces]](".to_vec();
@@ -164,6 +173,7 @@ fn an_event_with_many_keys_referred_to_many_times_is_refused() {
 /// dropped). The depth limit counts what a shared value brings along.
 #[test]
 fn shared_values_cannot_nest_past_the_depth_limit() {
+    let _serial = one_test_at_a_time();
     const LEVELS: usize = 400;
     const CHAIN: usize = 200;
     let mut bytes = b"\x80\x04](".to_vec();
@@ -179,7 +189,6 @@ fn shared_values_cannot_nest_past_the_depth_limit() {
         bytes.push(0x94); // MEMOIZE: this level is memo `level`
     }
     bytes.extend(b"e.");
-    let _one_at_a_time = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     let err = within_memory_bound(bytes.len(), || pickle::parse(&bytes)).unwrap_err();
     assert_eq!(err.kind, pickle::PickleErrorKind::TooDeep, "{err}");
 }

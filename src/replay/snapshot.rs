@@ -276,7 +276,7 @@ pub fn parse_snapshot(bytes: &[u8], file: &str) -> Result<Snapshot, ReplayError>
                 "empty file: neither a pickle nor JSON",
             ));
         }
-        Some(b'{') => Document::from_json(&json_value(bytes, file)?),
+        Some(b'{') => Document::from_json_bytes(bytes).map_err(|e| json_error(&e, file))?,
         Some(_) => Document::parse(bytes).map_err(|e| {
             let kind = match e.kind {
                 PickleErrorKind::NotPickle => ReplayErrorKind::NotPickleOrJson,
@@ -311,15 +311,13 @@ pub fn parse_snapshot(bytes: &[u8], file: &str) -> Result<Snapshot, ReplayError>
     Ok(snapshot)
 }
 
-fn json_value(bytes: &[u8], file: &str) -> Result<serde_json::Value, ReplayError> {
-    serde_json::from_slice(bytes).map_err(|e| {
-        let (kind, what) = if e.is_eof() {
-            (ReplayErrorKind::Truncated, "truncated JSON")
-        } else {
-            (ReplayErrorKind::Malformed, "invalid JSON")
-        };
-        ReplayError::new(file, kind, format!("{what}: {e}"))
-    })
+fn json_error(e: &serde_json::Error, file: &str) -> ReplayError {
+    let (kind, what) = if e.is_eof() {
+        (ReplayErrorKind::Truncated, "truncated JSON")
+    } else {
+        (ReplayErrorKind::Malformed, "invalid JSON")
+    };
+    ReplayError::new(file, kind, format!("{what}: {e}"))
 }
 
 type V<'d> = ValueRef<'d, 'd>;
