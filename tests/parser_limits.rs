@@ -192,3 +192,22 @@ fn shared_values_cannot_nest_past_the_depth_limit() {
     let err = within_memory_bound(bytes.len(), || pickle::parse(&bytes)).unwrap_err();
     assert_eq!(err.kind, pickle::PickleErrorKind::TooDeep, "{err}");
 }
+
+/// A list that holds itself many times (found by the fuzzer, as a 1,274-byte input that
+/// allocated 1.2 MB): converting it reserved room for all its items at every level down to the
+/// depth limit, 256 times the list. A value that holds itself is refused at once now.
+#[test]
+fn a_list_holding_itself_many_times_is_refused_at_once() {
+    let _serial = one_test_at_a_time();
+    const REFERENCES: usize = 100_000;
+    let mut bytes = b"\x80\x04]\x94(".to_vec();
+    bytes.extend(b"h\x00".repeat(REFERENCES));
+    bytes.extend(b"e.");
+    let err = within_memory_bound(bytes.len(), || pickle::parse(&bytes)).unwrap_err();
+    assert_eq!(err.kind, pickle::PickleErrorKind::TooDeep, "{err}");
+    // The same as a snapshot's segments list: the reader never expands it.
+    let mut snapshot = b"\x80\x04}(\x8c\x08segments]\x94(".to_vec();
+    snapshot.extend(b"h\x00".repeat(REFERENCES));
+    snapshot.extend(b"e\x8c\x0ddevice_traces]u.");
+    assert!(check_snapshot(&snapshot).is_err());
+}

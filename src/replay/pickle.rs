@@ -312,8 +312,8 @@ impl<'d, 'a> ValueRef<'d, 'a> {
 
     /// This value as an owned [`PickleValue`].
     pub fn to_value(self) -> Result<PickleValue, PickleError> {
-        let mut converted: Vec<Option<Converted>> = vec![None; self.doc.nodes.len()];
-        Ok(self.doc.convert(self.id, 0, &mut converted)?.value)
+        let mut slots: Vec<Slot> = vec![Slot::Todo; self.doc.nodes.len()];
+        Ok(self.doc.convert(self.id, 0, &mut slots)?.value)
     }
 }
 
@@ -538,30 +538,29 @@ impl<'a> Document<'a> {
 
     /// Converts node `id`, met `depth` levels below the root. A node met again (memoized, so
     /// shared) is converted once and shared; it brings its own height along, and the depth limit
-    /// counts that too: a shallow chain of shared values could otherwise nest without bound.
+    /// counts that too: a shallow chain of shared values could otherwise nest without bound. A
+    /// node met again while it is still being converted holds itself: refused at once, so that
+    /// the path being converted never holds a container twice (each level reserves room for its
+    /// items, and a list holding itself N times would otherwise reserve N items 256 times).
     fn convert(
         &self,
         id: NodeId,
         depth: usize,
-        converted: &mut [Option<Converted>],
+        slots: &mut [Slot],
     ) -> Result<Converted, PickleError> {
         let too_deep = PickleError {
             offset: 0,
             kind: PickleErrorKind::TooDeep,
         };
-        if let Some(done) = &converted[id as usize] {
-            return if depth + done.height <= MAX_DEPTH {
-                Ok(done.clone())
-            } else {
-                Err(too_deep)
-            };
-        }
-        if depth >= MAX_DEPTH {
-            return Err(too_deep);
+        match &slots[id as usize] {
+            Slot::Done(done) if depth + done.height <= MAX_DEPTH => return Ok(done.clone()),
+            Slot::Done(_) | Slot::InProgress => return Err(too_deep),
+            Slot::Todo if depth >= MAX_DEPTH => return Err(too_deep),
+            Slot::Todo => slots[id as usize] = Slot::InProgress,
         }
         let mut height = 1;
-        let mut child = |id: NodeId, converted: &mut [Option<Converted>]| {
-            let c = self.convert(id, depth + 1, converted)?;
+        let mut child = |id: NodeId, slots: &mut [Slot]| {
+            let c = self.convert(id, depth + 1, slots)?;
             height = height.max(c.height + 1);
             Ok::<_, PickleError>(c.value)
         };
@@ -575,7 +574,7 @@ impl<'a> Document<'a> {
             Node::List(items) | Node::Tuple(items) => {
                 let mut out = Vec::with_capacity(items.len());
                 for &item in items {
-                    out.push(child(item, converted)?);
+                    out.push(child(item, slots)?);
                 }
                 if matches!(self.nodes[id as usize], Node::List(_)) {
                     PickleValue::List(Arc::from(out))
@@ -586,15 +585,24 @@ impl<'a> Document<'a> {
             Node::Dict(entries) => {
                 let mut out = Vec::with_capacity(entries.len());
                 for &(k, v) in entries {
-                    out.push((child(k, converted)?, child(v, converted)?));
+                    out.push((child(k, slots)?, child(v, slots)?));
                 }
                 PickleValue::Dict(Arc::from(out))
             }
         };
         let done = Converted { value, height };
-        converted[id as usize] = Some(done.clone());
+        slots[id as usize] = Slot::Done(done.clone());
         Ok(done)
     }
+}
+
+/// Where the conversion of one node stands.
+#[derive(Clone)]
+enum Slot {
+    Todo,
+    /// On the path being converted now.
+    InProgress,
+    Done(Converted),
 }
 
 /// A converted node, kept for the next reference to it: the value and how many levels it nests
