@@ -192,6 +192,11 @@ int ferrocache_empty_cache(void);
 // set: a fraction outside [0, 1], an unusable device).
 int ferrocache_set_memory_fraction(double fraction, int device);
 
+// Checks every device allocator's structural invariants and recomputes its statistics from its
+// block table (a full walk: for tests and debugging). Returns 0, or -1 with what is wrong in
+// the last error.
+int ferrocache_check_invariants(void);
+
 // Checks a `PYTORCH_CUDA_ALLOC_CONF` value (NULL: the one in the process environment, read as
 // PyTorch reads it). Returns 1 when PyTorch would accept it, 0 when not, with PyTorch's
 // wording in the last error.

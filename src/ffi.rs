@@ -117,28 +117,45 @@ fn allocator(device: c_int) -> Result<&'static LockedAllocator, String> {
     }
     let config = config()?;
     let history = CREATION.lock();
-    slot.get_or_init(|| match CudaDevice::new(device) {
+    if let Some(created) = slot.get() {
+        // Another thread opened it while this one waited for the lock.
+        return created.as_ref().map_err(String::clone);
+    }
+    match CudaDevice::new(device) {
         Ok(cuda) => {
             let mut allocator = DeviceAllocator::new(cuda, device, config.clone());
             if history.enabled {
                 allocator.record_history(true, history.max_entries);
             }
-            Ok(Mutex::new(allocator))
+            let _ = slot.set(Ok(Mutex::new(allocator)));
         }
         Err(err) => {
             let why = unavailable_message(device, &err);
+            if !open_failure_is_permanent(&err) {
+                logging::call_failed(&format!("opening CUDA device {device}"), &why);
+                return Err(why);
+            }
             logging::device_unavailable(device, &why);
-            Err(why)
+            let _ = slot.set(Err(why));
         }
-    })
-    .as_ref()
-    .map_err(String::clone)
+    }
+    slot.get()
+        .expect("set above, under the creation lock")
+        .as_ref()
+        .map_err(String::clone)
+}
+
+/// Whether a failure to open a device stays for the life of the process, and is kept so that
+/// it is reported once and not retried: no usable driver or device, or CUDA unusable. A driver
+/// call that failed otherwise (out of memory, ...) is retried at the device's next use.
+fn open_failure_is_permanent(err: &DeviceError) -> bool {
+    matches!(err, DeviceError::Unavailable(_) | DeviceError::Unusable(_))
 }
 
 fn unavailable_message(device: c_int, err: &DeviceError) -> String {
     match err {
         // Already a whole sentence that names the library or the device.
-        DeviceError::Unavailable(why) => why.clone(),
+        DeviceError::Unavailable(why) | DeviceError::Unusable(why) => why.clone(),
         other => format!("CUDA device {device} could not be opened: {other}"),
     }
 }
@@ -1036,6 +1053,22 @@ pub extern "C" fn ferrocache_empty_cache() -> c_int {
 pub extern "C" fn ferrocache_set_memory_fraction(fraction: c_double, device: c_int) -> c_int {
     with_last_error("ferrocache_set_memory_fraction", -1, || {
         set_memory_fraction(fraction, device).map(|()| 0)
+    })
+}
+
+/// Checks every device allocator's structural invariants and recomputes its statistics from its
+/// block table (a full walk: for tests and debugging). Returns 0, or -1 with what is wrong in
+/// the last error.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_check_invariants() -> c_int {
+    with_last_error("ferrocache_check_invariants", -1, || {
+        for (device, allocator) in created_allocators() {
+            allocator
+                .lock()
+                .check_invariants()
+                .map_err(|why| format!("device {device}: {why}"))?;
+        }
+        Ok(0)
     })
 }
 

@@ -128,6 +128,7 @@ impl ExpandableSegment {
         device: &mut D,
         ptr: DevicePtr,
         size: usize,
+        leftovers: &mut Vec<LeftoverPage>,
     ) -> Result<PageRange, DeviceError> {
         let begin = self.page_left(ptr);
         let end = self.page_right(ptr + size as u64);
@@ -159,12 +160,21 @@ impl ExpandableSegment {
                 Ok(self.range_of_pages(begin, end))
             }
             Err(err) => {
-                for i in 0..mapped {
-                    // Best effort: the original error is the one worth reporting.
-                    let _ = device.unmap(self.page_ptr(begin + i), self.page_size);
-                }
-                for handle in created {
-                    let _ = device.release_physical(handle);
+                // The original error is the one worth reporting; a page the device will not
+                // take back now becomes a leftover, retried later.
+                for (i, handle) in created.into_iter().enumerate() {
+                    let page = self.page_ptr(begin + i);
+                    if i < mapped && device.unmap(page, self.page_size).is_err() {
+                        leftovers.push(LeftoverPage {
+                            mapped_at: Some((page, self.page_size)),
+                            handle,
+                        });
+                    } else if device.release_physical(handle).is_err() {
+                        leftovers.push(LeftoverPage {
+                            mapped_at: None,
+                            handle,
+                        });
+                    }
                 }
                 self.trim();
                 Err(err)
@@ -181,6 +191,7 @@ impl ExpandableSegment {
         device: &mut D,
         ptr: DevicePtr,
         size: usize,
+        leftovers: &mut Vec<LeftoverPage>,
     ) -> (PageRange, Option<DeviceError>) {
         let begin = self.page_right(ptr);
         let end = self.page_left(ptr + size as u64);
@@ -200,7 +211,12 @@ impl ExpandableSegment {
             }
             self.pages[i] = None;
             if let Err(err) = device.release_physical(handle) {
-                // Unmapped already: the range is gone from the segment either way.
+                // Unmapped already: the range is gone from the segment either way, and the
+                // page is a leftover until the device takes it back.
+                leftovers.push(LeftoverPage {
+                    mapped_at: None,
+                    handle,
+                });
                 self.trim();
                 return (self.range_of_pages(begin, i + 1), Some(err));
             }
@@ -220,6 +236,16 @@ impl ExpandableSegment {
             self.pages.pop();
         }
     }
+}
+
+/// A physical page that left its segment but that the device did not take back: its unmap or
+/// its release failed. Kept, and retried by every `empty_cache`, so that one failed driver call
+/// leaks nothing for good.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeftoverPage {
+    /// Where it is still mapped, when its unmap failed.
+    pub mapped_at: Option<(DevicePtr, usize)>,
+    pub handle: PhysicalHandle,
 }
 
 /// The allocator's side of expandable segments: finding room, mapping pages into blocks,
@@ -349,7 +375,7 @@ impl<D: Device> DeviceAllocator<D> {
         let segment = self.expandable_segments[segment_id as usize]
             .as_mut()
             .expect("live expandable segment");
-        let range = match segment.map(&mut self.device, ptr, size) {
+        let range = match segment.map(&mut self.device, ptr, size, &mut self.leftover_pages) {
             Ok(range) => range,
             Err(DeviceError::OutOfMemory) => return Ok(false),
             Err(err) => return Err(err.into()),
@@ -393,7 +419,7 @@ impl<D: Device> DeviceAllocator<D> {
         let segment = self.expandable_segments[segment_id as usize]
             .as_mut()
             .expect("live expandable segment");
-        let (range, failure) = segment.unmap(&mut self.device, ptr, size);
+        let (range, failure) = segment.unmap(&mut self.device, ptr, size, &mut self.leftover_pages);
         if range.size == 0 {
             return failure.map_or(Ok(()), Err);
         }
@@ -439,6 +465,29 @@ impl<D: Device> DeviceAllocator<D> {
         failure.map_or(Ok(()), Err)
     }
 
+    /// Unmaps and releases the leftover pages; those the device still refuses stay leftovers,
+    /// and the first refusal is returned.
+    pub(super) fn release_leftover_pages(&mut self) -> Result<(), DeviceError> {
+        let mut outcome = Ok(());
+        for mut page in std::mem::take(&mut self.leftover_pages) {
+            let mut result = Ok(());
+            if let Some((ptr, size)) = page.mapped_at {
+                result = self.device.unmap(ptr, size);
+                if result.is_ok() {
+                    page.mapped_at = None;
+                }
+            }
+            result = result.and_then(|()| self.device.release_physical(page.handle));
+            if let Err(err) = result {
+                self.leftover_pages.push(page);
+                if outcome.is_ok() {
+                    outcome = Err(err);
+                }
+            }
+        }
+        outcome
+    }
+
     /// `release_expandable_segment`: gives back the address range of a segment with nothing
     /// mapped (its one block spans the whole range, unmapped).
     pub(super) fn release_expandable_segment(&mut self, id: BlockId) -> Result<(), DeviceError> {
@@ -475,7 +524,7 @@ mod tests {
         let mut d = SimDevice::new(1 << 30);
         let mut s =
             ExpandableSegment::reserve(&mut d, 0, PoolKind::Large, 20 * MIB, 1 << 30).unwrap();
-        let r = s.map(&mut d, s.base(), 30 * MIB).unwrap();
+        let r = s.map(&mut d, s.base(), 30 * MIB, &mut Vec::new()).unwrap();
         assert_eq!(
             r,
             PageRange {
@@ -486,7 +535,12 @@ mod tests {
         assert!(d.is_accessible(s.base(), 40 * MIB));
         assert_eq!(s.mapped_bytes(), 40 * MIB);
         // Only the second page lies entirely inside [10 MiB, 40 MiB).
-        let (r, err) = s.unmap(&mut d, s.base() + 10 * MIB as u64, 30 * MIB);
+        let (r, err) = s.unmap(
+            &mut d,
+            s.base() + 10 * MIB as u64,
+            30 * MIB,
+            &mut Vec::new(),
+        );
         assert!(err.is_none());
         assert_eq!(
             r,
@@ -495,7 +549,7 @@ mod tests {
                 size: 20 * MIB
             }
         );
-        let (r, _) = s.unmap(&mut d, s.base(), 20 * MIB);
+        let (r, _) = s.unmap(&mut d, s.base(), 20 * MIB, &mut Vec::new());
         assert_eq!(r.size, 20 * MIB);
         assert_eq!(d.physical_in_use(), 0);
         s.release(&mut d).unwrap();
@@ -518,16 +572,17 @@ mod tests {
             let mut d = SimDevice::new(1 << 30);
             let mut s =
                 ExpandableSegment::reserve(&mut d, 0, PoolKind::Small, 2 * MIB, 1 << 30).unwrap();
-            s.map(&mut d, s.base(), 2 * MIB).unwrap();
+            s.map(&mut d, s.base(), 2 * MIB, &mut Vec::new()).unwrap();
             d.fail_nth(op, nth, fault.clone());
-            let result = s.map(&mut d, s.base() + 2 * MIB as u64, 6 * MIB);
+            let result = s.map(&mut d, s.base() + 2 * MIB as u64, 6 * MIB, &mut Vec::new());
             assert_eq!(result, Err(fault.clone()), "{op:?}");
             assert_eq!(s.mapped_bytes(), 2 * MIB, "{op:?}");
             assert_eq!(d.live_physical_handles(), 1, "{op:?}");
             assert_eq!(d.mapped_bytes(), 2 * MIB, "{op:?}");
             assert_eq!(d.physical_in_use(), 2 * MIB, "{op:?}");
             // And the segment grows fine afterwards.
-            s.map(&mut d, s.base() + 2 * MIB as u64, 6 * MIB).unwrap();
+            s.map(&mut d, s.base() + 2 * MIB as u64, 6 * MIB, &mut Vec::new())
+                .unwrap();
             assert_eq!(s.mapped_bytes(), 8 * MIB);
         }
     }

@@ -30,7 +30,7 @@ use crate::device::{Device, DeviceError, DevicePtr, EventHandle, StreamId};
 use crate::logging;
 use crate::policy::{self, PoolKind};
 use block::{Block, BlockArena, BlockId};
-use expandable::ExpandableSegment;
+use expandable::{ExpandableSegment, LeftoverPage};
 use history::{History, StackId, TraceAction};
 use private_pool::{BlockPools, Capture, MempoolId, PrivatePoolIndex};
 use rustc_hash::FxHashMap;
@@ -75,7 +75,9 @@ impl fmt::Display for AllocError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             AllocError::OutOfMemory(oom) => f.write_str(&oom.message),
-            AllocError::Device(DeviceError::Unavailable(why)) => f.write_str(why),
+            AllocError::Device(DeviceError::Unavailable(why) | DeviceError::Unusable(why)) => {
+                f.write_str(why)
+            }
             AllocError::Device(err) => write!(f, "CUDA error: {err}"),
             AllocError::InvalidArgument(why) => f.write_str(why),
             AllocError::StreamFilter { pool, message } => write!(
@@ -176,6 +178,8 @@ pub struct DeviceAllocator<D: Device> {
     allowed_memory_maximum: Option<usize>,
     /// Live expandable segments; `None` marks a released slot.
     expandable_segments: Vec<Option<ExpandableSegment>>,
+    /// Pages whose unmap or release the device refused; retried by `release_cached_blocks`.
+    leftover_pages: Vec<LeftoverPage>,
     history: History,
 }
 
@@ -197,6 +201,7 @@ impl<D: Device> DeviceAllocator<D> {
             total_allocated_memory: 0,
             allowed_memory_maximum: None,
             expandable_segments: Vec::new(),
+            leftover_pages: Vec::new(),
             history: History::default(),
             config,
         };
@@ -838,10 +843,12 @@ impl<D: Device> DeviceAllocator<D> {
     // ----------------------------------------------------------------------------------------
 
     /// `emptyCache`: waits for pending frees, then gives every wholly free segment (and every
-    /// free page of expandable segments) back to the device. Private pools that a graph still
-    /// holds keep all their memory.
+    /// free page of expandable segments) back to the device, and the device's pooled events
+    /// (PyTorch keeps its event pool; an emptied cache here holds nothing of the driver's).
+    /// Private pools that a graph still holds keep all their memory.
     pub fn empty_cache(&mut self) -> Result<(), DeviceError> {
-        self.release_cached_blocks()
+        self.release_cached_blocks()?;
+        self.device.destroy_idle_events()
     }
 
     /// `release_cached_blocks`. During a capture only unreferenced private pools are released:
@@ -849,6 +856,7 @@ impl<D: Device> DeviceAllocator<D> {
     fn release_cached_blocks(&mut self) -> Result<(), DeviceError> {
         if self.captures.is_empty() {
             self.synchronize_and_free_events()?;
+            self.release_leftover_pages()?;
             self.release_blocks(None, PoolKind::Large)?;
             self.release_blocks(None, PoolKind::Small)?;
         }

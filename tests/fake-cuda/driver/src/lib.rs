@@ -17,6 +17,7 @@
 )]
 
 mod device;
+mod faults;
 mod memory;
 mod stubs;
 mod sync;
@@ -41,6 +42,7 @@ pub const CUDA_ERROR_INVALID_HANDLE: CuResult = 400;
 pub const CUDA_ERROR_NOT_READY: CuResult = 600;
 pub const CUDA_ERROR_NOT_SUPPORTED: CuResult = 801;
 pub const CUDA_ERROR_ILLEGAL_STATE: CuResult = 401;
+pub const CUDA_ERROR_ILLEGAL_ADDRESS: CuResult = 700;
 pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CuResult = 900;
 pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CuResult = 901;
 pub const CUDA_ERROR_UNKNOWN: CuResult = 999;
@@ -94,6 +96,11 @@ const ERROR_TEXTS: &[(CuResult, &CStr, &CStr)] = &[
         c"operation not supported",
     ),
     (
+        CUDA_ERROR_ILLEGAL_ADDRESS,
+        c"CUDA_ERROR_ILLEGAL_ADDRESS",
+        c"an illegal memory access was encountered",
+    ),
+    (
         CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
         c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
         c"operation not permitted when stream is capturing",
@@ -141,6 +148,7 @@ pub struct Driver {
     next_handle: u64,
     calls: HashMap<&'static str, u64>,
     injected_failures: HashMap<String, CuResult>,
+    sweep: faults::Sweep,
 }
 
 impl Driver {
@@ -227,6 +235,9 @@ fn call_before_init(name: &'static str, body: impl FnOnce(&mut Driver) -> Outcom
         let mut driver = lock();
         *driver.calls.entry(name).or_default() += 1;
         if let Some(code) = driver.injected_failures.remove(name) {
+            return Err(code);
+        }
+        if let Some(code) = driver.sweep.on_call(name) {
             return Err(code);
         }
         body(&mut driver)
