@@ -40,9 +40,11 @@ COUNTERS = (
     "num_oom_rejections",
     "num_sync_all_streams",
 )
-#: Counters of PyTorch's that ferrocache has no event for: always 0 (``num_oom_rejections``,
-#: PyTorch 2.15, counts allocations refused without trying the device).
-ZERO_COUNTERS = ("num_oom_rejections",)
+#: Counters of PyTorch's that ferrocache has no event for: always 0 (``num_oom_rejections``
+#: counts allocations refused without trying the device), and the PyTorch version whose
+#: allocator has them: with an older PyTorch imported, the key is left out, as its allocator
+#: does.
+ZERO_COUNTERS = {"num_oom_rejections": (2, 15)}
 #: The keys of ``torch.cuda.memory_stats()`` for PyTorch's native allocator, sorted as it sorts.
 PYTORCH_STAT_KEYS: tuple[str, ...] = tuple(
     sorted(
@@ -58,8 +60,12 @@ EXTRA_STAT_KEYS = ("num_merges", "num_splits")
 def _library_stats(device: Device) -> dict[str, int]:
     index = _torch.device_index(device)
     stats = {str(k): int(v) for k, v in _lib.call_json("ferrocache_memory_stats", index).items()}
-    for name in ZERO_COUNTERS:
-        stats.setdefault(name, 0)
+    torch_version = _torch.version()
+    for name, since in ZERO_COUNTERS.items():
+        if torch_version is None or torch_version >= since:
+            stats.setdefault(name, 0)
+        else:
+            stats.pop(name, None)
     return stats
 
 
@@ -90,9 +96,11 @@ def memory_stats_as_nested_dict(device: Device = None) -> dict[str, Any]:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
-    # PyTorch >= 2.10 lists the memory reserved by each private pool (CUDA graphs) here; it is
+    # PyTorch >= 2.13 lists the memory reserved by each private pool (CUDA graphs) here; it is
     # empty without private pools, and no flat key comes from it.
-    nested.setdefault("reserved_bytes_by_private_pools", {})
+    torch_version = _torch.version()
+    if torch_version is None or torch_version >= (2, 13):
+        nested.setdefault("reserved_bytes_by_private_pools", {})
     return nested
 
 
