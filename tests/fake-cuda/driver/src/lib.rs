@@ -16,6 +16,7 @@
     reason = "every export has the contract of the CUDA driver function of the same name"
 )]
 
+mod call_log;
 mod device;
 mod memory;
 mod stubs;
