@@ -37,6 +37,7 @@ COUNTERS = (
     "num_device_alloc",
     "num_device_free",
     "num_ooms",
+    "num_oom_rejections",
     "num_sync_all_streams",
 )
 #: The keys of ``torch.cuda.memory_stats()`` for PyTorch's native allocator, sorted as it sorts.
