@@ -923,7 +923,7 @@ impl<D: Device> DeviceAllocator<D> {
             )));
         }
         let info = self.device.mem_get_info()?;
-        self.allowed_memory_maximum = Some((fraction * info.total as f64) as usize);
+        self.allowed_memory_maximum = policy::memory_fraction_limit(fraction, info.total);
         Ok(())
     }
 
