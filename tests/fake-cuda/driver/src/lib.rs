@@ -19,6 +19,7 @@
 mod call_log;
 mod device;
 mod memory;
+mod nvml;
 mod stubs;
 mod sync;
 mod vmm;
