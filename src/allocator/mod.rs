@@ -842,7 +842,9 @@ impl<D: Device> DeviceAllocator<D> {
             self.release_block(id)?;
             return Ok(true);
         }
-        // No single block is large enough: release oversize blocks, largest first.
+        // No single block is large enough: release oversize blocks, largest first. As in
+        // PyTorch, each is released as it is chosen, even when all of them together turn out
+        // too small (the caller then releases everything anyway).
         let mut to_release = Vec::new();
         let mut released = 0;
         for (size, id) in pool.smaller_than(request.stream, wanted) {
@@ -854,13 +856,10 @@ impl<D: Device> DeviceAllocator<D> {
                 released += size;
             }
         }
-        if released < wanted {
-            return Ok(false);
-        }
         for id in to_release {
             self.release_block(id)?;
         }
-        Ok(true)
+        Ok(released >= wanted)
     }
 
     /// `garbage_collect_cached_blocks`: with a memory fraction and a threshold set, releases
