@@ -237,6 +237,13 @@ impl<D: Device> DeviceAllocator<D> {
         request: &Request,
     ) -> Result<Option<BlockId>, AllocError> {
         let mut candidate = self.find_expandable_block(request)?;
+        let fresh = self.arena.get(candidate);
+        if !fresh.mapped && !fresh.is_split() && fresh.size < request.size {
+            // A new segment's whole range cannot hold the request (larger than 9/8 of the
+            // device): as PyTorch does, the range goes back at once and nothing is mapped.
+            self.release_expandable_segment(candidate)?;
+            return Ok(None);
+        }
         if !self.arena.get(candidate).mapped {
             let size = self.arena.get(candidate).size.min(request.size);
             if !self.map_block(candidate, size)? {
