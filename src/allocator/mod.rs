@@ -25,7 +25,7 @@ use crate::config::Config;
 use crate::device::{Device, DeviceError, DevicePtr, EventHandle, StreamId};
 use crate::logging;
 use crate::policy::{self, PoolKind};
-use block::{Block, BlockArena, BlockId};
+use block::{Block, BlockArena, BlockId, ExpandableId};
 use expandable::ExpandableSegment;
 use history::{History, TraceAction};
 use pool::BlockPool;
@@ -786,18 +786,29 @@ impl<D: Device> DeviceAllocator<D> {
             self.release_block(id)?;
         }
         for id in to_unmap {
+            let segment_id = self.arena.get(id).expandable;
             self.unmap_block(id)?;
+            // As in PyTorch, a segment left with nothing mapped gives its address range back
+            // at once, before the next block is unmapped.
+            if let Some(empty) = segment_id.and_then(|s| self.wholly_unmapped_block(pool, s)) {
+                self.release_expandable_segment(empty)?;
+            }
         }
-        // Segments with nothing mapped any more give their address range back too (PyTorch
-        // checks only the segments it just unmapped; one whose first growth failed stays).
-        let empty: Vec<BlockId> = self.pools[pool_index(pool)]
-            .unmapped_blocks()
-            .filter(|&id| !self.arena.get(id).is_split())
-            .collect();
-        for id in empty {
-            self.release_expandable_segment(id)?;
-        }
+        // A segment that had nothing mapped before this call (its first growth failed) keeps
+        // its address range, as in PyTorch, and serves the next request of its stream.
         Ok(())
+    }
+
+    /// The one block of expandable segment `segment` when nothing of it is mapped.
+    fn wholly_unmapped_block(&self, pool: PoolKind, segment: ExpandableId) -> Option<BlockId> {
+        let live = self.expandable_segments.get(segment as usize)?.as_ref()?;
+        if live.mapped_bytes() != 0 {
+            return None;
+        }
+        self.pools[pool_index(pool)].unmapped_blocks().find(|&id| {
+            let b = self.arena.get(id);
+            b.expandable == Some(segment) && !b.is_split()
+        })
     }
 
     /// `release_block`: gives a whole cached segment back to the device.
