@@ -212,3 +212,39 @@ fn max_split_size_with_expandable_segments_does_not_grow_without_bound() {
     );
     checked(&a);
 }
+
+#[test]
+fn a_request_larger_than_the_address_range_maps_nothing_and_gives_the_range_back() {
+    // PyTorch reserves 9/8 of the device per segment; a larger request reserves a range, finds
+    // it too small and frees it at once, on the first try and on the retry (seen by the oracle).
+    let mut a = expandable(GIB);
+    let err = a.malloc(GIB + GIB / 4, 0).unwrap_err();
+    assert!(matches!(err, AllocError::OutOfMemory(_)), "{err:?}");
+    assert_eq!(a.device().reserved_ranges(), 0);
+    assert_eq!(
+        a.device().counters().reserves,
+        2,
+        "the first try and the retry"
+    );
+    assert_eq!(a.device().counters().creates, 0, "nothing mapped");
+    assert_eq!(a.stats().num_alloc_retries, 1);
+    checked(&a);
+}
+
+#[test]
+fn a_segment_whose_first_growth_failed_keeps_its_range_and_serves_the_next_request() {
+    let mut a = expandable(GIB);
+    a.device_mut()
+        .fail_next(SimOp::CreatePhysical, 2, DeviceError::OutOfMemory);
+    assert!(a.malloc(30 * MIB, 0).is_err());
+    // As in PyTorch: the retry's release kept the empty segment, and the retry used it again.
+    assert_eq!(a.device().counters().reserves, 1);
+    assert_eq!(a.device().counters().address_frees, 0);
+    let p = a.malloc(30 * MIB, 0).unwrap();
+    assert_eq!(a.device().counters().reserves, 1);
+    a.free(p).unwrap();
+    a.empty_cache().unwrap();
+    // Unmapped to nothing: the range goes back at once.
+    assert_eq!(a.device().reserved_ranges(), 0);
+    checked(&a);
+}
