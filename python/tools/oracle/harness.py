@@ -167,11 +167,35 @@ def diff_stats(native: dict[str, int], ours: dict[str, int]) -> list[str]:
     return out
 
 
+def collapsed(calls: list[str]) -> list[str]:
+    """Runs of the same call as one entry ("cuMemCreate 20971520 ok x57")."""
+    out: list[str] = []
+    count = 0
+    for i, call in enumerate(calls):
+        count += 1
+        if i + 1 == len(calls) or calls[i + 1] != call:
+            out.append(call if count == 1 else f"{call} x{count}")
+            count = 0
+    return out
+
+
+def diff_calls(native: list[str], ours: list[str]) -> list[str]:
+    """Where the two lists of device calls part, with a little context, runs collapsed."""
+    common = 0
+    while common < min(len(native), len(ours)) and native[common] == ours[common]:
+        common += 1
+    start = max(0, common - 2)
+    return [
+        f"device calls agree for {common}, then: pytorch {collapsed(native[start:])[:12]}",
+        f"  ferrocache {collapsed(ours[start:])[:12]}",
+    ]
+
+
 def first_divergence(case: Case, native: dict[str, Any], ours: dict[str, Any]) -> Optional[Divergence]:
     for index, (a, b) in enumerate(zip(native["steps"], ours["steps"])):
         what = []
         if a["calls"] != b["calls"]:
-            what.append(f"device calls: pytorch {a['calls']}, ferrocache {b['calls']}")
+            what += diff_calls(a["calls"], b["calls"])
         if a["oom"] != b["oom"]:
             what.append(f"out of memory: pytorch {a['oom']}, ferrocache {b['oom']}")
         what += diff_stats(a["stats"], b["stats"])
