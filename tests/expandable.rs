@@ -1,9 +1,10 @@
 //! Expandable segments (`expandable_segments:True`) on the simulated GPU.
 
-use ferrocache::allocator::{AllocError, DeviceAllocator};
+use ferrocache::allocator::{AllocError, DeviceAllocator, ImportedBlock};
 use ferrocache::config::Config;
 use ferrocache::device::DeviceError;
 use ferrocache::device::sim::{SimDevice, SimOp};
+use ferrocache::policy::PoolKind;
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
@@ -247,4 +248,40 @@ fn a_segment_whose_first_growth_failed_keeps_its_range_and_serves_the_next_reque
     // Unmapped to nothing: the range goes back at once.
     assert_eq!(a.device().reserved_ranges(), 0);
     checked(&a);
+}
+
+#[test]
+fn an_imported_expandable_segment_grows_from_its_free_end() {
+    // The replay's start state for PyTorch's expandable segments: 50 MiB mapped (three 20 MiB
+    // pages), a live 40 MiB block at the start; the free end joins the next page mapped.
+    let mut a = expandable(GIB);
+    let live = [ImportedBlock {
+        offset: 0,
+        size: 40 * MIB,
+        requested_size: 40 * MIB,
+    }];
+    let (base, placed) = a
+        .import_expandable_segment(50 * MIB, 0, PoolKind::Large, &live)
+        .unwrap();
+    assert_eq!(placed, vec![base]);
+    assert_eq!(a.stats().reserved_bytes.all.current, 60 * MIB as i64);
+    assert_eq!(a.device().reserved_ranges(), 1);
+    checked(&a);
+    let maps = a.device().counters().maps;
+    let p = a.malloc(30 * MIB, 0).unwrap();
+    assert_eq!(p, base + 40 * MIB as u64, "the free end, grown");
+    assert_eq!(a.device().counters().maps, maps + 1);
+    assert_eq!(a.device().reserved_ranges(), 1);
+    checked(&a);
+    // A block past the mapped bytes is refused, and nothing is left behind.
+    let outside = [ImportedBlock {
+        offset: 40 * MIB,
+        size: 20 * MIB,
+        requested_size: 1,
+    }];
+    assert!(
+        a.import_expandable_segment(50 * MIB, 0, PoolKind::Large, &outside)
+            .is_err()
+    );
+    assert_eq!(a.device().reserved_ranges(), 1);
 }

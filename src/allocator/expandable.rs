@@ -298,16 +298,20 @@ impl<D: Device> DeviceAllocator<D> {
                 return Ok(start);
             }
         }
+        self.new_expandable_segment(request.stream, request.pool)
+    }
+
+    /// Reserves the address range of a new expandable segment for `stream` in `pool`; returns
+    /// its one block, unmapped, spanning the range.
+    pub(super) fn new_expandable_segment(
+        &mut self,
+        stream: StreamId,
+        pool: PoolKind,
+    ) -> Result<BlockId, AllocError> {
         let total = self.device.mem_get_info()?.total;
-        let page_size = request.pool.expandable_page_size(&self.config);
-        let segment = ExpandableSegment::reserve(
-            &mut self.device,
-            request.stream,
-            request.pool,
-            page_size,
-            total,
-        )?;
-        let mut block = Block::new(segment.base(), segment.size(), request.stream, request.pool);
+        let page_size = pool.expandable_page_size(&self.config);
+        let segment = ExpandableSegment::reserve(&mut self.device, stream, pool, page_size, total)?;
+        let mut block = Block::new(segment.base(), segment.size(), stream, pool);
         block.mapped = false;
         let segment_id = match self.expandable_segments.iter().position(Option::is_none) {
             Some(free) => {
@@ -321,7 +325,7 @@ impl<D: Device> DeviceAllocator<D> {
         };
         block.expandable = Some(segment_id as ExpandableId);
         let id = self.arena.insert(block);
-        self.pools[pool_index(request.pool)].insert_unmapped(id, self.arena.get(id));
+        self.pools[pool_index(pool)].insert_unmapped(id, self.arena.get(id));
         Ok(id)
     }
 
