@@ -44,6 +44,23 @@ def test_a_divergence_is_found_and_reported() -> None:
     assert "stat num_device_alloc" in str(divergence)
 
 
+def test_the_event_order_departure_is_recognised() -> None:
+    # Seed 0 under max_split_size_mb:64: at op 37 one malloc finds the events of three blocks on
+    # three streams complete; PyTorch frees them in hash order, ferrocache in stream order, and the
+    # inactive-split peak differs by one. Named departure "event order" (harness.EVENT_ORDER).
+    setting = next(s for s in harness.SETTINGS if s[0] == "max_split_64")
+    case = harness.random_program(0, setting)
+    native = harness.run_program(case, "native")
+    ours = harness.run_program(case, "ferrocache")
+    assert harness.first_divergence(case, native, ours) is None
+    assert case.departures == [f"{harness.EVENT_ORDER} at op 37"]
+    differing = harness.diff_stats(native["steps"][37]["stats"], ours["steps"][37]["stats"])
+    assert differing == ["stat inactive_split.small_pool.peak: pytorch 3, ferrocache 4"] or (
+        differing and all(line.split(":")[0][5:] in harness.EVENT_ORDER_KEYS for line in differing)
+    ), differing
+    assert harness.blocks_released_by_events(case, 37, native["steps"]) == 3
+
+
 REPLAY_SETTINGS = [s for s in harness.SETTINGS if s[0] in ("defaults", "max_split_64", "expandable")]
 
 

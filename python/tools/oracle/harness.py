@@ -56,6 +56,8 @@ class Case:
     streams: int
     event_delay: int
     ops: list[dict[str, Any]]
+    #: Named departures met while comparing (see :data:`EVENT_ORDER`), with their op.
+    departures: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         return (
@@ -156,10 +158,34 @@ class Divergence:
         return "\n".join(lines)
 
 
-def diff_stats(native: dict[str, int], ours: dict[str, int]) -> list[str]:
+#: Departure "event order": when one malloc (or empty_cache) finds the record_stream events of
+#: blocks on two or more streams complete, PyTorch frees those blocks in the order of its
+#: per-stream event queues, a ska::flat_hash_map keyed by stream (hash order), ferrocache in its
+#: own order. The blocks and every current value end the same; only the transient high-water
+#: marks of the inactive-split statistics can differ (by a block and its bytes), and then their
+#: peaks stay different. Pinned by test_oracle.py::test_the_event_order_departure_is_recognised.
+EVENT_ORDER = "event order"
+EVENT_ORDER_KEYS = frozenset(
+    f"{name}.{pool}.peak" for name in ("inactive_split", "inactive_split_bytes") for pool in ("all", "large_pool", "small_pool")
+)
+
+
+def blocks_released_by_events(case: Case, index: int, steps: list[dict[str, Any]]) -> int:
+    """How many blocks waiting for events the op at ``index`` freed (PyTorch's run)."""
+    before = steps[index - 1]["stats"].get("active.all.current", 0) if index else 0
+    after = steps[index]["stats"].get("active.all.current", 0)
+    op = case.ops[index]
+    allocated = 1 if op["op"] == "alloc" and not steps[index]["oom"] else 0
+    freed = 1 if op["op"] == "free" else 0
+    return before + allocated - freed - after
+
+
+def diff_stats(native: dict[str, int], ours: dict[str, int], ignored: frozenset[str] = frozenset()) -> list[str]:
     """Every key of PyTorch's memory_stats() whose value ferrocache does not have."""
     out = []
     for key, value in native.items():
+        if key in ignored:
+            continue
         if key not in ours:
             out.append(f"stat {key}: pytorch {value}, ferrocache has no such key")
         elif ours[key] != value:
@@ -192,13 +218,20 @@ def diff_calls(native: list[str], ours: list[str]) -> list[str]:
 
 
 def first_divergence(case: Case, native: dict[str, Any], ours: dict[str, Any]) -> Optional[Divergence]:
+    ignored: frozenset[str] = frozenset()
     for index, (a, b) in enumerate(zip(native["steps"], ours["steps"])):
         what = []
         if a["calls"] != b["calls"]:
             what += diff_calls(a["calls"], b["calls"])
         if a["oom"] != b["oom"]:
             what.append(f"out of memory: pytorch {a['oom']}, ferrocache {b['oom']}")
-        what += diff_stats(a["stats"], b["stats"])
+        stats = diff_stats(a["stats"], b["stats"], ignored)
+        only_event_order = stats and all(line.split(":")[0][len("stat ") :] in EVENT_ORDER_KEYS for line in stats)
+        if not what and only_event_order and blocks_released_by_events(case, index, native["steps"]) >= 2:
+            case.departures.append(f"{EVENT_ORDER} at op {index}")
+            ignored = EVENT_ORDER_KEYS
+            stats = []
+        what += stats
         if what:
             return Divergence(case, index, what)
     if native["segments"] != ours["segments"]:
@@ -282,18 +315,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"no setting {args.setting!r}; the settings are {[s[0] for s in SETTINGS]}")
     started = time.monotonic()
     failures = 0
+    departures = 0
     for i in range(args.cases):
         case = random_program(args.seed + i, settings[i % len(settings)], args.length)
         divergence = compare(case)
         if divergence is None:
-            print(f"ok   {case.describe()}", flush=True)
+            noted = f" (departures: {', '.join(case.departures)})" if case.departures else ""
+            print(f"ok   {case.describe()}{noted}", flush=True)
+            departures += bool(case.departures)
             continue
         failures += 1
         print(f"DIFF {divergence}", flush=True)
         if not args.keep_going:
             break
     elapsed = time.monotonic() - started
-    print(f"{args.cases} programs x settings, {failures} with differences, {elapsed:.0f} s")
+    print(
+        f"{args.cases} programs x settings, {failures} with unexplained differences, "
+        f"{departures} with a named departure, {elapsed:.0f} s"
+    )
     return 1 if failures else 0
 
 
