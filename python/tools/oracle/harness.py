@@ -299,6 +299,25 @@ def replay_native_recording(case: Case) -> dict[str, Any]:
     return {"row": rows[0], "native": native}
 
 
+#: The native recordings committed as replay test data (tests/data/oracle, see
+#: tests/replay.rs), made by ``scripts/oracle --record tests/data/oracle``.
+RECORDINGS = (("training_defaults", "defaults"), ("training_max_split_64", "max_split_64"), ("training_expandable", "expandable"))
+
+
+def record(directory: str) -> None:
+    """Writes the recordings of :data:`RECORDINGS`: training programs under PyTorch's allocator,
+    recorded from just before an ``empty_cache()``, without stack frames."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    for name, setting_name in RECORDINGS:
+        setting = next(s for s in SETTINGS if s[0] == setting_name)
+        case = training_program(1, setting)
+        for op in case.ops:
+            if op["op"] == "history":
+                op["stacks"] = False
+        run_program(case, "native", history=str(Path(directory) / f"{name}.pickle"))
+        print(f"{directory}/{name}.pickle: {case.describe()}")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     import argparse
     import time
@@ -309,7 +328,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--length", type=int, default=160, help="ops per program")
     parser.add_argument("--setting", help="only this setting (a name from the list)")
     parser.add_argument("--keep-going", action="store_true", help="run every case, even after a divergence")
+    parser.add_argument("--record", metavar="DIR", help="write the committed native recordings to DIR and stop")
     args = parser.parse_args(argv)
+    if args.record:
+        record(args.record)
+        return 0
     settings = [s for s in SETTINGS if args.setting in (None, s[0])]
     if not settings:
         parser.error(f"no setting {args.setting!r}; the settings are {[s[0] for s in SETTINGS]}")
