@@ -386,7 +386,12 @@ impl Model {
             if self.live.is_empty() && everything_releasable {
                 prop_assert_eq!(self.allocator.device().mapped_bytes(), 0);
                 prop_assert_eq!(self.allocator.device().live_physical_handles(), 0);
-                prop_assert_eq!(self.allocator.device().reserved_ranges(), 0);
+                // Address ranges may stay reserved: one whose first growth failed keeps its
+                // range, as in PyTorch (it holds no memory: nothing is mapped, checked above).
+                prop_assert!(
+                    self.allocator.device().reserved_ranges()
+                        <= self.allocator.expandable_segment_ranges().len()
+                );
             }
         } else {
             // Exactly the segments holding nothing went back.

@@ -264,6 +264,13 @@ impl<D: Device> DeviceAllocator<D> {
         request: &Request,
     ) -> Result<Option<BlockId>, AllocError> {
         let mut candidate = self.find_expandable_block(request)?;
+        let fresh = self.arena.get(candidate);
+        if !fresh.mapped && !fresh.is_split() && fresh.size < request.size {
+            // A new segment's whole range cannot hold the request (larger than 9/8 of the
+            // device): as PyTorch does, the range goes back at once and nothing is mapped.
+            self.release_expandable_segment(candidate)?;
+            return Ok(None);
+        }
         if !self.arena.get(candidate).mapped {
             let size = self.arena.get(candidate).size.min(request.size);
             if !self.map_block(candidate, size)? {
@@ -318,18 +325,23 @@ impl<D: Device> DeviceAllocator<D> {
                 return Ok(start);
             }
         }
+        self.new_expandable_segment(request.stream, request.pool, request.private_pool)
+    }
+
+    /// Reserves the address range of a new expandable segment for `stream` in `pool` (of a
+    /// private pool, or the ordinary one); returns its one block, unmapped, spanning the range.
+    pub(super) fn new_expandable_segment(
+        &mut self,
+        stream: StreamId,
+        pool: PoolKind,
+        private_pool: Option<PrivatePoolIndex>,
+    ) -> Result<BlockId, AllocError> {
         let total = self.device.mem_get_info()?.total;
-        let page_size = request.pool.expandable_page_size(&self.config);
-        let segment = ExpandableSegment::reserve(
-            &mut self.device,
-            request.stream,
-            request.pool,
-            page_size,
-            total,
-        )?;
-        let mut block = Block::new(segment.base(), segment.size(), request.stream, request.pool);
+        let page_size = pool.expandable_page_size(&self.config);
+        let segment = ExpandableSegment::reserve(&mut self.device, stream, pool, page_size, total)?;
+        let mut block = Block::new(segment.base(), segment.size(), stream, pool);
         block.mapped = false;
-        block.private_pool = request.private_pool;
+        block.private_pool = private_pool;
         let segment_id = match self.expandable_segments.iter().position(Option::is_none) {
             Some(free) => {
                 self.expandable_segments[free] = Some(segment);
@@ -343,9 +355,9 @@ impl<D: Device> DeviceAllocator<D> {
         block.expandable = Some(segment_id as ExpandableId);
         let id = self.arena.insert(block);
         self.pools
-            .get_mut(request.private_pool, request.pool)
+            .get_mut(private_pool, pool)
             .insert_unmapped(id, self.arena.get(id));
-        self.count_segment_taken(request.private_pool);
+        self.count_segment_taken(private_pool);
         Ok(id)
     }
 

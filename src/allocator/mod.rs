@@ -29,7 +29,7 @@ use crate::config::Config;
 use crate::device::{Device, DeviceError, DevicePtr, EventHandle, StreamId};
 use crate::logging;
 use crate::policy::{self, PoolKind};
-use block::{Block, BlockArena, BlockId};
+use block::{Block, BlockArena, BlockId, ExpandableId};
 use expandable::{ExpandableSegment, LeftoverPage};
 use history::{History, StackId, TraceAction};
 use private_pool::{BlockPools, Capture, MempoolId, PrivatePoolIndex};
@@ -884,20 +884,36 @@ impl<D: Device> DeviceAllocator<D> {
             self.release_block(id)?;
         }
         for id in to_unmap {
+            let segment_id = self.arena.get(id).expandable;
             self.unmap_block(id)?;
+            // As in PyTorch, a segment left with nothing mapped gives its address range back
+            // at once, before the next block is unmapped.
+            if let Some(empty) = segment_id.and_then(|s| self.wholly_unmapped_block(owner, pool, s))
+            {
+                self.release_expandable_segment(empty)?;
+            }
         }
-        // Segments with nothing mapped any more give their address range back too (PyTorch
-        // checks only the segments it just unmapped; one whose first growth failed stays).
-        let empty: Vec<BlockId> = self
-            .pools
-            .get(owner, pool)
-            .unmapped_blocks()
-            .filter(|&id| !self.arena.get(id).is_split())
-            .collect();
-        for id in empty {
-            self.release_expandable_segment(id)?;
-        }
+        // A segment that had nothing mapped before this call (its first growth failed) keeps
+        // its address range, as in PyTorch, and serves the next request of its stream.
         Ok(())
+    }
+
+    /// The one block of expandable segment `segment` (of block pool `owner`/`pool`) when nothing
+    /// of it is mapped.
+    fn wholly_unmapped_block(
+        &self,
+        owner: Option<PrivatePoolIndex>,
+        pool: PoolKind,
+        segment: ExpandableId,
+    ) -> Option<BlockId> {
+        let live = self.expandable_segments.get(segment as usize)?.as_ref()?;
+        if live.mapped_bytes() != 0 {
+            return None;
+        }
+        self.pools.get(owner, pool).unmapped_blocks().find(|&id| {
+            let b = self.arena.get(id);
+            b.expandable == Some(segment) && !b.is_split()
+        })
     }
 
     /// `release_block`: gives a whole cached segment back to the device.
@@ -945,7 +961,9 @@ impl<D: Device> DeviceAllocator<D> {
             self.release_block(id)?;
             return Ok(true);
         }
-        // No single block is large enough: release oversize blocks, largest first.
+        // No single block is large enough: release oversize blocks, largest first. As in
+        // PyTorch, each is released as it is chosen, even when all of them together turn out
+        // too small (the caller then releases everything anyway).
         let mut to_release = Vec::new();
         let mut released = 0;
         for (size, id) in pool.smaller_than(request.stream, wanted) {
@@ -957,13 +975,10 @@ impl<D: Device> DeviceAllocator<D> {
                 released += size;
             }
         }
-        if released < wanted {
-            return Ok(false);
-        }
         for id in to_release {
             self.release_block(id)?;
         }
-        Ok(true)
+        Ok(released >= wanted)
     }
 
     /// `garbage_collect_cached_blocks`: with a memory fraction and a threshold set, releases
@@ -1028,7 +1043,7 @@ impl<D: Device> DeviceAllocator<D> {
             )));
         }
         let info = self.device.mem_get_info()?;
-        self.allowed_memory_maximum = Some((fraction * info.total as f64) as usize);
+        self.allowed_memory_maximum = policy::memory_fraction_limit(fraction, info.total);
         Ok(())
     }
 

@@ -445,6 +445,20 @@ impl<D: Device> DeviceAllocator<D> {
         for index in unreferenced {
             self.release_blocks(Some(index), PoolKind::Small)?;
             self.release_blocks(Some(index), PoolKind::Large)?;
+            // Nobody can allocate from a pool nothing refers to: an expandable range of it with
+            // nothing mapped (its first growth failed) goes back too, which the ordinary pools
+            // keep for the next request of the stream.
+            for kind in [PoolKind::Small, PoolKind::Large] {
+                let unmapped: Vec<BlockId> = self
+                    .pools
+                    .get(Some(index), kind)
+                    .unmapped_blocks()
+                    .filter(|&id| !self.arena.get(id).is_split())
+                    .collect();
+                for id in unmapped {
+                    self.release_expandable_segment(id)?;
+                }
+            }
             if self.pools.private(index).segment_count == 0 {
                 let id = self.pools.private(index).id;
                 self.pools.forget(index);

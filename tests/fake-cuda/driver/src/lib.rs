@@ -16,9 +16,11 @@
     reason = "every export has the contract of the CUDA driver function of the same name"
 )]
 
+mod call_log;
 mod device;
 mod faults;
 mod memory;
+mod nvml;
 mod stubs;
 mod sync;
 mod vmm;

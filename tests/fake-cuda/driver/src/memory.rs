@@ -5,7 +5,7 @@ use std::ffi::{c_int, c_void};
 
 use crate::{
     CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
-    CuResult, Driver, GRANULARITY, Outcome, call, put, sync,
+    CuResult, Driver, GRANULARITY, Outcome, call, call_log, put, sync,
 };
 
 /// `cudaMalloc` guarantees at least this alignment.
@@ -66,7 +66,9 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: usize) -> CuResult 
         };
         let layout = Layout::from_size_align(size, alignment as usize)
             .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
-        driver.charge(device, size as u64)?;
+        let charged = driver.charge(device, size as u64);
+        call_log::alloc(size as u64, charged.is_ok());
+        charged?;
         // SAFETY: `layout` has a non-zero size.
         let memory = unsafe { std::alloc::alloc(layout) };
         if memory.is_null() {
@@ -91,6 +93,7 @@ pub extern "C" fn cuMemFree_v2(dptr: u64) -> CuResult {
             .remove(&dptr)
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
         driver.uncharge(allocation.device, allocation.layout.size() as u64);
+        call_log::free(allocation.layout.size() as u64);
         // SAFETY: `dptr` came from `std::alloc::alloc` with this very layout and is freed once,
         // since it was just removed from the table.
         unsafe { std::alloc::dealloc(dptr as *mut u8, allocation.layout) };

@@ -6,7 +6,7 @@ use std::ffi::{c_int, c_ulonglong, c_void};
 
 use crate::{
     CUDA_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED,
-    CUDA_ERROR_OUT_OF_MEMORY, CuResult, Driver, GRANULARITY, Outcome, call, get, put,
+    CUDA_ERROR_OUT_OF_MEMORY, CuResult, Driver, GRANULARITY, Outcome, call, call_log, get, put,
 };
 
 const ALLOCATION_TYPE_PINNED: u32 = 1;
@@ -201,7 +201,9 @@ pub unsafe extern "C" fn cuMemCreate(
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let device = prop.location.id;
-        driver.charge(device, size)?;
+        let charged = driver.charge(device, size);
+        call_log::create(size, charged.is_ok());
+        charged?;
         // SAFETY: plain syscalls on a fresh fd we own; failure is checked.
         let fd = unsafe { libc::memfd_create(c"fake-cuda-physical".as_ptr(), libc::MFD_CLOEXEC) };
         // SAFETY: as above.
@@ -285,6 +287,7 @@ pub unsafe extern "C" fn cuMemAddressReserve(
             }
         }
         driver.reservations.insert(start, size);
+        call_log::reserve(start, size);
         // SAFETY: `ptr` was checked non-NULL; the caller promises it is writable.
         unsafe { put(ptr, start) }
     })
@@ -302,6 +305,7 @@ pub extern "C" fn cuMemAddressFree(ptr: u64, size: usize) -> CuResult {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         driver.reservations.remove(&ptr);
+        call_log::address_free(ptr, size);
         // SAFETY: exactly the range we reserved, with nothing of ours mapped in it any more.
         unsafe { libc::munmap(ptr as *mut c_void, size as usize) };
         Ok(())
@@ -329,7 +333,7 @@ pub extern "C" fn cuMemMap(
         if !offset.is_multiple_of(GRANULARITY) || offset + size > physical.size {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        driver
+        let range = driver
             .reservation_containing(ptr, size)
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let overlaps_before = driver
@@ -365,6 +369,7 @@ pub extern "C" fn cuMemMap(
             accessible: false,
         };
         driver.mappings.insert(ptr, mapping);
+        call_log::mapping(true, range, ptr, size);
         Ok(())
     })
 }
@@ -420,6 +425,9 @@ pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CuResult {
         let last = starts[starts.len() - 1];
         if starts[0] != ptr || last + driver.mappings[&last].size != ptr + size {
             return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if let Some(range) = driver.reservation_containing(ptr, size) {
+            call_log::mapping(false, range, ptr, size);
         }
         for start in starts {
             if let Some(mapping) = driver.mappings.remove(&start) {
