@@ -44,7 +44,7 @@ COUNTERS = (
 #: counts allocations refused without trying the device), and the PyTorch version whose
 #: allocator has them: with an older PyTorch imported, the key is left out, as its allocator
 #: does.
-ZERO_COUNTERS = {"num_oom_rejections": (2, 15)}
+ZERO_COUNTERS = {"num_oom_rejections": (2, 12)}
 #: The keys of ``torch.cuda.memory_stats()`` for PyTorch's native allocator, sorted as it sorts.
 PYTORCH_STAT_KEYS: tuple[str, ...] = tuple(
     sorted(

@@ -59,8 +59,9 @@ def test_allocations_inside_a_capture_come_from_the_graphs_pool() -> None:
     assert out["pool"] != [0, 0]
     assert out["x_pool"] == out["pool"]
     assert out["outside_pool"] == [0, 0]
-    # Memory in private pools counts as allocated memory, as in PyTorch.
-    assert out["counted"] == 2 * MIB
+    # Memory in private pools counts as allocated memory, as in PyTorch (torch 2.12 and 2.13
+    # make a small allocation of their own inside every capture).
+    assert 2 * MIB <= out["counted"] <= 2 * MIB + 4096
 
 
 def test_a_block_freed_during_capture_is_not_handed_out_until_the_graph_is_reset() -> None:
