@@ -34,7 +34,9 @@ CHILD = r"""
 import json, os, sys, threading, time
 import numpy as np
 import torch, ferrocache
-ferrocache.install()
+native = os.environ.get("SOAK_NATIVE") == "1"
+if not native:
+    ferrocache.install()
 if os.environ.get("SOAK_FRACTION"):
     torch.cuda.set_per_process_memory_fraction(float(os.environ["SOAK_FRACTION"]))
 seconds = float(sys.argv[1])
@@ -74,8 +76,8 @@ start = time.time()
 while time.time() - start < seconds:
     time.sleep(SAMPLE_SECONDS)
     print(json.dumps({"t": round(time.time() - start, 1), "steps": sum(steps), "rss": rss(),
-                      "reserved": ferrocache.memory_reserved(),
-                      "allocated": ferrocache.memory_allocated()}), flush=True)
+                      "reserved": torch.cuda.memory_reserved() if native else ferrocache.memory_reserved(),
+                      "allocated": torch.cuda.memory_allocated() if native else ferrocache.memory_allocated()}), flush=True)
 stop.set()
 for t in threads:
     t.join()
