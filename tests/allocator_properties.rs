@@ -1,7 +1,9 @@
 //! Property tests: random programs of malloc / free / record_stream / empty_cache / injected
 //! device failures / CUDA graph captures into private pools (shared between captures through
 //! a few pool ids), on several streams, with sizes from 1 byte to 1 GiB, checking after every
-//! step that the allocator never hands out memory twice, that a pool's memory serves that pool
+//! step that the allocator never hands out memory twice, that memory reaches a stream only
+//! after every earlier use of it on other streams is ordered before that stream's work
+//! (completed, or waited for on the device: what cross-stream reuse relies on), that a pool's memory serves that pool
 //! only and stays its own while the pool is referenced or holds a live block, and that its
 //! books balance.
 
@@ -116,6 +118,13 @@ struct Model {
     completions: [u64; STREAMS.len()],
     syncs_seen: i64,
     expandable: bool,
+    /// The program's work on each live allocation, modelled as one kernel per use:
+    /// (stream index, its sequence number on the simulated device).
+    work: BTreeMap<DevicePtr, Vec<(usize, u64)>>,
+    /// Freed ranges with the work that used them, for the stream-order invariant.
+    used_ranges: Vec<(DevicePtr, usize, Vec<(usize, u64)>)>,
+    /// The device's free count last seen: `cudaFree` synchronizes the device.
+    frees_seen: u64,
 }
 
 impl Model {
@@ -133,6 +142,9 @@ impl Model {
             completions: [0; STREAMS.len()],
             syncs_seen: 0,
             expandable,
+            work: BTreeMap::new(),
+            used_ranges: Vec::new(),
+            frees_seen: 0,
         }
     }
 
@@ -152,6 +164,11 @@ impl Model {
                     prop_assert_eq!(info.private_pool.unwrap_or(ORDINARY), pool);
                     self.lift_synchronized_protections();
                     self.check_not_protected(ptr, info.size)?;
+                    self.check_stream_order(ptr, info.size, stream)?;
+                    self.work.insert(ptr, Vec::new());
+                    if !self.captures.iter().any(|&(_, s)| s == stream) {
+                        self.submit_work(ptr, stream);
+                    }
                     self.live.push(Live {
                         ptr,
                         size: info.size,
@@ -174,6 +191,8 @@ impl Model {
                 let Live { ptr, size, .. } = self.live.swap_remove(pick % self.live.len());
                 let mut uses = self.uses.remove(&ptr).unwrap_or_default();
                 let during_capture = self.capture_uses.remove(&ptr).unwrap_or_default();
+                let work = self.work.remove(&ptr).unwrap_or_default();
+                self.used_ranges.push((ptr, size, work));
                 self.allocator.free(ptr).unwrap();
                 let deferred = !uses.is_empty() && !self.captures.is_empty();
                 if deferred {
@@ -197,6 +216,9 @@ impl Model {
                 let ptr = self.live[pick % self.live.len()].ptr;
                 self.allocator.record_stream(ptr, STREAMS[stream]).unwrap();
                 self.record_use(ptr, stream);
+                if self.captures.is_empty() {
+                    self.submit_work(ptr, stream);
+                }
             }
             Op::CompleteStream { stream } => {
                 self.allocator.device_mut().complete_stream(STREAMS[stream]);
@@ -332,6 +354,45 @@ impl Model {
                 "{ptr:#x} reused before the streams that used {:#x} completed",
                 p.ptr
             );
+        }
+        Ok(())
+    }
+
+    /// The program's use of `ptr` on `stream`: one kernel. Not called for work that is part
+    /// of a graph (on a capturing stream, or a use recorded during a capture, which the
+    /// allocator treats as the graph's, as the `Protected` model does): it does not run now.
+    fn submit_work(&mut self, ptr: DevicePtr, stream: usize) {
+        let kernel = self.allocator.device_mut().submit_work(STREAMS[stream]);
+        self.work.entry(ptr).or_default().push((stream, kernel));
+    }
+
+    /// Stream order: memory handed to `stream` was used before only by work that `stream`'s
+    /// work is sure to follow (the same stream, completed work, or work `stream` waited for
+    /// through an event). A cross-stream reuse without its wait fails here.
+    fn check_stream_order(
+        &mut self,
+        ptr: DevicePtr,
+        size: usize,
+        stream: usize,
+    ) -> Result<(), TestCaseError> {
+        let device = self.allocator.device();
+        if device.counters().frees != self.frees_seen {
+            // cudaFree waits for the whole device.
+            self.frees_seen = device.counters().frees;
+            self.used_ranges.clear();
+        }
+        for (used, used_size, work) in &self.used_ranges {
+            if ptr < used + *used_size as u64 && *used < ptr + size as u64 {
+                for &(earlier, kernel) in work {
+                    prop_assert!(
+                        device.is_ordered_after(STREAMS[stream], STREAMS[earlier], kernel),
+                        "{ptr:#x} handed to stream {:#x} before it waited for work {kernel} of \
+                         stream {:#x} on {used:#x}",
+                        STREAMS[stream],
+                        STREAMS[earlier]
+                    );
+                }
+            }
         }
         Ok(())
     }
@@ -563,6 +624,24 @@ proptest! {
     #[test]
     fn expandable_segments_keep_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
         let config = Config { expandable_segments: true, ..Config::default() };
+        run(config, &ops)?;
+    }
+
+    #[test]
+    fn cross_stream_reuse_keeps_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
+        let config = Config { cross_stream: true, ..Config::default() };
+        run(config, &ops)?;
+    }
+
+    #[test]
+    fn cross_stream_reuse_with_max_split_size_keeps_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
+        let config = Config { cross_stream: true, max_split_size: 64 * MIB, ..Config::default() };
+        run(config, &ops)?;
+    }
+
+    #[test]
+    fn cross_stream_reuse_with_expandable_segments_keeps_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
+        let config = Config { cross_stream: true, expandable_segments: true, ..Config::default() };
         run(config, &ops)?;
     }
 

@@ -18,6 +18,7 @@
 
 pub mod block;
 mod check;
+pub mod cross_stream;
 pub mod expandable;
 pub mod history;
 mod import;
@@ -30,6 +31,7 @@ use crate::device::{Device, DeviceError, DevicePtr, EventHandle, StreamId};
 use crate::logging;
 use crate::policy::{self, PoolKind};
 use block::{Block, BlockArena, BlockId};
+use cross_stream::CrossStreamCounts;
 use expandable::ExpandableSegment;
 use history::{History, TraceAction};
 use private_pool::{BlockPools, Capture, MempoolId, PrivatePoolIndex};
@@ -177,6 +179,11 @@ pub struct DeviceAllocator<D: Device> {
     /// Live expandable segments; `None` marks a released slot.
     expandable_segments: Vec<Option<ExpandableSegment>>,
     history: History,
+    /// What cross-stream reuse (opt-in) did.
+    cross_stream: CrossStreamCounts,
+    /// Set while the cache is emptied, after the streams were synchronized: free neighbours of
+    /// different streams may merge.
+    merging_across_streams: bool,
 }
 
 impl<D: Device> DeviceAllocator<D> {
@@ -198,6 +205,8 @@ impl<D: Device> DeviceAllocator<D> {
             allowed_memory_maximum: None,
             expandable_segments: Vec::new(),
             history: History::default(),
+            cross_stream: CrossStreamCounts::default(),
+            merging_across_streams: false,
             config,
         };
         if let Some(fraction) = allocator.config.per_process_memory_fraction
@@ -291,7 +300,10 @@ impl<D: Device> DeviceAllocator<D> {
         };
         let id = match self.get_free_block(&request) {
             Some(id) => id,
-            None => self.allocate_new_block(&request, size)?,
+            None => match self.take_from_other_stream(&request)? {
+                Some(id) => id,
+                None => self.allocate_new_block(&request, size)?,
+            },
         };
         let split = policy::should_split(self.arena.get(id).size, rounded, pool, &self.config);
         Ok(self.alloc_found_block(id, &request, size, split))
@@ -656,7 +668,9 @@ impl<D: Device> DeviceAllocator<D> {
         let Some(src) = candidate else { return 0 };
         {
             let (s, d) = (self.arena.get(src), self.arena.get(dst));
-            if !s.is_available() || s.mapped != d.mapped {
+            let allowed = cross_stream::may_merge(s, d)
+                || (self.merging_across_streams && s.mapped == d.mapped);
+            if !s.is_available() || !allowed {
                 return 0;
             }
         }
@@ -824,6 +838,7 @@ impl<D: Device> DeviceAllocator<D> {
     fn release_cached_blocks(&mut self) -> Result<(), DeviceError> {
         if self.captures.is_empty() {
             self.synchronize_and_free_events()?;
+            self.coalesce_across_streams()?;
             self.release_blocks(None, PoolKind::Large)?;
             self.release_blocks(None, PoolKind::Small)?;
         }

@@ -49,6 +49,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuEventRecord",
     "cuEventQuery",
     "cuEventSynchronize",
+    "cuStreamWaitEvent",
     "cuMemGetAllocationGranularity",
     "cuMemAddressReserve",
     "cuMemAddressFree",
@@ -322,6 +323,15 @@ impl Device for CudaDevice {
 
     fn release_event(&mut self, event: EventHandle) {
         self.idle_events.push(event_handle(event));
+    }
+
+    fn wait_event(&mut self, stream: StreamId, event: EventHandle) -> Result<(), DeviceError> {
+        let _context = self.enter()?;
+        // SAFETY: `event` came from `record_event` and has not been released; `stream` is a
+        // stream handle from PyTorch.
+        check_call("cuStreamWaitEvent", || unsafe {
+            sys::cuStreamWaitEvent(stream_handle(stream), event_handle(event), 0)
+        })
     }
 
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError> {

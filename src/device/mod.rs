@@ -85,6 +85,10 @@ pub trait Device {
     fn synchronize_event(&mut self, event: EventHandle) -> Result<(), DeviceError>;
     /// Gives an event back (to a pool, or destroys it). Never fails visibly.
     fn release_event(&mut self, event: EventHandle);
+    /// `cuStreamWaitEvent`: work submitted to `stream` from now on runs after the work that
+    /// preceded `event` on its stream, with no host synchronization. The event may be released
+    /// (and recorded again) at once: the wait keeps the record it saw.
+    fn wait_event(&mut self, stream: StreamId, event: EventHandle) -> Result<(), DeviceError>;
     /// `cudaStreamSynchronize`.
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError>;
 
