@@ -93,6 +93,9 @@ struct Protected {
     until_no_capture: bool,
 }
 
+/// A freed range and the program's work on it: (address, size, [(stream index, kernel)]).
+type UsedRange = (DevicePtr, usize, Vec<(usize, u64)>);
+
 /// A live allocation, with the pool it must have come from.
 #[derive(Debug, Clone, Copy)]
 struct Live {
@@ -122,7 +125,7 @@ struct Model {
     /// (stream index, its sequence number on the simulated device).
     work: BTreeMap<DevicePtr, Vec<(usize, u64)>>,
     /// Freed ranges with the work that used them, for the stream-order invariant.
-    used_ranges: Vec<(DevicePtr, usize, Vec<(usize, u64)>)>,
+    used_ranges: Vec<UsedRange>,
     /// The device's free count last seen: `cudaFree` synchronizes the device.
     frees_seen: u64,
 }
