@@ -86,7 +86,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
 struct Protected {
     ptr: DevicePtr,
     size: usize,
-    /// Per stream that used it: the stream's completion count when the block was freed.
+    /// Per stream that used it: the last work queued on the stream when the block was freed
+    /// (the device's sequence number); protected until the device completed it.
     waits_for: Vec<(usize, u64)>,
     /// Freed during a capture with uses on other streams: not reusable at all before every
     /// capture has ended.
@@ -118,7 +119,6 @@ struct Model {
     /// Each private pool's memory at the last step: (start, end) ranges from the snapshot.
     pool_memory: BTreeMap<MempoolId, Vec<(u64, u64)>>,
     protected: Vec<Protected>,
-    completions: [u64; STREAMS.len()],
     syncs_seen: i64,
     expandable: bool,
     /// The program's work on each live allocation, modelled as one kernel per use:
@@ -142,7 +142,6 @@ impl Model {
             use_counts: BTreeMap::new(),
             pool_memory: BTreeMap::new(),
             protected: Vec::new(),
-            completions: [0; STREAMS.len()],
             syncs_seen: 0,
             expandable,
             work: BTreeMap::new(),
@@ -203,7 +202,11 @@ impl Model {
                     uses.retain(|s| !during_capture.contains(s));
                 }
                 if !uses.is_empty() || deferred {
-                    let waits_for = uses.iter().map(|&s| (s, self.completions[s])).collect();
+                    let device = self.allocator.device();
+                    let waits_for = uses
+                        .iter()
+                        .map(|&s| (s, device.last_submitted(STREAMS[s])))
+                        .collect();
                     self.protected.push(Protected {
                         ptr,
                         size,
@@ -225,7 +228,6 @@ impl Model {
             }
             Op::CompleteStream { stream } => {
                 self.allocator.device_mut().complete_stream(STREAMS[stream]);
-                self.completions[stream] += 1;
             }
             Op::EmptyCache => self.empty_cache()?,
             Op::FailNextMallocs { count } => {
@@ -340,7 +342,6 @@ impl Model {
     }
 
     fn check_not_protected(&mut self, ptr: DevicePtr, size: usize) -> Result<(), TestCaseError> {
-        let completions = self.completions;
         // A stream the allocator synchronized (unmapping pages waits for the segment's stream)
         // has finished too.
         let device = self.allocator.device();
@@ -348,7 +349,7 @@ impl Model {
             p.until_no_capture
                 || p.waits_for
                     .iter()
-                    .any(|&(s, at)| completions[s] <= at && !device.stream_is_idle(STREAMS[s]))
+                    .any(|&(s, at)| device.last_completed(STREAMS[s]) < at)
         });
         for p in &self.protected {
             let overlaps = ptr < p.ptr + p.size as u64 && p.ptr < ptr + size as u64;

@@ -37,8 +37,10 @@ use crate::policy;
 /// What cross-stream reuse did, for the replayer, statistics and tests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CrossStreamCounts {
-    /// Blocks taken from another stream's cache (each cost one event record and one wait).
+    /// Blocks taken from another stream's cache (whole, or merged from a run of neighbours).
     pub reuses: u64,
+    /// Event waits those cost (one per block; one per stream for a run).
+    pub waits: u64,
     /// Of those, blocks grown into another stream's expandable segment.
     pub segment_growths: u64,
     /// Takes abandoned because recording the event or the wait failed (the block stayed put).
@@ -88,10 +90,78 @@ impl<D: Device> DeviceAllocator<D> {
             pool.insert(id, self.arena.get_mut(id));
             return Ok(None);
         }
+        if let Some(id) = self.take_free_run(request) {
+            return Ok(Some(id));
+        }
         if self.config.expandable_segments {
             return self.grow_into_other_stream_segment(request);
         }
         Ok(None)
+    }
+
+    /// No single cached block fits, but adjacent free blocks of different streams together
+    /// may (they do not merge while the program runs): the smallest such run that may serve is
+    /// moved to the request's stream, one wait per stream it holds, and merged.
+    fn take_free_run(&mut self, request: &Request) -> Option<BlockId> {
+        let arena = &self.arena;
+        let pool = self.pools.get(None, request.pool);
+        let mut best: Option<(usize, Vec<BlockId>)> = None;
+        for start in pool.cached() {
+            let b = arena.get(start);
+            let starts_run = b
+                .prev
+                .is_none_or(|p| !arena.get(p).is_available() || !arena.get(p).mapped);
+            if !starts_run || (b.expandable.is_some() && !self.config.expandable_segments) {
+                continue;
+            }
+            let mut run = vec![start];
+            let mut total = b.size;
+            let mut cursor = b.next;
+            while let Some(n) = cursor.filter(|&n| {
+                let n = arena.get(n);
+                n.is_available() && n.mapped
+            }) {
+                run.push(n);
+                total += arena.get(n).size;
+                cursor = arena.get(n).next;
+            }
+            let serves = total >= request.size
+                && (b.expandable.is_some() || policy::may_serve(total, request.size, &self.config));
+            if run.len() > 1 && serves && best.as_ref().is_none_or(|(size, _)| total < *size) {
+                best = Some((total, run));
+            }
+        }
+        let (_, run) = best?;
+        let mut streams: Vec<StreamId> = run
+            .iter()
+            .map(|&id| self.arena.get(id).stream)
+            .filter(|&s| s != request.stream)
+            .collect();
+        streams.sort_unstable();
+        streams.dedup();
+        for &stream in &streams {
+            if let Err(err) = self.order_after(request.stream, stream) {
+                logging::device_error(
+                    "cross-stream reuse: could not order the streams; the blocks stay cached",
+                    &err,
+                );
+                self.cross_stream.failed_waits += 1;
+                return None;
+            }
+        }
+        for &id in &run {
+            let pool = self.pools.get_mut(None, request.pool);
+            pool.remove(id, self.arena.get(id));
+            let block = self.arena.get_mut(id);
+            block.stream = request.stream;
+            if id != run[0] {
+                self.pools.get_mut(None, request.pool).insert(id, block);
+            }
+        }
+        self.cross_stream.reuses += 1;
+        self.cross_stream.waits += streams.len() as u64;
+        self.absorb_free_neighbours(run[0]);
+        Some(run[0])
     }
 
     /// PyTorch's best fit over the other streams' cached blocks: the smallest that may serve,
@@ -140,6 +210,7 @@ impl<D: Device> DeviceAllocator<D> {
         }
         self.arena.get_mut(id).stream = stream;
         self.cross_stream.reuses += 1;
+        self.cross_stream.waits += 1;
         logging::cross_stream_reuse(ptr, size, from, stream);
         true
     }

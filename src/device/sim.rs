@@ -218,6 +218,11 @@ impl SimDevice {
         progress.submitted
     }
 
+    /// The sequence number of the last completed work of `stream` (0: none yet).
+    pub fn last_completed(&self, stream: StreamId) -> u64 {
+        self.streams.get(&stream).map_or(0, |p| p.completed)
+    }
+
     /// The sequence number of the last work queued on `stream` (0: none yet).
     pub fn last_submitted(&self, stream: StreamId) -> u64 {
         self.streams.get(&stream).map_or(0, |p| p.submitted)
