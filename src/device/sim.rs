@@ -115,8 +115,9 @@ pub struct SimDevice {
     next_event: EventHandle,
     streams: HashMap<StreamId, StreamProgress>,
     complete_immediately: bool,
-    /// Every `wait_event`, in call order.
+    /// Every `wait_event`, in call order (unless switched off).
     waits: Vec<SimWait>,
+    record_waits: bool,
     /// Per operation, the outcome of its next calls: `Some(error)` fails, `None` passes.
     faults: HashMap<SimOp, VecDeque<Option<DeviceError>>>,
     counters: SimCounters,
@@ -150,6 +151,7 @@ impl SimDevice {
             streams: HashMap::new(),
             complete_immediately: false,
             waits: Vec::new(),
+            record_waits: true,
             faults: HashMap::new(),
             counters: SimCounters::default(),
         }
@@ -242,6 +244,12 @@ impl SimDevice {
             .and_then(|p| p.waited_for.get(&earlier).copied())
             .unwrap_or(0);
         completed >= sequence || waited >= sequence
+    }
+
+    /// Keeps (or stops keeping) the log of waits that [`SimDevice::waits`] returns; stream
+    /// order is modelled either way. Benchmarks switch it off so memory stays flat.
+    pub fn set_record_waits(&mut self, on: bool) {
+        self.record_waits = on;
     }
 
     /// Every `wait_event` so far, in call order.
@@ -473,11 +481,13 @@ impl Device for SimDevice {
                 *waited = (*waited).max(sequence);
             }
         }
-        self.waits.push(SimWait {
-            stream,
-            event_stream: e.stream,
-            sequence: e.sequence,
-        });
+        if self.record_waits {
+            self.waits.push(SimWait {
+                stream,
+                event_stream: e.stream,
+                sequence: e.sequence,
+            });
+        }
         Ok(())
     }
 
