@@ -289,11 +289,12 @@ impl<D: Device> DeviceAllocator<D> {
                         (b.mapped && next.mapped && next.is_available() && next.stream != b.stream)
                             .then_some((id, b.stream, next.stream))
                     });
-                let Some((id, stream, other)) = pair else {
+                let Some((id, _, _)) = pair else {
                     break;
                 };
-                // The host waits for both streams: neither has work left on either block.
-                for s in [stream, other] {
+                // The host waits for every stream of the free run the merge will absorb: none
+                // has work left on any of its blocks.
+                for s in self.streams_of_free_run(id) {
                     self.device.synchronize_stream(s)?;
                     self.cross_stream.coalescing_synchronizations += 1;
                 }
@@ -307,6 +308,29 @@ impl<D: Device> DeviceAllocator<D> {
             }
         }
         Ok(())
+    }
+
+    /// The streams of the free mapped blocks adjacent to `id` (itself included), each once.
+    fn streams_of_free_run(&self, id: BlockId) -> Vec<StreamId> {
+        let free = |n: &Option<BlockId>| {
+            n.filter(|&n| {
+                let b = self.arena.get(n);
+                b.is_available() && b.mapped
+            })
+        };
+        let mut first = id;
+        while let Some(p) = free(&self.arena.get(first).prev) {
+            first = p;
+        }
+        let mut streams = Vec::new();
+        let mut cursor = Some(first);
+        while let Some(c) = cursor {
+            streams.push(self.arena.get(c).stream);
+            cursor = free(&self.arena.get(c).next);
+        }
+        streams.sort_unstable();
+        streams.dedup();
+        streams
     }
 
     /// Merges a free block that is out of its pool (just moved to another stream, or being
