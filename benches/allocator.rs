@@ -98,8 +98,48 @@ fn capture_cache_hit_pair(c: &mut Criterion) {
     group.finish();
 }
 
+/// Cross-stream reuse (FERROCACHE_CROSS_STREAM=1): a malloc on stream 1 that takes the block
+/// cached on stream 0 (one event record, one wait, one event release), then the same back,
+/// against the same-stream hit on the same allocator; each iteration is two malloc/free pairs.
+fn cross_stream_hit_pair(c: &mut Criterion) {
+    let mut group = c.benchmark_group("cross_stream_hit_malloc_free_x2");
+    let config = Config {
+        cross_stream: true,
+        ..Config::default()
+    };
+    let mut a = DeviceAllocator::new(SimDevice::new(1 << 40), 0, config);
+    a.device_mut().set_record_waits(false);
+    // Two 2 MiB small-pool segments filled exactly, then one hole: the only cached block, so
+    // every malloc below misses its own stream's cache and takes the other stream's.
+    let ptrs: Vec<u64> = (0..1_024).map(|_| a.malloc(BLOCK, 0).unwrap()).collect();
+    a.free(ptrs[512]).unwrap();
+    // The same-stream case runs on stream 0 first, where the hole is.
+    group.bench_function("same_stream", |b| {
+        b.iter(|| {
+            for stream in [0, 0] {
+                let p = a.malloc(black_box(BLOCK), stream).unwrap();
+                a.free(black_box(p)).unwrap();
+            }
+        })
+    });
+    group.bench_function("cross_stream", |b| {
+        b.iter(|| {
+            for stream in [1, 0] {
+                let p = a.malloc(black_box(BLOCK), stream).unwrap();
+                a.free(black_box(p)).unwrap();
+            }
+        })
+    });
+    assert!(
+        a.cross_stream_counts().reuses > 0,
+        "the cross-stream case took blocks"
+    );
+    group.finish();
+}
+
 criterion_group!(
     benches,
+    cross_stream_hit_pair,
     cache_hit_pair,
     large_cache_hit_pair,
     split_merge_pair,

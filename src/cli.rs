@@ -13,7 +13,7 @@
 use crate::config::Config;
 use crate::replay::{
     self, DeviceWorkload, NativeFigures, PlotPanel, PlotSeries, ReplayOptions, ReplayReport,
-    SegmentMismatch, StartState, Workload, demo,
+    SegmentMismatch, StartState, Workload, demo, demo_fsdp,
 };
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
@@ -74,6 +74,10 @@ struct ReplayArgs {
     /// PyTorch's defaults, the default).
     #[arg(long = "conf", value_name = "CONF")]
     confs: Vec<String>,
+    /// Replay with cross-stream reuse on (FERROCACHE_CROSS_STREAM=1): a stream's miss may take
+    /// another stream's cached block after a device-side event wait. Applies to every --conf.
+    #[arg(long)]
+    cross_stream: bool,
     /// Start from an empty GPU (allocations live at the start made first, in address order)
     /// instead of the segments and blocks PyTorch held when recording began.
     #[arg(long)]
@@ -106,6 +110,13 @@ const DEMO_CONFIGURATIONS: [&str; 4] = [
     "roundup_power2_divisions:4",
 ];
 const DEMO_NAME: &str = "demo";
+/// The settings the FSDP demo compares (each per stream, with cross-stream reuse, and on one
+/// stream) when no `--conf` is given.
+const FSDP_DEMO_CONFIGURATIONS: [&str; 2] = ["", "expandable_segments:True"];
+const FSDP_DEMO_NAME: &str = "demo-fsdp (4 streams)";
+const FSDP_ONE_STREAM_NAME: &str = "demo-fsdp (1 stream)";
+/// How a row with cross-stream reuse names its setting.
+const CROSS_STREAM_SUFFIX: &str = "+FERROCACHE_CROSS_STREAM=1";
 const GIB: f64 = (1u64 << 30) as f64;
 const MIB: f64 = (1u64 << 20) as f64;
 
@@ -183,10 +194,20 @@ fn replay_command(args: &ReplayArgs) -> u8 {
         complain!("error: nothing to replay: give TRACE files, or --demo");
         return USAGE_ERROR;
     }
-    let given = match parse_settings(&args.confs) {
+    let mut given = match parse_settings(&args.confs) {
         Ok(settings) => settings,
         Err(code) => return code,
     };
+    if args.cross_stream {
+        given = if given.is_empty() {
+            vec![with_cross_stream(Setting {
+                raw: String::new(),
+                config: Config::default(),
+            })]
+        } else {
+            given.into_iter().map(with_cross_stream).collect()
+        };
+    }
     let trace_settings = if given.is_empty() {
         vec![Setting {
             raw: String::new(),
@@ -266,6 +287,43 @@ fn replay_command(args: &ReplayArgs) -> u8 {
         }
     }
 
+    let mut fsdp_ops = 0;
+    if args.demo {
+        let workload = demo_fsdp::fsdp_training();
+        let one_stream = demo_fsdp::on_one_stream(&workload);
+        fsdp_ops = workload.ops.len();
+        let defaults: Vec<String> = FSDP_DEMO_CONFIGURATIONS
+            .iter()
+            .map(|c| c.to_string())
+            .collect();
+        let plain = if args.confs.is_empty() {
+            parse_settings(&defaults).unwrap_or_default()
+        } else {
+            parse_settings(&args.confs).unwrap_or_default()
+        };
+        for setting in plain {
+            let runs = [
+                (FSDP_DEMO_NAME, &workload, setting.clone()),
+                (
+                    FSDP_DEMO_NAME,
+                    &workload,
+                    with_cross_stream(setting.clone()),
+                ),
+                (FSDP_ONE_STREAM_NAME, &one_stream, setting),
+            ];
+            for (trace, workload, setting) in runs {
+                let report = replay::replay(workload, &setting.config, &options);
+                let row = Row {
+                    trace: trace.to_string(),
+                    conf: setting.raw.clone(),
+                    report,
+                    native: None,
+                };
+                emit(args.json, row, &mut rows);
+            }
+        }
+    }
+
     if rows.is_empty() && failed {
         // Nothing was replayed, and each unreadable trace has had its line on stderr: a table
         // without rows, its column key or an empty plot would only bury the errors.
@@ -288,6 +346,8 @@ fn replay_command(args: &ReplayArgs) -> u8 {
                 "{}",
                 wrap(&demo_explanation(&rows, demo_ops, args.capacity_gib), 100)
             );
+            say!();
+            say!("{}", wrap(&fsdp_demo_explanation(&rows, fsdp_ops), 100));
         }
     }
     if let Some(file) = &args.plot
@@ -316,9 +376,26 @@ fn parse_settings(confs: &[String]) -> Result<Vec<Setting>, u8> {
         .collect()
 }
 
+/// The setting with cross-stream reuse on, named so in the rows.
+fn with_cross_stream(setting: Setting) -> Setting {
+    let raw = if setting.raw.is_empty() {
+        CROSS_STREAM_SUFFIX.to_string()
+    } else {
+        format!("{} {CROSS_STREAM_SUFFIX}", setting.raw)
+    };
+    Setting {
+        raw,
+        config: Config {
+            cross_stream: true,
+            ..setting.config
+        },
+    }
+}
+
 /// Whether two settings make the same allocator decisions (the fields ferrocache acts on).
 fn same_policy(a: &Config, b: &Config) -> bool {
-    a.max_split_size == b.max_split_size
+    a.cross_stream == b.cross_stream
+        && a.max_split_size == b.max_split_size
         && a.max_non_split_rounding_size == b.max_non_split_rounding_size
         && a.garbage_collection_threshold == b.garbage_collection_threshold
         && a.roundup_power2_divisions == b.roundup_power2_divisions
@@ -341,6 +418,7 @@ fn emit(json: bool, row: Row, rows: &mut Vec<Row>) {
             "device_mallocs": row.report.device_mallocs,
             "device_frees": row.report.device_frees,
             "retries": row.report.retries,
+            "cross_stream_reuses": row.report.cross_stream_reuses,
             "ooms": row.report.ooms,
             "native_peak_reserved_bytes": native.map(|n| n.peak_reserved),
             "native_segment_allocs": native.map(|n| n.segment_allocs),
@@ -592,6 +670,56 @@ fn column_key() -> String {
      recording; matching = how many of PyTorch's segment decisions ferrocache made identically \
      (same size, in the malloc of the same request)."
         .to_string()
+}
+
+/// The paragraph about the FSDP demo's rows: peak reserved per stream, with cross-stream reuse,
+/// and on one stream, per setting.
+fn fsdp_demo_explanation(rows: &[Row], ops: usize) -> String {
+    let mut text = format!(
+        "The FSDP demo is {} allocation events of an FSDP-style training step on four streams \
+         (16 layers; parameters all-gathered in a burst on one stream, activations on compute, \
+         gradient buckets on a reduce-scatter stream, batches on a data stream), replayed per \
+         stream as PyTorch caches, with cross-stream reuse ({CROSS_STREAM_SUFFIX}), and as the \
+         same program put on one stream.",
+        grouped(ops as u64)
+    );
+    let reserved = |trace: &str, conf: &str| {
+        rows.iter()
+            .find(|r| r.trace == trace && r.conf == conf)
+            .map(|r| r.report.peak_reserved)
+    };
+    for conf in rows
+        .iter()
+        .filter(|r| r.trace == FSDP_ONE_STREAM_NAME)
+        .map(|r| r.conf.as_str())
+    {
+        let cross = with_cross_stream(Setting {
+            raw: conf.to_string(),
+            config: Config::default(),
+        })
+        .raw;
+        if let (Some(per_stream), Some(shared), Some(one)) = (
+            reserved(FSDP_DEMO_NAME, conf),
+            reserved(FSDP_DEMO_NAME, &cross),
+            reserved(FSDP_ONE_STREAM_NAME, conf),
+        ) {
+            text.push_str(&format!(
+                " Under {}: {} reserved per stream ({:.2}x one stream), {} with cross-stream \
+                 reuse ({:.2}x), {} on one stream.",
+                conf_name(conf),
+                bytes(per_stream),
+                ratio_of(per_stream, one),
+                bytes(shared),
+                ratio_of(shared, one),
+                bytes(one)
+            ));
+        }
+    }
+    text
+}
+
+fn ratio_of(a: u64, b: u64) -> f64 {
+    if b == 0 { 0.0 } else { a as f64 / b as f64 }
 }
 
 /// The paragraph under the demo's table, with its figures.

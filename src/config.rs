@@ -142,9 +142,35 @@ pub struct Config {
     pub pinned_use_cuda_host_register: bool,
     /// `graph_capture_record_stream_reuse`; shown in snapshots, not used by ferrocache.
     pub graph_capture_record_stream_reuse: bool,
+    /// ferrocache's own opt-in (`FERROCACHE_CROSS_STREAM`, never a key of
+    /// `PYTORCH_CUDA_ALLOC_CONF`): a request that misses its stream's cache may take a block
+    /// cached on another stream, after a device-side wait (see `allocator::cross_stream`).
+    pub cross_stream: bool,
     /// Things PyTorch lets pass that look like mistakes (a `,` where a `:` belongs, `40MB`, a
     /// variable hidden by another), one sentence each, no duplicates; for the caller to log.
     pub warnings: Vec<String>,
+}
+
+/// ferrocache's own variable for cross-stream reuse (PyTorch would reject a new key in
+/// `PYTORCH_CUDA_ALLOC_CONF`).
+pub const CROSS_STREAM_VAR: &str = "FERROCACHE_CROSS_STREAM";
+
+/// Reads `FERROCACHE_CROSS_STREAM`: `1`/`true`/`yes`/`on` turn the mode on, `0`/`false`/`no`/
+/// `off`/empty leave it off; anything else leaves it off with a warning (bad input never
+/// stops the allocator).
+fn apply_cross_stream_var(config: &mut Config, value: Option<String>) {
+    let Some(value) = value else { return };
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => config.cross_stream = true,
+        "" | "0" | "false" | "no" | "off" => config.cross_stream = false,
+        _ => push_unique(
+            &mut config.warnings,
+            format!(
+                "{CROSS_STREAM_VAR}={value:?} is not understood (expected 1 or 0); \
+                 cross-stream reuse stays off"
+            ),
+        ),
+    }
 }
 
 impl Default for Config {
@@ -164,6 +190,7 @@ impl Default for Config {
             pinned_num_register_threads: 1,
             pinned_use_cuda_host_register: false,
             graph_capture_record_stream_reuse: false,
+            cross_stream: false,
             warnings: Vec::new(),
         }
     }
@@ -218,7 +245,14 @@ impl Config {
     /// the first of [`ALLOC_CONF_VARS`] that is set is parsed and recorded in
     /// [`Config::source`]; none set gives the defaults.
     pub fn from_vars(lookup: impl Fn(&str) -> Option<String>) -> Result<Config> {
-        let Some((name, value)) = selected_alloc_conf(&lookup) else {
+        let mut config = Config::from_alloc_conf_vars(&lookup)?;
+        apply_cross_stream_var(&mut config, lookup(CROSS_STREAM_VAR));
+        Ok(config)
+    }
+
+    /// `PYTORCH_CUDA_ALLOC_CONF` and its aliases alone.
+    fn from_alloc_conf_vars(lookup: &impl Fn(&str) -> Option<String>) -> Result<Config> {
+        let Some((name, value)) = selected_alloc_conf(lookup) else {
             return Ok(Config::default());
         };
         let mut config = Config::parse(&value)?;
@@ -271,6 +305,12 @@ impl Config {
             lines.push(format!(
                 "expandable_segments: {}",
                 py_bool(self.expandable_segments)
+            ));
+        }
+        if self.cross_stream {
+            lines.push(format!(
+                "cross-stream reuse: on ({CROSS_STREAM_VAR}; a stream's miss may take another \
+                 stream's cached block after one device-side event wait)"
             ));
         }
         if let Some(fraction) = self.per_process_memory_fraction {

@@ -64,6 +64,11 @@ pub fn block_allocated(ptr: DevicePtr, size: usize, stream: StreamId) {
 }
 
 #[inline]
+pub fn cross_stream_reuse(ptr: DevicePtr, size: usize, from: StreamId, to: StreamId) {
+    info!(target: TARGET, "Allocator: block {ptr:#x} (size {}) moves from stream {} to stream {} after an event wait", HumanSize(size), StreamName(from), StreamName(to));
+}
+
+#[inline]
 pub fn block_split(ptr: DevicePtr, size: usize, remaining: usize) {
     info!(target: TARGET, "Allocator: splitting block {ptr:#x}: {} allocated, {} remains free", HumanSize(size), HumanSize(remaining));
 }

@@ -1,7 +1,9 @@
 //! Property tests: random programs of malloc / free / record_stream / empty_cache / injected
 //! device failures / CUDA graph captures into private pools (shared between captures through
 //! a few pool ids), on several streams, with sizes from 1 byte to 1 GiB, checking after every
-//! step that the allocator never hands out memory twice, that a pool's memory serves that pool
+//! step that the allocator never hands out memory twice, that memory reaches a stream only
+//! after every earlier use of it on other streams is ordered before that stream's work
+//! (completed, or waited for on the device: what cross-stream reuse relies on), that a pool's memory serves that pool
 //! only and stays its own while the pool is referenced or holds a live block, and that its
 //! books balance.
 
@@ -84,12 +86,16 @@ fn op_strategy() -> impl Strategy<Value = Op> {
 struct Protected {
     ptr: DevicePtr,
     size: usize,
-    /// Per stream that used it: the stream's completion count when the block was freed.
+    /// Per stream that used it: the last work queued on the stream when the block was freed
+    /// (the device's sequence number); protected until the device completed it.
     waits_for: Vec<(usize, u64)>,
     /// Freed during a capture with uses on other streams: not reusable at all before every
     /// capture has ended.
     until_no_capture: bool,
 }
+
+/// A freed range and the program's work on it: (address, size, [(stream index, kernel)]).
+type UsedRange = (DevicePtr, usize, Vec<(usize, u64)>);
 
 /// A live allocation, with the pool it must have come from.
 #[derive(Debug, Clone, Copy)]
@@ -113,9 +119,15 @@ struct Model {
     /// Each private pool's memory at the last step: (start, end) ranges from the snapshot.
     pool_memory: BTreeMap<MempoolId, Vec<(u64, u64)>>,
     protected: Vec<Protected>,
-    completions: [u64; STREAMS.len()],
     syncs_seen: i64,
     expandable: bool,
+    /// The program's work on each live allocation, modelled as one kernel per use:
+    /// (stream index, its sequence number on the simulated device).
+    work: BTreeMap<DevicePtr, Vec<(usize, u64)>>,
+    /// Freed ranges with the work that used them, for the stream-order invariant.
+    used_ranges: Vec<UsedRange>,
+    /// The device's free count last seen: `cudaFree` synchronizes the device.
+    frees_seen: u64,
 }
 
 impl Model {
@@ -130,9 +142,11 @@ impl Model {
             use_counts: BTreeMap::new(),
             pool_memory: BTreeMap::new(),
             protected: Vec::new(),
-            completions: [0; STREAMS.len()],
             syncs_seen: 0,
             expandable,
+            work: BTreeMap::new(),
+            used_ranges: Vec::new(),
+            frees_seen: 0,
         }
     }
 
@@ -152,6 +166,11 @@ impl Model {
                     prop_assert_eq!(info.private_pool.unwrap_or(ORDINARY), pool);
                     self.lift_synchronized_protections();
                     self.check_not_protected(ptr, info.size)?;
+                    self.check_stream_order(ptr, info.size, stream)?;
+                    self.work.insert(ptr, Vec::new());
+                    if !self.captures.iter().any(|&(_, s)| s == stream) {
+                        self.submit_work(ptr, stream);
+                    }
                     self.live.push(Live {
                         ptr,
                         size: info.size,
@@ -174,6 +193,8 @@ impl Model {
                 let Live { ptr, size, .. } = self.live.swap_remove(pick % self.live.len());
                 let mut uses = self.uses.remove(&ptr).unwrap_or_default();
                 let during_capture = self.capture_uses.remove(&ptr).unwrap_or_default();
+                let work = self.work.remove(&ptr).unwrap_or_default();
+                self.used_ranges.push((ptr, size, work));
                 self.allocator.free(ptr).unwrap();
                 let deferred = !uses.is_empty() && !self.captures.is_empty();
                 if deferred {
@@ -181,7 +202,11 @@ impl Model {
                     uses.retain(|s| !during_capture.contains(s));
                 }
                 if !uses.is_empty() || deferred {
-                    let waits_for = uses.iter().map(|&s| (s, self.completions[s])).collect();
+                    let device = self.allocator.device();
+                    let waits_for = uses
+                        .iter()
+                        .map(|&s| (s, device.last_submitted(STREAMS[s])))
+                        .collect();
                     self.protected.push(Protected {
                         ptr,
                         size,
@@ -197,10 +222,12 @@ impl Model {
                 let ptr = self.live[pick % self.live.len()].ptr;
                 self.allocator.record_stream(ptr, STREAMS[stream]).unwrap();
                 self.record_use(ptr, stream);
+                if self.captures.is_empty() {
+                    self.submit_work(ptr, stream);
+                }
             }
             Op::CompleteStream { stream } => {
                 self.allocator.device_mut().complete_stream(STREAMS[stream]);
-                self.completions[stream] += 1;
             }
             Op::EmptyCache => self.empty_cache()?,
             Op::FailNextMallocs { count } => {
@@ -315,7 +342,6 @@ impl Model {
     }
 
     fn check_not_protected(&mut self, ptr: DevicePtr, size: usize) -> Result<(), TestCaseError> {
-        let completions = self.completions;
         // A stream the allocator synchronized (unmapping pages waits for the segment's stream)
         // has finished too.
         let device = self.allocator.device();
@@ -323,7 +349,7 @@ impl Model {
             p.until_no_capture
                 || p.waits_for
                     .iter()
-                    .any(|&(s, at)| completions[s] <= at && !device.stream_is_idle(STREAMS[s]))
+                    .any(|&(s, at)| device.last_completed(STREAMS[s]) < at)
         });
         for p in &self.protected {
             let overlaps = ptr < p.ptr + p.size as u64 && p.ptr < ptr + size as u64;
@@ -332,6 +358,45 @@ impl Model {
                 "{ptr:#x} reused before the streams that used {:#x} completed",
                 p.ptr
             );
+        }
+        Ok(())
+    }
+
+    /// The program's use of `ptr` on `stream`: one kernel. Not called for work that is part
+    /// of a graph (on a capturing stream, or a use recorded during a capture, which the
+    /// allocator treats as the graph's, as the `Protected` model does): it does not run now.
+    fn submit_work(&mut self, ptr: DevicePtr, stream: usize) {
+        let kernel = self.allocator.device_mut().submit_work(STREAMS[stream]);
+        self.work.entry(ptr).or_default().push((stream, kernel));
+    }
+
+    /// Stream order: memory handed to `stream` was used before only by work that `stream`'s
+    /// work is sure to follow (the same stream, completed work, or work `stream` waited for
+    /// through an event). A cross-stream reuse without its wait fails here.
+    fn check_stream_order(
+        &mut self,
+        ptr: DevicePtr,
+        size: usize,
+        stream: usize,
+    ) -> Result<(), TestCaseError> {
+        let device = self.allocator.device();
+        if device.counters().frees != self.frees_seen {
+            // cudaFree waits for the whole device.
+            self.frees_seen = device.counters().frees;
+            self.used_ranges.clear();
+        }
+        for (used, used_size, work) in &self.used_ranges {
+            if ptr < used + *used_size as u64 && *used < ptr + size as u64 {
+                for &(earlier, kernel) in work {
+                    prop_assert!(
+                        device.is_ordered_after(STREAMS[stream], STREAMS[earlier], kernel),
+                        "{ptr:#x} handed to stream {:#x} before it waited for work {kernel} of \
+                         stream {:#x} on {used:#x}",
+                        STREAMS[stream],
+                        STREAMS[earlier]
+                    );
+                }
+            }
         }
         Ok(())
     }
@@ -572,8 +637,165 @@ proptest! {
     }
 
     #[test]
+    fn cross_stream_reuse_keeps_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
+        let config = Config { cross_stream: true, ..Config::default() };
+        run(config, &ops)?;
+    }
+
+    #[test]
+    fn cross_stream_reuse_with_max_split_size_keeps_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
+        let config = Config { cross_stream: true, max_split_size: 64 * MIB, ..Config::default() };
+        run(config, &ops)?;
+    }
+
+    #[test]
+    fn cross_stream_reuse_with_expandable_segments_keeps_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
+        let config = Config { cross_stream: true, expandable_segments: true, ..Config::default() };
+        run(config, &ops)?;
+    }
+
+    #[test]
     fn expandable_segments_with_max_split_size_keep_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
         let config = Config { expandable_segments: true, max_split_size: 64 * MIB, ..Config::default() };
         run(config, &ops)?;
     }
+}
+
+/// Found by the stream-order invariant with 1500 cases, under the default settings too (so not
+/// cross-stream reuse): a block used on stream 1 during a capture and again after it, then freed
+/// during a second capture, lost the later use when the deferred free was processed (the
+/// capture-only use was dropped, and the later one with it), and was handed to another stream
+/// before stream 1's work completed. Fixed in `DeviceAllocator::record_stream`.
+#[test]
+fn stream_order_after_a_capture_reproducer() {
+    let ops = vec![
+        Op::FailNextMallocs { count: 1 },
+        Op::FailNextMallocs { count: 1 },
+        Op::Malloc { size: 1, stream: 0 },
+        Op::Malloc { size: 1, stream: 0 },
+        Op::Malloc { size: 1, stream: 2 },
+        Op::Malloc { size: 1, stream: 2 },
+        Op::Malloc { size: 1, stream: 0 },
+        Op::Malloc {
+            size: 1048577,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 9884193983658976918,
+        },
+        Op::Malloc { size: 1, stream: 0 },
+        Op::Malloc {
+            size: 1048577,
+            stream: 0,
+        },
+        Op::Malloc { size: 1, stream: 0 },
+        Op::Malloc {
+            size: 266753,
+            stream: 0,
+        },
+        Op::BeginCapture { pool: 0, stream: 0 },
+        Op::Malloc { size: 1, stream: 1 },
+        Op::FailNextMallocs { count: 2 },
+        Op::Malloc {
+            size: 1048577,
+            stream: 0,
+        },
+        Op::Malloc { size: 1, stream: 0 },
+        Op::Free {
+            pick: 8954510606765422733,
+        },
+        Op::Malloc { size: 1, stream: 0 },
+        Op::Malloc { size: 1, stream: 0 },
+        Op::Malloc { size: 1, stream: 0 },
+        Op::Free {
+            pick: 12171756328749052,
+        },
+        Op::Malloc {
+            size: 513,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 257367167942183,
+        },
+        Op::Free {
+            pick: 12646563529689092,
+        },
+        Op::RecordStream {
+            pick: 3606233356582466869,
+            stream: 1,
+        },
+        Op::Malloc { size: 1, stream: 0 },
+        Op::Free {
+            pick: 4840475957162,
+        },
+        Op::Malloc { size: 1, stream: 0 },
+        Op::Free {
+            pick: 852954114355635802,
+        },
+        Op::Free {
+            pick: 1009299016657574698,
+        },
+        Op::Free {
+            pick: 4179632751064003214,
+        },
+        Op::Malloc {
+            size: 513,
+            stream: 0,
+        },
+        Op::RecordStream { pick: 0, stream: 0 },
+        Op::Free {
+            pick: 1347084106251579694,
+        },
+        Op::EndCapture { pick: 0 },
+        Op::RecordStream {
+            pick: 4861022837158382750,
+            stream: 0,
+        },
+        Op::Malloc {
+            size: 513,
+            stream: 1,
+        },
+        Op::Free { pick: 25122616274 },
+        Op::FailNextMallocs { count: 2 },
+        Op::Malloc {
+            size: 513,
+            stream: 1,
+        },
+        Op::Malloc { size: 1, stream: 0 },
+        Op::Free {
+            pick: 11618154049027970698,
+        },
+        Op::Free {
+            pick: 13521441309056067879,
+        },
+        Op::Free {
+            pick: 108428552374319809,
+        },
+        Op::Malloc {
+            size: 18873345,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 8541037271522732,
+        },
+        Op::RecordStream {
+            pick: 2960393431113227871,
+            stream: 1,
+        },
+        Op::BeginCapture { pool: 0, stream: 0 },
+        Op::Free {
+            pick: 4351898413661277102,
+        },
+        Op::Free {
+            pick: 256080468419037390,
+        },
+        Op::Malloc { size: 1, stream: 0 },
+        Op::Malloc { size: 1, stream: 0 },
+        Op::Free {
+            pick: 9515255212093787421,
+        },
+        Op::EndCapture { pick: 0 },
+        Op::Malloc { size: 1, stream: 2 },
+    ];
+    run(Config::default(), &ops).unwrap();
 }

@@ -9,8 +9,9 @@ use std::process::{Command, Output};
 mod traces;
 use traces::traces_dir;
 
-const JSON_KEYS: [&str; 15] = [
+const JSON_KEYS: [&str; 16] = [
     "trace",
+    "cross_stream_reuses",
     "conf",
     "events",
     "peak_requested_bytes",
@@ -106,15 +107,21 @@ fn json_rows_have_exactly_the_documented_keys() {
     ]);
     assert!(output.status.success(), "{}", stderr(&output));
     let rows = json_rows(&output);
-    assert_eq!(rows.len(), 2);
+    // Two transformer rows, then per setting the FSDP demo per stream, with cross-stream
+    // reuse, and on one stream.
+    assert_eq!(rows.len(), 2 + 2 * 3);
+    assert!(rows[2..].iter().all(|r| {
+        r["trace"]
+            .as_str()
+            .is_some_and(|t| t.starts_with("demo-fsdp"))
+    }));
     for row in &rows {
         assert_keys(row);
-        assert_eq!(row["trace"], "demo");
         // The demo has no PyTorch recording.
         assert!(row["native_peak_reserved_bytes"].is_null());
         assert!(row["native_segment_allocs"].is_null());
         assert!(row["matching_segment_allocs"].is_null());
-        assert!(row["events"].as_u64().unwrap() > 5_000);
+        assert!(row["events"].as_u64().unwrap() > 1_000);
         assert!(
             row["events_per_second"].is_null() || row["events_per_second"].as_f64().unwrap() > 0.0
         );
@@ -195,7 +202,8 @@ fn the_plot_is_an_svg_with_a_line_pair_per_configuration() {
     assert!(output.status.success(), "{}", stderr(&output));
     let svg = std::fs::read_to_string(&file).expect("the plot was written");
     assert!(svg.starts_with("<svg"));
-    assert_eq!(svg.matches("<polyline").count(), 8);
+    // Reserved and requested per row: four transformer rows, six FSDP rows.
+    assert_eq!(svg.matches("<polyline").count(), 20);
     assert!(svg.contains("roundup_power2_divisions:4"));
     assert!(svg.contains("GiB</text>"));
 
@@ -344,4 +352,35 @@ fn check_config_accepts_and_explains_or_rejects_with_pytorchs_words() {
     let err = stderr(&output);
     assert!(err.contains("garbage_collection_threshold"), "{err}");
     assert_eq!(err.lines().count(), 1);
+}
+
+/// The multi-stream demo: cross-stream reuse brings four streams to within 5% of the same
+/// program on one stream, with and without expandable segments (the target), and
+/// `--cross-stream` turns the mode on for every setting.
+#[test]
+fn cross_stream_reuse_reserves_about_what_one_stream_does() {
+    let output = ferrocache(&["replay", "--demo", "--json", "--cross-stream"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let rows = json_rows(&output);
+    let demo: Vec<_> = rows.iter().filter(|r| r["trace"] == "demo").collect();
+    assert_eq!(demo.len(), 1);
+    assert_eq!(demo[0]["conf"], "+FERROCACHE_CROSS_STREAM=1");
+    let peak = |trace: &str, conf: &str| {
+        rows.iter()
+            .find(|r| r["trace"] == trace && r["conf"] == conf)
+            .and_then(|r| r["peak_reserved_bytes"].as_f64())
+            .unwrap_or_else(|| panic!("no row {trace} {conf}"))
+    };
+    for conf in ["", "expandable_segments:True"] {
+        let cross = if conf.is_empty() {
+            "+FERROCACHE_CROSS_STREAM=1".to_string()
+        } else {
+            format!("{conf} +FERROCACHE_CROSS_STREAM=1")
+        };
+        let per_stream = peak("demo-fsdp (4 streams)", conf);
+        let shared = peak("demo-fsdp (4 streams)", &cross);
+        let one = peak("demo-fsdp (1 stream)", conf);
+        assert!(per_stream > 1.5 * one, "{conf}: {per_stream} vs {one}");
+        assert!(shared <= 1.05 * one, "{conf}: {shared} vs {one}");
+    }
 }

@@ -10,6 +10,7 @@ initialised, so ``install()`` must come before the first CUDA tensor.
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -72,7 +73,14 @@ def is_installed() -> bool:
     return _installed is not None
 
 
-def install(conf: Optional[str] = None, log_level: Optional[str] = None) -> Any:
+CROSS_STREAM_VAR = "FERROCACHE_CROSS_STREAM"
+
+
+def install(
+    conf: Optional[str] = None,
+    log_level: Optional[str] = None,
+    cross_stream: Optional[bool] = None,
+) -> Any:
     """Makes ferrocache PyTorch's CUDA caching allocator; call it before the first CUDA tensor.
 
     ``conf`` is a ``PYTORCH_CUDA_ALLOC_CONF`` value (``"expandable_segments:True"``,
@@ -81,6 +89,10 @@ def install(conf: Optional[str] = None, log_level: Optional[str] = None) -> Any:
     ``PYTORCH_CUDA_ALLOC_CONF`` before ferrocache reads its settings, which it does once, at
     its first use: so install() must also come before any other ferrocache call. ``log_level``
     sets ``TORCH_CUDA_ALLOC_LOG_LEVEL`` (OFF, ERROR, WARN, INFO, DEBUG, TRACE) the same way.
+    ``cross_stream=True`` sets ``FERROCACHE_CROSS_STREAM=1`` (False sets 0; None leaves the
+    environment's): a stream whose cache misses may take a block cached on another stream,
+    after one device-side event wait (docs/cross-stream.md). It is ferrocache's own variable,
+    never a ``PYTORCH_CUDA_ALLOC_CONF`` key, which PyTorch would reject.
 
     Returns the ``torch.cuda.memory.CUDAPluggableAllocator``. Raises ``ValueError`` with
     PyTorch's wording for an invalid setting, ``RuntimeError`` when CUDA is already initialised
@@ -99,6 +111,11 @@ def install(conf: Optional[str] = None, log_level: Optional[str] = None) -> Any:
     with _lock:
         if _installed is not None:
             _check_same_settings(_installed, conf, log_level)
+            if cross_stream is not None and os.environ.get(CROSS_STREAM_VAR) != _flag(cross_stream):
+                warnings.warn(
+                    f"ferrocache is already installed; cross_stream={cross_stream!r} is ignored",
+                    stacklevel=2,
+                )
             return _installed.allocator
         version = getattr(torch, "version", None)
         if getattr(version, "cuda", None) is None:
@@ -120,6 +137,9 @@ def install(conf: Optional[str] = None, log_level: Optional[str] = None) -> Any:
                 "`import torch` and before the first CUDA tensor or torch.cuda call that "
                 "initialises CUDA"
             )
+        # Before anything reads ferrocache's settings (config.apply may ask the library).
+        if cross_stream is not None:
+            os.environ[CROSS_STREAM_VAR] = _flag(cross_stream)
         config.apply(conf, log_level)
         path = str(_lib.library_path())
         _lib.load()
@@ -136,6 +156,10 @@ def install(conf: Optional[str] = None, log_level: Optional[str] = None) -> Any:
         torch_api.connect_oom_error(torch)
         _installed = _Installed(allocator, conf, log_level)
         return allocator
+
+
+def _flag(on: bool) -> str:
+    return "1" if on else "0"
 
 
 def _connect_hooks(allocator: Any) -> None:

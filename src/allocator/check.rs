@@ -58,8 +58,9 @@ impl<D: Device> DeviceAllocator<D> {
                         b.ptr, b.size
                     ));
                 }
+                // Cross-stream reuse moves single blocks to other streams.
                 if b.pool != pool
-                    || b.stream != head.stream
+                    || (b.stream != head.stream && !self.config.cross_stream)
                     || b.expandable != head.expandable
                     || b.private_pool != head.private_pool
                 {
@@ -68,7 +69,7 @@ impl<D: Device> DeviceAllocator<D> {
                 if let Some(p) = previous
                     && p.is_available()
                     && b.is_available()
-                    && p.mapped == b.mapped
+                    && super::cross_stream::may_merge(p, b)
                 {
                     return Err(format!(
                         "free blocks {:#x} and {:#x} are adjacent",

@@ -263,7 +263,7 @@ impl<D: Device> DeviceAllocator<D> {
         &mut self,
         request: &Request,
     ) -> Result<Option<BlockId>, AllocError> {
-        let mut candidate = self.find_expandable_block(request)?;
+        let candidate = self.find_expandable_block(request)?;
         let fresh = self.arena.get(candidate);
         if !fresh.mapped && !fresh.is_split() && fresh.size < request.size {
             // A new segment's whole range cannot hold the request (larger than 9/8 of the
@@ -271,6 +271,17 @@ impl<D: Device> DeviceAllocator<D> {
             self.release_expandable_segment(candidate)?;
             return Ok(None);
         }
+        self.grow_expandable_block(candidate, request)
+    }
+
+    /// Maps pages from `candidate` (a free or unmapped block that, with the free and unmapped
+    /// space after it, holds the request) until one free block covers the request; takes it out
+    /// of its pool. `Ok(None)` when the device is out of memory.
+    pub(super) fn grow_expandable_block(
+        &mut self,
+        mut candidate: BlockId,
+        request: &Request,
+    ) -> Result<Option<BlockId>, AllocError> {
         if !self.arena.get(candidate).mapped {
             let size = self.arena.get(candidate).size.min(request.size);
             if !self.map_block(candidate, size)? {
@@ -302,7 +313,14 @@ impl<D: Device> DeviceAllocator<D> {
         request: &Request,
     ) -> Result<BlockId, AllocError> {
         let arena = &self.arena;
-        let available = |id: Option<BlockId>| id.filter(|&id| arena.get(id).is_available());
+        // Mapped blocks join only if they will merge with the pages mapped for the request
+        // (with cross-stream reuse, a neighbour may belong to another stream).
+        let available = |id: Option<BlockId>| {
+            id.filter(|&id| {
+                let b = arena.get(id);
+                b.is_available() && (!b.mapped || b.stream == request.stream)
+            })
+        };
         let has_room = |start: BlockId| {
             let mut bytes = 0;
             let mut cursor = Some(start);
@@ -431,6 +449,11 @@ impl<D: Device> DeviceAllocator<D> {
         let segment = self.expandable_segments[segment_id as usize]
             .as_mut()
             .expect("live expandable segment");
+        // With cross-stream reuse the free block may have served another stream last: unmapping
+        // waits for that stream too.
+        if stream != segment.stream() {
+            self.device.synchronize_stream(stream)?;
+        }
         let (range, failure) = segment.unmap(&mut self.device, ptr, size, &mut self.leftover_pages);
         if range.size == 0 {
             return failure.map_or(Ok(()), Err);

@@ -18,6 +18,7 @@
 
 pub mod block;
 mod check;
+pub mod cross_stream;
 pub mod expandable;
 pub mod history;
 mod import;
@@ -30,6 +31,7 @@ use crate::device::{Device, DeviceError, DevicePtr, EventHandle, StreamId};
 use crate::logging;
 use crate::policy::{self, PoolKind};
 use block::{Block, BlockArena, BlockId, ExpandableId};
+use cross_stream::CrossStreamCounts;
 use expandable::{ExpandableSegment, LeftoverPage};
 use history::{History, StackId, TraceAction};
 use private_pool::{BlockPools, Capture, MempoolId, PrivatePoolIndex};
@@ -181,6 +183,11 @@ pub struct DeviceAllocator<D: Device> {
     /// Pages whose unmap or release the device refused; retried by `release_cached_blocks`.
     leftover_pages: Vec<LeftoverPage>,
     history: History,
+    /// What cross-stream reuse (opt-in) did.
+    cross_stream: CrossStreamCounts,
+    /// Set while the cache is emptied, after the streams were synchronized: free neighbours of
+    /// different streams may merge.
+    merging_across_streams: bool,
 }
 
 impl<D: Device> DeviceAllocator<D> {
@@ -203,6 +210,8 @@ impl<D: Device> DeviceAllocator<D> {
             expandable_segments: Vec::new(),
             leftover_pages: Vec::new(),
             history: History::default(),
+            cross_stream: CrossStreamCounts::default(),
+            merging_across_streams: false,
             config,
         };
         if let Some(fraction) = allocator.config.per_process_memory_fraction
@@ -296,7 +305,10 @@ impl<D: Device> DeviceAllocator<D> {
         };
         let id = match self.get_free_block(&request) {
             Some(id) => id,
-            None => self.allocate_new_block(&request, size)?,
+            None => match self.take_from_other_stream(&request)? {
+                Some(id) => id,
+                None => self.allocate_new_block(&request, size)?,
+            },
         };
         let split = policy::should_split(self.arena.get(id).size, rounded, pool, &self.config);
         Ok(self.alloc_found_block(id, &request, size, split))
@@ -686,7 +698,9 @@ impl<D: Device> DeviceAllocator<D> {
         let Some(src) = candidate else { return 0 };
         {
             let (s, d) = (self.arena.get(src), self.arena.get(dst));
-            if !s.is_available() || s.mapped != d.mapped {
+            let allowed = cross_stream::may_merge(s, d)
+                || (self.merging_across_streams && s.mapped == d.mapped);
+            if !s.is_available() || !allowed {
                 return 0;
             }
         }
@@ -734,11 +748,21 @@ impl<D: Device> DeviceAllocator<D> {
         if stream == block.stream {
             return Ok(());
         }
-        if !block.stream_uses.contains(&stream) {
+        let used_before = block.stream_uses.contains(&stream);
+        if !used_before {
             block.stream_uses.push(stream);
         }
         if !self.captures.is_empty() {
-            self.note_capture_stream_use(id, stream);
+            // Only a use that a capture alone made is dropped when the capture's deferred free
+            // is processed: one made outside it too still needs its event.
+            if !used_before {
+                self.note_capture_stream_use(id, stream);
+            }
+        } else if let Some(during_capture) = self.capture_stream_uses.get_mut(&id) {
+            // A use outside any capture needs its event, whatever a capture noted before.
+            // (PyTorch's block_to_cudagraph_stream_uses forgets this and can hand the block
+            // out while that stream still works on it; found by the stream-order property.)
+            during_capture.retain(|&s| s != stream);
         }
         Ok(())
     }
@@ -857,6 +881,7 @@ impl<D: Device> DeviceAllocator<D> {
         if self.captures.is_empty() {
             self.synchronize_and_free_events()?;
             self.release_leftover_pages()?;
+            self.coalesce_across_streams()?;
             self.release_blocks(None, PoolKind::Large)?;
             self.release_blocks(None, PoolKind::Small)?;
         }

@@ -284,6 +284,11 @@ impl BlockPool {
         removed
     }
 
+    /// The streams that have (or had) cached blocks in this pool, in order.
+    pub fn streams(&self) -> impl Iterator<Item = StreamId> + '_ {
+        self.streams.iter().map(|s| s.stream)
+    }
+
     /// Best fit: the smallest cached block of `stream` of at least `size` bytes, lowest address
     /// first among equals (the first block of [`BlockPool::fitting`]).
     #[inline]

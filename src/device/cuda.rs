@@ -50,6 +50,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuEventRecord",
     "cuEventQuery",
     "cuEventSynchronize",
+    "cuStreamWaitEvent",
     "cuMemGetAllocationGranularity",
     "cuMemAddressReserve",
     "cuMemAddressFree",
@@ -339,6 +340,15 @@ impl Device for CudaDevice {
             self.idle_events.pop();
         }
         Ok(())
+    }
+
+    fn wait_event(&mut self, stream: StreamId, event: EventHandle) -> Result<(), DeviceError> {
+        let _context = self.enter()?;
+        // SAFETY: `event` came from `record_event` and has not been released; `stream` is a
+        // stream handle from PyTorch.
+        check_call("cuStreamWaitEvent", || unsafe {
+            sys::cuStreamWaitEvent(stream_handle(stream), event_handle(event), 0)
+        })
     }
 
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError> {

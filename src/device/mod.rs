@@ -94,6 +94,11 @@ pub trait Device {
     fn destroy_idle_events(&mut self) -> Result<(), DeviceError> {
         Ok(())
     }
+
+    /// `cuStreamWaitEvent`: work submitted to `stream` from now on runs after the work that
+    /// preceded `event` on its stream, with no host synchronization. The event may be released
+    /// (and recorded again) at once: the wait keeps the record it saw.
+    fn wait_event(&mut self, stream: StreamId, event: EventHandle) -> Result<(), DeviceError>;
     /// `cudaStreamSynchronize`.
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError>;
 

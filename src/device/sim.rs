@@ -22,6 +22,7 @@ pub enum SimOp {
     QueryEvent,
     SynchronizeEvent,
     SynchronizeStream,
+    WaitEvent,
     ReserveAddressRange,
     FreeAddressRange,
     CreatePhysical,
@@ -40,6 +41,7 @@ pub struct SimCounters {
     pub event_queries: u64,
     pub event_synchronizations: u64,
     pub stream_synchronizations: u64,
+    pub event_waits: u64,
     pub reserves: u64,
     pub address_frees: u64,
     pub creates: u64,
@@ -63,16 +65,34 @@ struct Mapping {
     accessible: bool,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct SimEvent {
     stream: StreamId,
     sequence: u64,
+    /// What the recording stream had waited for by then: a stream that waits for this event
+    /// waits for all of it too (stream order is transitive).
+    waited_for: HashMap<StreamId, u64>,
 }
 
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct StreamProgress {
     submitted: u64,
     completed: u64,
+    /// Stream order, as a vector clock: per other stream, the last of its work (a sequence
+    /// number) that this stream's later work was made to wait for, directly or through
+    /// another stream's wait (`wait_event`).
+    waited_for: HashMap<StreamId, u64>,
+}
+
+/// One `wait_event` call, as the simulated device saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SimWait {
+    /// The stream told to wait.
+    pub stream: StreamId,
+    /// The stream the event was recorded on.
+    pub event_stream: StreamId,
+    /// The last work of `event_stream` that the event covers.
+    pub sequence: u64,
 }
 
 /// The simulated GPU.
@@ -95,6 +115,9 @@ pub struct SimDevice {
     next_event: EventHandle,
     streams: HashMap<StreamId, StreamProgress>,
     complete_immediately: bool,
+    /// Every `wait_event`, in call order (unless switched off).
+    waits: Vec<SimWait>,
+    record_waits: bool,
     /// Per operation, the outcome of its next calls: `Some(error)` fails, `None` passes.
     faults: HashMap<SimOp, VecDeque<Option<DeviceError>>>,
     counters: SimCounters,
@@ -127,6 +150,8 @@ impl SimDevice {
             next_event: 1,
             streams: HashMap::new(),
             complete_immediately: false,
+            waits: Vec::new(),
+            record_waits: true,
             faults: HashMap::new(),
             counters: SimCounters::default(),
         }
@@ -164,9 +189,16 @@ impl SimDevice {
     }
 
     /// Completes all work submitted so far on `stream`: its recorded events become complete.
+    /// Work the stream waited for on other streams has necessarily completed too.
     pub fn complete_stream(&mut self, stream: StreamId) {
         let progress = self.streams.entry(stream).or_default();
         progress.completed = progress.submitted;
+        let waited: Vec<(StreamId, u64)> =
+            progress.waited_for.iter().map(|(&s, &q)| (s, q)).collect();
+        for (other, sequence) in waited {
+            let other = self.streams.entry(other).or_default();
+            other.completed = other.completed.max(sequence);
+        }
     }
 
     /// Completes all work on every stream.
@@ -174,6 +206,55 @@ impl SimDevice {
         for progress in self.streams.values_mut() {
             progress.completed = progress.submitted;
         }
+    }
+
+    /// Queues a piece of work (a kernel) on `stream`; returns its sequence number there. Tests
+    /// use it to model the program's use of memory on a stream.
+    pub fn submit_work(&mut self, stream: StreamId) -> u64 {
+        let immediate = self.complete_immediately;
+        let progress = self.stream_progress(stream);
+        progress.submitted += 1;
+        if immediate {
+            progress.completed = progress.submitted;
+        }
+        progress.submitted
+    }
+
+    /// The sequence number of the last completed work of `stream` (0: none yet).
+    pub fn last_completed(&self, stream: StreamId) -> u64 {
+        self.streams.get(&stream).map_or(0, |p| p.completed)
+    }
+
+    /// The sequence number of the last work queued on `stream` (0: none yet).
+    pub fn last_submitted(&self, stream: StreamId) -> u64 {
+        self.streams.get(&stream).map_or(0, |p| p.submitted)
+    }
+
+    /// Stream order: whether work queued on `later` from now on is sure to run after work
+    /// number `sequence` of `earlier` — the same stream, that work has completed, or `later`
+    /// waited for an event recorded on `earlier` after it.
+    pub fn is_ordered_after(&self, later: StreamId, earlier: StreamId, sequence: u64) -> bool {
+        if later == earlier || sequence == 0 {
+            return true;
+        }
+        let completed = self.streams.get(&earlier).map_or(0, |p| p.completed);
+        let waited = self
+            .streams
+            .get(&later)
+            .and_then(|p| p.waited_for.get(&earlier).copied())
+            .unwrap_or(0);
+        completed >= sequence || waited >= sequence
+    }
+
+    /// Keeps (or stops keeping) the log of waits that [`SimDevice::waits`] returns; stream
+    /// order is modelled either way. Benchmarks switch it off so memory stays flat.
+    pub fn set_record_waits(&mut self, on: bool) {
+        self.record_waits = on;
+    }
+
+    /// Every `wait_event` so far, in call order.
+    pub fn waits(&self) -> &[SimWait] {
+        &self.waits
     }
 
     /// Whether all work submitted on `stream` so far has completed.
@@ -344,29 +425,38 @@ impl Device for SimDevice {
             progress.completed = progress.submitted;
         }
         let sequence = progress.submitted;
+        let waited_for = progress.waited_for.clone();
         let handle = self.next_event;
         self.next_event += 1;
-        self.events.insert(handle, SimEvent { stream, sequence });
+        self.events.insert(
+            handle,
+            SimEvent {
+                stream,
+                sequence,
+                waited_for,
+            },
+        );
         Ok(handle)
     }
 
     fn query_event(&mut self, event: EventHandle) -> Result<bool, DeviceError> {
         self.counters.event_queries += 1;
         self.take_fault(SimOp::QueryEvent)?;
-        let e = *self
+        let e = self
             .events
             .get(&event)
             .ok_or_else(|| invalid("cuEventQuery", "unknown event"))?;
-        Ok(self.event_is_complete(&e))
+        Ok(self.event_is_complete(e))
     }
 
     fn synchronize_event(&mut self, event: EventHandle) -> Result<(), DeviceError> {
         self.counters.event_synchronizations += 1;
         self.take_fault(SimOp::SynchronizeEvent)?;
-        let e = *self
+        let e = self
             .events
             .get(&event)
-            .ok_or_else(|| invalid("cuEventSynchronize", "unknown event"))?;
+            .ok_or_else(|| invalid("cuEventSynchronize", "unknown event"))?
+            .clone();
         let progress = self.stream_progress(e.stream);
         progress.completed = progress.completed.max(e.sequence);
         Ok(())
@@ -374,6 +464,31 @@ impl Device for SimDevice {
 
     fn release_event(&mut self, event: EventHandle) {
         self.events.remove(&event);
+    }
+
+    fn wait_event(&mut self, stream: StreamId, event: EventHandle) -> Result<(), DeviceError> {
+        self.counters.event_waits += 1;
+        self.take_fault(SimOp::WaitEvent)?;
+        let e = self
+            .events
+            .get(&event)
+            .ok_or_else(|| invalid("cuStreamWaitEvent", "unknown event"))?
+            .clone();
+        let clock = &mut self.stream_progress(stream).waited_for;
+        for (other, sequence) in e.waited_for.into_iter().chain([(e.stream, e.sequence)]) {
+            if other != stream {
+                let waited = clock.entry(other).or_default();
+                *waited = (*waited).max(sequence);
+            }
+        }
+        if self.record_waits {
+            self.waits.push(SimWait {
+                stream,
+                event_stream: e.stream,
+                sequence: e.sequence,
+            });
+        }
+        Ok(())
     }
 
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError> {

@@ -138,6 +138,8 @@ pub struct ReplayReport {
     pub matching_segment_allocs: u64,
     /// Every malloc where the two differ, in op order.
     pub mismatches: Vec<SegmentMismatch>,
+    /// Blocks taken from another stream's cache (cross-stream reuse; one event wait each).
+    pub cross_stream_reuses: u64,
     /// Wall time of the operations loop.
     pub elapsed: Duration,
     /// After the start state, then after every operation, when asked for.
@@ -289,6 +291,7 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
     report.device_mallocs = stats.num_device_alloc.max(0) as u64;
     report.device_frees = stats.num_device_free.max(0) as u64;
     report.retries = stats.num_alloc_retries.max(0) as u64;
+    report.cross_stream_reuses = allocator.cross_stream_counts().reuses;
     let (matching, mismatches) = compare_decisions(workload, &device_allocations);
     report.matching_segment_allocs = matching;
     report.mismatches = mismatches;

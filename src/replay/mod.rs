@@ -19,6 +19,7 @@
 //! ```
 
 pub mod demo;
+pub mod demo_fsdp;
 pub mod engine;
 pub mod pickle;
 pub mod plot;
