@@ -38,6 +38,11 @@ const ERROR_TEXTS: &[(CudaError, &CStr, &CStr)] = &[
     ),
     (500, c"cudaErrorSymbolNotFound", c"named symbol not found"),
     (600, c"cudaErrorNotReady", c"device not ready"),
+    (
+        700,
+        c"cudaErrorIllegalAddress",
+        c"an illegal memory access was encountered",
+    ),
     (801, c"cudaErrorNotSupported", c"operation not supported"),
     (
         900,
