@@ -58,13 +58,20 @@ pub extern "C" fn nvmlDeviceGetGpuFabricInfoV(_device: usize, _info: *mut c_void
     NVML_ERROR_NOT_SUPPORTED
 }
 
+/// No process runs on the fake GPU: the count is 0. (PyTorch's out-of-memory message asks,
+/// and torch 2.12 and older assert that the call succeeds.)
 #[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceGetComputeRunningProcesses(
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses(
     _device: usize,
-    _count: *mut c_uint,
+    count: *mut c_uint,
     _infos: *mut c_void,
 ) -> NvmlReturn {
-    NVML_ERROR_NOT_SUPPORTED
+    if count.is_null() {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    // SAFETY: checked non-NULL; the caller passes a writable count.
+    unsafe { count.write(0) };
+    NVML_SUCCESS
 }
 
 #[unsafe(no_mangle)]
