@@ -5,6 +5,7 @@ pub mod allocator;
 pub mod config;
 pub mod device;
 pub mod ffi;
+pub mod lock;
 pub mod logging;
 pub mod policy;
 pub mod replay;

@@ -527,6 +527,13 @@ impl<D: Device> DeviceAllocator<D> {
     /// Frees an allocation. The block is cached for its stream at once, or, if the program used
     /// it on other streams, once the work queued on them by now has completed.
     pub fn free(&mut self, ptr: DevicePtr) -> Result<(), PointerError> {
+        self.free_returning_info(ptr).map(drop)
+    }
+
+    /// [`DeviceAllocator::free`], returning what the allocation had recorded, so that a caller
+    /// can check what it was told about the pointer without a second look-up. A pointer this
+    /// allocator did not hand out changes nothing.
+    pub fn free_returning_info(&mut self, ptr: DevicePtr) -> Result<AllocationInfo, PointerError> {
         let id = self
             .allocated
             .remove(&ptr)
@@ -535,6 +542,13 @@ impl<D: Device> DeviceAllocator<D> {
         block.allocated = false;
         let (pool, size, requested, stream) =
             (block.pool, block.size, block.requested_size, block.stream);
+        let info = AllocationInfo {
+            ptr,
+            size,
+            requested_size: requested,
+            stream,
+            pool,
+        };
         self.stats.allocation.decrease(pool, 1);
         self.stats.allocated_bytes.decrease(pool, size as u64);
         if policy::is_oversize(size, &self.config) {
@@ -548,7 +562,7 @@ impl<D: Device> DeviceAllocator<D> {
         } else {
             self.insert_events(id);
         }
-        Ok(())
+        Ok(info)
     }
 
     /// `free_block`: returns an available block to its pool, merged with free neighbours.
