@@ -108,7 +108,21 @@ fn device_slot(
 
 /// The allocator of `device`, created on first use. A device number out of range is bad input,
 /// logged at ERROR.
+#[inline]
 fn allocator(device: c_int) -> Result<&'static LockedAllocator, String> {
+    // Every allocation comes here: the created allocator is one load away.
+    if let Ok(slot) = device_slot(device)
+        && let Some(Ok(created)) = slot.get()
+    {
+        return Ok(created);
+    }
+    first_use_of(device)
+}
+
+/// [`allocator`] when `device` has no usable allocator yet: creates it, or says why not.
+#[cold]
+#[inline(never)]
+fn first_use_of(device: c_int) -> Result<&'static LockedAllocator, String> {
     let slot = device_slot(device).inspect_err(|why| logging::invalid_device(why))?;
     if let Some(created) = slot.get() {
         return created.as_ref().map_err(String::clone);
@@ -272,6 +286,7 @@ fn device_pointer(ptr: DevicePtr) -> *mut c_void {
 }
 
 /// Allocates, or says why not (the message the C++ exception or the last error carries).
+#[inline]
 fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_void, String> {
     if size == 0 {
         return Ok(ptr::null_mut());
@@ -303,6 +318,7 @@ struct FreeClaims {
 /// The device the caller names is tried first, and the free itself is the look-up: one lock and
 /// one hash-map removal on the usual path. Another device's allocator changes nothing for a
 /// pointer it did not hand out, so trying each in turn is safe.
+#[inline]
 fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
     let preferred = claims
         .device
