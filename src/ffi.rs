@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use parking_lot::Mutex;
 
 use crate::allocator::history::MemorySnapshot;
-use crate::allocator::{AllocError, AllocationInfo, DeviceAllocator};
+use crate::allocator::{AllocError, AllocationInfo, DeviceAllocator, PointerError};
 use crate::config::{ALLOC_CONF_VARS, Config, selected_alloc_conf};
 use crate::device::cuda::CudaDevice;
 use crate::device::{DeviceError, DevicePtr, StreamId};
@@ -171,20 +171,22 @@ fn created_allocator(device: c_int) -> Option<&'static LockedAllocator> {
     device_slot(device).ok()?.get()?.as_ref().ok()
 }
 
-/// Runs `action` under the lock of the allocator that handed out `ptr`, looking at `preferred`
-/// first; `None` when no allocator knows `ptr`. The look-up and the action share one lock, so
-/// another thread cannot free `ptr` in between.
+/// Runs `action` under the lock of each created allocator in turn, `preferred` first, until one
+/// knows the pointer `action` is about; with that allocator's device and answer, or `None` when
+/// none knows it. `action` is the look-up itself: every `DeviceAllocator` method that takes a
+/// pointer changes nothing for one it did not hand out. So the usual call costs one lock and one
+/// hash-map look-up, and another thread cannot free the pointer between look-up and action.
 fn with_owner<R>(
-    ptr: DevicePtr,
     preferred: Option<c_int>,
-    action: impl FnOnce(c_int, &mut DeviceAllocator<CudaDevice>) -> R,
-) -> Option<R> {
+    mut action: impl FnMut(&mut DeviceAllocator<CudaDevice>) -> Result<R, PointerError>,
+) -> Option<(c_int, R)> {
     let first = preferred.and_then(|device| Some((device, created_allocator(device)?)));
     let others = created_allocators().filter(|(device, _)| Some(*device) != preferred);
     for (device, allocator) in first.into_iter().chain(others) {
-        let mut allocator = allocator.lock();
-        if allocator.allocation_info(ptr).is_some() {
-            return Some(action(device, &mut allocator));
+        let answer = action(&mut allocator.lock());
+        match answer {
+            Ok(found) => return Some((device, found)),
+            Err(PointerError::Unknown(_)) => {}
         }
     }
     None
@@ -316,23 +318,19 @@ struct FreeClaims {
 /// no allocator knows is refused (logged at ERROR by the caller) and nothing changes.
 ///
 /// The device the caller names is tried first, and the free itself is the look-up: one lock and
-/// one hash-map removal on the usual path. Another device's allocator changes nothing for a
-/// pointer it did not hand out, so trying each in turn is safe.
+/// one hash-map removal on the usual path.
 #[inline]
 fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
-    let preferred = claims
-        .device
-        .and_then(|device| Some((device, created_allocator(device)?)));
-    let others = created_allocators().filter(|(device, _)| Some(*device) != claims.device);
-    for (device, allocator) in preferred.into_iter().chain(others) {
-        let freed = allocator.lock().free_returning_info(ptr);
-        if let Ok(recorded) = freed {
+    match with_owner(claims.device, |allocator| {
+        allocator.free_returning_info(ptr)
+    }) {
+        Some((device, recorded)) => {
             // Logged after the lock is released: a warning never holds up other threads.
             report_wrong_claims(claims, device, &recorded);
-            return Ok(());
+            Ok(())
         }
+        None => Err(unknown_pointer(ptr)),
     }
-    Err(unknown_pointer(ptr))
 }
 
 /// Logs at WARN each claim of a free that differs from what the allocation recorded.
@@ -499,14 +497,11 @@ pub extern "C" fn rust_record_stream(ptr: *mut c_void, stream: cudaStream_t) {
     guarded("rust_record_stream", (), || {
         settings();
         let address = ptr.addr() as DevicePtr;
-        let result = with_owner(address, None, |_, allocator| {
-            allocator
-                .record_stream(address, stream_id(stream))
-                .map_err(|err| err.to_string())
-        })
-        .unwrap_or_else(|| Err(unknown_pointer(address)));
-        if let Err(why) = result {
-            logging::call_refused("rust_record_stream", &why);
+        let recorded = with_owner(None, |allocator| {
+            allocator.record_stream(address, stream_id(stream))
+        });
+        if recorded.is_none() {
+            logging::call_refused("rust_record_stream", &unknown_pointer(address));
         }
     });
 }
@@ -522,16 +517,10 @@ pub unsafe extern "C" fn rust_base_alloc(ptr: *mut c_void, size: *mut usize) -> 
     let (base, base_size) = guarded("rust_base_alloc", (ptr, 0), || {
         settings();
         let address = ptr.addr() as DevicePtr;
-        let found = with_owner(address, None, |_, allocator| {
-            allocator
-                .base_allocation(address)
-                .map_err(|err| err.to_string())
-        })
-        .unwrap_or_else(|| Err(unknown_pointer(address)));
-        match found {
-            Ok((base, base_size)) => (device_pointer(base), base_size),
-            Err(why) => {
-                logging::call_refused("rust_base_alloc", &why);
+        match with_owner(None, |allocator| allocator.base_allocation(address)) {
+            Some((_, (base, base_size))) => (device_pointer(base), base_size),
+            None => {
+                logging::call_refused("rust_base_alloc", &unknown_pointer(address));
                 (ptr, 0)
             }
         }
