@@ -3,6 +3,9 @@
 //!
 //! `cargo bench --bench allocator`
 
+mod common;
+
+use common::median_chunk_time;
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use ferrocache::allocator::DeviceAllocator;
 use ferrocache::config::Config;
@@ -77,16 +80,29 @@ fn locked_cache_hit_pair(c: &mut Criterion) {
     let mut group = c.benchmark_group("locked_cache_hit_malloc_free/10000");
     let spin_nap = SpinNapMutex::new(with_live_blocks(10_000));
     group.bench_function("spin_nap", |b| {
-        b.iter(|| {
-            let p = spin_nap.lock().malloc(black_box(BLOCK), 0).unwrap();
-            spin_nap.lock().free(black_box(p)).unwrap();
+        b.iter_custom(|iters| {
+            median_chunk_time(iters, || {
+                let p = spin_nap.lock().malloc(black_box(BLOCK), 0).unwrap();
+                spin_nap.lock().free(black_box(p)).unwrap();
+            })
         })
     });
     let parking = parking_lot::Mutex::new(with_live_blocks(10_000));
     group.bench_function("parking_lot", |b| {
-        b.iter(|| {
-            let p = parking.lock().malloc(black_box(BLOCK), 0).unwrap();
-            parking.lock().free(black_box(p)).unwrap();
+        b.iter_custom(|iters| {
+            median_chunk_time(iters, || {
+                let p = parking.lock().malloc(black_box(BLOCK), 0).unwrap();
+                parking.lock().free(black_box(p)).unwrap();
+            })
+        })
+    });
+    let mut unlocked = with_live_blocks(10_000);
+    group.bench_function("no_lock", |b| {
+        b.iter_custom(|iters| {
+            median_chunk_time(iters, || {
+                let p = unlocked.malloc(black_box(BLOCK), 0).unwrap();
+                unlocked.free(black_box(p)).unwrap();
+            })
         })
     });
     group.finish();

@@ -7,16 +7,18 @@
 //! `cargo bench --bench c_abi` prints criterion's figures, then one table of medians and the
 //! ratios the performance targets are stated in (see `docs/performance.md`). Each sample is
 //! timed in chunks of 1,000 pairs and reports its median chunk, so that what the scheduler gives
-//! to other processes on a shared machine does not count (see [`median_chunk_time`]).
+//! to other processes on a shared machine does not count (see `common::median_chunk_time`).
 //!
 //! cudarc loads libcuda from the library search path the process started with, so `main` runs
 //! this program again with the fake first on `LD_LIBRARY_PATH`.
 
 #[path = "../tests/cdylib/mod.rs"]
 mod cdylib;
+mod common;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
+use common::median_chunk_time;
 use criterion::{BenchmarkGroup, Criterion, measurement::WallTime};
 use ferrocache::allocator::DeviceAllocator;
 use ferrocache::config::Config;
@@ -127,30 +129,6 @@ struct LiveBlocks {
 
 // SAFETY: device addresses and a stream handle, never dereferenced here.
 unsafe impl Send for LiveBlocks {}
-
-/// Pairs per timed chunk.
-const CHUNK: u64 = 1_000;
-
-/// Runs `pair` `iters` times in chunks of [`CHUNK`] and returns the median chunk's time per
-/// pair, times `iters`. This machine's two cores are shared with other work, and a chunk the
-/// scheduler interrupts (a few in a hundred) would otherwise count that work as ours; the median
-/// chunk is one nobody interrupted. Every single-thread figure here is taken this way, so that
-/// ratios compare like with like.
-fn median_chunk_time(iters: u64, mut pair: impl FnMut()) -> Duration {
-    let mut per_pair = Vec::with_capacity(iters.div_ceil(CHUNK) as usize);
-    let mut remaining = iters;
-    while remaining > 0 {
-        let pairs = remaining.min(CHUNK);
-        remaining -= pairs;
-        let began = Instant::now();
-        for _ in 0..pairs {
-            pair();
-        }
-        per_pair.push(began.elapsed().as_secs_f64() / pairs as f64);
-    }
-    per_pair.sort_by(f64::total_cmp);
-    Duration::from_secs_f64(per_pair[per_pair.len() / 2] * iters as f64)
-}
 
 /// The core on the simulated device with the same live blocks and hole as [`Abi::live_blocks`].
 fn core_with_live_blocks(live: usize) -> DeviceAllocator<SimDevice> {
