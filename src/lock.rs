@@ -4,9 +4,10 @@
 //! A cache hit holds the lock for a few tens of nanoseconds, so the lock's own cost is a large
 //! share of an allocation's. A mutex that puts waiters to sleep (parking_lot's, or the
 //! `std::mutex` in PyTorch's allocator) needs a second read-modify-write on release to learn
-//! whether anyone sleeps on it; on the machines measured that second atomic costs about 6 ns
-//! per malloc/free pair, a tenth of the pair (`docs/performance.md`, `cargo bench --bench
-//! allocator -- lock`).
+//! whether anyone sleeps on it. Through the C ABI that second atomic cost about 5 ns of a 56 ns
+//! malloc/free pair, the difference between meeting the host-cost target and missing it
+//! (`docs/performance.md`; `cargo bench --bench allocator -- locked` compares the two locks
+//! around the core alone).
 //!
 //! Here nobody is woken: a waiter spins for a while (the usual wait is one short critical
 //! section), then yields, then sleeps in naps that grow to [`MAX_NAP`], looking at the lock
