@@ -108,11 +108,41 @@ fn locked_cache_hit_pair(c: &mut Criterion) {
     group.finish();
 }
 
+/// A cache hit while a CUDA graph capture is under way, side by side with none: the capture's
+/// stream filter is asked on every allocation (PyTorch's `get_pool`).
+fn capture_cache_hit_pair(c: &mut Criterion) {
+    const CAPTURE: u64 = 0x5000;
+    let mut group = c.benchmark_group("capture_cache_hit_malloc_free");
+    let cases = [
+        ("no_capture", None),
+        ("capture_on_another_stream", Some(CAPTURE)),
+        ("into_the_capture_pool", Some(0)),
+    ];
+    for (name, capture_stream) in cases {
+        let mut a = with_live_blocks(1_000);
+        if let Some(stream) = capture_stream {
+            a.begin_allocate_to_pool((1, 0), Box::new(move |s| Ok(s == stream)))
+                .unwrap();
+            // The same state in the pool: a cached 4 KiB hole between two live blocks.
+            let held: Vec<u64> = (0..3).map(|_| a.malloc(BLOCK, 0).unwrap()).collect();
+            a.free(held[1]).unwrap();
+        }
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let p = a.malloc(black_box(BLOCK), 0).unwrap();
+                a.free(black_box(p)).unwrap();
+            })
+        });
+    }
+    group.finish();
+}
+
 criterion_group!(
     benches,
     cache_hit_pair,
     large_cache_hit_pair,
     split_merge_pair,
-    locked_cache_hit_pair
+    locked_cache_hit_pair,
+    capture_cache_hit_pair
 );
 criterion_main!(benches);

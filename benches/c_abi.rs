@@ -1,6 +1,6 @@
 //! Host cost through the C ABI, as PyTorch calls it: `libferrocache.so` opened by path,
 //! `rust_malloc` / `rust_free` / `rust_record_stream` called through function pointers, on the
-//! fake libcuda (`tests/fake-libcuda`, built as the tests build it). Side by side in the same
+//! fake libcuda (`tests/fake-cuda/driver`, built as the tests build it). Side by side in the same
 //! process, so that ratios compare like with like: the core on the simulated device (no C ABI)
 //! and glibc's `malloc` + `free` of 4 KiB.
 //!
@@ -464,11 +464,13 @@ fn fake_libcuda_for_this_run() -> PathBuf {
     if !std::env::args().any(|arg| arg == "--bench") {
         return support::fake_libcuda_dir().to_path_buf();
     }
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fake-libcuda/Cargo.toml");
+    // Built as `support::fake_libcuda_dir` builds it, with --release.
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fake-cuda/Cargo.toml");
     let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake-libcuda");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let status = Command::new(cargo)
-        .args(["build", "--quiet", "--release", "--manifest-path"])
+        .args(["build", "--quiet", "--release", "--package", "fake-libcuda"])
+        .arg("--manifest-path")
         .arg(&manifest)
         .arg("--target-dir")
         .arg(&target)

@@ -12,16 +12,24 @@
 /* Generated from src/ffi.rs by build.rs (cbindgen); do not edit by hand. */
 
 #include <stddef.h>
+#include <stdint.h>
 /* The CUDA runtime's stream handle; the same typedef as in <cuda_runtime_api.h>. */
 typedef struct CUstream_st *cudaStream_t;
+
+/* Returns an id for the calling thread's stack (0: none); event 0 is an allocation, 1 a free.
+   See ferrocache_set_stack_gatherer. */
+typedef uint64_t (*ferrocache_stack_gatherer)(int event);
+/* Throws the C++ exception for an out-of-memory message. See ferrocache_set_oom_thrower. */
+typedef void (*ferrocache_oom_thrower)(const char *message);
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 // CUDAPluggableAllocator's allocation function. Returns device memory for `stream` on `device`;
-// size 0 gives NULL. On failure it throws a C++ std::runtime_error (PyTorch: RuntimeError) and
-// never returns NULL: on out of memory the message is PyTorch's, starting
+// size 0 gives NULL. On failure it throws a C++ std::runtime_error (PyTorch: RuntimeError), or
+// on out of memory the registered ferrocache_oom_thrower's exception, and never returns NULL:
+// on out of memory the message is PyTorch's, starting
 // "CUDA out of memory. Tried to allocate"; on a driver failure it starts "CUDA error: "; when
 // the driver or device is unusable or the settings are invalid, it says why. Defined in
 // src/oom.cpp.
@@ -31,10 +39,50 @@ void *rust_malloc(size_t size, int device, cudaStream_t stream);
 }  // extern "C"
 #endif
 
+#ifdef __cplusplus  /* C++ only */
+#include <functional>
+#include <utility>
+
+// CUDAPluggableAllocator's CUDA graph pool hooks, with the C++ types PyTorch casts them to
+// (torch/csrc/cuda/Module.cpp); the pool id is c10::cuda::MempoolId_t. Defined in
+// src/pool_hooks.cpp. They exist for PyTorch (set_begin_allocate_to_pool,
+// set_end_allocate_to_pool_fn, set_release_pool); C callers use the ferrocache_*_pool functions.
+extern "C" {
+
+// beginAllocateToPool: until the end hook, allocations on `device` whose stream `filter` accepts
+// come from the private pool `pool` (created, or given one more reference). Throws
+// std::runtime_error when the capture cannot be served from its own pool (a capture already
+// records into `pool`; the device is unusable).
+void rust_begin_allocate_to_pool(int device, std::pair<unsigned long long, unsigned long long> pool, std::function<bool(cudaStream_t)> filter);
+
+// endAllocateToPool: allocations stop going to `pool`. Never throws; bad input is logged.
+void rust_end_allocate_to_pool(int device, std::pair<unsigned long long, unsigned long long> pool);
+
+// releasePool (g.reset(), or a graph's deletion): drops one reference to `pool`; once none is left
+// and no block in it is live, empty_cache gives its memory back. Never throws; bad input is logged.
+void rust_release_pool(int device, std::pair<unsigned long long, unsigned long long> pool);
+
+}  // extern "C"
+#endif  /* C++ only */
+
 
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// Registers `gatherer` (NULL: none), which every allocation (and every free too when
+// `on_free` is non-zero) calls before it takes any lock; the id it returns is kept with the
+// block and the trace entries, and `ferrocache_snapshot` reports it as `stack_id`. The Python
+// package uses it to record Python stacks. `gatherer` must stay callable for the life of the
+// process, be callable from any thread and never unwind. Returns 0.
+int ferrocache_set_stack_gatherer(ferrocache_stack_gatherer gatherer, int on_free);
+
+// Registers `thrower` (NULL: none), which `rust_malloc` calls with PyTorch's message when an
+// allocation fails for lack of memory. It must throw a C++ exception (the Python package's
+// shim throws `c10::OutOfMemoryError`, which PyTorch raises as `torch.OutOfMemoryError`); if
+// it returns, `rust_malloc` throws `std::runtime_error`. It must stay callable for the life of
+// the process. Returns 0.
+int ferrocache_set_oom_thrower(ferrocache_oom_thrower thrower);
 
 // `CUDAPluggableAllocator`'s free function. NULL does nothing. A pointer ferrocache did not give
 // out, or one already freed, is logged at ERROR and nothing changes. A `size`, `device` or
@@ -81,6 +129,32 @@ void rust_record_stream(void *ptr, cudaStream_t stream);
 // `size` is NULL or valid for one `size_t` write.
 void *rust_base_alloc(void *ptr, size_t *size);
 
+// PyTorch's `_cuda_beginAllocateCurrentThreadToPool` (what `torch.cuda.use_mem_pool` calls):
+// allocations this thread makes on `device` come from the private pool `(pool_first,
+// pool_second)` (created, or given one more reference) until
+// `ferrocache_end_allocate_to_pool`. Returns 0, or -1 (last error set) when a capture already
+// records into that pool.
+int ferrocache_begin_allocate_current_thread_to_pool(int device, unsigned long long pool_first, unsigned long long pool_second);
+
+// PyTorch's `_cuda_endAllocateToPool`: allocations stop going to the pool; it keeps its
+// memory and references. Returns 0, or -1 (last error set) when nothing records into it.
+int ferrocache_end_allocate_to_pool(int device, unsigned long long pool_first, unsigned long long pool_second);
+
+// PyTorch's `_cuda_releasePool`: drops one reference to the pool. Once none is left and no
+// block in it is live, `empty_cache` gives its memory back to the driver. Returns 0, or -1
+// (last error set) for an unknown pool, one without references, or the last reference of a
+// pool that something still records into.
+int ferrocache_release_pool(int device, unsigned long long pool_first, unsigned long long pool_second);
+
+// PyTorch's `createOrIncrefPool` (what `torch.cuda.MemPool()` calls): creates the private
+// pool with one reference, or gives an existing one another. Returns 0, or -1 (last error set)
+// when the device is unusable or the id is `(0, 0)` (the ordinary pools').
+int ferrocache_create_or_incref_pool(int device, unsigned long long pool_first, unsigned long long pool_second);
+
+// PyTorch's `getPoolUseCount`: the references the private pool holds. Returns -1 (last error
+// set) when there is no such pool (never created, or gone after `empty_cache`).
+int ferrocache_pool_use_count(int device, unsigned long long pool_first, unsigned long long pool_second);
+
 // Frees a string that a `ferrocache_*` function returned. NULL does nothing. Never pass it
 // anything else (in particular not `ferrocache_last_error`'s pointer), nor free those with
 // `free()`.
@@ -118,6 +192,11 @@ int ferrocache_empty_cache(void);
 // set: a fraction outside [0, 1], an unusable device).
 int ferrocache_set_memory_fraction(double fraction, int device);
 
+// Checks every device allocator's structural invariants and recomputes its statistics from its
+// block table (a full walk: for tests and debugging). Returns 0, or -1 with what is wrong in
+// the last error.
+int ferrocache_check_invariants(void);
+
 // Checks a `PYTORCH_CUDA_ALLOC_CONF` value (NULL: the one in the process environment, read as
 // PyTorch reads it). Returns 1 when PyTorch would accept it, 0 when not, with PyTorch's
 // wording in the last error.
@@ -137,6 +216,16 @@ char *ferrocache_describe_config(const char *text);
 
 // The library's version, e.g. `0.1.0`. A static string; do not free it.
 const char *ferrocache_version(void);
+
+// The `ferrocache` command (`replay`, `check-config`; see `docs/replay.md`), run in this
+// process: `argv[0]` is the program's name, output goes to stdout and stderr, and the return
+// value is the exit status. It never exits the process. The `ferrocache` binary is this call
+// and nothing else, so that cargo's binary and the wheel's command are one program.
+//
+// # Safety
+// `argv` is NULL (with `argc` 0) or points to `argc` pointers, each NULL or a NUL-terminated
+// string.
+int ferrocache_cli_main(int argc, const char *const *argv);
 
 #ifdef __cplusplus
 }  // extern "C"

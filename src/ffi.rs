@@ -6,6 +6,9 @@
 //! - [`rust_free`] and the hooks PyTorch can set with `_allocator.set_*_fn`: [`rust_init`],
 //!   [`rust_reset`] (empty cache), [`rust_memory_fraction`], [`rust_record_stream`],
 //!   [`rust_base_alloc`].
+//! - The CUDA graph pool hooks (`set_begin_allocate_to_pool`, `set_end_allocate_to_pool_fn`,
+//!   `set_release_pool`) take C++ types, so they live in `src/pool_hooks.cpp`, which hands
+//!   everything to [`ferrocache_internal_begin_allocate_to_pool`] and its two siblings here.
 //! - `ferrocache_*`: statistics, snapshot, history, config validation and a NULL-returning
 //!   allocation for the Python package and C callers. Functions that can fail set this thread's
 //!   last error ([`ferrocache_last_error`]), which every such call clears on entry.
@@ -15,15 +18,17 @@
 //! unwinds into C. No allocation policy here: this module only routes calls and reports errors.
 
 use std::cell::RefCell;
-use std::ffi::{CStr, CString, c_char, c_double, c_int, c_void};
+use std::ffi::{CStr, CString, OsStr, OsString, c_char, c_double, c_int, c_ulonglong, c_void};
+use std::os::unix::ffi::OsStrExt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::allocator::history::MemorySnapshot;
+use crate::allocator::history::{MemorySnapshot, StackId};
+use crate::allocator::private_pool::{MempoolId, StreamFilter};
 use crate::allocator::{AllocError, AllocationInfo, DeviceAllocator, PointerError};
 use crate::config::{ALLOC_CONF_VARS, Config, selected_alloc_conf};
 use crate::device::cuda::CudaDevice;
@@ -129,28 +134,45 @@ fn first_use_of(device: c_int) -> Result<&'static LockedAllocator, String> {
     }
     let config = config()?;
     let history = CREATION.lock();
-    slot.get_or_init(|| match CudaDevice::new(device) {
+    if let Some(created) = slot.get() {
+        // Another thread opened it while this one waited for the lock.
+        return created.as_ref().map_err(String::clone);
+    }
+    match CudaDevice::new(device) {
         Ok(cuda) => {
             let mut allocator = DeviceAllocator::new(cuda, device, config.clone());
             if history.enabled {
                 allocator.record_history(true, history.max_entries);
             }
-            Ok(SpinNapMutex::new(allocator))
+            let _ = slot.set(Ok(SpinNapMutex::new(allocator)));
         }
         Err(err) => {
             let why = unavailable_message(device, &err);
+            if !open_failure_is_permanent(&err) {
+                logging::call_failed(&format!("opening CUDA device {device}"), &why);
+                return Err(why);
+            }
             logging::device_unavailable(device, &why);
-            Err(why)
+            let _ = slot.set(Err(why));
         }
-    })
-    .as_ref()
-    .map_err(String::clone)
+    }
+    slot.get()
+        .expect("set above, under the creation lock")
+        .as_ref()
+        .map_err(String::clone)
+}
+
+/// Whether a failure to open a device stays for the life of the process, and is kept so that
+/// it is reported once and not retried: no usable driver or device, or CUDA unusable. A driver
+/// call that failed otherwise (out of memory, ...) is retried at the device's next use.
+fn open_failure_is_permanent(err: &DeviceError) -> bool {
+    matches!(err, DeviceError::Unavailable(_) | DeviceError::Unusable(_))
 }
 
 fn unavailable_message(device: c_int, err: &DeviceError) -> String {
     match err {
         // Already a whole sentence that names the library or the device.
-        DeviceError::Unavailable(why) => why.clone(),
+        DeviceError::Unavailable(why) | DeviceError::Unusable(why) => why.clone(),
         other => format!("CUDA device {device} could not be opened: {other}"),
     }
 }
@@ -289,22 +311,136 @@ fn device_pointer(ptr: DevicePtr) -> *mut c_void {
 
 /// Allocates, or says why not (the message the C++ exception or the last error carries).
 #[inline]
-fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_void, String> {
+fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_void, AllocFailure> {
     if size == 0 {
         return Ok(ptr::null_mut());
     }
     let allocator = allocator(device)?;
-    let result = allocator.lock().malloc(size, stream_id(stream));
+    // Before the lock: the gatherer takes the GIL, which a thread waiting for the lock may hold.
+    let stack = gather_stack(StackEvent::Alloc);
+    let result = allocator
+        .lock()
+        .malloc_with_stack(size, stream_id(stream), stack);
     match result {
         Ok(ptr) => Ok(device_pointer(ptr)),
         // The allocator has logged it, with the same message.
-        Err(AllocError::OutOfMemory(oom)) => Err(oom.message),
+        Err(AllocError::OutOfMemory(oom)) => Err(AllocFailure::OutOfMemory(oom.message)),
         Err(err) => {
             let message = err.to_string();
             logging::call_failed("allocation", &message);
-            Err(message)
+            Err(AllocFailure::Other(message))
         }
     }
+}
+
+/// Why an allocation failed: out of memory (PyTorch's message) or anything else.
+enum AllocFailure {
+    OutOfMemory(String),
+    Other(String),
+}
+
+impl AllocFailure {
+    fn into_message(self) -> String {
+        match self {
+            AllocFailure::OutOfMemory(message) | AllocFailure::Other(message) => message,
+        }
+    }
+}
+
+impl From<String> for AllocFailure {
+    fn from(message: String) -> AllocFailure {
+        AllocFailure::Other(message)
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Stack traces and the out-of-memory exception, supplied by the Python package
+// ------------------------------------------------------------------------------------------------
+
+/// Returns an id for the calling thread's stack (0: none); see [`ferrocache_set_stack_gatherer`].
+/// `event` is 0 for an allocation, 1 for a free.
+pub type StackGatherer = extern "C" fn(event: c_int) -> u64;
+/// Throws the C++ exception for an out-of-memory message; never returns normally. See
+/// [`ferrocache_set_oom_thrower`].
+pub type OomThrower = extern "C" fn(message: *const c_char);
+/// A [`StackGatherer`] or NULL, as the C ABI takes it.
+#[allow(non_camel_case_types, reason = "a C type of the header")]
+pub type ferrocache_stack_gatherer = Option<StackGatherer>;
+/// An [`OomThrower`] or NULL, as the C ABI takes it.
+#[allow(non_camel_case_types, reason = "a C type of the header")]
+pub type ferrocache_oom_thrower = Option<OomThrower>;
+
+/// What a [`StackGatherer`] is asked about.
+#[repr(i32)]
+#[derive(Clone, Copy)]
+enum StackEvent {
+    Alloc = 0,
+    Free = 1,
+}
+
+/// The registered gatherer (NULL: none; recording stacks costs one atomic load then).
+static STACK_GATHERER: AtomicPtr<()> = AtomicPtr::new(ptr::null_mut());
+/// Whether frees ask the gatherer too (PyTorch's `context="all"`).
+static GATHER_ON_FREE: AtomicBool = AtomicBool::new(false);
+/// The registered thrower (NULL: `rust_malloc` throws `std::runtime_error`).
+static OOM_THROWER: AtomicPtr<()> = AtomicPtr::new(ptr::null_mut());
+
+/// The calling thread's stack id from the registered gatherer, or 0. Call it with no allocator
+/// lock held.
+fn gather_stack(event: StackEvent) -> StackId {
+    if matches!(event, StackEvent::Free) && !GATHER_ON_FREE.load(Ordering::Relaxed) {
+        return 0;
+    }
+    let gatherer = STACK_GATHERER.load(Ordering::Acquire);
+    if gatherer.is_null() {
+        return 0;
+    }
+    // SAFETY: only ferrocache_set_stack_gatherer stores here, and only a StackGatherer, whose
+    // owner promises it stays callable for the life of the process.
+    let gatherer: StackGatherer =
+        unsafe { std::mem::transmute::<*mut (), StackGatherer>(gatherer) };
+    gatherer(event as c_int)
+}
+
+/// Registers `gatherer` (NULL: none), which every allocation (and every free too when
+/// `on_free` is non-zero) calls before it takes any lock; the id it returns is kept with the
+/// block and the trace entries, and `ferrocache_snapshot` reports it as `stack_id`. The Python
+/// package uses it to record Python stacks. `gatherer` must stay callable for the life of the
+/// process, be callable from any thread and never unwind. Returns 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_set_stack_gatherer(
+    gatherer: ferrocache_stack_gatherer,
+    on_free: c_int,
+) -> c_int {
+    guarded("ferrocache_set_stack_gatherer", -1, || {
+        let pointer = gatherer.map_or(ptr::null_mut(), |f| f as *mut ());
+        GATHER_ON_FREE.store(on_free != 0 && gatherer.is_some(), Ordering::Relaxed);
+        STACK_GATHERER.store(pointer, Ordering::Release);
+        0
+    })
+}
+
+/// Registers `thrower` (NULL: none), which `rust_malloc` calls with PyTorch's message when an
+/// allocation fails for lack of memory. It must throw a C++ exception (the Python package's
+/// shim throws `c10::OutOfMemoryError`, which PyTorch raises as `torch.OutOfMemoryError`); if
+/// it returns, `rust_malloc` throws `std::runtime_error`. It must stay callable for the life of
+/// the process. Returns 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_set_oom_thrower(thrower: ferrocache_oom_thrower) -> c_int {
+    guarded("ferrocache_set_oom_thrower", -1, || {
+        let pointer = thrower.map_or(ptr::null_mut(), |f| f as *mut ());
+        OOM_THROWER.store(pointer, Ordering::Release);
+        0
+    })
+}
+
+fn oom_thrower() -> Option<OomThrower> {
+    let thrower = OOM_THROWER.load(Ordering::Acquire);
+    if thrower.is_null() {
+        return None;
+    }
+    // SAFETY: only ferrocache_set_oom_thrower stores here, and only an OomThrower.
+    Some(unsafe { std::mem::transmute::<*mut (), OomThrower>(thrower) })
 }
 
 /// What the caller of a free says about the allocation; `None` where it says nothing.
@@ -321,8 +457,10 @@ struct FreeClaims {
 /// one hash-map removal on the usual path.
 #[inline]
 fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
+    // Before any lock, as in `allocate`.
+    let stack = gather_stack(StackEvent::Free);
     match with_owner(claims.device, |allocator| {
-        allocator.free_returning_info(ptr)
+        allocator.free_with_stack(ptr, stack)
     }) {
         Some((device, recorded)) => {
             // Logged after the lock is released: a warning never holds up other threads.
@@ -361,28 +499,42 @@ fn report_wrong_claims(claims: &FreeClaims, device: c_int, recorded: &Allocation
 /// For `rust_malloc` in `oom.cpp` only (not exported from the library): allocates `size` bytes
 /// on `device` for `stream`. Returns the pointer with `*error` set to NULL, or NULL with `*error`
 /// pointing at the reason (this thread's last error, valid until the next call on this thread).
-/// Size 0 gives NULL with no error.
+/// Size 0 gives NULL with no error. `*thrower` is the registered [`OomThrower`] when the
+/// allocation failed for lack of memory and one is registered, else NULL: what `rust_malloc`
+/// throws is decided here.
 ///
 /// # Safety
-/// `error` is NULL or valid for one pointer write.
+/// `error` and `thrower` are NULL or valid for one pointer write each.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ferrocache_internal_malloc(
     size: usize,
     device: c_int,
     stream: cudaStream_t,
     error: *mut *const c_char,
+    thrower: *mut ferrocache_oom_thrower,
 ) -> *mut c_void {
-    let failure = guarded("rust_malloc", Err(()), || {
+    let failure = guarded("rust_malloc", Err(None), || {
         settings();
-        allocate(size, device, stream).map_err(|message| set_last_error(&message))
+        allocate(size, device, stream).map_err(|failure| {
+            let throw_with = match &failure {
+                AllocFailure::OutOfMemory(_) => oom_thrower(),
+                AllocFailure::Other(_) => None,
+            };
+            set_last_error(&failure.into_message());
+            throw_with
+        })
     });
-    let (ptr, reason) = match failure {
-        Ok(ptr) => (ptr, ptr::null()),
-        Err(()) => (ptr::null_mut(), last_error_ptr()),
+    let (ptr, reason, throw_with) = match failure {
+        Ok(ptr) => (ptr, ptr::null(), None),
+        Err(throw_with) => (ptr::null_mut(), last_error_ptr(), throw_with),
     };
     if !error.is_null() {
         // SAFETY: non-NULL, and the caller promises it is valid for a write.
         unsafe { error.write(reason) };
+    }
+    if !thrower.is_null() {
+        // SAFETY: non-NULL, and the caller promises it is valid for a write.
+        unsafe { thrower.write(throw_with) };
     }
     ptr
 }
@@ -419,7 +571,7 @@ pub extern "C" fn ferrocache_alloc(
     stream: cudaStream_t,
 ) -> *mut c_void {
     with_last_error("ferrocache_alloc", ptr::null_mut(), || {
-        allocate(size, device, stream)
+        allocate(size, device, stream).map_err(AllocFailure::into_message)
     })
 }
 
@@ -556,6 +708,249 @@ fn set_memory_fraction(fraction: f64, device: c_int) -> Result<(), String> {
 }
 
 // ------------------------------------------------------------------------------------------------
+// CUDA graphs: private pools (`set_begin_allocate_to_pool`, `set_end_allocate_to_pool_fn`,
+// `set_release_pool`, through src/pool_hooks.cpp)
+// ------------------------------------------------------------------------------------------------
+
+/// How `pool_hooks.cpp` asks a `std::function<bool(cudaStream_t)>`: 1 yes, 0 no, -1 it threw
+/// (with what it said in `*error`).
+type FilterAcceptsFn =
+    unsafe extern "C" fn(*const c_void, cudaStream_t, *mut *const c_char) -> c_int;
+/// How `pool_hooks.cpp` destroys the filter.
+type FilterDropFn = unsafe extern "C" fn(*mut c_void);
+
+/// A capture's stream filter: PyTorch's `std::function`, kept on the C++ heap and called
+/// through `pool_hooks.cpp`. Destroyed when dropped.
+struct CppStreamFilter {
+    filter: *mut c_void,
+    accepts: FilterAcceptsFn,
+    drop: FilterDropFn,
+}
+
+// SAFETY: the allocator calls the filter only under its lock, one call at a time, from whichever
+// thread allocates, as PyTorch's own allocator does; PyTorch's filter only asks the CUDA runtime
+// about a stream's capture.
+unsafe impl Send for CppStreamFilter {}
+
+impl CppStreamFilter {
+    fn accepts(&self, stream: StreamId) -> Result<bool, String> {
+        let mut error: *const c_char = ptr::null();
+        // SAFETY: `filter` is the live std::function pool_hooks.cpp gave us with `accepts`; the
+        // stream handle is only passed on; `error` is valid for one write.
+        let answer = unsafe { (self.accepts)(self.filter, stream_handle(stream), &mut error) };
+        match answer {
+            1 => Ok(true),
+            0 => Ok(false),
+            _ if error.is_null() => Err("it failed without saying why".to_string()),
+            // SAFETY: on failure `error` points at a NUL-terminated string that stays valid
+            // until this thread's next filter call.
+            _ => Err(unsafe { CStr::from_ptr(error) }
+                .to_string_lossy()
+                .into_owned()),
+        }
+    }
+}
+
+impl Drop for CppStreamFilter {
+    fn drop(&mut self) {
+        // SAFETY: the filter was made by pool_hooks.cpp, with this `drop`, and is dropped once.
+        unsafe { (self.drop)(self.filter) };
+    }
+}
+
+fn stream_handle(stream: StreamId) -> cudaStream_t {
+    ptr::without_provenance_mut(stream as usize)
+}
+
+fn pool_id(first: c_ulonglong, second: c_ulonglong) -> MempoolId {
+    (first, second)
+}
+
+fn begin_allocate_to_pool(
+    device: c_int,
+    id: MempoolId,
+    filter: StreamFilter,
+) -> Result<(), String> {
+    let result = allocator(device)?.lock().begin_allocate_to_pool(id, filter);
+    result.map_err(|err| err.to_string())
+}
+
+fn end_allocate_to_pool(device: c_int, id: MempoolId) -> Result<(), String> {
+    let result = allocator(device)?.lock().end_allocate_to_pool(id);
+    result.map_err(|err| err.to_string())
+}
+
+fn release_pool(device: c_int, id: MempoolId) -> Result<(), String> {
+    let result = allocator(device)?.lock().release_pool(id);
+    result.map_err(|err| err.to_string())
+}
+
+/// For `rust_begin_allocate_to_pool` in `pool_hooks.cpp` only (not exported): PyTorch's
+/// `beginAllocateToPool`. From now until the end hook, allocations on `device` whose stream
+/// `filter` accepts come from the private pool `(pool_first, pool_second)`. Takes ownership of
+/// `filter` (NULL: the C++ side could not copy it), asked through `accepts` and destroyed
+/// through `drop`. Returns NULL, or why the capture is refused (logged at ERROR; this thread's
+/// last error), which the C++ side throws: a capture ferrocache cannot serve from its own pool
+/// must not start.
+///
+/// # Safety
+/// `filter` is NULL or an object that `accepts` and `drop` work on, not used by the caller
+/// afterwards.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_internal_begin_allocate_to_pool(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+    filter: *mut c_void,
+    accepts: FilterAcceptsFn,
+    drop: FilterDropFn,
+) -> *const c_char {
+    // Owned from the first line, so that it is destroyed on every path, a panic included.
+    let filter = (!filter.is_null()).then_some(CppStreamFilter {
+        filter,
+        accepts,
+        drop,
+    });
+    let id = pool_id(pool_first, pool_second);
+    let outcome = guarded("rust_begin_allocate_to_pool", Err(()), || {
+        settings();
+        let result = match filter {
+            Some(filter) => {
+                begin_allocate_to_pool(device, id, Box::new(move |stream| filter.accepts(stream)))
+            }
+            None => Err(
+                "the capture's stream filter could not be copied (out of host memory)".to_string(),
+            ),
+        };
+        result.map_err(|why| {
+            logging::call_refused("rust_begin_allocate_to_pool", &why);
+            set_last_error(&why);
+        })
+    });
+    match outcome {
+        Ok(()) => ptr::null(),
+        Err(()) => last_error_ptr(),
+    }
+}
+
+/// For `rust_end_allocate_to_pool` in `pool_hooks.cpp` only (not exported): PyTorch's
+/// `endAllocateToPool`. A pool no capture records into is logged at ERROR; nothing changes.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_internal_end_allocate_to_pool(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+) {
+    guarded("rust_end_allocate_to_pool", (), || {
+        settings();
+        if let Err(why) = end_allocate_to_pool(device, pool_id(pool_first, pool_second)) {
+            logging::call_refused("rust_end_allocate_to_pool", &why);
+        }
+    });
+}
+
+/// For `rust_release_pool` in `pool_hooks.cpp` only (not exported): PyTorch's `releasePool`
+/// (`g.reset()`, or a graph's deletion). An unknown pool, or one with no reference left, is
+/// logged at ERROR; nothing changes.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_internal_release_pool(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+) {
+    guarded("rust_release_pool", (), || {
+        settings();
+        if let Err(why) = release_pool(device, pool_id(pool_first, pool_second)) {
+            logging::call_refused("rust_release_pool", &why);
+        }
+    });
+}
+
+/// PyTorch's `_cuda_beginAllocateCurrentThreadToPool` (what `torch.cuda.use_mem_pool` calls):
+/// allocations this thread makes on `device` come from the private pool `(pool_first,
+/// pool_second)` (created, or given one more reference) until
+/// `ferrocache_end_allocate_to_pool`. Returns 0, or -1 (last error set) when a capture already
+/// records into that pool.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_begin_allocate_current_thread_to_pool(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+) -> c_int {
+    with_last_error(
+        "ferrocache_begin_allocate_current_thread_to_pool",
+        -1,
+        || {
+            let thread = std::thread::current().id();
+            let filter: StreamFilter = Box::new(move |_| Ok(std::thread::current().id() == thread));
+            begin_allocate_to_pool(device, pool_id(pool_first, pool_second), filter).map(|()| 0)
+        },
+    )
+}
+
+/// PyTorch's `_cuda_endAllocateToPool`: allocations stop going to the pool; it keeps its
+/// memory and references. Returns 0, or -1 (last error set) when nothing records into it.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_end_allocate_to_pool(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+) -> c_int {
+    with_last_error("ferrocache_end_allocate_to_pool", -1, || {
+        end_allocate_to_pool(device, pool_id(pool_first, pool_second)).map(|()| 0)
+    })
+}
+
+/// PyTorch's `_cuda_releasePool`: drops one reference to the pool. Once none is left and no
+/// block in it is live, `empty_cache` gives its memory back to the driver. Returns 0, or -1
+/// (last error set) for an unknown pool, one without references, or the last reference of a
+/// pool that something still records into.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_release_pool(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+) -> c_int {
+    with_last_error("ferrocache_release_pool", -1, || {
+        release_pool(device, pool_id(pool_first, pool_second)).map(|()| 0)
+    })
+}
+
+/// PyTorch's `createOrIncrefPool` (what `torch.cuda.MemPool()` calls): creates the private
+/// pool with one reference, or gives an existing one another. Returns 0, or -1 (last error set)
+/// when the device is unusable or the id is `(0, 0)` (the ordinary pools').
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_create_or_incref_pool(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+) -> c_int {
+    with_last_error("ferrocache_create_or_incref_pool", -1, || {
+        let result = allocator(device)?
+            .lock()
+            .create_or_incref_pool(pool_id(pool_first, pool_second));
+        result.map(|_| 0).map_err(|err| err.to_string())
+    })
+}
+
+/// PyTorch's `getPoolUseCount`: the references the private pool holds. Returns -1 (last error
+/// set) when there is no such pool (never created, or gone after `empty_cache`).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_pool_use_count(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+) -> c_int {
+    with_last_error("ferrocache_pool_use_count", -1, || {
+        let id = pool_id(pool_first, pool_second);
+        let count = allocator(device)?.lock().pool_use_count(id);
+        count
+            .map(|count| c_int::try_from(count).unwrap_or(c_int::MAX))
+            .ok_or_else(|| crate::allocator::private_pool::PoolError::Unknown(id).to_string())
+    })
+}
+
+// ------------------------------------------------------------------------------------------------
 // The Python package's functions
 // ------------------------------------------------------------------------------------------------
 
@@ -683,6 +1078,22 @@ pub extern "C" fn ferrocache_set_memory_fraction(fraction: c_double, device: c_i
     })
 }
 
+/// Checks every device allocator's structural invariants and recomputes its statistics from its
+/// block table (a full walk: for tests and debugging). Returns 0, or -1 with what is wrong in
+/// the last error.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_check_invariants() -> c_int {
+    with_last_error("ferrocache_check_invariants", -1, || {
+        for (device, allocator) in created_allocators() {
+            allocator
+                .lock()
+                .check_invariants()
+                .map_err(|why| format!("device {device}: {why}"))?;
+        }
+        Ok(0)
+    })
+}
+
 /// Reads a `PYTORCH_CUDA_ALLOC_CONF` value, or the process environment when `text` is NULL.
 ///
 /// # Safety
@@ -746,4 +1157,41 @@ pub extern "C" fn ferrocache_version() -> *const c_char {
             Err(_) => panic!("the package version has no NUL inside"),
         };
     guarded("ferrocache_version", c"".as_ptr(), || VERSION.as_ptr())
+}
+
+/// The exit status of the command when it panicked, as a Rust program's would be.
+const CLI_PANIC_STATUS: c_int = 101;
+
+/// The `ferrocache` command (`replay`, `check-config`; see `docs/replay.md`), run in this
+/// process: `argv[0]` is the program's name, output goes to stdout and stderr, and the return
+/// value is the exit status. It never exits the process. The `ferrocache` binary is this call
+/// and nothing else, so that cargo's binary and the wheel's command are one program.
+///
+/// # Safety
+/// `argv` is NULL (with `argc` 0) or points to `argc` pointers, each NULL or a NUL-terminated
+/// string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_cli_main(argc: c_int, argv: *const *const c_char) -> c_int {
+    guarded("ferrocache_cli_main", CLI_PANIC_STATUS, || {
+        let count = usize::try_from(argc).unwrap_or(0);
+        let mut args: Vec<OsString> = Vec::with_capacity(count);
+        for index in 0..count {
+            if argv.is_null() {
+                break;
+            }
+            // SAFETY: the caller promises `argc` readable pointers behind a non-NULL `argv`.
+            let arg = unsafe { *argv.add(index) };
+            if arg.is_null() {
+                // Like C's argv, the list ends at a NULL entry.
+                break;
+            }
+            // SAFETY: the caller promises NUL-terminated strings.
+            let bytes = unsafe { CStr::from_ptr(arg) }.to_bytes();
+            args.push(OsStr::from_bytes(bytes).to_os_string());
+        }
+        if args.is_empty() {
+            args.push("ferrocache".into());
+        }
+        c_int::from(crate::cli::run(args))
+    })
 }

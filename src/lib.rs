@@ -2,6 +2,7 @@
 //! `torch.cuda.memory.CUDAPluggableAllocator`.
 
 pub mod allocator;
+pub mod cli;
 pub mod config;
 pub mod device;
 pub mod ffi;

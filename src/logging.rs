@@ -9,10 +9,10 @@
 
 use crate::config::{Config, LOG_LEVEL_VAR, LogLevel};
 use crate::device::{DevicePtr, StreamId};
-use log::{error, info, warn};
+use log::{debug, error, info, warn};
 use std::fmt;
 use std::io::Write;
-use std::sync::Once;
+use std::sync::{Once, OnceLock};
 
 /// The log target of every ferrocache line.
 pub const TARGET: &str = "ferrocache";
@@ -109,6 +109,26 @@ pub fn pages_unmapped(ptr: DevicePtr, size: usize) {
 }
 
 #[inline]
+/// A CUDA graph capture begins: allocations on its streams now come from its private pool.
+pub fn capture_begins(pool: (u64, u64), use_count: u32) {
+    info!(target: TARGET, "Allocator: capture into private pool ({}, {}) begins; the pool has {use_count} reference(s)", pool.0, pool.1);
+}
+
+/// A capture ended; its pool keeps its memory for the graph.
+pub fn capture_ends(pool: (u64, u64)) {
+    info!(target: TARGET, "Allocator: capture into private pool ({}, {}) ends", pool.0, pool.1);
+}
+
+/// A graph holding a private pool is gone (`releasePool`).
+pub fn pool_released(pool: (u64, u64), use_count: u32) {
+    info!(target: TARGET, "Allocator: private pool ({}, {}) released; {use_count} reference(s) remain", pool.0, pool.1);
+}
+
+/// An unreferenced private pool gave back its last segment and is forgotten.
+pub fn pool_forgotten(pool: (u64, u64)) {
+    info!(target: TARGET, "Allocator: private pool ({}, {}) holds no memory any more and is gone", pool.0, pool.1);
+}
+
 pub fn alloc_retry(size: usize, what: &str) {
     info!(target: TARGET, "Allocator: device allocation of {} failed; {what} and retrying", HumanSize(size));
 }
@@ -120,7 +140,31 @@ pub fn out_of_memory(message: &str) {
 
 #[inline]
 pub fn device_error(what: &str, err: &dyn fmt::Display) {
-    error!(target: TARGET, "Allocator: {what}: {err}");
+    let why = err.to_string();
+    if repeats_unusable(&why) {
+        debug!(target: TARGET, "Allocator: {what}: {why}");
+    } else {
+        error!(target: TARGET, "Allocator: {what}: {why}");
+    }
+}
+
+/// Why CUDA became unusable in this process, once [`context_unusable`] said so.
+static UNUSABLE: OnceLock<String> = OnceLock::new();
+
+/// A sticky error left CUDA unusable: said once, at ERROR. The failures it causes later are
+/// returned to their callers as usual but logged at DEBUG only ([`repeats_unusable`]), so the
+/// log says it once instead of once per call.
+pub fn context_unusable(why: &str) {
+    if UNUSABLE.set(why.to_string()).is_ok() {
+        error!(target: TARGET, "Allocator: {why}");
+    }
+}
+
+/// Whether `why` is a failure that only repeats the unusable state already reported.
+fn repeats_unusable(why: &str) -> bool {
+    UNUSABLE
+        .get()
+        .is_some_and(|unusable| why.contains(unusable.as_str()))
 }
 
 /// Installs the stderr logger at the level `TORCH_CUDA_ALLOC_LOG_LEVEL` names (WARN when unset),
@@ -175,6 +219,10 @@ pub fn configuration_invalid(variable: &str, message: &str) {
 
 /// Device `device` cannot be used (no driver, no such device): its allocations will fail.
 pub fn device_unavailable(device: i32, why: &str) {
+    if repeats_unusable(why) {
+        debug!(target: TARGET, "Allocator: device {device} is unavailable, so its allocations will fail: {why}");
+        return;
+    }
     error!(target: TARGET, "Allocator: device {device} is unavailable, so its allocations will fail: {why}");
 }
 
@@ -190,11 +238,21 @@ pub fn invalid_device(why: &str) {
 
 /// A call through the C ABI was refused (bad input); nothing changed.
 pub fn call_refused(function: &str, why: &dyn fmt::Display) {
+    let why = why.to_string();
+    if repeats_unusable(&why) {
+        debug!(target: TARGET, "Allocator: {function}: {why}; nothing changed");
+        return;
+    }
     error!(target: TARGET, "Allocator: {function}: {why}; nothing changed");
 }
 
 /// A call through the C ABI failed part way (a driver error); the message says what happened.
 pub fn call_failed(function: &str, why: &dyn fmt::Display) {
+    let why = why.to_string();
+    if repeats_unusable(&why) {
+        debug!(target: TARGET, "Allocator: {function} failed: {why}");
+        return;
+    }
     error!(target: TARGET, "Allocator: {function} failed: {why}");
 }
 

@@ -167,6 +167,13 @@ pub fn is_oversize(size: usize, config: &Config) -> bool {
     size >= config.max_split_size
 }
 
+/// `setMemoryFraction`: the most this allocator may hold on a device of `total_memory` bytes,
+/// or `None` for no limit. A fraction of 1 sets no limit: PyTorch 2.15 then calls `cudaMalloc`
+/// beyond the device's total, as the oracle shows (`python/tools/oracle`).
+pub fn memory_fraction_limit(fraction: f64, total_memory: usize) -> Option<usize> {
+    (fraction < 1.0).then_some((fraction * total_memory as f64) as usize)
+}
+
 /// `format_size`: PyTorch's human-readable size in OOM messages ("20.00 MiB").
 pub fn format_size(size: u64) -> String {
     if size <= 1024 {

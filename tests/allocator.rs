@@ -1,5 +1,6 @@
 //! The caching allocator on the simulated GPU: PyTorch's decisions, case by case.
 
+use ferrocache::allocator::history::TraceAction;
 use ferrocache::allocator::{AllocError, DeviceAllocator, ImportedBlock, PointerError};
 use ferrocache::config::Config;
 use ferrocache::device::sim::{SimDevice, SimOp};
@@ -297,6 +298,41 @@ fn release_available_cached_blocks_frees_oversize_blocks_first() {
         "small segment untouched"
     );
     checked(&a);
+}
+
+#[test]
+fn oversize_blocks_are_released_even_when_together_too_small() {
+    // PyTorch releases each oversize block as it picks it; when all of them are not enough,
+    // release_cached_blocks then frees the rest (seen by the oracle: the order of cudaFree).
+    let config = Config {
+        max_split_size: 40 * MIB,
+        ..Config::default()
+    };
+    let mut a = with_config(200 * MIB, config);
+    let x = a.malloc(60 * MIB, 0).unwrap();
+    let y = a.malloc(30 * MIB, 0).unwrap();
+    a.free(x).unwrap();
+    a.free(y).unwrap();
+    a.record_history(true, 100);
+    assert!(a.malloc(150 * MIB, 0).is_ok());
+    let frees: Vec<u64> = a.snapshot().device_traces[0]
+        .iter()
+        .filter(|e| e.action == TraceAction::SegmentFree)
+        .map(|e| e.size)
+        .collect();
+    assert_eq!(frees, vec![60 * MIB as u64, 30 * MIB as u64]);
+    checked(&a);
+}
+
+#[test]
+fn a_memory_fraction_of_one_sets_no_limit() {
+    let mut a = allocator(GIB);
+    a.set_memory_fraction(1.0).unwrap();
+    assert_eq!(a.allowed_memory_maximum(), None);
+    a.set_memory_fraction(0.5).unwrap();
+    assert_eq!(a.allowed_memory_maximum(), Some(GIB / 2));
+    a.set_memory_fraction(1.0).unwrap();
+    assert_eq!(a.allowed_memory_maximum(), None);
 }
 
 #[test]

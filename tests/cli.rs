@@ -250,9 +250,8 @@ fn unreadable_files_are_one_line_errors_and_the_rest_still_runs() {
             assert!(err.starts_with("error: "), "{err}");
             assert!(err.contains(path.as_str()), "{err}");
             assert!(!err.contains("panicked"), "{err}");
-            if json {
-                assert_eq!(stdout(&output), "");
-            }
+            // Only the error: no empty table, column key or notes after it.
+            assert_eq!(stdout(&output), "", "{path}");
         }
     }
 

@@ -322,6 +322,24 @@ fn bad_input_is_logged_and_changes_nothing() {
 }
 
 #[test]
+fn cuda_graph_pool_hooks_work_with_pytorchs_cpp_types() {
+    let output = run_client(&[], Driver::Fake, &[], &["graph"]);
+    assert_passed(&output);
+    let expected = [
+        r"^\[ERROR\] Allocator: rust_release_pool: no private pool has mempool_id \(9, 9\); nothing changed$",
+        r"^\[ERROR\] Allocator: rust_end_allocate_to_pool: endAllocateToPool: not currently recording to mempool_id \(9, 9\); nothing changed$",
+        r"^\[ERROR\] Allocator: rust_begin_allocate_to_pool: beginAllocateToPool: already recording to mempool_id \(2, 0\); nothing changed$",
+        r"^\[ERROR\] Allocator: allocation failed: the stream filter of the CUDA graph capture into pool \(2, 0\) failed \(cudaStreamGetCaptureInfo failed\); the allocation is refused$",
+    ];
+    let lines = stderr_lines(&output);
+    assert_eq!(lines.len(), expected.len(), "{}", describe(&output));
+    for (line, pattern) in lines.iter().zip(expected) {
+        let regex = Regex::new(pattern).expect("a valid pattern");
+        assert!(regex.is_match(line), "{line:?} does not match {pattern}");
+    }
+}
+
+#[test]
 fn the_client_runs_clean_under_valgrind() {
     let found = Command::new("valgrind").arg("--version").output();
     if !found.is_ok_and(|o| o.status.success()) {
@@ -340,6 +358,16 @@ fn the_client_runs_clean_under_valgrind() {
     assert_eq!(
         stderr_lines(&output),
         Vec::<String>::new(),
+        "{}",
+        describe(&output)
+    );
+
+    // The pool hooks move, call and destroy PyTorch's std::function across the library.
+    let output = run_client(&valgrind, Driver::Fake, &[], &["graph"]);
+    assert_passed(&output);
+    let lines = stderr_lines(&output);
+    assert!(
+        lines.len() == 4 && lines.iter().all(|l| l.starts_with("[ERROR] Allocator: ")),
         "{}",
         describe(&output)
     );

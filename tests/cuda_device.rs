@@ -1,4 +1,4 @@
-//! `device::cuda::CudaDevice` against the fake libcuda in `tests/fake-libcuda`.
+//! `device::cuda::CudaDevice` against the fake libcuda in `tests/fake-cuda/driver`.
 //!
 //! Each test runs its scenario in a child process of its own (see `support`), because cudarc
 //! loads libcuda once per process and the fake's settings are read from the environment.
@@ -73,7 +73,7 @@ fn malloc_and_free_round_trip_through_the_pointer() {
                 "{}",
                 device.name()
             );
-            assert_eq!(device.driver_version(), 12040);
+            assert_eq!(device.driver_version(), 13020);
 
             let first = device.malloc(MIB, 0).expect("malloc");
             let second = device.malloc(3 * MIB, 0).expect("malloc");

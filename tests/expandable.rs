@@ -1,9 +1,10 @@
 //! Expandable segments (`expandable_segments:True`) on the simulated GPU.
 
-use ferrocache::allocator::{AllocError, DeviceAllocator};
+use ferrocache::allocator::{AllocError, DeviceAllocator, ImportedBlock};
 use ferrocache::config::Config;
 use ferrocache::device::DeviceError;
 use ferrocache::device::sim::{SimDevice, SimOp};
+use ferrocache::policy::PoolKind;
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
@@ -211,4 +212,132 @@ fn max_split_size_with_expandable_segments_does_not_grow_without_bound() {
         allocated >> 20
     );
     checked(&a);
+}
+
+/// A page whose release the device refuses is not forgotten: the next `empty_cache` gives it
+/// back (found by the fault sweep: `cuMemRelease` failing once leaked the page for good).
+#[test]
+fn a_page_the_device_would_not_release_is_released_later() {
+    let refused = DeviceError::Driver {
+        call: "cuMemRelease",
+        code: 1,
+        message: "injected".into(),
+    };
+    let mut a = expandable(16 * GIB);
+    let p = a.malloc(30 * MIB, 0).unwrap();
+    a.free(p).unwrap();
+    a.device_mut()
+        .fail_next(SimOp::ReleasePhysical, 1, refused.clone());
+    assert_eq!(a.empty_cache(), Err(refused));
+    checked(&a);
+    // Two pages: the refused one, kept as a leftover, and the one after it, still mapped.
+    assert_eq!(a.device().live_physical_handles(), 2, "kept, not lost");
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().live_physical_handles(), 0);
+    assert_eq!(a.device().mapped_bytes(), 0);
+    assert_eq!(a.device().reserved_ranges(), 0);
+    checked(&a);
+}
+
+/// When growing fails and undoing it fails too (a page the device will not unmap), the page is
+/// kept and given back by the next `empty_cache`, before the address range.
+#[test]
+fn a_page_left_mapped_by_a_failed_rollback_is_released_later() {
+    let fault = |call| DeviceError::Driver {
+        call,
+        code: 1,
+        message: "injected".into(),
+    };
+    let mut a = expandable(16 * GIB);
+    a.device_mut()
+        .fail_next(SimOp::SetAccess, 1, fault("cuMemSetAccess"));
+    a.device_mut()
+        .fail_next(SimOp::Unmap, 1, fault("cuMemUnmap"));
+    assert!(a.malloc(30 * MIB, 0).is_err());
+    // Not `checked`: the leftover page is mapped on the device but reserved by no segment.
+    a.check_invariants().unwrap();
+    assert_eq!(
+        a.device().live_physical_handles(),
+        1,
+        "the page left mapped"
+    );
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().live_physical_handles(), 0);
+    assert_eq!(a.device().mapped_bytes(), 0);
+    // The segment's first growth failed, so, as in PyTorch, it keeps its address range for the
+    // next request of its stream (see the test after next).
+    assert_eq!(a.device().reserved_ranges(), 1);
+    checked(&a);
+}
+
+#[test]
+fn a_request_larger_than_the_address_range_maps_nothing_and_gives_the_range_back() {
+    // PyTorch reserves 9/8 of the device per segment; a larger request reserves a range, finds
+    // it too small and frees it at once, on the first try and on the retry (seen by the oracle).
+    let mut a = expandable(GIB);
+    let err = a.malloc(GIB + GIB / 4, 0).unwrap_err();
+    assert!(matches!(err, AllocError::OutOfMemory(_)), "{err:?}");
+    assert_eq!(a.device().reserved_ranges(), 0);
+    assert_eq!(
+        a.device().counters().reserves,
+        2,
+        "the first try and the retry"
+    );
+    assert_eq!(a.device().counters().creates, 0, "nothing mapped");
+    assert_eq!(a.stats().num_alloc_retries, 1);
+    checked(&a);
+}
+
+#[test]
+fn a_segment_whose_first_growth_failed_keeps_its_range_and_serves_the_next_request() {
+    let mut a = expandable(GIB);
+    a.device_mut()
+        .fail_next(SimOp::CreatePhysical, 2, DeviceError::OutOfMemory);
+    assert!(a.malloc(30 * MIB, 0).is_err());
+    // As in PyTorch: the retry's release kept the empty segment, and the retry used it again.
+    assert_eq!(a.device().counters().reserves, 1);
+    assert_eq!(a.device().counters().address_frees, 0);
+    let p = a.malloc(30 * MIB, 0).unwrap();
+    assert_eq!(a.device().counters().reserves, 1);
+    a.free(p).unwrap();
+    a.empty_cache().unwrap();
+    // Unmapped to nothing: the range goes back at once.
+    assert_eq!(a.device().reserved_ranges(), 0);
+    checked(&a);
+}
+
+#[test]
+fn an_imported_expandable_segment_grows_from_its_free_end() {
+    // The replay's start state for PyTorch's expandable segments: 50 MiB mapped (three 20 MiB
+    // pages), a live 40 MiB block at the start; the free end joins the next page mapped.
+    let mut a = expandable(GIB);
+    let live = [ImportedBlock {
+        offset: 0,
+        size: 40 * MIB,
+        requested_size: 40 * MIB,
+    }];
+    let (base, placed) = a
+        .import_expandable_segment(50 * MIB, 0, PoolKind::Large, &live)
+        .unwrap();
+    assert_eq!(placed, vec![base]);
+    assert_eq!(a.stats().reserved_bytes.all.current, 60 * MIB as i64);
+    assert_eq!(a.device().reserved_ranges(), 1);
+    checked(&a);
+    let maps = a.device().counters().maps;
+    let p = a.malloc(30 * MIB, 0).unwrap();
+    assert_eq!(p, base + 40 * MIB as u64, "the free end, grown");
+    assert_eq!(a.device().counters().maps, maps + 1);
+    assert_eq!(a.device().reserved_ranges(), 1);
+    checked(&a);
+    // A block past the mapped bytes is refused, and nothing is left behind.
+    let outside = [ImportedBlock {
+        offset: 40 * MIB,
+        size: 20 * MIB,
+        requested_size: 1,
+    }];
+    assert!(
+        a.import_expandable_segment(50 * MIB, 0, PoolKind::Large, &outside)
+            .is_err()
+    );
+    assert_eq!(a.device().reserved_ranges(), 1);
 }

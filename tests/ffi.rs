@@ -23,6 +23,7 @@ type DeviceStringFn = unsafe extern "C" fn(c_int) -> *mut c_char;
 type DeviceFn = unsafe extern "C" fn(c_int) -> c_int;
 type ConfigFn = unsafe extern "C" fn(*const c_char) -> c_int;
 type DescribeFn = unsafe extern "C" fn(*const c_char) -> *mut c_char;
+type PoolFn = unsafe extern "C" fn(c_int, u64, u64) -> c_int;
 
 /// The functions a test calls, with their C signatures.
 struct Api {
@@ -162,6 +163,13 @@ impl Api {
             self.library.function("ferrocache_set_memory_fraction");
         // SAFETY: plain values.
         unsafe { set(fraction, device) }
+    }
+
+    /// One of the `ferrocache_*_pool` functions: `int f(int device, ull first, ull second)`.
+    fn pool_call(&self, name: &str, pool: (u64, u64)) -> c_int {
+        let call: PoolFn = self.library.function(name);
+        // SAFETY: plain values.
+        unsafe { call(0, pool.0, pool.1) }
     }
 
     fn rust_reset(&self) {
@@ -630,6 +638,80 @@ fn expandable_segments_map_real_pages_and_give_them_back() {
             assert_eq!(fake.stat("bytes_in_use"), 0);
             assert_eq!(fake.stat("live_mappings"), 0);
             assert_eq!(fake.stat("cuMemAddressFree"), 1, "the range is given back");
+        },
+    );
+}
+
+#[test]
+fn a_threads_private_pool_works_through_the_c_abi() {
+    in_own_process(
+        "a_threads_private_pool_works_through_the_c_abi",
+        &[],
+        || {
+            let api = Api::open();
+            let pool = (0, 42);
+            let pool_of = |ptr: *mut c_void| {
+                let snapshot = api.snapshot().expect("a snapshot");
+                let segments = snapshot["segments"].as_array().expect("segments").clone();
+                segments
+                    .into_iter()
+                    .find(|s| {
+                        let start = s["address"].as_u64().unwrap();
+                        let end = start + s["total_size"].as_u64().unwrap();
+                        (start..end).contains(&(ptr.addr() as u64))
+                    })
+                    .map(|s| s["segment_pool_id"].clone())
+            };
+            // torch.cuda.MemPool(): one reference; use_mem_pool: another, for this thread.
+            assert_eq!(api.pool_call("ferrocache_create_or_incref_pool", pool), 0);
+            assert_eq!(api.pool_call("ferrocache_pool_use_count", pool), 1);
+            assert_eq!(
+                api.pool_call("ferrocache_begin_allocate_current_thread_to_pool", pool),
+                0
+            );
+            assert_eq!(api.pool_call("ferrocache_pool_use_count", pool), 2);
+            let mine = api.alloc(MIB, 0, 0);
+            assert_eq!(pool_of(mine), Some(serde_json::json!([0, 42])));
+            // Another thread's allocations stay ordinary.
+            let theirs = std::thread::scope(|scope| {
+                scope
+                    .spawn(|| api.alloc(MIB, 0, 0).addr())
+                    .join()
+                    .expect("the thread ran")
+            });
+            let theirs = ptr::without_provenance_mut(theirs);
+            assert_eq!(pool_of(theirs), Some(serde_json::json!([0, 0])));
+            assert_eq!(
+                api.pool_call("ferrocache_begin_allocate_current_thread_to_pool", pool),
+                -1
+            );
+            assert_eq!(
+                api.last_error(),
+                "beginAllocateToPool: already recording to mempool_id (0, 42)"
+            );
+            assert_eq!(api.pool_call("ferrocache_end_allocate_to_pool", pool), 0);
+            assert_eq!(api.pool_call("ferrocache_release_pool", pool), 0);
+            let after = api.alloc(4096, 0, 0);
+            assert_eq!(pool_of(after), Some(serde_json::json!([0, 0])));
+
+            // The MemPool object still holds the pool: empty_cache keeps its memory.
+            assert_eq!(api.free(mine), 0);
+            assert_eq!(api.free(theirs), 0);
+            assert_eq!(api.free(after), 0);
+            api.rust_reset();
+            assert_eq!(api.stat("reserved_bytes.all.current"), 2 * MIB as i64);
+            assert_eq!(api.pool_call("ferrocache_release_pool", pool), 0);
+            assert_eq!(api.pool_call("ferrocache_pool_use_count", pool), 0);
+            api.rust_reset();
+            assert_eq!(api.stat("reserved_bytes.all.current"), 0);
+            assert_eq!(api.pool_call("ferrocache_pool_use_count", pool), -1);
+            assert_eq!(api.last_error(), "no private pool has mempool_id (0, 42)");
+            assert_eq!(api.pool_call("ferrocache_release_pool", pool), -1);
+            assert_eq!(api.pool_call("ferrocache_end_allocate_to_pool", pool), -1);
+            assert_eq!(
+                api.last_error(),
+                "endAllocateToPool: not currently recording to mempool_id (0, 42)"
+            );
         },
     );
 }

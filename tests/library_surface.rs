@@ -9,29 +9,42 @@ use std::process::Command;
 
 use regex::Regex;
 
-/// The C ABI: `rust_malloc` (C++), `rust_free` and the hooks PyTorch takes, the `ferrocache_*`
-/// functions of the Python package.
-const EXPORTS: [&str; 21] = [
+/// The C ABI: `rust_malloc` and the CUDA graph pool hooks (C++), `rust_free` and the other hooks
+/// PyTorch takes, the `ferrocache_*` functions of the Python package, and the command line the
+/// `ferrocache` binary runs.
+const EXPORTS: [&str; 33] = [
     "ferrocache_alloc",
+    "ferrocache_begin_allocate_current_thread_to_pool",
     "ferrocache_check_config",
+    "ferrocache_cli_main",
+    "ferrocache_create_or_incref_pool",
+    "ferrocache_check_invariants",
     "ferrocache_describe_config",
     "ferrocache_empty_cache",
+    "ferrocache_end_allocate_to_pool",
     "ferrocache_free",
     "ferrocache_last_error",
     "ferrocache_memory_stats",
+    "ferrocache_pool_use_count",
     "ferrocache_record_history",
+    "ferrocache_release_pool",
     "ferrocache_reset_accumulated_stats",
     "ferrocache_reset_peak_stats",
     "ferrocache_set_memory_fraction",
+    "ferrocache_set_oom_thrower",
+    "ferrocache_set_stack_gatherer",
     "ferrocache_snapshot",
     "ferrocache_string_free",
     "ferrocache_version",
     "rust_base_alloc",
+    "rust_begin_allocate_to_pool",
+    "rust_end_allocate_to_pool",
     "rust_free",
     "rust_init",
     "rust_malloc",
     "rust_memory_fraction",
     "rust_record_stream",
+    "rust_release_pool",
     "rust_reset",
 ];
 
@@ -144,4 +157,57 @@ fn the_header_declares_every_export_and_nothing_else() {
         .collect();
     let intended: BTreeSet<String> = EXPORTS.iter().map(|s| s.to_string()).collect();
     assert_eq!(declared, intended);
+}
+
+#[test]
+fn the_binary_runs_the_command_of_the_library() {
+    // One program: the `ferrocache` binary is linked to libferrocache.so and only calls
+    // ferrocache_cli_main there, so that maturin copies the library into the wheel beside it.
+    let binary = Path::new(env!("CARGO_BIN_EXE_ferrocache"));
+    let dynamic = run("objdump", &["-p"], binary);
+    assert!(
+        dynamic
+            .lines()
+            .any(|l| l.contains("NEEDED") && l.trim_end().ends_with("libferrocache.so")),
+        "the binary is not linked to libferrocache.so:\n{dynamic}"
+    );
+    let symbols = run("nm", &["-D", "--undefined-only"], binary);
+    assert!(
+        symbols.contains("ferrocache_cli_main"),
+        "the binary does not call ferrocache_cli_main:\n{symbols}"
+    );
+    let defined = run("nm", &["--defined-only", "--demangle"], binary);
+    assert!(
+        !defined.contains("ferrocache::cli::"),
+        "the binary carries its own copy of the command"
+    );
+}
+
+/// The header is valid C, and valid C++ with the pool hooks' C++ declarations.
+#[test]
+fn the_header_compiles_as_c_and_as_cpp() {
+    let include = Path::new(env!("CARGO_MANIFEST_DIR")).join("include");
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    for (compiler, file, std) in [
+        ("cc", "header_check.c", "-std=c99"),
+        ("c++", "header_check.cpp", "-std=c++17"),
+    ] {
+        let source = dir.join(file);
+        std::fs::write(
+            &source,
+            "#include \"ferrocache.h\"\nint main(void) { return 0; }\n",
+        )
+        .expect("write a source file");
+        let output = Command::new(compiler)
+            .args([std, "-Wall", "-Wextra", "-Werror", "-fsyntax-only", "-I"])
+            .arg(&include)
+            .arg(&source)
+            .output()
+            .unwrap_or_else(|e| panic!("run {compiler}: {e}"));
+        assert!(
+            output.status.success(),
+            "{compiler} rejects include/ferrocache.h:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
 }

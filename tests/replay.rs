@@ -376,3 +376,67 @@ fn an_impossible_start_state_falls_back_to_malloc() {
     assert_eq!(fresh.start.allocated_allocations, 5);
     assert_eq!(fresh.start.failures, 1);
 }
+
+/// PyTorch's own recordings (tests/data/oracle, made by `scripts/oracle --record`): training
+/// steps under PyTorch's allocator on the fake CUDA, recorded from just before an
+/// `empty_cache()`, so each begins with a burst of `segment_free` (or `segment_unmap`).
+fn native_recording(name: &str) -> DeviceWorkload {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/oracle")
+        .join(name);
+    let snapshot = replay::load(&path).expect("the committed recording loads");
+    let mut workload = Workload::reconstruct(&snapshot);
+    workload.devices.remove(0)
+}
+
+#[test]
+fn native_recordings_that_begin_with_empty_cache_replay_every_decision() {
+    for (name, conf) in [
+        ("training_defaults.pickle", ""),
+        ("training_max_split_64.pickle", "max_split_size_mb:64"),
+        ("training_expandable.pickle", "expandable_segments:True"),
+    ] {
+        let workload = native_recording(name);
+        // The releases at the start are empty_cache(), not a malloc's retry.
+        assert_eq!(workload.ops.first(), Some(&Op::EmptyCache), "{name}");
+        assert_eq!(workload.diagnostics.retry_released_segments, 0, "{name}");
+        let report = run(&workload, conf, StartState::Reconstructed);
+        assert_clean(name, &workload, &report);
+        let native = NativeFigures::of(&workload);
+        assert!(native.segment_allocs > 10, "{name}");
+        assert!(
+            report.mismatches.is_empty(),
+            "{name}: {:#?}",
+            report.mismatches.first()
+        );
+        assert_eq!(
+            report.matching_segment_allocs, native.segment_allocs,
+            "{name}"
+        );
+        assert_eq!(report.segment_allocs, native.segment_allocs, "{name}");
+        assert_eq!(report.peak_reserved, native.peak_reserved, "{name}");
+    }
+}
+
+#[test]
+fn expandable_start_segments_are_imported_as_expandable_segments() {
+    let workload = native_recording("training_expandable.pickle");
+    assert!(workload.start_segments.iter().all(|s| s.is_expandable));
+    // One segment per pool of the one stream: the large and the small expandable segment.
+    let report = run(
+        &workload,
+        "expandable_segments:True",
+        StartState::Reconstructed,
+    );
+    assert_eq!(report.start.imported_segments, 2, "{:?}", report.start);
+    assert_eq!(
+        report.start.placed_allocations,
+        workload.start_allocations.len()
+    );
+    // Under other settings they are ordinary segments, one per mapped range.
+    let report = run(&workload, "", StartState::Reconstructed);
+    assert_eq!(
+        report.start.imported_segments,
+        workload.start_segments.len()
+    );
+}

@@ -18,6 +18,7 @@ from ._version import __version__
 from .config import check_config, describe_config
 from .errors import LibraryNotFoundError, LibraryVersionError, OutOfMemoryError
 from .install import install, is_installed
+from .pools import MemPool, mem_pool
 from .memory import (
     caching_allocator_alloc,
     caching_allocator_delete,
@@ -48,6 +49,7 @@ __all__ = [
     "LIBRARY_ENV",
     "LibraryNotFoundError",
     "LibraryVersionError",
+    "MemPool",
     "OutOfMemoryError",
     "__version__",
     "caching_allocator_alloc",
@@ -63,6 +65,7 @@ __all__ = [
     "library_version",
     "max_memory_allocated",
     "max_memory_reserved",
+    "mem_pool",
     "memory_allocated",
     "memory_reserved",
     "memory_snapshot",

@@ -16,7 +16,7 @@ import ctypes
 import json
 import os
 import threading
-from ctypes import POINTER, c_char_p, c_double, c_int, c_size_t, c_void_p
+from ctypes import POINTER, c_char_p, c_double, c_int, c_size_t, c_ulonglong, c_void_p
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -25,8 +25,13 @@ from .errors import LibraryNotFoundError, LibraryVersionError, library_error
 
 #: Set it to the path of a ``libferrocache.so`` to use that one (development builds).
 LIBRARY_ENV = "FERROCACHE_LIBRARY"
-#: The library's file name inside the installed package.
+#: The library's file name as cargo builds it.
 LIBRARY_NAME = "libferrocache.so"
+#: Where a wheel puts the library, beside the package in site-packages: maturin copies the library
+#: that the ``ferrocache`` binary links to into ``ferrocache.libs/``, its name suffixed with a
+#: hash of its contents (``libferrocache-1a2b3c4d.so``), as auditwheel does.
+WHEEL_LIBRARY_DIR = "ferrocache.libs"
+WHEEL_LIBRARY_GLOB = "libferrocache-*.so"
 
 _CType = Any  # a ctypes type, or None for void
 
@@ -53,15 +58,44 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_reset_accumulated_stats": (c_int, (c_int,)),
     "ferrocache_empty_cache": (c_int, ()),
     "ferrocache_set_memory_fraction": (c_int, (c_double, c_int)),
+    # Function pointers as addresses (snapshot.py's stack gatherer, torch_api.py's OOM shim).
+    "ferrocache_set_stack_gatherer": (c_int, (c_void_p, c_int)),
+    "ferrocache_set_oom_thrower": (c_int, (c_void_p,)),
+    "ferrocache_check_invariants": (c_int, ()),
     "ferrocache_check_config": (c_int, (c_char_p,)),
     "ferrocache_describe_config": (c_void_p, (c_char_p,)),
     "ferrocache_version": (c_char_p, ()),
+    # The `ferrocache` command (the binary calls it; so may anyone who has argv at hand).
+    "ferrocache_cli_main": (c_int, (c_int, POINTER(c_char_p))),
+    # Private pools (CUDA graphs, ferrocache.mem_pool): device, then the pool id's two halves.
+    "ferrocache_begin_allocate_current_thread_to_pool": (c_int, (c_int, c_ulonglong, c_ulonglong)),
+    "ferrocache_end_allocate_to_pool": (c_int, (c_int, c_ulonglong, c_ulonglong)),
+    "ferrocache_release_pool": (c_int, (c_int, c_ulonglong, c_ulonglong)),
+    "ferrocache_create_or_incref_pool": (c_int, (c_int, c_ulonglong, c_ulonglong)),
+    "ferrocache_pool_use_count": (c_int, (c_int, c_ulonglong, c_ulonglong)),
 }
 
-#: Functions that must never be called through ctypes (they throw C++ exceptions).
-NOT_CALLABLE = frozenset({"rust_malloc"})
+#: PyTorch's CUDA graph pool hooks. Their parameter types are C++ (``std::pair``,
+#: ``std::function``), so they are only handed to PyTorch by address, never declared or called
+#: through ctypes; the header declares them in its C++-only part.
+CPP_HOOKS = frozenset(
+    {"rust_begin_allocate_to_pool", "rust_end_allocate_to_pool", "rust_release_pool"}
+)
+
+#: Functions that must never be called through ctypes (they throw C++ exceptions, or take C++
+#: types).
+NOT_CALLABLE = frozenset({"rust_malloc"}) | CPP_HOOKS
 #: Functions that do not make the library read its settings.
-_SETTINGS_FREE = frozenset({"ferrocache_version", "ferrocache_last_error", "ferrocache_string_free"})
+_SETTINGS_FREE = frozenset(
+    {
+        "ferrocache_version",
+        "ferrocache_last_error",
+        "ferrocache_string_free",
+        "ferrocache_cli_main",
+        "ferrocache_set_stack_gatherer",
+        "ferrocache_set_oom_thrower",
+    }
+)
 
 _lock = threading.Lock()
 _library: Optional[ctypes.CDLL] = None
@@ -80,12 +114,25 @@ def _checkout_candidates(package_dir: Path) -> list[Path]:
     return [target / "release" / LIBRARY_NAME, target / "debug" / LIBRARY_NAME]
 
 
+def _wheel_candidates(package_dir: Path) -> list[Path]:
+    """The library a wheel installed beside the package; an error if there are several."""
+    libs = package_dir.parent / WHEEL_LIBRARY_DIR
+    found = sorted(libs.glob(WHEEL_LIBRARY_GLOB)) if libs.is_dir() else []
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise LibraryNotFoundError(
+            f"{libs} holds several ferrocache libraries ({names}), left by more than one "
+            "installation: reinstall the package (pip install --force-reinstall ...)"
+        )
+    return found
+
+
 def library_path() -> Path:
     """The ``libferrocache.so`` this package uses, as an absolute path.
 
-    ``$FERROCACHE_LIBRARY`` when set; otherwise the library installed inside the package; for a
-    package imported from a source checkout, the checkout's ``target/release`` (then
-    ``target/debug``) build.
+    ``$FERROCACHE_LIBRARY`` when set; otherwise the library the wheel installed beside the
+    package (``site-packages/ferrocache.libs/``); for a package imported from a source checkout
+    (``pip install -e .``), the checkout's ``target/release`` (then ``target/debug``) build.
     """
     override = os.environ.get(LIBRARY_ENV)
     if override:
@@ -94,14 +141,16 @@ def library_path() -> Path:
             raise LibraryNotFoundError(f"{LIBRARY_ENV}={override!r} is not a file")
         return path
     package_dir = Path(__file__).resolve().parent
-    candidates = [package_dir / LIBRARY_NAME, *_checkout_candidates(package_dir)]
+    candidates = [*_wheel_candidates(package_dir), *_checkout_candidates(package_dir)]
     for candidate in candidates:
         if candidate.is_file():
             return candidate
-    looked = ", ".join(str(c) for c in candidates)
+    looked = ", ".join([str(package_dir.parent / WHEEL_LIBRARY_DIR / WHEEL_LIBRARY_GLOB)]
+                       + [str(c) for c in candidates])
     raise LibraryNotFoundError(
         f"ferrocache's library was not found (looked at {looked}): install the package with "
-        f"`pip install .` from the repository root, or set {LIBRARY_ENV} to a libferrocache.so"
+        f"`pip install .` from the repository root or from a wheel (scripts/build-wheel), or "
+        f"set {LIBRARY_ENV} to a libferrocache.so"
     )
 
 
@@ -157,7 +206,9 @@ def function(name: str) -> Callable[..., Any]:
     """A library function, for a call through ctypes."""
     global _settings_touched
     if name in NOT_CALLABLE:
-        raise ValueError(f"{name} throws C++ exceptions: it must not be called through ctypes")
+        raise ValueError(
+            f"{name} throws C++ exceptions or takes C++ types: it must not be called through ctypes"
+        )
     if name not in _SETTINGS_FREE:
         _settings_touched = True
     return getattr(load(), name)  # type: ignore[no-any-return]

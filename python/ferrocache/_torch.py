@@ -21,6 +21,17 @@ def imported_torch() -> Optional[ModuleType]:
     return sys.modules.get("torch")
 
 
+def version() -> Optional[tuple[int, int]]:
+    """(major, minor) of the PyTorch imported in this process, or None."""
+    torch = imported_torch()
+    text = str(getattr(torch, "__version__", "")) if torch is not None else ""
+    parts = text.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
 def cuda_initialized() -> bool:
     """``torch.cuda.is_initialized()``, or False where PyTorch is not imported."""
     torch = imported_torch()

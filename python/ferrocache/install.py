@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Optional
 
-from . import _lib, config
+from . import _lib, config, torch_api
 
 #: PyTorch's hook setters, the library function each one gets, and what is lost without it.
 HOOKS = (
@@ -29,6 +29,19 @@ HOOKS = (
     ),
     ("set_record_stream_fn", "rust_record_stream", "Tensor.record_stream() is ignored"),
     ("set_base_alloc_fn", "rust_base_alloc", "CUDA IPC sees allocations, not their segments"),
+)
+
+#: PyTorch's CUDA graph pool hooks and the library function each one gets. They work only
+#: together (a capture that begins must end), so they are set all three or not at all.
+POOL_HOOKS = (
+    ("set_begin_allocate_to_pool", "rust_begin_allocate_to_pool"),
+    ("set_end_allocate_to_pool_fn", "rust_end_allocate_to_pool"),
+    ("set_release_pool", "rust_release_pool"),
+)
+#: What is lost without the pool hooks.
+POOL_HOOKS_LOST = (
+    "CUDA graph captures are not served from private pools, so memory a graph replays into can "
+    "be handed to other tensors: do not use torch.cuda.graph with ferrocache on this PyTorch"
 )
 
 
@@ -76,8 +89,10 @@ def install(conf: Optional[str] = None, log_level: Optional[str] = None) -> Any:
 
     Once installed, PyTorch's ``torch.cuda.empty_cache()``,
     ``torch.cuda.set_per_process_memory_fraction()`` and ``Tensor.record_stream()`` act on
-    ferrocache; for statistics, summaries and snapshots use ferrocache's functions of the same
-    names (PyTorch's cannot see inside a pluggable allocator).
+    ferrocache, ``torch.cuda.graph`` captures allocate from private pools (docs/cuda-graphs.md),
+    and ``torch.cuda``'s statistics, summary, history and snapshot functions are
+    ferrocache's (the table in :mod:`ferrocache.torch_api`); an out of memory raises
+    ``torch.OutOfMemoryError`` where a C++ compiler can build the shim (see torch_api).
     """
     global _installed
     torch = _import_torch()
@@ -117,6 +132,8 @@ def install(conf: Optional[str] = None, log_level: Optional[str] = None) -> Any:
                 f"ferrocache.install(): PyTorch refused to change its allocator ({err}); "
                 "call ferrocache.install() before anything uses CUDA"
             ) from err
+        torch_api.patch_torch_cuda(torch)
+        torch_api.connect_oom_error(torch)
         _installed = _Installed(allocator, conf, log_level)
         return allocator
 
@@ -133,6 +150,15 @@ def _connect_hooks(allocator: Any) -> None:
             )
             continue
         setter(_lib.address(symbol))
+    missing = [name for name, _ in POOL_HOOKS if getattr(native, name, None) is None]
+    if missing:
+        warnings.warn(
+            f"this PyTorch has no CUDAPluggableAllocator.{', '.join(missing)}: {POOL_HOOKS_LOST}",
+            stacklevel=3,
+        )
+        return
+    for setter_name, symbol in POOL_HOOKS:
+        getattr(native, setter_name)(_lib.address(symbol))
 
 
 def _check_same_settings(installed: _Installed, conf: Optional[str], log_level: Optional[str]) -> None:
@@ -150,4 +176,4 @@ def _check_same_settings(installed: _Installed, conf: Optional[str], log_level: 
         )
 
 
-__all__ = ["HOOKS", "install", "is_installed"]
+__all__ = ["HOOKS", "POOL_HOOKS", "install", "is_installed"]

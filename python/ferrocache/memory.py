@@ -37,8 +37,14 @@ COUNTERS = (
     "num_device_alloc",
     "num_device_free",
     "num_ooms",
+    "num_oom_rejections",
     "num_sync_all_streams",
 )
+#: Counters of PyTorch's that ferrocache has no event for: always 0 (``num_oom_rejections``
+#: counts allocations refused without trying the device), and the PyTorch version whose
+#: allocator has them: with an older PyTorch imported, the key is left out, as its allocator
+#: does.
+ZERO_COUNTERS = {"num_oom_rejections": (2, 12)}
 #: The keys of ``torch.cuda.memory_stats()`` for PyTorch's native allocator, sorted as it sorts.
 PYTORCH_STAT_KEYS: tuple[str, ...] = tuple(
     sorted(
@@ -53,7 +59,14 @@ EXTRA_STAT_KEYS = ("num_merges", "num_splits")
 
 def _library_stats(device: Device) -> dict[str, int]:
     index = _torch.device_index(device)
-    return {str(k): int(v) for k, v in _lib.call_json("ferrocache_memory_stats", index).items()}
+    stats = {str(k): int(v) for k, v in _lib.call_json("ferrocache_memory_stats", index).items()}
+    torch_version = _torch.version()
+    for name, since in ZERO_COUNTERS.items():
+        if torch_version is None or torch_version >= since:
+            stats.setdefault(name, 0)
+        else:
+            stats.pop(name, None)
+    return stats
 
 
 def memory_stats(device: Device = None) -> "collections.OrderedDict[str, int]":
@@ -83,6 +96,11 @@ def memory_stats_as_nested_dict(device: Device = None) -> dict[str, Any]:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
+    # PyTorch >= 2.13 lists the memory reserved by each private pool (CUDA graphs) here; it is
+    # empty without private pools, and no flat key comes from it.
+    torch_version = _torch.version()
+    if torch_version is None or torch_version >= (2, 13):
+        nested.setdefault("reserved_bytes_by_private_pools", {})
     return nested
 
 
@@ -223,25 +241,39 @@ def _row(label: str, cells: list[str]) -> str:
     return f" {label:<21} | " + " | ".join(cells) + " "
 
 
-def format_summary(stats: dict[str, int], device: int, abbreviated: bool = False) -> str:
-    """The text of :func:`memory_summary` for the statistics ``stats`` (flat keys)."""
+def format_summary(
+    stats: dict[str, int], device: int, abbreviated: bool = False, layout: str = "ferrocache"
+) -> str:
+    """The text of :func:`memory_summary` for the statistics ``stats`` (flat keys). With
+    ``layout="pytorch"``, PyTorch's text line for line (its title, no split and merge line),
+    which is what ``torch.cuda.memory_summary()`` prints once ferrocache is installed."""
+    if layout not in ("ferrocache", "pytorch"):
+        raise ValueError(f"layout must be 'ferrocache' or 'pytorch', not {layout!r}")
     formats: dict[str, Callable[[int, int], str]] = {
         "size": format_size_cell,
         "count": format_count_cell,
     }
     rule, double_rule = "-" * SUMMARY_WIDTH, "=" * SUMMARY_WIDTH
+    title = (
+        f" {'':16} PyTorch CUDA memory summary, device ID {device:<17d} "
+        if layout == "pytorch"
+        else f" {'':13} ferrocache CUDA memory summary, device ID {device:<17d} "
+    )
     lines = [
         double_rule,
-        f" {'':13} ferrocache CUDA memory summary, device ID {device:<17d} ",
+        title,
         rule,
         (
             f"  {'':9} CUDA OOMs: {stats['num_ooms']:<12d} | "
             f"{'':6} cudaMalloc retries: {stats['num_alloc_retries']:<8d}  "
         ),
-        (
+    ]
+    if layout == "ferrocache":
+        lines.append(
             f"  {'':6} Block splits: {stats.get('num_splits', 0):<12d} | "
             f"{'':6} Block merges: {stats.get('num_merges', 0):<14d}  "
-        ),
+        )
+    lines += [
         double_rule,
         "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  ",
     ]

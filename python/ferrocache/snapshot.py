@@ -5,16 +5,23 @@ The library gives the snapshot as JSON; :func:`snapshot` turns it into the Pytho
 PyTorch's snapshot holds (tuples where PyTorch has tuples), and :func:`dump_snapshot` pickles
 it with protocol 4, the newest the viewer's own unpickler reads.
 
-ferrocache sees allocations from the driver side, not from Python, so ``frames`` (stack traces)
-are always empty lists: the viewer shows the memory over time, segment by segment and block by
-block, without saying which line of Python made each allocation.
+Stack frames: with ``context`` set (the default ``"all"``), every allocation calls back into
+Python, before the library takes any lock, to record the calling thread's Python frames; the
+library keeps only an id (``stack_id``) with the block and the trace entries, and
+:func:`snapshot` turns the ids into PyTorch's ``frames`` (``{"filename", "line", "name"}``,
+innermost first). ``stacks="all"`` records the same Python frames: ferrocache records no C++
+frames. With recording off, allocations do not call back at all.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
 import pickle
 import sys
+import threading
+from types import CodeType, FrameType
 from typing import Any, Iterable, Optional, Union
 
 from . import _lib
@@ -40,6 +47,133 @@ TUPLE_KEYS = frozenset({"segment_pool_id", "pool_id"})
 PICKLE_PROTOCOL = 4
 
 _skipped_actions: frozenset[str] = frozenset()
+
+# ------------------------------------------------------------------------------------------------
+# Python stacks
+# ------------------------------------------------------------------------------------------------
+
+#: A recorded stack: (code, instruction offset) per frame, innermost first.
+_Stack = tuple[tuple[CodeType, int], ...]
+#: The C type of the library's stack gatherer: event (0 alloc, 1 free) -> stack id.
+_GATHERER_TYPE = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_int)
+#: The ``context`` values that record stacks, and whether frees record them too.
+_CONTEXT_ON_FREE = {"state": False, "alloc": False, "all": True}
+
+
+def _line_of(code: CodeType, offset: int) -> int:
+    """The source line of the instruction at byte ``offset`` of ``code`` (what ``f_lineno``
+    says, worked out only when a snapshot asks)."""
+    for start, end, line in code.co_lines():
+        if start <= offset < end:
+            return line or code.co_firstlineno
+    return code.co_firstlineno
+
+
+class _StackTable:
+    """Stacks by id, each recorded once. The look-up key is cheap to hash: ``(id(code),
+    offset, ...)``; every code object of a recorded stack is kept alive by the table, so its
+    ``id`` cannot name another code object while the key is in use. Ids are never reused, so an
+    id the library still holds from an earlier recording never names another stack."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids: dict[tuple[int, ...], int] = {}
+        self._stacks: dict[int, _Stack] = {}
+        self._frames: dict[int, list[dict[str, Any]]] = {}
+        self._next_id = 1
+
+    def lookup(self, key: tuple[int, ...]) -> Optional[int]:
+        return self._ids.get(key)
+
+    def intern(self, key: tuple[int, ...], stack: _Stack) -> int:
+        with self._lock:
+            found = self._ids.get(key)
+            if found is None:
+                found = self._next_id
+                self._next_id += 1
+                self._ids[key] = found
+                self._stacks[found] = stack
+            return found
+
+    def frames(self, stack_id: int) -> list[dict[str, Any]]:
+        """PyTorch's frames for a stack (a fresh list each call: callers may change it)."""
+        with self._lock:
+            frames = self._frames.get(stack_id)
+            if frames is None:
+                stack = self._stacks.get(stack_id, ())
+                frames = [
+                    {"filename": code.co_filename, "line": _line_of(code, offset), "name": code.co_name}
+                    for code, offset in stack
+                ]
+                self._frames[stack_id] = frames
+        return [dict(f) for f in frames]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._ids.clear()
+            self._stacks.clear()
+            self._frames.clear()
+
+
+_stacks = _StackTable()
+
+
+def _gather_python_stack(event: int) -> int:
+    """The library's stack gatherer: the calling thread's Python frames, as a stack id. ctypes
+    takes the GIL around it; the library calls it before taking any lock of its own. Kept
+    small: it runs at every allocation while stacks are recorded."""
+    try:
+        key: list[int] = []
+        frame: Optional[FrameType] = sys._getframe(1)
+        while frame is not None:
+            key.append(id(frame.f_code))
+            key.append(frame.f_lasti)
+            frame = frame.f_back
+        if not key:
+            return 0
+        frozen = tuple(key)
+        found = _stacks.lookup(frozen)
+        if found is not None:
+            return found
+        stack = []
+        frame = sys._getframe(1)
+        while frame is not None:
+            stack.append((frame.f_code, frame.f_lasti))
+            frame = frame.f_back
+        return _stacks.intern(frozen, tuple(stack))
+    except BaseException:  # nothing may escape into the allocator
+        return 0
+
+
+#: Kept for the life of the process: the library may call it from any thread at any time.
+_gatherer = _GATHERER_TYPE(_gather_python_stack)
+_gatherer_registered = False
+
+
+def _set_stack_recording(context: Optional[str]) -> None:
+    """Registers the gatherer for ``context`` ("state", "alloc", "all"), or unregisters it."""
+    global _gatherer_registered
+    set_gatherer = _lib.function("ferrocache_set_stack_gatherer")
+    if context in _CONTEXT_ON_FREE:
+        address = ctypes.cast(_gatherer, ctypes.c_void_p).value
+        set_gatherer(address, 1 if _CONTEXT_ON_FREE[context] else 0)
+        if not _gatherer_registered:
+            # After interpreter shutdown began, a callback into Python could hang.
+            atexit.register(_stop_stack_recording)
+        _gatherer_registered = True
+    elif _gatherer_registered:
+        set_gatherer(None, 0)
+
+
+def _stop_stack_recording() -> None:
+    try:
+        _lib.function("ferrocache_set_stack_gatherer")(None, 0)
+    except Exception:
+        pass
+
+
+#: What the latest record_memory_history asked for: context, and whether trace entries keep it.
+_trace_context = False
 
 
 def _set_recording(record: bool, max_entries: int, clear_history: bool) -> None:
@@ -84,10 +218,19 @@ def _record_memory_history_impl(
     if stacks not in ("python", "all"):
         raise ValueError(f"stacks must be 'python' or 'all', not {stacks!r}")
     skipped = _check_skip_actions(skip_actions)
-    # "state" keeps only what a snapshot's segments show anyway (ferrocache has no stack traces
-    # to keep), so only "all" records the history of events.
+    record = enabled is not None and record_cuda
+    # "state" keeps stacks with live blocks but no history of events.
     _set_recording(enabled == "all" and record_cuda, max_entries, clear_history)
+    _apply_context(context if record else None, trace=context in ("alloc", "all"))
     _skipped_actions = skipped
+
+
+def _apply_context(context: Optional[str], trace: bool) -> None:
+    global _trace_context
+    _set_stack_recording(context)
+    _trace_context = trace and context is not None
+    if context is None:
+        _stacks.clear()
 
 
 def _record_memory_history_legacy(
@@ -107,6 +250,12 @@ def _record_memory_history_legacy(
     global _skipped_actions
     skipped = _check_skip_actions(skip_actions)
     _set_recording(enabled and record_cuda, trace_alloc_max_entries, clear_history)
+    # PyTorch's legacy form: record_context keeps stacks with blocks, trace_alloc_record_context
+    # with trace entries too.
+    context = None
+    if enabled and record_cuda and (record_context or trace_alloc_record_context):
+        context = "all" if trace_alloc_record_context else "state"
+    _apply_context(context, trace=bool(trace_alloc_record_context))
     _skipped_actions = skipped
 
 
@@ -123,10 +272,11 @@ def record_memory_history(enabled: Union[str, bool, None] = "all", *args: Any, *
     Accepts PyTorch's forms: ``enabled`` ``"all"`` (record, the default), ``"state"`` or None
     (do not record), with ``max_entries`` (default ``sys.maxsize``: keep everything; otherwise
     the newest entries are kept), ``clear_history``, ``skip_actions``, ``record_cuda``;
-    ``context`` and ``stacks`` are accepted and have nothing to act on. The older boolean form
+    ``context`` (None, "state": stacks of live blocks, "alloc": also of alloc events, "all":
+    also of frees) records Python stacks, whichever ``stacks`` says. The older boolean form
     works too: ``record_memory_history(True, trace_alloc_max_entries=100000)``, and
     ``record_memory_history(True, max_entries=100000)`` (True meaning "all", False None).
-    Stopping clears the recorded history.
+    Stopping clears the recorded history and the stacks.
     """
     if isinstance(enabled, bool):
         if args or _LEGACY_ONLY & kwargs.keys():
@@ -146,13 +296,20 @@ def _tuples(value: Any, key: Optional[str] = None) -> Any:
     return value
 
 
-def snapshot(device: Device = None) -> dict[str, Any]:
+def _resolve_stacks(item: dict[str, Any], keep: bool) -> None:
+    """Replaces the library's ``stack_id`` with PyTorch's ``frames``."""
+    stack_id = item.pop("stack_id", 0)
+    item["frames"] = _stacks.frames(stack_id) if keep and stack_id else []
+
+
+def snapshot(device: Device = None, augment_with_fx_traces: bool = False) -> dict[str, Any]:
     """``torch.cuda.memory._snapshot()``: the allocator's state on every device.
 
     ``segments`` (each with its ``blocks``, which tile the segment in address order),
     ``device_traces`` (one list of recorded events per device, oldest first; see
     :func:`record_memory_history`), ``allocator_settings`` and ``external_annotations``.
     ``device`` is accepted as PyTorch accepts it; all devices are always included.
+    ``augment_with_fx_traces`` is accepted and does nothing (ferrocache records no FX frames).
     """
     raw = _lib.call_json("ferrocache_snapshot")
     result: dict[str, Any] = _tuples(raw)
@@ -162,8 +319,12 @@ def snapshot(device: Device = None) -> dict[str, Any]:
     devices = [int(segment.get("device", 0)) for segment in result["segments"]]
     while len(traces) <= max(devices, default=-1):
         traces.append([])
+    for segment in result["segments"]:
+        for block in segment.get("blocks", []):
+            _resolve_stacks(block, keep=True)
     for trace in traces:
         for entry in trace:
+            _resolve_stacks(entry, keep=_trace_context)
             # PyTorch's OOM entry says how much memory the device had free where other entries
             # have the address; ferrocache's JSON carries that number under "addr".
             if entry.get("action") == "oom" and "device_free" not in entry:
@@ -175,12 +336,31 @@ def snapshot(device: Device = None) -> dict[str, Any]:
     return result
 
 
-def memory_snapshot() -> list[dict[str, Any]]:
-    """``torch.cuda.memory_snapshot()``: the ``segments`` of :func:`snapshot`."""
-    return list(snapshot()["segments"])
+def memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> list[dict[str, Any]]:
+    """``torch.cuda.memory_snapshot()``: the ``segments`` of :func:`snapshot`. With
+    ``mempool_id`` (a pool id pair), only that pool's segments."""
+    segments = list(snapshot()["segments"])
+    if mempool_id is not None:
+        wanted = tuple(mempool_id)
+        segments = [s for s in segments if tuple(s.get("segment_pool_id", (0, 0))) == wanted]
+    return segments
 
 
-def dump_snapshot(filename: Union[str, "os.PathLike[str]"] = "dump_snapshot.pickle") -> None:
+def allocation_traceback(data_ptr: int) -> Optional[list[dict[str, Any]]]:
+    """``torch.cuda.memory._allocation_traceback(data_ptr)``: the frames recorded when the live
+    allocation that starts at ``data_ptr`` was made, or None (no such allocation, or no stack
+    recorded)."""
+    for segment in snapshot()["segments"]:
+        for block in segment.get("blocks", []):
+            if block.get("address") == data_ptr and block.get("state") == "active_allocated":
+                return block["frames"] or None
+    return None
+
+
+def dump_snapshot(
+    filename: Union[str, "os.PathLike[str]"] = "dump_snapshot.pickle",
+    augment_with_fx_traces: bool = False,
+) -> None:
     """``torch.cuda.memory._dump_snapshot(filename)``: pickles :func:`snapshot` to ``filename``,
     for https://pytorch.org/memory_viz or ``python -m torch.cuda._memory_viz``."""
     data = snapshot()
@@ -188,4 +368,10 @@ def dump_snapshot(filename: Union[str, "os.PathLike[str]"] = "dump_snapshot.pick
         pickle.dump(data, f, protocol=PICKLE_PROTOCOL)
 
 
-__all__ = ["dump_snapshot", "memory_snapshot", "record_memory_history", "snapshot"]
+__all__ = [
+    "allocation_traceback",
+    "dump_snapshot",
+    "memory_snapshot",
+    "record_memory_history",
+    "snapshot",
+]

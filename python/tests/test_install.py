@@ -1,10 +1,11 @@
-"""install() and the settings: with a stand-in PyTorch that records what install() does, and
-without PyTorch."""
+"""install() with a stand-in PyTorch, for what real PyTorch cannot show here (a build without
+CUDA, the hook addresses as numbers), and without PyTorch. Everything else of install() is
+tested on real PyTorch: python/tests/real_torch/test_install_real.py."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import GIB, MIB, memory_env, run_json, run_python
+from conftest import GIB, MIB, memory_env, run_json
 
 pytestmark = pytest.mark.usefixtures("fake_libcuda")
 
@@ -14,6 +15,9 @@ HOOKS = {
     "set_memory_fraction_fn": "rust_memory_fraction",
     "set_record_stream_fn": "rust_record_stream",
     "set_base_alloc_fn": "rust_base_alloc",
+    "set_begin_allocate_to_pool": "rust_begin_allocate_to_pool",
+    "set_end_allocate_to_pool_fn": "rust_end_allocate_to_pool",
+    "set_release_pool": "rust_release_pool",
 }
 
 
@@ -93,23 +97,6 @@ def test_the_hooks_work_when_called_as_pytorch_calls_them() -> None:
     }
 
 
-def test_install_after_cuda_initialisation_says_to_call_it_earlier() -> None:
-    out = run_json(
-        """
-        import ferrocache, torch
-        try:
-            ferrocache.install()
-        except RuntimeError as err:
-            result([str(err), torch.cuda.memory.changes, ferrocache.is_installed()])
-        """,
-        fake_torch=True,
-        env={"FAKE_TORCH_CUDA_INITIALIZED": "1"},
-    )
-    message, changes, installed = out
-    assert "call ferrocache.install() earlier" in message and "before the first CUDA tensor" in message
-    assert changes == 0 and installed is False
-
-
 def test_a_pytorch_without_cuda_is_refused() -> None:
     out = run_json(
         """
@@ -145,44 +132,6 @@ def test_without_torch_only_install_complains() -> None:
     assert allocated == 1024 and summary
 
 
-@pytest.mark.parametrize(
-    "conf, message",
-    [
-        ("backend:malloc", "Unknown allocator backend, options are native and cudaMallocAsync"),
-        ("roundup_power2_divisions:3", "For roundups, the divisions has to be power of 2 "),
-        ("garbage_collection_threshold:1.5", "garbage_collect_threshold is invalid, set it in (0.0, 1.0)"),
-    ],
-)
-def test_a_bad_configuration_is_refused_with_pytorchs_wording(conf: str, message: str) -> None:
-    out = run_json(
-        """
-        import os, ferrocache, torch
-        try:
-            ferrocache.install(conf=%r)
-        except ValueError as err:
-            result([str(err), torch.cuda.memory.changes, os.environ.get("PYTORCH_CUDA_ALLOC_CONF")])
-        """
-        % conf,
-        fake_torch=True,
-    )
-    assert out == [message, 0, None], "the environment is left as it was"
-
-
-def test_a_bad_configuration_in_the_environment_is_refused_too() -> None:
-    out = run_json(
-        """
-        import ferrocache
-        try:
-            ferrocache.install()
-        except ValueError as err:
-            result(str(err))
-        """,
-        fake_torch=True,
-        env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:10"},
-    )
-    assert out == "CachingAllocator option max_split_size_mb too small, must be >= 20"
-
-
 def test_check_and_describe_config() -> None:
     out = run_json(
         """
@@ -199,79 +148,3 @@ def test_check_and_describe_config() -> None:
     assert "max_split_size: 128 MiB" in out[1]
 
 
-def test_the_configuration_given_reaches_the_library() -> None:
-    out = run_json(
-        """
-        import os, ferrocache
-        ferrocache.install(conf="max_split_size_mb:40,expandable_segments:True", log_level="info")
-        settings = ferrocache.snapshot()["allocator_settings"]
-        result([settings["PYTORCH_CUDA_ALLOC_CONF"], settings["max_split_size"],
-                settings["expandable_segments"], os.environ["TORCH_CUDA_ALLOC_LOG_LEVEL"],
-                ferrocache.memory_stats()["max_split_size"]])
-        """,
-        fake_torch=True,
-        env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False", **memory_env(GIB)},
-    )
-    assert out == ["max_split_size_mb:40,expandable_segments:True", 40 * MIB, True, "info", 40 * MIB]
-
-
-def test_the_log_level_given_is_used() -> None:
-    process = run_python(
-        """
-        import ferrocache
-        ferrocache.install(log_level="INFO")
-        ferrocache.caching_allocator_delete(ferrocache.caching_allocator_alloc(4096))
-        """,
-        fake_torch=True,
-        env=memory_env(GIB),
-    )
-    assert "[INFO] Allocator: block 0x" in process.stderr
-    quiet = run_python(
-        """
-        import ferrocache
-        ferrocache.install()
-        ferrocache.caching_allocator_delete(ferrocache.caching_allocator_alloc(4096))
-        """,
-        fake_torch=True,
-        env=memory_env(GIB, TORCH_CUDA_ALLOC_LOG_LEVEL="OFF"),
-    )
-    assert "[INFO]" not in quiet.stderr
-
-
-def test_a_bad_log_level_is_refused() -> None:
-    out = run_json(
-        """
-        import ferrocache
-        try:
-            ferrocache.install(log_level="loud")
-        except ValueError as err:
-            result(str(err))
-        """,
-        fake_torch=True,
-    )
-    assert out.startswith("Unknown TORCH_CUDA_ALLOC_LOG_LEVEL value 'loud'")
-
-
-def test_a_configuration_after_the_library_read_its_settings_is_refused() -> None:
-    out = run_json(
-        """
-        import ferrocache
-        ferrocache.memory_stats()  # the library reads its settings now
-        out = []
-        try:
-            ferrocache.install(conf="expandable_segments:True")
-        except RuntimeError as err:
-            out.append(str(err))
-        ferrocache.install()  # without a configuration it is fine
-        try:
-            ferrocache.install(conf="max_split_size_mb:64")  # and a second one may not change it
-        except RuntimeError as err:
-            out.append(str(err))
-        result(out)
-        """,
-        fake_torch=True,
-        env=memory_env(GIB),
-    )
-    assert len(out) == 2
-    assert "must come before any other ferrocache call" in out[0]
-    assert "already installed" in out[1] and "cannot change" in out[1]

@@ -24,6 +24,11 @@ C_TO_CTYPES = {
     "char *": ctypes.c_void_p,
     "const char *": ctypes.c_char_p,
     "cudaStream_t": ctypes.c_void_p,
+    # Function pointers: the package passes ctypes callbacks' addresses.
+    "ferrocache_stack_gatherer": ctypes.c_void_p,
+    "ferrocache_oom_thrower": ctypes.c_void_p,
+    "const char * const *": ctypes.POINTER(ctypes.c_char_p),
+    "unsigned long long": ctypes.c_ulonglong,
 }
 
 _PROTOTYPE = re.compile(r"^\s*([A-Za-z_][\w\s]*?\**)\s*\b(\w+)\(([^)]*)\);", re.MULTILINE)
@@ -34,8 +39,14 @@ def _normalise(c_type: str) -> str:
     return c_type.replace(" *", " *").replace("* *", "**")
 
 
+#: The header's C++-only part (the CUDA graph pool hooks, whose types are C++).
+_CPP_ONLY = re.compile(r"#ifdef __cplusplus  /\* C\+\+ only \*/.*?#endif  /\* C\+\+ only \*/", re.DOTALL)
+
+
 def header_prototypes(text: str) -> dict[str, tuple[str, list[str]]]:
-    """``name -> (return type, [parameter types])`` for every function prototype in ``text``."""
+    """``name -> (return type, [parameter types])`` for every C function prototype in
+    ``text`` (the C++-only part left out)."""
+    text = _CPP_ONLY.sub("", text)
     text = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.DOTALL)
     prototypes = {}
     for match in _PROTOTYPE.finditer(text):
@@ -89,6 +100,19 @@ def test_rust_malloc_is_never_callable_through_ctypes() -> None:
     with pytest.raises(ValueError, match="C\\+\\+ exceptions"):
         _lib.function("rust_malloc")
     assert _lib.address("rust_malloc") > 0
+
+
+def test_the_cpp_pool_hooks_are_in_the_header_and_only_given_by_address() -> None:
+    text = HEADER.read_text()
+    cpp_only = _CPP_ONLY.search(text)
+    assert cpp_only is not None, "the header has no C++-only part"
+    declared = set(re.findall(r"^void (rust_\w+)\(int device, std::pair", cpp_only.group(0), re.M))
+    assert declared == set(_lib.CPP_HOOKS)
+    for name in _lib.CPP_HOOKS:
+        assert name not in _lib.SIGNATURES
+        with pytest.raises(ValueError, match="C\\+\\+ types"):
+            _lib.function(name)
+        assert _lib.address(name) > 0
 
 
 def test_versions_agree() -> None:
@@ -156,13 +180,55 @@ def test_without_its_library_the_package_imports_and_says_how_to_get_one(tmp_pat
     assert "library was not found" in out and "pip install ." in out
 
 
-def test_the_installed_package_carries_its_library() -> None:
-    """Under scripts/python-tests the package comes from `pip install .` into a fresh venv."""
+def test_the_installed_package_finds_the_library_its_wheel_carried() -> None:
+    """Under scripts/python-tests the package comes from a wheel (`pip install .`, or
+    FERROCACHE_WHEEL) in a fresh venv: the library lies beside it in ferrocache.libs/."""
     package_dir = Path(ferrocache.__file__).resolve().parent
     if REPO / "python" in package_dir.parents or package_dir == REPO / "python" / "ferrocache":
         pytest.skip("ferrocache is imported from the source tree, not from an installation")
-    assert ferrocache.library_path() == package_dir / "libferrocache.so"
-    assert (package_dir / "libferrocache.so").stat().st_size > 0
+    libraries = list((package_dir.parent / "ferrocache.libs").glob("libferrocache-*.so"))
+    assert len(libraries) == 1, libraries
+    assert ferrocache.library_path() == libraries[0]
+    assert libraries[0].stat().st_size > 100_000
+
+
+def test_two_libraries_beside_the_package_are_refused(tmp_path: Path) -> None:
+    shutil.copytree(Path(ferrocache.__file__).parent, tmp_path / "ferrocache",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    libs = tmp_path / "ferrocache.libs"
+    libs.mkdir()
+    for name in ("libferrocache-00000000.so", "libferrocache-11111111.so"):
+        shutil.copy(ferrocache.library_path(), libs / name)
+    out = run_json(
+        """
+        import ferrocache
+        try:
+            ferrocache.library_path()
+        except ImportError as err:
+            result(str(err))
+        """,
+        env={"PYTHONPATH": str(tmp_path)},
+    )
+    assert "several ferrocache libraries" in out and "libferrocache-11111111.so" in out
+
+
+def test_the_command_line_entry_point_runs_in_process() -> None:
+    """ferrocache_cli_main is the whole command: the binary only forwards its arguments."""
+    out = run_json(
+        """
+        import ctypes, ferrocache._lib as lib
+        def main(*args):
+            argv = (ctypes.c_char_p * len(args))(*[a.encode() for a in args])
+            return lib.function("ferrocache_cli_main")(len(args), argv)
+        result([main("ferrocache", "check-config", "expandable_segments:True"),
+                main("ferrocache", "check-config", "expandable_segments:yes"),
+                main("ferrocache", "--no-such-option"),
+                main("ferrocache", "--version"),
+                lib.function("ferrocache_cli_main")(0, None)])
+        """
+    )
+    # Accepted, rejected by PyTorch's rules, a usage error, the version, no arguments at all.
+    assert out == [0, 2, 2, 0, 2]
 
 
 def test_loading_reads_no_settings() -> None:

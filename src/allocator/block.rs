@@ -4,6 +4,8 @@
 //! tile it: `prev`/`next` link address neighbours. Links are arena indices, never pointers, so a
 //! block can be freed, merged or moved between pools without any unsafe code.
 
+use super::history::StackId;
+use super::private_pool::PrivatePoolIndex;
 use crate::device::{DevicePtr, StreamId};
 use crate::policy::PoolKind;
 
@@ -27,6 +29,8 @@ pub struct Block {
     pub stream: StreamId,
     /// The pool the block's segment belongs to.
     pub pool: PoolKind,
+    /// The private pool (CUDA graph capture) the segment belongs to; `None`: the ordinary pools.
+    pub private_pool: Option<PrivatePoolIndex>,
     /// Handed out to the program.
     pub allocated: bool,
     /// Backed by physical memory. Always true outside expandable segments.
@@ -43,6 +47,8 @@ pub struct Block {
     pub gc_count_base: u64,
     /// The expandable segment holding the block, if any.
     pub expandable: Option<ExpandableId>,
+    /// The stack of the allocation that last handed the block out (0: none recorded).
+    pub stack_id: StackId,
 }
 
 impl Block {
@@ -53,6 +59,7 @@ impl Block {
             requested_size: 0,
             stream,
             pool,
+            private_pool: None,
             allocated: false,
             mapped: true,
             prev: None,
@@ -61,6 +68,17 @@ impl Block {
             stream_uses: Vec::new(),
             gc_count_base: 0,
             expandable: None,
+            stack_id: 0,
+        }
+    }
+
+    /// A new free, mapped block at `ptr` in the same segment as `self` (same stream, pools and
+    /// expandable segment), not yet linked into the chain.
+    pub fn sibling(&self, ptr: DevicePtr, size: usize) -> Block {
+        Block {
+            private_pool: self.private_pool,
+            expandable: self.expandable,
+            ..Block::new(ptr, size, self.stream, self.pool)
         }
     }
 

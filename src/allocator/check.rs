@@ -3,9 +3,11 @@
 
 use super::DeviceAllocator;
 use super::block::Block;
+use super::private_pool::PrivatePoolIndex;
 use super::stats::DeviceStats;
 use crate::device::Device;
 use crate::policy;
+use rustc_hash::FxHashMap;
 
 impl<D: Device> DeviceAllocator<D> {
     /// Checks every structural invariant and recomputes the current statistics from the block
@@ -15,11 +17,32 @@ impl<D: Device> DeviceAllocator<D> {
         let mut cached_count = 0;
         let mut unmapped_count = 0;
         let mut mapped_expandable = vec![0usize; self.expandable_segments.len()];
+        let mut private_segments: FxHashMap<PrivatePoolIndex, usize> = FxHashMap::default();
+        // Where each cached block is filed: (private pool, pool kind).
+        let mut filed = FxHashMap::default();
+        for (owner, block_pool) in self.pools.all_with_owner() {
+            for id in block_pool
+                .cached()
+                .into_iter()
+                .chain(block_pool.unmapped_blocks())
+            {
+                filed.insert(id, (owner, block_pool.kind));
+            }
+        }
         for (id, head) in self.arena.iter() {
             if head.prev.is_some() {
                 continue;
             }
             let pool = head.pool;
+            if let Some(owner) = head.private_pool {
+                if !self.pools.is_live(owner) {
+                    return Err(format!(
+                        "segment {:#x} belongs to a private pool that no longer exists",
+                        head.ptr
+                    ));
+                }
+                *private_segments.entry(owner).or_default() += 1;
+            }
             let mut end = head.ptr;
             let mut cursor = Some(id);
             let mut previous: Option<&Block> = None;
@@ -35,7 +58,11 @@ impl<D: Device> DeviceAllocator<D> {
                         b.ptr, b.size
                     ));
                 }
-                if b.pool != pool || b.stream != head.stream || b.expandable != head.expandable {
+                if b.pool != pool
+                    || b.stream != head.stream
+                    || b.expandable != head.expandable
+                    || b.private_pool != head.private_pool
+                {
                     return Err(format!("block {:#x} disagrees with its segment", b.ptr));
                 }
                 if let Some(p) = previous
@@ -73,6 +100,15 @@ impl<D: Device> DeviceAllocator<D> {
                     recomputed
                         .requested_bytes
                         .increase(pool, b.requested_size as u64);
+                }
+                if b.is_available() && filed.get(&c) != Some(&(b.private_pool, b.pool)) {
+                    return Err(format!(
+                        "free block {:#x} is not filed in its own pool ({:?} {:?}) but in {:?}",
+                        b.ptr,
+                        b.private_pool,
+                        b.pool,
+                        filed.get(&c)
+                    ));
                 }
                 if b.is_available() {
                     if b.mapped {
@@ -129,8 +165,26 @@ impl<D: Device> DeviceAllocator<D> {
                 ));
             }
         }
-        let pooled: usize = self.pools.iter().map(|p| p.cached_len()).sum();
-        let unmapped_pooled: usize = self.pools.iter().map(|p| p.unmapped_len()).sum();
+        for (index, pool) in self.pools.private_pools() {
+            let counted = private_segments.get(&index).copied().unwrap_or(0);
+            if pool.segment_count != counted {
+                return Err(format!(
+                    "private pool {:?} counts {} segments, the blocks say {counted}",
+                    pool.id, pool.segment_count
+                ));
+            }
+        }
+        for capture in &self.captures {
+            if !self.pools.is_live(capture.pool) || self.pools.private(capture.pool).use_count == 0
+            {
+                return Err(format!(
+                    "the capture into {:?} records into a pool without references",
+                    capture.id
+                ));
+            }
+        }
+        let pooled: usize = self.pools.all().map(|p| p.cached_len()).sum();
+        let unmapped_pooled: usize = self.pools.all().map(|p| p.unmapped_len()).sum();
         if pooled != cached_count || unmapped_pooled != unmapped_count {
             return Err(format!(
                 "pools hold {pooled} cached / {unmapped_pooled} unmapped blocks, the table {cached_count} / {unmapped_count}"

@@ -7,7 +7,8 @@
 
 use super::block::{Block, BlockId, ExpandableId};
 use super::history::TraceAction;
-use super::{AllocError, DeviceAllocator, Request, pool_index};
+use super::private_pool::PrivatePoolIndex;
+use super::{AllocError, DeviceAllocator, Request};
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 use crate::logging;
 use crate::policy::PoolKind;
@@ -127,6 +128,7 @@ impl ExpandableSegment {
         device: &mut D,
         ptr: DevicePtr,
         size: usize,
+        leftovers: &mut Vec<LeftoverPage>,
     ) -> Result<PageRange, DeviceError> {
         let begin = self.page_left(ptr);
         let end = self.page_right(ptr + size as u64);
@@ -158,12 +160,21 @@ impl ExpandableSegment {
                 Ok(self.range_of_pages(begin, end))
             }
             Err(err) => {
-                for i in 0..mapped {
-                    // Best effort: the original error is the one worth reporting.
-                    let _ = device.unmap(self.page_ptr(begin + i), self.page_size);
-                }
-                for handle in created {
-                    let _ = device.release_physical(handle);
+                // The original error is the one worth reporting; a page the device will not
+                // take back now becomes a leftover, retried later.
+                for (i, handle) in created.into_iter().enumerate() {
+                    let page = self.page_ptr(begin + i);
+                    if i < mapped && device.unmap(page, self.page_size).is_err() {
+                        leftovers.push(LeftoverPage {
+                            mapped_at: Some((page, self.page_size)),
+                            handle,
+                        });
+                    } else if device.release_physical(handle).is_err() {
+                        leftovers.push(LeftoverPage {
+                            mapped_at: None,
+                            handle,
+                        });
+                    }
                 }
                 self.trim();
                 Err(err)
@@ -180,6 +191,7 @@ impl ExpandableSegment {
         device: &mut D,
         ptr: DevicePtr,
         size: usize,
+        leftovers: &mut Vec<LeftoverPage>,
     ) -> (PageRange, Option<DeviceError>) {
         let begin = self.page_right(ptr);
         let end = self.page_left(ptr + size as u64);
@@ -199,7 +211,12 @@ impl ExpandableSegment {
             }
             self.pages[i] = None;
             if let Err(err) = device.release_physical(handle) {
-                // Unmapped already: the range is gone from the segment either way.
+                // Unmapped already: the range is gone from the segment either way, and the
+                // page is a leftover until the device takes it back.
+                leftovers.push(LeftoverPage {
+                    mapped_at: None,
+                    handle,
+                });
                 self.trim();
                 return (self.range_of_pages(begin, i + 1), Some(err));
             }
@@ -221,6 +238,16 @@ impl ExpandableSegment {
     }
 }
 
+/// A physical page that left its segment but that the device did not take back: its unmap or
+/// its release failed. Kept, and retried by every `empty_cache`, so that one failed driver call
+/// leaks nothing for good.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeftoverPage {
+    /// Where it is still mapped, when its unmap failed.
+    pub mapped_at: Option<(DevicePtr, usize)>,
+    pub handle: PhysicalHandle,
+}
+
 /// The allocator's side of expandable segments: finding room, mapping pages into blocks,
 /// unmapping free pages, releasing empty ranges.
 impl<D: Device> DeviceAllocator<D> {
@@ -237,6 +264,13 @@ impl<D: Device> DeviceAllocator<D> {
         request: &Request,
     ) -> Result<Option<BlockId>, AllocError> {
         let mut candidate = self.find_expandable_block(request)?;
+        let fresh = self.arena.get(candidate);
+        if !fresh.mapped && !fresh.is_split() && fresh.size < request.size {
+            // A new segment's whole range cannot hold the request (larger than 9/8 of the
+            // device): as PyTorch does, the range goes back at once and nothing is mapped.
+            self.release_expandable_segment(candidate)?;
+            return Ok(None);
+        }
         if !self.arena.get(candidate).mapped {
             let size = self.arena.get(candidate).size.min(request.size);
             if !self.map_block(candidate, size)? {
@@ -257,7 +291,7 @@ impl<D: Device> DeviceAllocator<D> {
             candidate = next;
         }
         let block = self.arena.get(candidate);
-        self.pools[pool_index(block.pool)].remove(candidate, block);
+        self.pools.of_block_mut(block).remove(candidate, block);
         Ok(Some(candidate))
     }
 
@@ -283,7 +317,7 @@ impl<D: Device> DeviceAllocator<D> {
             }
             bytes >= request.size
         };
-        let pool = &self.pools[pool_index(request.pool)];
+        let pool = self.pools.get(request.private_pool, request.pool);
         for unmapped in pool.unmapped_of(request.stream) {
             // A free mapped block just before the unmapped space extends it downwards.
             let start = available(arena.get(unmapped).prev).unwrap_or(unmapped);
@@ -291,17 +325,23 @@ impl<D: Device> DeviceAllocator<D> {
                 return Ok(start);
             }
         }
+        self.new_expandable_segment(request.stream, request.pool, request.private_pool)
+    }
+
+    /// Reserves the address range of a new expandable segment for `stream` in `pool` (of a
+    /// private pool, or the ordinary one); returns its one block, unmapped, spanning the range.
+    pub(super) fn new_expandable_segment(
+        &mut self,
+        stream: StreamId,
+        pool: PoolKind,
+        private_pool: Option<PrivatePoolIndex>,
+    ) -> Result<BlockId, AllocError> {
         let total = self.device.mem_get_info()?.total;
-        let page_size = request.pool.expandable_page_size(&self.config);
-        let segment = ExpandableSegment::reserve(
-            &mut self.device,
-            request.stream,
-            request.pool,
-            page_size,
-            total,
-        )?;
-        let mut block = Block::new(segment.base(), segment.size(), request.stream, request.pool);
+        let page_size = pool.expandable_page_size(&self.config);
+        let segment = ExpandableSegment::reserve(&mut self.device, stream, pool, page_size, total)?;
+        let mut block = Block::new(segment.base(), segment.size(), stream, pool);
         block.mapped = false;
+        block.private_pool = private_pool;
         let segment_id = match self.expandable_segments.iter().position(Option::is_none) {
             Some(free) => {
                 self.expandable_segments[free] = Some(segment);
@@ -314,18 +354,28 @@ impl<D: Device> DeviceAllocator<D> {
         };
         block.expandable = Some(segment_id as ExpandableId);
         let id = self.arena.insert(block);
-        self.pools[pool_index(request.pool)].insert_unmapped(id, self.arena.get(id));
+        self.pools
+            .get_mut(private_pool, pool)
+            .insert_unmapped(id, self.arena.get(id));
+        self.count_segment_taken(private_pool);
         Ok(id)
     }
 
-    /// An expandable block's address, size, stream, pool and segment.
+    /// An expandable block's address, size, stream, pool, private pool and segment.
     fn expandable_block(
         &self,
         id: BlockId,
-    ) -> (DevicePtr, usize, StreamId, PoolKind, ExpandableId) {
+    ) -> (
+        DevicePtr,
+        usize,
+        StreamId,
+        PoolKind,
+        Option<PrivatePoolIndex>,
+        ExpandableId,
+    ) {
         let b = self.arena.get(id);
         let segment = b.expandable.expect("a block of an expandable segment");
-        (b.ptr, b.size, b.stream, b.pool, segment)
+        (b.ptr, b.size, b.stream, b.pool, b.private_pool, segment)
     }
 
     /// `map_block`: maps pages under the first `size` bytes of an unmapped block; the mapped part
@@ -333,35 +383,38 @@ impl<D: Device> DeviceAllocator<D> {
     /// `Ok(false)` when the device is out of memory.
     pub(super) fn map_block(&mut self, id: BlockId, size: usize) -> Result<bool, AllocError> {
         debug_assert!(!self.arena.get(id).mapped && size <= self.arena.get(id).size);
-        let (ptr, block_size, stream, pool, segment_id) = self.expandable_block(id);
+        let (ptr, block_size, stream, pool, owner, segment_id) = self.expandable_block(id);
         let segment = self.expandable_segments[segment_id as usize]
             .as_mut()
             .expect("live expandable segment");
-        let range = match segment.map(&mut self.device, ptr, size) {
+        let range = match segment.map(&mut self.device, ptr, size, &mut self.leftover_pages) {
             Ok(range) => range,
             Err(DeviceError::OutOfMemory) => return Ok(false),
             Err(err) => return Err(err.into()),
         };
         debug_assert!(range.ptr == ptr && range.size >= size);
-        self.pools[pool_index(pool)].remove_unmapped(self.arena.get(id));
+        self.pools
+            .get_mut(owner, pool)
+            .remove_unmapped(self.arena.get(id));
         self.arena.get_mut(id).mapped = true;
         if range.size < block_size {
-            let mut rest = Block::new(
-                ptr + range.size as u64,
-                block_size - range.size,
-                stream,
-                pool,
-            );
+            let mut rest = self
+                .arena
+                .get(id)
+                .sibling(ptr + range.size as u64, block_size - range.size);
             rest.mapped = false;
-            rest.expandable = Some(segment_id);
             self.arena.get_mut(id).size = range.size;
             let rest_id = self.arena.insert_after(id, rest);
-            self.pools[pool_index(pool)].insert_unmapped(rest_id, self.arena.get(rest_id));
+            self.pools
+                .get_mut(owner, pool)
+                .insert_unmapped(rest_id, self.arena.get(rest_id));
         }
         let (prev, next) = (self.arena.get(id).prev, self.arena.get(id).next);
         self.try_merge_blocks(id, prev);
         self.try_merge_blocks(id, next);
-        self.pools[pool_index(pool)].insert(id, self.arena.get_mut(id));
+        self.pools
+            .get_mut(owner, pool)
+            .insert(id, self.arena.get_mut(id));
         self.total_allocated_memory += range.size;
         self.stats.reserved_bytes.increase(pool, range.size as u64);
         self.stats.num_device_alloc += 1;
@@ -374,31 +427,36 @@ impl<D: Device> DeviceAllocator<D> {
     /// `unmap_block`: unmaps the whole pages inside a free expandable block; partial pages at
     /// either end stay mapped as free blocks of their own.
     pub(super) fn unmap_block(&mut self, id: BlockId) -> Result<(), DeviceError> {
-        let (ptr, size, stream, pool, segment_id) = self.expandable_block(id);
+        let (ptr, size, stream, pool, owner, segment_id) = self.expandable_block(id);
         let segment = self.expandable_segments[segment_id as usize]
             .as_mut()
             .expect("live expandable segment");
-        let (range, failure) = segment.unmap(&mut self.device, ptr, size);
+        let (range, failure) = segment.unmap(&mut self.device, ptr, size, &mut self.leftover_pages);
         if range.size == 0 {
             return failure.map_or(Ok(()), Err);
         }
-        self.pools[pool_index(pool)].remove(id, self.arena.get(id));
+        self.pools
+            .get_mut(owner, pool)
+            .remove(id, self.arena.get(id));
         // Partial pages at either end stay mapped, as free blocks of their own.
         let before = (range.ptr - ptr) as usize;
         let after = size - before - range.size;
         let mut pieces = Vec::with_capacity(2);
         if before > 0 {
-            let mut piece = Block::new(ptr, before, stream, pool);
-            piece.expandable = Some(segment_id);
+            let piece = self.arena.get(id).sibling(ptr, before);
             pieces.push(self.arena.insert_before(id, piece));
         }
         if after > 0 {
-            let mut piece = Block::new(range.ptr + range.size as u64, after, stream, pool);
-            piece.expandable = Some(segment_id);
+            let piece = self
+                .arena
+                .get(id)
+                .sibling(range.ptr + range.size as u64, after);
             pieces.push(self.arena.insert_after(id, piece));
         }
         for piece in pieces {
-            self.pools[pool_index(pool)].insert(piece, self.arena.get_mut(piece));
+            self.pools
+                .get_mut(owner, pool)
+                .insert(piece, self.arena.get_mut(piece));
         }
         let block = self.arena.get_mut(id);
         block.ptr = range.ptr;
@@ -407,7 +465,9 @@ impl<D: Device> DeviceAllocator<D> {
         let (prev, next) = (block.prev, block.next);
         self.try_merge_blocks(id, prev);
         self.try_merge_blocks(id, next);
-        self.pools[pool_index(pool)].insert_unmapped(id, self.arena.get(id));
+        self.pools
+            .get_mut(owner, pool)
+            .insert_unmapped(id, self.arena.get(id));
         self.total_allocated_memory -= range.size;
         self.stats.reserved_bytes.decrease(pool, range.size as u64);
         self.stats.num_device_free += 1;
@@ -417,13 +477,33 @@ impl<D: Device> DeviceAllocator<D> {
         failure.map_or(Ok(()), Err)
     }
 
+    /// Unmaps and releases the leftover pages; those the device still refuses stay leftovers,
+    /// and the first refusal is returned.
+    pub(super) fn release_leftover_pages(&mut self) -> Result<(), DeviceError> {
+        let mut outcome = Ok(());
+        for mut page in std::mem::take(&mut self.leftover_pages) {
+            let mut result = Ok(());
+            if let Some((ptr, size)) = page.mapped_at {
+                result = self.device.unmap(ptr, size);
+                if result.is_ok() {
+                    page.mapped_at = None;
+                }
+            }
+            result = result.and_then(|()| self.device.release_physical(page.handle));
+            if let Err(err) = result {
+                self.leftover_pages.push(page);
+                if outcome.is_ok() {
+                    outcome = Err(err);
+                }
+            }
+        }
+        outcome
+    }
+
     /// `release_expandable_segment`: gives back the address range of a segment with nothing
     /// mapped (its one block spans the whole range, unmapped).
     pub(super) fn release_expandable_segment(&mut self, id: BlockId) -> Result<(), DeviceError> {
-        let (segment_id, pool) = {
-            let b = self.arena.get(id);
-            (b.expandable.expect("expandable block"), b.pool)
-        };
+        let segment_id = self.arena.get(id).expandable.expect("expandable block");
         debug_assert_eq!(self.arena.get(id).size, self.segment(segment_id).size());
         let slot = &mut self.expandable_segments[segment_id as usize];
         // If the device refuses, the segment stays: its (empty) address range is still ours.
@@ -432,7 +512,8 @@ impl<D: Device> DeviceAllocator<D> {
             .release(&mut self.device)?;
         *slot = None;
         let block = self.arena.remove(id);
-        self.pools[pool_index(pool)].remove_unmapped(&block);
+        self.pools.of_block_mut(&block).remove_unmapped(&block);
+        self.count_segment_returned(block.private_pool);
         Ok(())
     }
 }
@@ -455,7 +536,7 @@ mod tests {
         let mut d = SimDevice::new(1 << 30);
         let mut s =
             ExpandableSegment::reserve(&mut d, 0, PoolKind::Large, 20 * MIB, 1 << 30).unwrap();
-        let r = s.map(&mut d, s.base(), 30 * MIB).unwrap();
+        let r = s.map(&mut d, s.base(), 30 * MIB, &mut Vec::new()).unwrap();
         assert_eq!(
             r,
             PageRange {
@@ -466,7 +547,12 @@ mod tests {
         assert!(d.is_accessible(s.base(), 40 * MIB));
         assert_eq!(s.mapped_bytes(), 40 * MIB);
         // Only the second page lies entirely inside [10 MiB, 40 MiB).
-        let (r, err) = s.unmap(&mut d, s.base() + 10 * MIB as u64, 30 * MIB);
+        let (r, err) = s.unmap(
+            &mut d,
+            s.base() + 10 * MIB as u64,
+            30 * MIB,
+            &mut Vec::new(),
+        );
         assert!(err.is_none());
         assert_eq!(
             r,
@@ -475,7 +561,7 @@ mod tests {
                 size: 20 * MIB
             }
         );
-        let (r, _) = s.unmap(&mut d, s.base(), 20 * MIB);
+        let (r, _) = s.unmap(&mut d, s.base(), 20 * MIB, &mut Vec::new());
         assert_eq!(r.size, 20 * MIB);
         assert_eq!(d.physical_in_use(), 0);
         s.release(&mut d).unwrap();
@@ -498,16 +584,17 @@ mod tests {
             let mut d = SimDevice::new(1 << 30);
             let mut s =
                 ExpandableSegment::reserve(&mut d, 0, PoolKind::Small, 2 * MIB, 1 << 30).unwrap();
-            s.map(&mut d, s.base(), 2 * MIB).unwrap();
+            s.map(&mut d, s.base(), 2 * MIB, &mut Vec::new()).unwrap();
             d.fail_nth(op, nth, fault.clone());
-            let result = s.map(&mut d, s.base() + 2 * MIB as u64, 6 * MIB);
+            let result = s.map(&mut d, s.base() + 2 * MIB as u64, 6 * MIB, &mut Vec::new());
             assert_eq!(result, Err(fault.clone()), "{op:?}");
             assert_eq!(s.mapped_bytes(), 2 * MIB, "{op:?}");
             assert_eq!(d.live_physical_handles(), 1, "{op:?}");
             assert_eq!(d.mapped_bytes(), 2 * MIB, "{op:?}");
             assert_eq!(d.physical_in_use(), 2 * MIB, "{op:?}");
             // And the segment grows fine afterwards.
-            s.map(&mut d, s.base() + 2 * MIB as u64, 6 * MIB).unwrap();
+            s.map(&mut d, s.base() + 2 * MIB as u64, 6 * MIB, &mut Vec::new())
+                .unwrap();
             assert_eq!(s.mapped_bytes(), 8 * MIB);
         }
     }

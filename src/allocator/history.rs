@@ -5,6 +5,10 @@ use super::DeviceAllocator;
 use crate::device::{Device, DevicePtr, StreamId};
 use serde::Serialize;
 
+/// A caller's stack trace, named by an id that the caller hands out (see
+/// [`DeviceAllocator::malloc_with_stack`]); 0 means none. The allocator only stores it.
+pub type StackId = u64;
+
 /// What a trace entry records, with PyTorch's action names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -30,14 +34,15 @@ pub struct TraceEntry {
     pub size: u64,
     pub stream: StreamId,
     pub time_us: i64,
-    /// Stack frames; ferrocache records none (it cannot see Python's stack from the driver side).
-    pub frames: Vec<serde_json::Value>,
+    /// The caller's stack, as an id the caller gave (0: none). The Python package hands out
+    /// these ids and turns them into PyTorch's `frames` when it reads a snapshot.
+    pub stack_id: StackId,
 }
 
 impl Serialize for TraceEntry {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeMap;
-        let mut map = serializer.serialize_map(Some(6))?;
+        let mut map = serializer.serialize_map(Some(7))?;
         map.serialize_entry("action", &self.action)?;
         let address_key = if self.action == TraceAction::Oom {
             "device_free"
@@ -48,7 +53,10 @@ impl Serialize for TraceEntry {
         map.serialize_entry("size", &self.size)?;
         map.serialize_entry("stream", &self.stream)?;
         map.serialize_entry("time_us", &self.time_us)?;
-        map.serialize_entry("frames", &self.frames)?;
+        map.serialize_entry("frames", &[(); 0])?;
+        if self.stack_id != 0 {
+            map.serialize_entry("stack_id", &self.stack_id)?;
+        }
         map.end()
     }
 }
@@ -61,6 +69,10 @@ pub struct History {
     entries: Vec<TraceEntry>,
     /// Where the next entry goes once the buffer is full.
     next: usize,
+    /// The stack of the malloc or free in progress, given to every entry it records (a
+    /// `segment_alloc` or `oom` carries the stack of the allocation that caused it, as in
+    /// PyTorch).
+    current_stack: StackId,
 }
 
 fn now_us() -> i64 {
@@ -101,7 +113,7 @@ impl History {
             size: size as u64,
             stream,
             time_us: now_us(),
-            frames: Vec::new(),
+            stack_id: self.current_stack,
         };
         if self.entries.len() < self.max_entries {
             self.entries.push(entry);
@@ -109,6 +121,17 @@ impl History {
             self.entries[self.next] = entry;
             self.next = (self.next + 1) % self.max_entries;
         }
+    }
+
+    /// Sets the stack that the entries recorded from now on carry; returns the previous one.
+    #[inline]
+    pub fn set_current_stack(&mut self, stack: StackId) -> StackId {
+        std::mem::replace(&mut self.current_stack, stack)
+    }
+
+    #[inline]
+    pub fn current_stack(&self) -> StackId {
+        self.current_stack
     }
 
     /// The entries, oldest first.
@@ -128,7 +151,16 @@ pub struct SnapshotBlock {
     pub requested_size: u64,
     /// `active_allocated`, `active_pending_free` (freed, waiting for other streams) or `inactive`.
     pub state: &'static str,
+    /// Always empty here: the Python package fills it from `stack_id`.
     pub frames: Vec<serde_json::Value>,
+    /// The stack of the allocation that handed the block out (0: none recorded); absent from
+    /// the JSON when 0.
+    #[serde(skip_serializing_if = "is_no_stack")]
+    pub stack_id: StackId,
+}
+
+fn is_no_stack(stack: &StackId) -> bool {
+    *stack == 0
 }
 
 /// A segment (or, for an expandable segment, one contiguous mapped range) in a snapshot.
@@ -176,7 +208,7 @@ impl<D: Device> DeviceAllocator<D> {
                 requested_size: 0,
                 stream: head.stream,
                 segment_type: head.pool.segment_type(),
-                segment_pool_id: (0, 0),
+                segment_pool_id: self.pool_id_of(head),
                 is_expandable: head.expandable.is_some(),
                 frames: Vec::new(),
                 blocks: Vec::new(),
@@ -204,6 +236,7 @@ impl<D: Device> DeviceAllocator<D> {
                         "inactive"
                     },
                     frames: Vec::new(),
+                    stack_id: if active { b.stack_id } else { 0 },
                 });
                 cursor = b.next.map(|n| self.arena.get(n));
             }
@@ -256,7 +289,7 @@ mod tests {
             size: 512,
             stream: 0,
             time_us: 1,
-            frames: Vec::new(),
+            stack_id: 0,
         };
         let oom = serde_json::to_value(entry(TraceAction::Oom)).unwrap();
         assert_eq!(oom["device_free"], 42);
@@ -264,6 +297,23 @@ mod tests {
         let alloc = serde_json::to_value(entry(TraceAction::Alloc)).unwrap();
         assert_eq!(alloc["addr"], 42);
         assert_eq!(alloc["action"], "alloc");
+        assert!(alloc.get("stack_id").is_none(), "no stack, no key");
+    }
+
+    #[test]
+    fn entries_carry_the_stack_of_the_operation_in_progress() {
+        let mut h = History::default();
+        h.set_recording(true, 10);
+        h.record(TraceAction::Alloc, 1, 512, 0);
+        let previous = h.set_current_stack(7);
+        assert_eq!(previous, 0);
+        h.record(TraceAction::SegmentAlloc, 2, 512, 0);
+        h.set_current_stack(0);
+        let stacks: Vec<StackId> = h.entries().iter().map(|e| e.stack_id).collect();
+        assert_eq!(stacks, vec![0, 7]);
+        let json = serde_json::to_value(&h.entries()[1]).unwrap();
+        assert_eq!(json["stack_id"], 7);
+        assert_eq!(json["frames"], serde_json::json!([]));
     }
 
     #[test]

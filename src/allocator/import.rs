@@ -1,7 +1,7 @@
 //! Replay support: placing the allocations a recorded trace starts with.
 
-use super::block::Block;
-use super::{AllocError, DeviceAllocator, ImportedBlock, Request, pool_index};
+use super::block::{Block, BlockId};
+use super::{AllocError, DeviceAllocator, ImportedBlock, Request};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::policy::PoolKind;
 
@@ -34,6 +34,7 @@ impl<D: Device> DeviceAllocator<D> {
                     size,
                     stream,
                     pool,
+                    private_pool: None,
                     alloc_size: size,
                 };
                 return Err(self.out_of_memory(&request, size));
@@ -89,7 +90,9 @@ impl<D: Device> DeviceAllocator<D> {
                     pointers.push(ptr);
                 }
                 None => {
-                    self.pools[pool_index(pool)].insert(id, self.arena.get_mut(id));
+                    self.pools
+                        .get_mut(None, pool)
+                        .insert(id, self.arena.get_mut(id));
                     if split {
                         self.stats.inactive_split.increase(pool, 1);
                         self.stats
@@ -98,6 +101,102 @@ impl<D: Device> DeviceAllocator<D> {
                     }
                 }
             }
+        }
+        Ok((base, pointers))
+    }
+}
+
+impl<D: Device> DeviceAllocator<D> {
+    /// Reserves a new expandable segment for `stream` in `pool`, maps its first `mapped` bytes
+    /// (whole pages) and places live allocations at the given offsets in them: the state of an
+    /// expandable segment when a recorded trace starts, as PyTorch had it, so that later
+    /// requests grow it (and free space at its end joins the new pages). The gaps become free
+    /// blocks. Returns the segment's address and the allocations' addresses, in the order
+    /// given. Offsets must be ascending, 512-aligned and not overlap.
+    pub fn import_expandable_segment(
+        &mut self,
+        mapped: usize,
+        stream: StreamId,
+        pool: PoolKind,
+        live: &[ImportedBlock],
+    ) -> Result<(DevicePtr, Vec<DevicePtr>), AllocError> {
+        let mut cursor = 0;
+        for b in live {
+            if b.offset < cursor || b.size == 0 || b.offset.saturating_add(b.size) > mapped {
+                return Err(AllocError::InvalidArgument(format!(
+                    "block at offset {} (size {}) does not fit {mapped} mapped bytes",
+                    b.offset, b.size
+                )));
+            }
+            cursor = b.offset + b.size;
+        }
+        let head = self.new_expandable_segment(stream, pool, None)?;
+        let (base, range) = {
+            let b = self.arena.get(head);
+            (b.ptr, b.size)
+        };
+        let refused = |size| {
+            AllocError::InvalidArgument(format!(
+                "{mapped} mapped bytes do not fit an expandable segment of {size} bytes"
+            ))
+        };
+        if mapped == 0 || mapped > range {
+            self.release_expandable_segment(head)?;
+            return Err(refused(range));
+        }
+        if !self.map_block(head, mapped)? {
+            self.release_expandable_segment(head)?;
+            let request = Request {
+                size: mapped,
+                stream,
+                pool,
+                alloc_size: mapped,
+                private_pool: None,
+            };
+            return Err(self.out_of_memory(&request, mapped));
+        }
+        // `head` is now the free mapped block at the start of the range, whole pages long.
+        self.pools
+            .get_mut(None, pool)
+            .remove(head, self.arena.get(head));
+        let mapped_size = self.arena.get(head).size;
+        let mut pieces: Vec<(usize, usize, Option<usize>)> = Vec::new();
+        let mut offset = 0;
+        for b in live {
+            if b.offset > offset {
+                pieces.push((offset, b.offset - offset, None));
+            }
+            pieces.push((b.offset, b.size, Some(b.requested_size)));
+            offset = b.offset + b.size;
+        }
+        if offset < mapped_size {
+            pieces.push((offset, mapped_size - offset, None));
+        }
+        let segment = self.arena.get(head).expandable;
+        let mut pointers = Vec::with_capacity(live.len());
+        let mut previous: Option<BlockId> = None;
+        for &(piece_offset, piece_size, requested) in &pieces {
+            let id = match previous {
+                None => {
+                    self.arena.get_mut(head).size = piece_size;
+                    head
+                }
+                Some(previous) => {
+                    let mut block =
+                        Block::new(base + piece_offset as u64, piece_size, stream, pool);
+                    block.expandable = segment;
+                    self.arena.insert_after(previous, block)
+                }
+            };
+            match requested {
+                Some(requested) => pointers.push(self.hand_out(id, requested)),
+                // Blocks of expandable segments are never inactive splits (PyTorch's rule).
+                None => self
+                    .pools
+                    .get_mut(None, pool)
+                    .insert(id, self.arena.get_mut(id)),
+            }
+            previous = Some(id);
         }
         Ok((base, pointers))
     }

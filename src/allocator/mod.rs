@@ -12,6 +12,9 @@
 //! out-of-memory error. `free` is the mirror: the block goes back to its stream's pool and merges
 //! with free neighbours, unless other streams used it, in which case it waits for events recorded
 //! on them.
+//!
+//! During a CUDA graph capture, allocations on the capture's streams come from a private pool of
+//! their own ([`private_pool`]), which keeps its memory for as long as a graph may replay into it.
 
 pub mod block;
 mod check;
@@ -19,16 +22,17 @@ pub mod expandable;
 pub mod history;
 mod import;
 pub mod pool;
+pub mod private_pool;
 pub mod stats;
 
 use crate::config::Config;
 use crate::device::{Device, DeviceError, DevicePtr, EventHandle, StreamId};
 use crate::logging;
 use crate::policy::{self, PoolKind};
-use block::{Block, BlockArena, BlockId};
-use expandable::ExpandableSegment;
-use history::{History, TraceAction};
-use pool::BlockPool;
+use block::{Block, BlockArena, BlockId, ExpandableId};
+use expandable::{ExpandableSegment, LeftoverPage};
+use history::{History, StackId, TraceAction};
+use private_pool::{BlockPools, Capture, MempoolId, PrivatePoolIndex};
 use rustc_hash::FxHashMap;
 use stats::DeviceStats;
 use std::collections::{BTreeMap, VecDeque};
@@ -61,15 +65,27 @@ pub enum AllocError {
     Device(DeviceError),
     /// The caller asked for something impossible (a fraction outside [0, 1], ...).
     InvalidArgument(String),
+    /// The stream filter of a capture failed, so it is unknown whether the allocation belongs
+    /// to the capture's private pool; it is refused rather than risk handing a graph's memory
+    /// to someone else.
+    StreamFilter { pool: MempoolId, message: String },
 }
 
 impl fmt::Display for AllocError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             AllocError::OutOfMemory(oom) => f.write_str(&oom.message),
-            AllocError::Device(DeviceError::Unavailable(why)) => f.write_str(why),
+            AllocError::Device(DeviceError::Unavailable(why) | DeviceError::Unusable(why)) => {
+                f.write_str(why)
+            }
             AllocError::Device(err) => write!(f, "CUDA error: {err}"),
             AllocError::InvalidArgument(why) => f.write_str(why),
+            AllocError::StreamFilter { pool, message } => write!(
+                f,
+                "the stream filter of the CUDA graph capture into pool {} failed ({message}); \
+                 the allocation is refused",
+                private_pool::PoolName(*pool)
+            ),
         }
     }
 }
@@ -111,6 +127,8 @@ pub struct AllocationInfo {
     pub requested_size: usize,
     pub stream: StreamId,
     pub pool: PoolKind,
+    /// The private pool (CUDA graph capture) that served it; `None`: the ordinary pools.
+    pub private_pool: Option<MempoolId>,
 }
 
 /// One live allocation to place in an imported segment (see [`DeviceAllocator::import_segment`]).
@@ -127,6 +145,8 @@ struct Request {
     size: usize,
     stream: StreamId,
     pool: PoolKind,
+    /// The private pool to serve it from; `None`: the ordinary pools.
+    private_pool: Option<PrivatePoolIndex>,
     /// The segment size to ask the device for on a miss.
     alloc_size: usize,
 }
@@ -137,8 +157,15 @@ pub struct DeviceAllocator<D: Device> {
     device_index: i32,
     config: Config,
     arena: BlockArena,
-    /// Indexed by `pool_index`: small, large.
-    pools: [BlockPool; 2],
+    /// The cached free blocks: the ordinary small and large pools and those of private pools.
+    pools: BlockPools,
+    /// Captures under way, each with its pool and stream filter.
+    captures: Vec<Capture>,
+    /// Blocks freed during a capture with uses on other streams: their events are recorded once
+    /// no capture is under way (event queries are illegal during capture).
+    events_deferred_until_no_capture: Vec<BlockId>,
+    /// Streams a block was used on (`record_stream`) while a capture was under way.
+    capture_stream_uses: FxHashMap<BlockId, Vec<StreamId>>,
     /// Blocks handed out to the program, by address.
     allocated: FxHashMap<DevicePtr, BlockId>,
     /// Per stream, events recorded when a block used on it was freed, oldest first.
@@ -151,14 +178,9 @@ pub struct DeviceAllocator<D: Device> {
     allowed_memory_maximum: Option<usize>,
     /// Live expandable segments; `None` marks a released slot.
     expandable_segments: Vec<Option<ExpandableSegment>>,
+    /// Pages whose unmap or release the device refused; retried by `release_cached_blocks`.
+    leftover_pages: Vec<LeftoverPage>,
     history: History,
-}
-
-fn pool_index(pool: PoolKind) -> usize {
-    match pool {
-        PoolKind::Small => 0,
-        PoolKind::Large => 1,
-    }
 }
 
 impl<D: Device> DeviceAllocator<D> {
@@ -169,16 +191,17 @@ impl<D: Device> DeviceAllocator<D> {
             device_index,
             stats: DeviceStats::new(config.max_split_size),
             arena: BlockArena::default(),
-            pools: [
-                BlockPool::new(PoolKind::Small),
-                BlockPool::new(PoolKind::Large),
-            ],
+            pools: BlockPools::default(),
+            captures: Vec::new(),
+            events_deferred_until_no_capture: Vec::new(),
+            capture_stream_uses: FxHashMap::default(),
             allocated: FxHashMap::default(),
             pending_events: BTreeMap::new(),
             pending_event_count: 0,
             total_allocated_memory: 0,
             allowed_memory_maximum: None,
             expandable_segments: Vec::new(),
+            leftover_pages: Vec::new(),
             history: History::default(),
             config,
         };
@@ -236,14 +259,20 @@ impl<D: Device> DeviceAllocator<D> {
     /// What the allocator knows about the live allocation at `ptr`.
     pub fn allocation_info(&self, ptr: DevicePtr) -> Option<AllocationInfo> {
         let id = *self.allocated.get(&ptr)?;
+        Some(self.info_of(ptr, id))
+    }
+
+    /// What block `id`, handed out at `ptr`, records.
+    fn info_of(&self, ptr: DevicePtr, id: BlockId) -> AllocationInfo {
         let b = self.arena.get(id);
-        Some(AllocationInfo {
+        AllocationInfo {
             ptr,
             size: b.size,
             requested_size: b.requested_size,
             stream: b.stream,
             pool: b.pool,
-        })
+            private_pool: b.private_pool.map(|index| self.pools.private(index).id),
+        }
     }
 
     // ----------------------------------------------------------------------------------------
@@ -252,15 +281,22 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// Allocates `size` bytes (0 is served as 512) for use on `stream`.
     pub fn malloc(&mut self, size: usize, stream: StreamId) -> Result<DevicePtr, AllocError> {
-        if self.pending_event_count > 0 {
-            self.process_events()?;
-        }
+        let private_pool = if self.captures.is_empty() {
+            // Event queries are illegal during a capture, so completed frees wait until after.
+            if self.pending_event_count > 0 || !self.events_deferred_until_no_capture.is_empty() {
+                self.process_events()?;
+            }
+            None
+        } else {
+            self.private_pool_for(stream)?
+        };
         let rounded = policy::round_size(size, &self.config);
         let pool = policy::pool_for(rounded);
         let request = Request {
             size: rounded,
             stream,
             pool,
+            private_pool,
             alloc_size: policy::allocation_size(rounded, &self.config),
         };
         let id = match self.get_free_block(&request) {
@@ -269,6 +305,34 @@ impl<D: Device> DeviceAllocator<D> {
         };
         let split = policy::should_split(self.arena.get(id).size, rounded, pool, &self.config);
         Ok(self.alloc_found_block(id, &request, size, split))
+    }
+
+    /// [`malloc`](Self::malloc) on behalf of the caller's stack `stack` (an id the caller hands
+    /// out; 0: none): the block keeps it for snapshots, and every trace entry the allocation
+    /// records (`segment_alloc`, `alloc`, `oom`) carries it.
+    pub fn malloc_with_stack(
+        &mut self,
+        size: usize,
+        stream: StreamId,
+        stack: StackId,
+    ) -> Result<DevicePtr, AllocError> {
+        let previous = self.history.set_current_stack(stack);
+        let result = self.malloc(size, stream);
+        self.history.set_current_stack(previous);
+        result
+    }
+
+    /// [`free_returning_info`](Self::free_returning_info) on behalf of the caller's stack
+    /// `stack`: the `free_requested` and `free_completed` entries it records carry it.
+    pub fn free_with_stack(
+        &mut self,
+        ptr: DevicePtr,
+        stack: StackId,
+    ) -> Result<AllocationInfo, PointerError> {
+        let previous = self.history.set_current_stack(stack);
+        let result = self.free_returning_info(ptr);
+        self.history.set_current_stack(previous);
+        result
     }
 
     /// The miss path of `malloc`: garbage collection, then the device, with PyTorch's two
@@ -290,17 +354,20 @@ impl<D: Device> DeviceAllocator<D> {
         {
             return Ok(id);
         }
-        logging::alloc_retry(request.alloc_size, "releasing all cached blocks");
-        self.release_cached_blocks()?;
-        if let Some(id) = self.alloc_block(request, true)? {
-            return Ok(id);
+        // Releasing everything synchronizes, which a capture forbids.
+        if self.captures.is_empty() {
+            logging::alloc_retry(request.alloc_size, "releasing all cached blocks");
+            self.release_cached_blocks()?;
+            if let Some(id) = self.alloc_block(request, true)? {
+                return Ok(id);
+            }
         }
         Err(self.out_of_memory(request, orig_size))
     }
 
     /// `get_free_block`: the best-fitting cached block of the request's stream, if one may serve.
     fn get_free_block(&mut self, request: &Request) -> Option<BlockId> {
-        let pool = &mut self.pools[pool_index(request.pool)];
+        let pool = self.pools.get_mut(request.private_pool, request.pool);
         if self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0 {
             pool.get_free_blocks_call_count += 1;
         }
@@ -356,14 +423,15 @@ impl<D: Device> DeviceAllocator<D> {
         };
         let id = if split {
             // The allocated part is a new block at the front; the original becomes the rest.
-            let mut front = Block::new(block_ptr, request.size, request.stream, pool);
-            front.expandable = self.arena.get(id).expandable;
+            let front = self.arena.get(id).sibling(block_ptr, request.size);
             let front_id = self.arena.insert_before(id, front);
             let rest = self.arena.get_mut(id);
             rest.ptr += request.size as u64;
             rest.size -= request.size;
             let rest_size = rest.size;
-            self.pools[pool_index(pool)].insert(id, rest);
+            self.pools
+                .get_mut(request.private_pool, pool)
+                .insert(id, rest);
             if !expandable {
                 if already_split {
                     // An inactive split block shrinks by the allocated size.
@@ -403,6 +471,7 @@ impl<D: Device> DeviceAllocator<D> {
         let block = self.arena.get_mut(id);
         block.allocated = true;
         block.requested_size = requested_size;
+        block.stack_id = self.history.current_stack();
         let (ptr, size, pool, stream) = (block.ptr, block.size, block.pool, block.stream);
         self.allocated.insert(ptr, id);
         let stats = &mut self.stats;
@@ -443,12 +512,10 @@ impl<D: Device> DeviceAllocator<D> {
             Err(DeviceError::OutOfMemory) => return Ok(None),
             Err(err) => return Err(err.into()),
         };
-        Ok(Some(self.adopt_segment(
-            ptr,
-            size,
-            request.stream,
-            request.pool,
-        )))
+        let id = self.adopt_segment(ptr, size, request.stream, request.pool);
+        self.arena.get_mut(id).private_pool = request.private_pool;
+        self.count_segment_taken(request.private_pool);
+        Ok(Some(id))
     }
 
     /// Records a fresh device allocation as one free-to-carve block (not yet in the pool).
@@ -493,9 +560,20 @@ impl<D: Device> DeviceAllocator<D> {
             .allowed_memory_maximum
             .map(|a| format!("{} allowed; ", fmt(a)))
             .unwrap_or_default();
+        // PyTorch counts the free blocks cached in private pools as allocated: they are the
+        // graphs' memory, which no other allocation can use.
+        let in_private_pools = self.private_pool_cached_bytes();
+        let private_pool_info = if in_private_pools > 0 {
+            format!(
+                "with {} allocated in private pools (e.g., CUDA Graphs), ",
+                fmt(in_private_pools)
+            )
+        } else {
+            String::new()
+        };
         let message = format!(
             "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. \
-             {allowed_info}Of the allocated memory {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated. \
+             {allowed_info}Of the allocated memory {} is allocated by PyTorch, {private_pool_info}and {} is reserved by PyTorch but unallocated. \
              If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid \
              fragmentation.  See documentation for Memory Management  \
              (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)",
@@ -503,8 +581,8 @@ impl<D: Device> DeviceAllocator<D> {
             self.device_index,
             fmt(info.total),
             fmt(info.free),
-            fmt(allocated),
-            fmt(reserved.saturating_sub(allocated)),
+            fmt(allocated + in_private_pools),
+            fmt(reserved.saturating_sub(allocated + in_private_pools)),
         );
         logging::out_of_memory(&message);
         AllocError::OutOfMemory(Box::new(OutOfMemoryError {
@@ -538,17 +616,11 @@ impl<D: Device> DeviceAllocator<D> {
             .allocated
             .remove(&ptr)
             .ok_or(PointerError::Unknown(ptr))?;
+        let info = self.info_of(ptr, id);
         let block = self.arena.get_mut(id);
         block.allocated = false;
         let (pool, size, requested, stream) =
             (block.pool, block.size, block.requested_size, block.stream);
-        let info = AllocationInfo {
-            ptr,
-            size,
-            requested_size: requested,
-            stream,
-            pool,
-        };
         self.stats.allocation.decrease(pool, 1);
         self.stats.allocated_bytes.decrease(pool, size as u64);
         if policy::is_oversize(size, &self.config) {
@@ -559,7 +631,15 @@ impl<D: Device> DeviceAllocator<D> {
         if self.arena.get(id).stream_uses.is_empty() {
             logging::block_freed(ptr);
             self.free_block(id);
+        } else if !self.captures.is_empty() {
+            // Recording and querying events is illegal during a capture: wait until it ends.
+            self.events_deferred_until_no_capture.push(id);
         } else {
+            // Freed outside a capture, the block waits for every stream it was used on, as in
+            // PyTorch, those of a capture included.
+            if !self.capture_stream_uses.is_empty() {
+                self.capture_stream_uses.remove(&id);
+            }
             self.insert_events(id);
         }
         Ok(info)
@@ -600,7 +680,8 @@ impl<D: Device> DeviceAllocator<D> {
             inactive_split_bytes += block.size as i64;
         }
         let merged_size = block.size;
-        self.pools[pool_index(pool)].insert(id, block);
+        let owner = block.private_pool;
+        self.pools.get_mut(owner, pool).insert(id, block);
         if merged_size != original_size {
             logging::new_free_block(merged_size);
         }
@@ -627,7 +708,7 @@ impl<D: Device> DeviceAllocator<D> {
             }
         }
         let src_block = self.arena.remove(src);
-        let pool = &mut self.pools[pool_index(src_block.pool)];
+        let pool = self.pools.of_block_mut(&src_block);
         let removed = if src_block.mapped {
             pool.remove(src, &src_block)
         } else {
@@ -667,14 +748,20 @@ impl<D: Device> DeviceAllocator<D> {
         let id = *self.allocated.get(&ptr).ok_or(PointerError::Unknown(ptr))?;
         let block = self.arena.get_mut(id);
         // Uses on the allocation stream need no synchronization.
-        if stream != block.stream && !block.stream_uses.contains(&stream) {
+        if stream == block.stream {
+            return Ok(());
+        }
+        if !block.stream_uses.contains(&stream) {
             block.stream_uses.push(stream);
+        }
+        if !self.captures.is_empty() {
+            self.note_capture_stream_use(id, stream);
         }
         Ok(())
     }
 
     /// `insert_events`: records an event on every stream that used the freed block.
-    fn insert_events(&mut self, id: BlockId) {
+    pub(super) fn insert_events(&mut self, id: BlockId) {
         let streams = std::mem::take(&mut self.arena.get_mut(id).stream_uses);
         let ptr = self.arena.get(id).ptr;
         logging::block_waits_for_streams(ptr, streams.len());
@@ -711,6 +798,7 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// `process_events`: caches the freed blocks whose streams have all finished with them.
     fn process_events(&mut self) -> Result<(), DeviceError> {
+        self.insert_events_deferred_until_no_capture();
         let mut completed = Vec::new();
         let mut outcome = Ok(());
         'streams: for queue in self.pending_events.values_mut() {
@@ -748,6 +836,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// `synchronize_and_free_events`: waits for every pending event and caches its block.
     fn synchronize_and_free_events(&mut self) -> Result<(), DeviceError> {
         self.stats.num_sync_all_streams += 1;
+        self.insert_events_deferred_until_no_capture();
         let streams: Vec<StreamId> = self.pending_events.keys().copied().collect();
         for stream in streams {
             while let Some(&(event, id)) =
@@ -771,24 +860,36 @@ impl<D: Device> DeviceAllocator<D> {
     // ----------------------------------------------------------------------------------------
 
     /// `emptyCache`: waits for pending frees, then gives every wholly free segment (and every
-    /// free page of expandable segments) back to the device.
+    /// free page of expandable segments) back to the device, and the device's pooled events
+    /// (PyTorch keeps its event pool; an emptied cache here holds nothing of the driver's).
+    /// Private pools that a graph still holds keep all their memory.
     pub fn empty_cache(&mut self) -> Result<(), DeviceError> {
-        self.release_cached_blocks()
+        self.release_cached_blocks()?;
+        self.device.destroy_idle_events()
     }
 
-    /// `release_cached_blocks`.
+    /// `release_cached_blocks`. During a capture only unreferenced private pools are released:
+    /// the ordinary pools would need a synchronization, which a capture forbids.
     fn release_cached_blocks(&mut self) -> Result<(), DeviceError> {
-        self.synchronize_and_free_events()?;
-        self.release_blocks(PoolKind::Large)?;
-        self.release_blocks(PoolKind::Small)
+        if self.captures.is_empty() {
+            self.synchronize_and_free_events()?;
+            self.release_leftover_pages()?;
+            self.release_blocks(None, PoolKind::Large)?;
+            self.release_blocks(None, PoolKind::Small)?;
+        }
+        self.release_unreferenced_private_pools()
     }
 
-    /// `release_blocks`: releases every unsplit cached segment of the pool, and unmaps the free
-    /// pages of its expandable segments.
-    fn release_blocks(&mut self, pool: PoolKind) -> Result<(), DeviceError> {
+    /// `release_blocks`: releases every unsplit cached segment of the block pool, and unmaps the
+    /// free pages of its expandable segments.
+    fn release_blocks(
+        &mut self,
+        owner: Option<PrivatePoolIndex>,
+        pool: PoolKind,
+    ) -> Result<(), DeviceError> {
         let mut whole = Vec::new();
         let mut to_unmap = Vec::new();
-        for id in self.pools[pool_index(pool)].cached() {
+        for id in self.pools.get(owner, pool).cached() {
             let b = self.arena.get(id);
             if b.expandable.is_some() {
                 to_unmap.push(id);
@@ -800,18 +901,36 @@ impl<D: Device> DeviceAllocator<D> {
             self.release_block(id)?;
         }
         for id in to_unmap {
+            let segment_id = self.arena.get(id).expandable;
             self.unmap_block(id)?;
+            // As in PyTorch, a segment left with nothing mapped gives its address range back
+            // at once, before the next block is unmapped.
+            if let Some(empty) = segment_id.and_then(|s| self.wholly_unmapped_block(owner, pool, s))
+            {
+                self.release_expandable_segment(empty)?;
+            }
         }
-        // Segments with nothing mapped any more give their address range back too (PyTorch
-        // checks only the segments it just unmapped; one whose first growth failed stays).
-        let empty: Vec<BlockId> = self.pools[pool_index(pool)]
-            .unmapped_blocks()
-            .filter(|&id| !self.arena.get(id).is_split())
-            .collect();
-        for id in empty {
-            self.release_expandable_segment(id)?;
-        }
+        // A segment that had nothing mapped before this call (its first growth failed) keeps
+        // its address range, as in PyTorch, and serves the next request of its stream.
         Ok(())
+    }
+
+    /// The one block of expandable segment `segment` (of block pool `owner`/`pool`) when nothing
+    /// of it is mapped.
+    fn wholly_unmapped_block(
+        &self,
+        owner: Option<PrivatePoolIndex>,
+        pool: PoolKind,
+        segment: ExpandableId,
+    ) -> Option<BlockId> {
+        let live = self.expandable_segments.get(segment as usize)?.as_ref()?;
+        if live.mapped_bytes() != 0 {
+            return None;
+        }
+        self.pools.get(owner, pool).unmapped_blocks().find(|&id| {
+            let b = self.arena.get(id);
+            b.expandable == Some(segment) && !b.is_split()
+        })
     }
 
     /// `release_block`: gives a whole cached segment back to the device.
@@ -824,7 +943,8 @@ impl<D: Device> DeviceAllocator<D> {
         // The device first: if it refuses, the segment stays cached and nothing changes.
         self.device.free(ptr)?;
         let block = self.arena.remove(id);
-        self.pools[pool_index(pool)].remove(id, &block);
+        self.pools.of_block_mut(&block).remove(id, &block);
+        self.count_segment_returned(block.private_pool);
         self.total_allocated_memory -= size;
         self.stats.num_device_free += 1;
         self.stats.segment.decrease(pool, 1);
@@ -840,14 +960,16 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// `release_available_cached_blocks`: after a failed device allocation, releases the
     /// smallest oversize cached block that covers the request, or else oversize blocks from the
-    /// largest down until enough is released. Only when `max_split_size` is set.
+    /// largest down until enough is released. Only when `max_split_size` is set, and never in
+    /// a private pool: a request for one comes from a capture, so the pool is referenced and a
+    /// graph may replay into its free blocks (PyTorch releases them; see [`private_pool`]).
     fn release_available_cached_blocks(&mut self, request: &Request) -> Result<bool, DeviceError> {
         let max_split_size = self.config.max_split_size;
-        if max_split_size == usize::MAX {
+        if max_split_size == usize::MAX || request.private_pool.is_some() {
             return Ok(false);
         }
         let wanted = request.size.max(max_split_size);
-        let pool = &self.pools[pool_index(request.pool)];
+        let pool = self.pools.get(None, request.pool);
         let arena = &self.arena;
         let covering = pool
             .best_fit(request.stream, wanted)
@@ -856,7 +978,9 @@ impl<D: Device> DeviceAllocator<D> {
             self.release_block(id)?;
             return Ok(true);
         }
-        // No single block is large enough: release oversize blocks, largest first.
+        // No single block is large enough: release oversize blocks, largest first. As in
+        // PyTorch, each is released as it is chosen, even when all of them together turn out
+        // too small (the caller then releases everything anyway).
         let mut to_release = Vec::new();
         let mut released = 0;
         for (size, id) in pool.smaller_than(request.stream, wanted) {
@@ -868,13 +992,10 @@ impl<D: Device> DeviceAllocator<D> {
                 released += size;
             }
         }
-        if released < wanted {
-            return Ok(false);
-        }
         for id in to_release {
             self.release_block(id)?;
         }
-        Ok(true)
+        Ok(released >= wanted)
     }
 
     /// `garbage_collect_cached_blocks`: with a memory fraction and a threshold set, releases
@@ -889,7 +1010,7 @@ impl<D: Device> DeviceAllocator<D> {
             return Ok(());
         }
         let target = self.total_allocated_memory - gc_threshold;
-        let large = &self.pools[pool_index(PoolKind::Large)];
+        let large = self.pools.get(None, PoolKind::Large);
         let clock = large.get_free_blocks_call_count;
         let age = |b: &Block| clock - b.gc_count_base;
         let freeable = |b: &Block| !b.is_split() && b.expandable.is_none();
@@ -907,7 +1028,9 @@ impl<D: Device> DeviceAllocator<D> {
             let age_threshold = total_age as f64 / freeable_count as f64;
             // Release every block at least as old as the average, not only up to the target,
             // so collection does not run again at once.
-            let victims: Vec<BlockId> = self.pools[pool_index(PoolKind::Large)]
+            let victims: Vec<BlockId> = self
+                .pools
+                .get(None, PoolKind::Large)
                 .cached()
                 .into_iter()
                 .filter(|&id| {
@@ -937,7 +1060,7 @@ impl<D: Device> DeviceAllocator<D> {
             )));
         }
         let info = self.device.mem_get_info()?;
-        self.allowed_memory_maximum = Some((fraction * info.total as f64) as usize);
+        self.allowed_memory_maximum = policy::memory_fraction_limit(fraction, info.total);
         Ok(())
     }
 
@@ -970,10 +1093,10 @@ impl<D: Device> DeviceAllocator<D> {
             .collect()
     }
 
-    /// The largest cached block (PyTorch's `cacheInfo`).
+    /// The largest cached block, private pools included (PyTorch's `cacheInfo`).
     pub fn largest_cached_block(&self) -> usize {
         self.pools
-            .iter()
+            .all()
             .flat_map(|p| p.cached())
             .map(|id| self.arena.get(id).size)
             .max()

@@ -114,6 +114,9 @@ pub struct DeviceStats {
     pub num_sync_all_streams: i64,
     pub num_device_alloc: i64,
     pub num_device_free: i64,
+    /// Requests refused before any `cudaMalloc` under `throw_on_cudamalloc_oom` (PyTorch 2.15);
+    /// ferrocache ignores that setting, so this stays 0, under PyTorch's key.
+    pub num_oom_rejections: i64,
     pub oversize_allocations: Stat,
     pub oversize_segments: Stat,
     /// `max_split_size` in bytes; -1 when unlimited (as PyTorch reports it).
@@ -176,6 +179,7 @@ impl DeviceStats {
         self.num_sync_all_streams = 0;
         self.num_device_alloc = 0;
         self.num_device_free = 0;
+        self.num_oom_rejections = 0;
         self.num_splits = 0;
         self.num_merges = 0;
     }
@@ -215,6 +219,7 @@ impl DeviceStats {
             ),
             ("num_device_alloc".to_string(), self.num_device_alloc),
             ("num_device_free".to_string(), self.num_device_free),
+            ("num_oom_rejections".to_string(), self.num_oom_rejections),
             ("max_split_size".to_string(), self.max_split_size),
             ("num_splits".to_string(), self.num_splits),
             ("num_merges".to_string(), self.num_merges),
@@ -264,8 +269,8 @@ mod tests {
         let stats = DeviceStats::new(usize::MAX);
         let flat = stats.to_flat();
         let keys: Vec<&str> = flat.iter().map(|(k, _)| k.as_str()).collect();
-        // 9 arrays x 3 pools x 4 metrics + 2 oversize x 4 + 8 counters.
-        assert_eq!(keys.len(), 9 * 3 * 4 + 8 + 8);
+        // 9 arrays x 3 pools x 4 metrics + 2 oversize x 4 + 9 counters.
+        assert_eq!(keys.len(), 9 * 3 * 4 + 8 + 9);
         for key in [
             "allocated_bytes.all.current",
             "reserved_bytes.large_pool.peak",
@@ -279,6 +284,7 @@ mod tests {
             "num_sync_all_streams",
             "num_device_alloc",
             "num_device_free",
+            "num_oom_rejections",
             "max_split_size",
             "num_splits",
             "num_merges",

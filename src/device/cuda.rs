@@ -19,6 +19,7 @@ use cudarc::driver::sys;
 
 use super::{DeviceError, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId};
 use crate::device::Device;
+use crate::logging;
 
 /// The oldest driver we accept, as `cuDriverGetVersion` reports it (CUDA 12.0).
 const MIN_DRIVER_VERSION: i32 = 12000;
@@ -245,7 +246,7 @@ impl Device for CudaDevice {
         // A cudaMalloc while a graph capture is under way would invalidate the capture unless
         // the thread's capture mode is relaxed, as in PyTorch's cudaMallocMaybeCapturing. The
         // new memory is fine to use in the graph as long as it is not freed before replay.
-        let _relaxed = if may_be_capturing(stream) {
+        let _relaxed = if may_be_capturing(stream)? {
             Some(RelaxedCaptureMode::enter()?)
         } else {
             None
@@ -323,6 +324,22 @@ impl Device for CudaDevice {
 
     fn release_event(&mut self, event: EventHandle) {
         self.idle_events.push(event_handle(event));
+    }
+
+    fn destroy_idle_events(&mut self) -> Result<(), DeviceError> {
+        if self.idle_events.is_empty() {
+            return Ok(());
+        }
+        let _context = self.enter()?;
+        while let Some(&event) = self.idle_events.last() {
+            // SAFETY: an event we created and nobody else holds. One the driver refuses to
+            // destroy stays in the pool, to be used or destroyed later.
+            check_call("cuEventDestroy_v2", || unsafe {
+                sys::cuEventDestroy_v2(event)
+            })?;
+            self.idle_events.pop();
+        }
+        Ok(())
     }
 
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError> {
@@ -461,7 +478,7 @@ impl Drop for ContextGuard {
             sys::cuCtxPopCurrent_v2(&mut popped)
         });
         if let Err(e) = result {
-            log::error!("ferrocache could not restore the caller's CUDA context: {e}");
+            logging::device_error("could not restore the caller's CUDA context", &e);
         }
     }
 }
@@ -482,7 +499,7 @@ impl RelaxedCaptureMode {
 impl Drop for RelaxedCaptureMode {
     fn drop(&mut self) {
         if let Err(e) = exchange_capture_mode(self.previous) {
-            log::error!("ferrocache could not restore the thread's stream capture mode: {e}");
+            logging::device_error("could not restore the thread's stream capture mode", &e);
         }
     }
 }
@@ -499,22 +516,29 @@ fn exchange_capture_mode(mode: u32) -> Result<u32, DeviceError> {
     Ok(mode)
 }
 
-/// Whether `stream` may be capturing a CUDA graph. A failed query counts as "maybe": it happens
-/// for the legacy stream while another stream captures, exactly when relaxing is needed, and
-/// relaxing the mode around one malloc is harmless anyway.
-fn may_be_capturing(stream: StreamId) -> bool {
+/// Whether `stream` may be capturing a CUDA graph. A capture error from the query counts as
+/// "maybe": the legacy stream answers so while another stream captures, exactly when relaxing
+/// is needed, and relaxing the mode around one malloc is harmless anyway. Any other error fails
+/// the allocation, as PyTorch's C10_CUDA_CHECK does (the stream handle is most likely bad).
+fn may_be_capturing(stream: StreamId) -> Result<bool, DeviceError> {
     let mut status: u32 = 0;
     let status_ptr = ptr::from_mut(&mut status).cast::<sys::CUstreamCaptureStatus>();
     // SAFETY: `status_ptr` points at a live u32, the C enum's size; read back as an integer.
     let result = invoke("cuStreamIsCapturing", || unsafe {
         sys::cuStreamIsCapturing(stream_handle(stream), status_ptr)
-    });
-    match result {
-        Ok(sys::CUresult::CUDA_SUCCESS) => {
-            status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE as u32
-        }
-        _ => true,
+    })?;
+    if is_capture_error(result) {
+        return Ok(true);
     }
+    check("cuStreamIsCapturing", result)?;
+    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE as u32)
+}
+
+/// The errors that a stream capture under way causes (`CUDA_ERROR_STREAM_CAPTURE_*`).
+fn is_capture_error(result: sys::CUresult) -> bool {
+    (sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED as u32
+        ..=sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD as u32)
+        .contains(&(result as u32))
 }
 
 fn device_attribute(
@@ -544,6 +568,10 @@ fn invoke(
     call: &'static str,
     driver_call: impl FnOnce() -> sys::CUresult,
 ) -> Result<sys::CUresult, DeviceError> {
+    if let Some(why) = UNUSABLE.get() {
+        // Every call would fail the same way: none is made, so nothing spins on a dead context.
+        return Err(DeviceError::Unusable(why.clone()));
+    }
     catch_unwind(AssertUnwindSafe(driver_call)).map_err(|_| {
         DeviceError::Unavailable(format!(
             "the CUDA driver call {call} could not be made (cudarc panicked; does the driver \
@@ -571,11 +599,44 @@ fn check(call: &'static str, result: sys::CUresult) -> Result<(), DeviceError> {
 }
 
 fn error(call: &'static str, result: sys::CUresult) -> DeviceError {
+    let message = error_string(result);
+    if is_sticky_error(result) {
+        let why = format!(
+            "CUDA is unusable in this process since {call} failed with error {}: {message}; \
+             ferrocache makes no more CUDA calls and every allocation fails (restart the process)",
+            result as i32
+        );
+        if UNUSABLE.set(why.clone()).is_ok() {
+            logging::context_unusable(&why);
+        }
+        return DeviceError::Unusable(why);
+    }
     DeviceError::Driver {
         call,
         code: result as i32,
-        message: error_string(result),
+        message,
     }
+}
+
+/// Set by the first sticky error: why CUDA is unusable in this process.
+static UNUSABLE: OnceLock<String> = OnceLock::new();
+
+/// The errors that CUDA's documentation calls sticky: they leave the process's CUDA state
+/// inconsistent, every later call returns the same error, and only a new process recovers.
+fn is_sticky_error(result: sys::CUresult) -> bool {
+    use sys::CUresult::*;
+    matches!(
+        result,
+        CUDA_ERROR_ILLEGAL_ADDRESS
+            | CUDA_ERROR_LAUNCH_TIMEOUT
+            | CUDA_ERROR_ASSERT
+            | CUDA_ERROR_HARDWARE_STACK_ERROR
+            | CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | CUDA_ERROR_MISALIGNED_ADDRESS
+            | CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | CUDA_ERROR_INVALID_PC
+            | CUDA_ERROR_LAUNCH_FAILED
+    )
 }
 
 /// Turns an error from startup into [`DeviceError::Unavailable`], keeping the driver's words.

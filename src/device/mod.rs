@@ -45,6 +45,10 @@ pub enum DeviceError {
     },
     /// No usable driver at all (libcuda missing, too old, no device).
     Unavailable(String),
+    /// An earlier error left CUDA unusable in this process (a "sticky" error: an illegal
+    /// address, a failed launch, ...): every later call would fail the same way, so none is
+    /// made. Only a new process recovers.
+    Unusable(String),
 }
 
 impl fmt::Display for DeviceError {
@@ -56,7 +60,7 @@ impl fmt::Display for DeviceError {
                 code,
                 message,
             } => write!(f, "{call} failed with error {code}: {message}"),
-            DeviceError::Unavailable(why) => write!(f, "{why}"),
+            DeviceError::Unavailable(why) | DeviceError::Unusable(why) => write!(f, "{why}"),
         }
     }
 }
@@ -85,6 +89,11 @@ pub trait Device {
     fn synchronize_event(&mut self, event: EventHandle) -> Result<(), DeviceError>;
     /// Gives an event back (to a pool, or destroys it). Never fails visibly.
     fn release_event(&mut self, event: EventHandle);
+    /// Destroys the events that [`Device::release_event`] pooled for reuse, so that an emptied
+    /// cache holds no driver resources at all. A device without a pool has nothing to do.
+    fn destroy_idle_events(&mut self) -> Result<(), DeviceError> {
+        Ok(())
+    }
     /// `cudaStreamSynchronize`.
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError>;
 

@@ -239,9 +239,11 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
                         }
                     }
                     None | Some(Err(AllocError::OutOfMemory(_))) => report.ooms += 1,
-                    Some(Err(AllocError::Device(_) | AllocError::InvalidArgument(_))) => {
-                        report.device_errors += 1
-                    }
+                    Some(Err(
+                        AllocError::Device(_)
+                        | AllocError::InvalidArgument(_)
+                        | AllocError::StreamFilter { .. },
+                    )) => report.device_errors += 1,
                 }
                 let stats = allocator.stats();
                 if stats.num_device_alloc != allocs_before {
@@ -365,7 +367,21 @@ fn reconstructed_start(
         }
     }
     let mut misplaced: Vec<&StartAllocation> = Vec::new();
-    for (segment, allocations) in segments.iter().zip(&by_segment) {
+    let mut imported = vec![false; segments.len()];
+    if allocator.config().expandable_segments {
+        misplaced = import_expandable_segments(
+            allocator,
+            segments,
+            &by_segment,
+            pointers,
+            &mut imported,
+            &mut report,
+        );
+    }
+    for (index, (segment, allocations)) in segments.iter().zip(&by_segment).enumerate() {
+        if imported[index] {
+            continue;
+        }
         let (fitting, rest) = fit_in_segment(segment, allocations);
         misplaced.extend(rest);
         let blocks: Vec<ImportedBlock> = fitting
@@ -406,6 +422,75 @@ fn reconstructed_start(
         }
     }
     report
+}
+
+/// The mapped ranges of PyTorch's expandable segments, imported as expandable segments (one
+/// per stream and pool, as PyTorch has them), so that the replay grows them as PyTorch did.
+/// Each stream's ranges are mapped from the first to the end of the last, gaps included (a gap
+/// is free mapped space in the replay, where PyTorch had unmapped it). Ranges that cannot be
+/// imported so are left for [`reconstructed_start`] to import as ordinary segments. Returns
+/// the allocations of imported ranges whose recorded place was impossible.
+fn import_expandable_segments<'a>(
+    allocator: &mut DeviceAllocator<SimDevice>,
+    segments: &[StartSegment],
+    by_segment: &[Vec<&'a StartAllocation>],
+    pointers: &mut [u64],
+    imported: &mut [bool],
+    report: &mut StartReport,
+) -> Vec<&'a StartAllocation> {
+    let mut misplaced = Vec::new();
+    let mut groups: Vec<((u64, crate::policy::PoolKind), Vec<usize>)> = Vec::new();
+    for (index, segment) in segments.iter().enumerate() {
+        if !segment.is_expandable {
+            continue;
+        }
+        let key = (segment.stream, segment.pool);
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, members)) => members.push(index),
+            None => groups.push((key, vec![index])),
+        }
+    }
+    for ((stream, pool), members) in groups {
+        let first = segments[members[0]].address;
+        let last = &segments[members[members.len() - 1]];
+        let span = last.address.saturating_add(last.size) - first;
+        let mut placed: Vec<&StartAllocation> = Vec::new();
+        let mut unfit: Vec<&StartAllocation> = Vec::new();
+        let mut blocks: Vec<ImportedBlock> = Vec::new();
+        for &member in &members {
+            let segment = &segments[member];
+            let (fitting, rest) = fit_in_segment(segment, &by_segment[member]);
+            unfit.extend(rest);
+            for allocation in fitting {
+                blocks.push(ImportedBlock {
+                    offset: (segment.address - first + allocation.offset) as usize,
+                    size: allocation.size as usize,
+                    requested_size: allocation.requested_size as usize,
+                });
+                placed.push(allocation);
+            }
+        }
+        let Ok(span) = usize::try_from(span) else {
+            continue;
+        };
+        let Ok((_, addresses)) = allocator.import_expandable_segment(span, stream, pool, &blocks)
+        else {
+            continue;
+        };
+        for &member in &members {
+            imported[member] = true;
+        }
+        misplaced.extend(unfit);
+        report.imported_segments += 1;
+        report.placed_allocations += addresses.len();
+        // Allocations whose recorded place was impossible are made by the caller's malloc.
+        for (allocation, ptr) in placed.iter().zip(addresses) {
+            if let Some(slot) = pointers.get_mut(allocation.id as usize) {
+                *slot = ptr;
+            }
+        }
+    }
+    misplaced
 }
 
 /// Splits a segment's allocations into those whose recorded place is possible (aligned, inside

@@ -312,8 +312,8 @@ impl<'d, 'a> ValueRef<'d, 'a> {
 
     /// This value as an owned [`PickleValue`].
     pub fn to_value(self) -> Result<PickleValue, PickleError> {
-        let mut converted: Vec<Option<PickleValue>> = vec![None; self.doc.nodes.len()];
-        self.doc.convert(self.id, 0, &mut converted)
+        let mut slots: Vec<Slot> = vec![Slot::Todo; self.doc.nodes.len()];
+        Ok(self.doc.convert(self.id, 0, &mut slots)?.value)
     }
 }
 
@@ -482,6 +482,22 @@ impl<'a> Document<'a> {
         doc
     }
 
+    /// The same structure read straight from JSON text, without a `serde_json::Value` in
+    /// between (which would cost several times the input): each value becomes its node as it
+    /// is read. Nesting is limited by serde_json (128 levels); object keys keep their order,
+    /// duplicates included.
+    pub fn from_json_bytes(bytes: &[u8]) -> Result<Document<'static>, serde_json::Error> {
+        use serde::de::DeserializeSeed;
+        let mut doc = Document {
+            nodes: Vec::new(),
+            root: 0,
+        };
+        let mut deserializer = serde_json::Deserializer::from_slice(bytes);
+        doc.root = JsonNode(&mut doc.nodes).deserialize(&mut deserializer)?;
+        deserializer.end()?;
+        Ok(doc)
+    }
+
     fn push_json(&mut self, value: &serde_json::Value) -> NodeId {
         use serde_json::Value;
         let node = match value {
@@ -520,21 +536,34 @@ impl<'a> Document<'a> {
         self.root().to_value()
     }
 
+    /// Converts node `id`, met `depth` levels below the root. A node met again (memoized, so
+    /// shared) is converted once and shared; it brings its own height along, and the depth limit
+    /// counts that too: a shallow chain of shared values could otherwise nest without bound. A
+    /// node met again while it is still being converted holds itself: refused at once, so that
+    /// the path being converted never holds a container twice (each level reserves room for its
+    /// items, and a list holding itself N times would otherwise reserve N items 256 times).
     fn convert(
         &self,
         id: NodeId,
         depth: usize,
-        converted: &mut [Option<PickleValue>],
-    ) -> Result<PickleValue, PickleError> {
-        if let Some(done) = &converted[id as usize] {
-            return Ok(done.clone());
+        slots: &mut [Slot],
+    ) -> Result<Converted, PickleError> {
+        let too_deep = PickleError {
+            offset: 0,
+            kind: PickleErrorKind::TooDeep,
+        };
+        match &slots[id as usize] {
+            Slot::Done(done) if depth + done.height <= MAX_DEPTH => return Ok(done.clone()),
+            Slot::Done(_) | Slot::InProgress => return Err(too_deep),
+            Slot::Todo if depth >= MAX_DEPTH => return Err(too_deep),
+            Slot::Todo => slots[id as usize] = Slot::InProgress,
         }
-        if depth >= MAX_DEPTH {
-            return Err(PickleError {
-                offset: 0,
-                kind: PickleErrorKind::TooDeep,
-            });
-        }
+        let mut height = 1;
+        let mut child = |id: NodeId, slots: &mut [Slot]| {
+            let c = self.convert(id, depth + 1, slots)?;
+            height = height.max(c.height + 1);
+            Ok::<_, PickleError>(c.value)
+        };
         let value = match &self.nodes[id as usize] {
             Node::None => PickleValue::None,
             Node::Bool(b) => PickleValue::Bool(*b),
@@ -542,34 +571,120 @@ impl<'a> Document<'a> {
             Node::Float(x) => PickleValue::Float(*x),
             Node::Str(s) => PickleValue::Str(Arc::from(&**s)),
             Node::Bytes(b) => PickleValue::Bytes(Arc::from(*b)),
-            Node::List(items) => PickleValue::List(self.convert_all(items, depth, converted)?),
-            Node::Tuple(items) => PickleValue::Tuple(self.convert_all(items, depth, converted)?),
+            Node::List(items) | Node::Tuple(items) => {
+                let mut out = Vec::with_capacity(items.len());
+                for &item in items {
+                    out.push(child(item, slots)?);
+                }
+                if matches!(self.nodes[id as usize], Node::List(_)) {
+                    PickleValue::List(Arc::from(out))
+                } else {
+                    PickleValue::Tuple(Arc::from(out))
+                }
+            }
             Node::Dict(entries) => {
                 let mut out = Vec::with_capacity(entries.len());
                 for &(k, v) in entries {
-                    out.push((
-                        self.convert(k, depth + 1, converted)?,
-                        self.convert(v, depth + 1, converted)?,
-                    ));
+                    out.push((child(k, slots)?, child(v, slots)?));
                 }
                 PickleValue::Dict(Arc::from(out))
             }
         };
-        converted[id as usize] = Some(value.clone());
-        Ok(value)
+        let done = Converted { value, height };
+        slots[id as usize] = Slot::Done(done.clone());
+        Ok(done)
+    }
+}
+
+/// Where the conversion of one node stands.
+#[derive(Clone)]
+enum Slot {
+    Todo,
+    /// On the path being converted now.
+    InProgress,
+    Done(Converted),
+}
+
+/// A converted node, kept for the next reference to it: the value and how many levels it nests
+/// (1 for a scalar or an empty container).
+#[derive(Clone)]
+struct Converted {
+    value: PickleValue,
+    height: usize,
+}
+
+/// Reads one JSON value into the arena and gives its node (serde's seed for
+/// [`Document::from_json_bytes`]).
+struct JsonNode<'n>(&'n mut Vec<Node<'static>>);
+
+impl JsonNode<'_> {
+    fn push<E: serde::de::Error>(self, node: Node<'static>) -> Result<NodeId, E> {
+        let id = NodeId::try_from(self.0.len())
+            .map_err(|_| E::custom("more values than this reader can hold"))?;
+        self.0.push(node);
+        Ok(id)
+    }
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for JsonNode<'_> {
+    type Value = NodeId;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<NodeId, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for JsonNode<'_> {
+    type Value = NodeId;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
     }
 
-    fn convert_all(
-        &self,
-        items: &[NodeId],
-        depth: usize,
-        converted: &mut [Option<PickleValue>],
-    ) -> Result<Arc<[PickleValue]>, PickleError> {
-        let mut out = Vec::with_capacity(items.len());
-        for &item in items {
-            out.push(self.convert(item, depth + 1, converted)?);
+    fn visit_unit<E: serde::de::Error>(self) -> Result<NodeId, E> {
+        self.push(Node::None)
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<NodeId, E> {
+        self.push(Node::Bool(v))
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<NodeId, E> {
+        self.push(Node::Int(i128::from(v)))
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<NodeId, E> {
+        self.push(Node::Int(i128::from(v)))
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<NodeId, E> {
+        self.push(Node::Float(v))
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<NodeId, E> {
+        self.push(Node::Str(Cow::Owned(v.to_owned())))
+    }
+
+    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<NodeId, E> {
+        self.push(Node::Str(Cow::Owned(v)))
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<NodeId, A::Error> {
+        let mut items = Vec::new();
+        while let Some(item) = seq.next_element_seed(JsonNode(self.0))? {
+            items.push(item);
         }
-        Ok(Arc::from(out))
+        self.push(Node::List(items))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<NodeId, A::Error> {
+        let mut entries = Vec::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let key = JsonNode(self.0).push(Node::Str(Cow::Owned(key)))?;
+            let value = map.next_value_seed(JsonNode(self.0))?;
+            entries.push((key, value));
+        }
+        self.push(Node::Dict(entries))
     }
 }
 

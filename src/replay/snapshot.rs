@@ -207,8 +207,9 @@ impl Snapshot {
     }
 
     /// Reads the snapshot out of a parsed document; the error says what is not a snapshot.
-    /// `max_entries` bounds the segments, blocks and events together: a pickle can refer to one
-    /// list many times, and expanding such references must not outgrow the file.
+    /// `max_entries` bounds the segments, blocks and events together, with the keys of their
+    /// dicts: a pickle can refer to one value many times, and expanding such references must not
+    /// outgrow the file.
     pub fn from_document(document: &Document<'_>, max_entries: usize) -> Result<Snapshot, String> {
         let mut budget = Budget(max_entries);
         let root = document.root();
@@ -225,7 +226,7 @@ impl Snapshot {
         let segment_items = seq(segments_value, "segments")?;
         let mut segments = Vec::with_capacity(segment_items.len().min(max_entries));
         for (i, item) in segment_items.enumerate() {
-            budget.take()?;
+            budget.take(item)?;
             segments.push(segment(item, &format!("segments[{i}]"), &mut budget)?);
         }
 
@@ -236,7 +237,7 @@ impl Snapshot {
             let entries = seq(trace_value, &path)?;
             let mut trace = Vec::with_capacity(entries.len().min(budget.0));
             for (i, entry) in entries.enumerate() {
-                budget.take()?;
+                budget.take(entry)?;
                 trace.push(trace_event(entry, &path, i)?);
             }
             device_traces.push(trace);
@@ -275,7 +276,7 @@ pub fn parse_snapshot(bytes: &[u8], file: &str) -> Result<Snapshot, ReplayError>
                 "empty file: neither a pickle nor JSON",
             ));
         }
-        Some(b'{') => Document::from_json(&json_value(bytes, file)?),
+        Some(b'{') => Document::from_json_bytes(bytes).map_err(|e| json_error(&e, file))?,
         Some(_) => Document::parse(bytes).map_err(|e| {
             let kind = match e.kind {
                 PickleErrorKind::NotPickle => ReplayErrorKind::NotPickleOrJson,
@@ -310,29 +311,33 @@ pub fn parse_snapshot(bytes: &[u8], file: &str) -> Result<Snapshot, ReplayError>
     Ok(snapshot)
 }
 
-fn json_value(bytes: &[u8], file: &str) -> Result<serde_json::Value, ReplayError> {
-    serde_json::from_slice(bytes).map_err(|e| {
-        let (kind, what) = if e.is_eof() {
-            (ReplayErrorKind::Truncated, "truncated JSON")
-        } else {
-            (ReplayErrorKind::Malformed, "invalid JSON")
-        };
-        ReplayError::new(file, kind, format!("{what}: {e}"))
-    })
+fn json_error(e: &serde_json::Error, file: &str) -> ReplayError {
+    let (kind, what) = if e.is_eof() {
+        (ReplayErrorKind::Truncated, "truncated JSON")
+    } else {
+        (ReplayErrorKind::Malformed, "invalid JSON")
+    };
+    ReplayError::new(file, kind, format!("{what}: {e}"))
 }
 
 type V<'d> = ValueRef<'d, 'd>;
 
+/// What the reader may still visit: one unit per segment, block or event and one per key of its
+/// dict. A pickle can refer to one value many times (two bytes a reference), so counting the
+/// keys too keeps the work linear in the file's size, however large a shared dict is.
 struct Budget(usize);
 
 impl Budget {
-    fn take(&mut self) -> Result<(), String> {
-        if self.0 == 0 {
+    /// Takes the cost of reading `value`: 1, plus its keys when it is a dict.
+    fn take(&mut self, value: V<'_>) -> Result<(), String> {
+        let cost = 1 + value.entries().map_or(0, |entries| entries.len());
+        if cost > self.0 {
             return Err(
-                "more entries than the file's size allows (one list referred to many times)".into(),
+                "more entries than the file's size allows (one value referred to many times)"
+                    .into(),
             );
         }
-        self.0 -= 1;
+        self.0 -= cost;
         Ok(())
     }
 }
@@ -452,7 +457,7 @@ fn segment(value: V<'_>, path: &str, budget: &mut Budget) -> Result<Segment, Str
     let mut blocks = Vec::with_capacity(block_items.len().min(budget.0));
     let mut next_address = address;
     for (i, item) in block_items.enumerate() {
-        budget.take()?;
+        budget.take(item)?;
         let block = block(item, &format!("{path}.blocks[{i}]"), next_address)?;
         next_address = block.address.saturating_add(block.size);
         blocks.push(block);

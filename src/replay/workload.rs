@@ -27,7 +27,13 @@
 //!   `segment_unmap` (with only `free_completed` entries among it) that ends in a segment
 //!   allocation or an oom belongs to a malloc and is not replayed (the replayed allocator makes
 //!   its own retries); a run that ends any other way is an `empty_cache()` call, replayed as
-//!   [`Op::EmptyCache`] where the run began.
+//!   [`Op::EmptyCache`] where the run began. One exception ([`Forward::released_everything`]):
+//!   a run that ends in a segment allocation but leaves no wholly free segment (or mapped range)
+//!   behind is replayed as [`Op::EmptyCache`] too. That is `empty_cache()` followed by a malloc
+//!   (recording started, then `torch.cuda.empty_cache()`: a burst of `segment_free` first), or
+//!   a retry's `release_cached_blocks`, whose effect is the same; treating it as a retry would
+//!   keep, in the replay, segments PyTorch had given back. A partial release (the oversize
+//!   blocks of `release_available_cached_blocks`, garbage collection) stays a retry.
 //! - **Block sizes of older allocations** that the trace frees are not recorded anywhere. Small
 //!   pool blocks are exactly `round_size(requested)` (a small block always splits off a remainder
 //!   of 512 bytes or more). A large block may also hold an unsplit remainder of up to 1 MiB; as
@@ -589,9 +595,24 @@ struct Forward {
     reserved: u64,
     figures: Figures,
     timeline: Vec<TimelinePoint>,
+    /// PyTorch's segments (mapped ranges for expandable ones) at this point of the trace.
+    segments: Ranges,
+    /// Addresses of the blocks that hold memory at this point (live, or freed but pending).
+    occupied: BTreeSet<u64>,
 }
 
 impl Forward {
+    /// Whether no segment (or mapped range of an expandable one) is left without a block that
+    /// holds memory: what `empty_cache()` and `release_cached_blocks` leave behind.
+    fn released_everything(&self) -> bool {
+        self.segments.0.iter().all(|(&start, range)| {
+            self.occupied
+                .range(start..start.saturating_add(range.size))
+                .next()
+                .is_some()
+        })
+    }
+
     fn emit(&mut self, op: Op, origin: OpOrigin) {
         match &mut self.run {
             Some(run) => run.held.push((op, origin)),
@@ -616,7 +637,7 @@ impl Forward {
         let Some(run) = self.run.take() else {
             return 0;
         };
-        if by_malloc {
+        if by_malloc && !self.released_everything() {
             diagnostics.retry_released_segments += run.segments;
         } else {
             self.figures.empty_caches += 1;
@@ -696,6 +717,8 @@ fn reconstruct_device(
             .fold(0u64, |sum, s| sum.saturating_add(s.size)),
         figures: Figures::default(),
         timeline: Vec::new(),
+        segments: ranges,
+        occupied: start_blocks.iter().map(|&(addr, _)| addr).collect(),
     };
     let mut live_ids: FxHashMap<u64, u32> = FxHashMap::default();
     let mut pending: FxHashMap<u64, Pending> = FxHashMap::default();
@@ -761,6 +784,7 @@ fn reconstruct_device(
                 });
                 live_ids.insert(event.addr, id);
                 allocated_addresses.insert(event.addr);
+                forward.occupied.insert(event.addr);
                 let op_index = forward.ops.len();
                 let pool =
                     policy::pool_for(rounded(event.size, config).min(usize::MAX as u64) as usize);
@@ -781,6 +805,9 @@ fn reconstruct_device(
             }
             Action::FreeRequested | Action::Free => {
                 forward.close_run(false, &mut diagnostics);
+                if event.action == Action::Free {
+                    forward.occupied.remove(&event.addr);
+                }
                 match live_ids.remove(&event.addr) {
                     Some(id) => {
                         forward.free(id, origin);
@@ -799,6 +826,7 @@ fn reconstruct_device(
             }
             Action::FreeCompleted => {
                 // Neutral for release runs: malloc's and empty_cache's own event syncs log these.
+                forward.occupied.remove(&event.addr);
                 if let Some(done) = pending.remove(&event.addr) {
                     if done.free_on_completion {
                         forward.free(done.id, origin);
@@ -819,9 +847,19 @@ fn reconstruct_device(
                 let released = forward.close_run(true, &mut diagnostics);
                 let kind = if event.action == Action::SegmentAlloc {
                     forward.figures.segment_allocs += 1;
+                    let range = Range {
+                        size: event.size,
+                        stream: event.stream,
+                        pool: pool_of_segment(event.size, false),
+                        expandable: false,
+                    };
+                    forward.segments.insert(event.addr, range);
                     SegmentDecisionKind::Alloc
                 } else {
                     forward.figures.segment_maps += 1;
+                    forward
+                        .segments
+                        .add_mapped(event.addr, event.size, event.stream);
                     SegmentDecisionKind::Map
                 };
                 forward.decide(kind, event, origin, released);
@@ -829,8 +867,10 @@ fn reconstruct_device(
             Action::SegmentFree | Action::SegmentUnmap => {
                 if event.action == Action::SegmentFree {
                     forward.figures.segment_frees += 1;
+                    forward.segments.remove_exact(event.addr);
                 } else {
                     forward.figures.segment_unmaps += 1;
+                    forward.segments.remove_range(event.addr, event.size);
                 }
                 forward.reserved = forward.reserved.saturating_sub(event.size);
                 let run = forward.run.get_or_insert_with(|| ReleaseRun {
@@ -1213,6 +1253,45 @@ mod tests {
             "{:?}",
             w.diagnostics
         );
+    }
+
+    #[test]
+    fn a_release_that_leaves_nothing_free_is_empty_cache_even_before_a_segment_alloc() {
+        // Recording started, then empty_cache() released both cached segments; the next malloc
+        // found nothing cached and took a new segment: PyTorch logs the frees, then the
+        // segment_alloc, then the alloc.
+        let a = 0x1000_0000;
+        let b = 0x2000_0000;
+        let trace = vec![
+            event(Action::SegmentFree, a, 20 * MIB),
+            event(Action::SegmentFree, a + 40 * MIB, 2 * MIB),
+            event(Action::SegmentAlloc, b, 20 * MIB),
+            event(Action::Alloc, b, 5 * MIB),
+        ];
+        let segments = vec![segment(
+            b,
+            20 * MIB,
+            vec![
+                block(b, 5 * MIB, 5 * MIB, BlockStatus::ActiveAllocated),
+                block(b + 5 * MIB, 15 * MIB, 0, BlockStatus::Inactive),
+            ],
+        )];
+        let w = workload(segments, trace);
+        assert_eq!(w.start_segments.len(), 2);
+        assert_eq!(w.figures.empty_caches, 1);
+        assert_eq!(w.diagnostics.retry_released_segments, 0);
+        assert_eq!(
+            w.ops,
+            vec![
+                Op::EmptyCache,
+                Op::Alloc {
+                    id: 0,
+                    size: 5 * MIB,
+                    stream: 0
+                }
+            ]
+        );
+        assert_eq!(w.segment_decisions[0].serves_op, Some(1));
     }
 
     #[test]

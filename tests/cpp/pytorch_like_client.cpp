@@ -1,7 +1,7 @@
 // A client that uses libferrocache.so the way PyTorch's CUDAPluggableAllocator does: dlopen, then
 // rust_malloc / rust_free (and the hooks) through function pointers, with C++ exceptions
 // expected from rust_malloc on failure. tests/cpp_client.rs builds it with g++ and runs it
-// against the fake libcuda (tests/fake-libcuda), once per scenario:
+// against the fake libcuda (tests/fake-cuda/driver), once per scenario:
 //
 //   pytorch_like_client LIBRARY stress THREADS OPS   random allocations on several threads and
 //                                                    streams; a pattern checked before each free
@@ -10,6 +10,8 @@
 //   pytorch_like_client LIBRARY no-driver            no libcuda: std::exception naming it
 //   pytorch_like_client LIBRARY bad-config           invalid PYTORCH_CUDA_ALLOC_CONF: std::exception
 //   pytorch_like_client LIBRARY bad-input            bad frees and wrong arguments: logged only
+//   pytorch_like_client LIBRARY graph                CUDA graph captures through the pool hooks,
+//                                                    called with PyTorch's C++ types
 //
 // It prints what it saw on stdout, and exits 0 when every check passed, 1 otherwise.
 
@@ -21,10 +23,17 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
+
+// The CUDA runtime's stream type, as PyTorch's std::function<bool(cudaStream_t)> has it.
+struct CUstream_st;
+typedef CUstream_st* cudaStream_t;
 
 namespace {
 
@@ -37,6 +46,12 @@ using RecordStreamFn = void (*)(void*, Stream);
 using BaseAllocFn = void* (*)(void*, size_t*);
 using StatsFn = char* (*)(int);
 using StringFreeFn = void (*)(char*);
+using SnapshotFn = char* (*)();
+// torch/csrc/cuda/Module.cpp casts the pool hooks' addresses to exactly these types.
+using MempoolId = std::pair<unsigned long long, unsigned long long>;
+using BeginPoolFn = void (*)(int, MempoolId, std::function<bool(cudaStream_t)>);
+using EndPoolFn = void (*)(int, MempoolId);
+using ReleasePoolFn = void (*)(int, MempoolId);
 
 std::atomic<int> failures{0};
 
@@ -69,6 +84,10 @@ struct Ferrocache {
     BaseAllocFn base_alloc;
     StatsFn memory_stats;
     StringFreeFn string_free;
+    SnapshotFn snapshot;
+    BeginPoolFn begin_allocate_to_pool;
+    EndPoolFn end_allocate_to_pool;
+    ReleasePoolFn release_pool;
 
     explicit Ferrocache(const char* path) {
         void* library = dlopen(path, RTLD_NOW | RTLD_LOCAL);
@@ -84,6 +103,24 @@ struct Ferrocache {
         base_alloc = reinterpret_cast<BaseAllocFn>(symbol(library, "rust_base_alloc"));
         memory_stats = reinterpret_cast<StatsFn>(symbol(library, "ferrocache_memory_stats"));
         string_free = reinterpret_cast<StringFreeFn>(symbol(library, "ferrocache_string_free"));
+        snapshot = reinterpret_cast<SnapshotFn>(symbol(library, "ferrocache_snapshot"));
+        begin_allocate_to_pool =
+            reinterpret_cast<BeginPoolFn>(symbol(library, "rust_begin_allocate_to_pool"));
+        end_allocate_to_pool =
+            reinterpret_cast<EndPoolFn>(symbol(library, "rust_end_allocate_to_pool"));
+        release_pool = reinterpret_cast<ReleasePoolFn>(symbol(library, "rust_release_pool"));
+    }
+
+    // ferrocache_snapshot() as a string.
+    std::string snapshot_json() const {
+        char* json = snapshot();
+        if (json == nullptr) {
+            fail("ferrocache_snapshot() returned NULL");
+            return "";
+        }
+        std::string text = json;
+        string_free(json);
+        return text;
     }
 
     // One figure of ferrocache_memory_stats(0), e.g. "allocated_bytes.all.current".
@@ -384,12 +421,133 @@ int bad_input(const Ferrocache& ferrocache) {
     return 0;
 }
 
+// ---------------------------------------------------------------------------------------------
+// graph: what torch.cuda.graph does through the pool hooks
+// ---------------------------------------------------------------------------------------------
+
+// The filter PyTorch's CUDAGraph gives beginAllocateToPool: "is this stream capturing for me?"
+std::function<bool(cudaStream_t)> capturing_on(Stream capture_stream) {
+    return [capture_stream](cudaStream_t stream) {
+        return static_cast<void*>(stream) == capture_stream;
+    };
+}
+
+// A filter that counts its live copies, to see that ferrocache destroys what it keeps.
+struct CountedFilter {
+    static int live;
+    Stream capture_stream;
+    explicit CountedFilter(Stream stream) : capture_stream(stream) { ++live; }
+    CountedFilter(const CountedFilter& other) : capture_stream(other.capture_stream) { ++live; }
+    CountedFilter(CountedFilter&& other) noexcept : capture_stream(other.capture_stream) { ++live; }
+    ~CountedFilter() { --live; }
+    bool operator()(cudaStream_t stream) const {
+        return static_cast<void*>(stream) == capture_stream;
+    }
+};
+int CountedFilter::live = 0;
+
+bool inside(void* ptr, void* base, size_t size) {
+    auto p = reinterpret_cast<uintptr_t>(ptr);
+    auto b = reinterpret_cast<uintptr_t>(base);
+    return p >= b && p < b + size;
+}
+
+int graph(const Ferrocache& ferrocache) {
+    FakeDriver driver;
+    Stream capture = driver.new_stream();
+    Stream other = driver.new_stream();
+    ferrocache.init(1);
+    const MempoolId pool{1, 0};
+
+    // Graph 1: an output kept, a scratch buffer freed during capture.
+    ferrocache.begin_allocate_to_pool(0, pool, CountedFilter(capture));
+    check(CountedFilter::live == 1, "ferrocache keeps one copy of the filter during the capture");
+    void* output = ferrocache.alloc(1 << 20, 0, capture);
+    void* scratch = ferrocache.alloc(4096, 0, capture);
+    ferrocache.free(scratch, 4096, 0, capture);
+    void* again = ferrocache.alloc(4096, 0, capture);
+    check(again == scratch, "inside the capture the pool reuses its freed block");
+    ferrocache.free(again, 4096, 0, capture);
+    size_t pool_size = 0;
+    void* pool_base = ferrocache.base_alloc(output, &pool_size);
+    check(pool_size == (2 << 20) && inside(scratch, pool_base, pool_size),
+          "the capture's small allocations share one pool segment");
+    void* ordinary = ferrocache.alloc(4096, 0, other);
+    check(!inside(ordinary, pool_base, pool_size), "another stream's allocation is not the pool's");
+    ferrocache.end_allocate_to_pool(0, pool);
+    check(CountedFilter::live == 0, "the filter is destroyed when the capture ends");
+
+    // After the capture, the graph may replay into `scratch`: nobody else gets it.
+    void* after = ferrocache.alloc(4096, 0, capture);
+    check(!inside(after, pool_base, pool_size), "an allocation after the capture is not the pool's");
+    std::string json = ferrocache.snapshot_json();
+    check(json.find("\"segment_pool_id\":[1,0]") != std::string::npos,
+          "the snapshot marks the pool's segment: " + json);
+
+    // Graph 2 shares the pool (torch.cuda.graph_pool_handle()): it reuses graph 1's free block.
+    ferrocache.begin_allocate_to_pool(0, pool, capturing_on(capture));
+    void* shared = ferrocache.alloc(4096, 0, capture);
+    check(shared == scratch, "a capture into a shared pool reuses the blocks earlier ones freed");
+    ferrocache.end_allocate_to_pool(0, pool);
+
+    // empty_cache keeps a referenced pool, even its free 20 MiB segment; g.reset() of both
+    // graphs, then it goes.
+    ferrocache.begin_allocate_to_pool(0, pool, capturing_on(capture));
+    ferrocache.free(ferrocache.alloc(8 << 20, 0, capture), 8 << 20, 0, capture);
+    ferrocache.end_allocate_to_pool(0, pool);
+    long long reserved = ferrocache.stat("reserved_bytes.all.current");
+    // The ordinary allocations are on two streams: a segment each.
+    check(reserved == (2 << 20) + (20 << 20) + 2 * (2 << 20), "pool: 2 + 20 MiB, ordinary: 4 MiB");
+    ferrocache.reset();
+    check(ferrocache.stat("reserved_bytes.all.current") == reserved,
+          "empty_cache keeps the memory of a pool that graphs hold");
+    for (int graph = 0; graph < 3; ++graph) ferrocache.release_pool(0, pool);
+    ferrocache.free(shared, 4096, 0, capture);
+    ferrocache.free(output, 1 << 20, 0, capture);
+    ferrocache.free(ordinary, 4096, 0, other);
+    ferrocache.free(after, 4096, 0, capture);
+    ferrocache.reset();
+    check(ferrocache.stat("reserved_bytes.all.current") == 0, "nothing reserved once nothing is live");
+    check(driver.stat("bytes_in_use") == 0, "the driver holds nothing");
+
+    // Refusals: logged (and thrown where a capture must not go on), never an abort.
+    ferrocache.release_pool(0, MempoolId{9, 9});
+    ferrocache.end_allocate_to_pool(0, MempoolId{9, 9});
+    const MempoolId failing{2, 0};
+    ferrocache.begin_allocate_to_pool(0, failing, [](cudaStream_t) -> bool {
+        throw std::runtime_error("cudaStreamGetCaptureInfo failed");
+    });
+    try {
+        ferrocache.begin_allocate_to_pool(0, failing, CountedFilter(capture));
+        fail("a second capture into the same pool did not throw");
+    } catch (const std::exception& e) {
+        check(std::string(e.what()).find("already recording to mempool_id (2, 0)") !=
+                  std::string::npos,
+              std::string("the refusal says why: ") + e.what());
+    }
+    check(CountedFilter::live == 0, "a refused capture's filter is destroyed");
+    try {
+        void* ptr = ferrocache.alloc(4096, 0, capture);
+        fail("an allocation whose filter throws returned " +
+             std::to_string(reinterpret_cast<uintptr_t>(ptr)));
+    } catch (const std::exception& e) {
+        check(std::string(e.what()).find("cudaStreamGetCaptureInfo failed") != std::string::npos,
+              std::string("the filter's failure is in the message: ") + e.what());
+    }
+    ferrocache.end_allocate_to_pool(0, failing);
+    ferrocache.release_pool(0, failing);
+    ferrocache.reset();
+    check(ferrocache.stat("reserved_bytes.all.current") == 0, "the refusals left nothing behind");
+    std::printf("graph: captures, a shared pool and refusals went through the pool hooks\n");
+    return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
     if (argc < 3) {
         std::printf("usage: %s LIBRARY stress THREADS OPS | oom | driver-failure | no-driver | bad-config | "
-                    "bad-input\n",
+                    "bad-input | graph\n",
                     argv[0]);
         return 2;
     }
@@ -407,6 +565,8 @@ int main(int argc, char** argv) {
         bad_config(ferrocache);
     } else if (scenario == "bad-input") {
         bad_input(ferrocache);
+    } else if (scenario == "graph") {
+        graph(ferrocache);
     } else {
         std::printf("unknown scenario %s\n", scenario.c_str());
         return 2;

@@ -1,4 +1,4 @@
-//! Running a test against the fake libcuda (`tests/fake-libcuda`) in a process of its own.
+//! Running a test against the fake driver (`tests/fake-cuda/driver`) in a process of its own.
 //!
 //! cudarc loads libcuda once per process, at the first driver call, from the library search
 //! path as it was when the process started. So each scenario reruns the test binary itself,
@@ -73,13 +73,14 @@ fn run(test: &str, library_path: &str, env: &[(&str, &str)], body: impl FnOnce()
 pub fn fake_libcuda_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fake-libcuda/Cargo.toml");
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fake-cuda/Cargo.toml");
         // A target directory of its own, inside ours: the fake is not part of this workspace.
         let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake-libcuda");
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         let status = Command::new(cargo)
             .arg("build")
             .arg("--quiet")
+            .args(["--package", "fake-libcuda"])
             .arg("--manifest-path")
             .arg(&manifest)
             .arg("--target-dir")

@@ -159,17 +159,20 @@ def install(ctx: Context) -> Optional[str]:
     venv = ctx.out / "venv"
     started = time.monotonic()
     python = str(venv / "bin" / "python")
+    # A wheel from scripts/build-wheel installs without cargo, and without PyPI (pip install .
+    # fetches maturin): the way onto a machine that reaches neither.
+    source = os.environ.get("FERROCACHE_WHEEL") or str(REPO)
     if _run_logged([args.python, "-m", "venv", "--system-site-packages", str(venv)], ctx.logs / "venv.log") != 0:
         ctx.report.notes.append("no venv (python -m venv failed): installed with pip --user instead")
         python = str(args.python)
-        command = [python, "-m", "pip", "install", "--user", str(REPO)]
+        command = [python, "-m", "pip", "install", "--user", source]
     else:
-        command = [python, "-m", "pip", "install", str(REPO)]
-    log("pip install (builds the Rust library in release mode) ...")
+        command = [python, "-m", "pip", "install", source]
+    log(f"pip install {source} ...")
     if _run_logged(command, ctx.logs / "pip-install.log", cwd=REPO) != 0:
         ctx.report.problem = f"pip install failed; see {ctx.logs / 'pip-install.log'}"
         return None
-    ctx.report.environment["build + install"] = f"{time.monotonic() - started:.0f} s (pip install {REPO})"
+    ctx.report.environment["build + install"] = f"{time.monotonic() - started:.0f} s (pip install {source})"
     return python
 
 

@@ -1,6 +1,11 @@
-"""The stand-in's torch.cuda.memory: CUDAPluggableAllocator and change_current_allocator."""
+"""The stand-in's torch.cuda.memory: CUDAPluggableAllocator and change_current_allocator.
+
+``FAKE_TORCH_NO_POOL_HOOKS=1`` stands for a PyTorch whose allocator object lacks the CUDA graph
+pool hooks.
+"""
 
 import ctypes
+import os
 
 
 class _NativeAllocator:
@@ -22,6 +27,10 @@ class _NativeAllocator:
     set_memory_fraction_fn = _setter("set_memory_fraction_fn")
     set_base_alloc_fn = _setter("set_base_alloc_fn")
     set_record_stream_fn = _setter("set_record_stream_fn")
+    if os.environ.get("FAKE_TORCH_NO_POOL_HOOKS") != "1":
+        set_begin_allocate_to_pool = _setter("set_begin_allocate_to_pool")
+        set_end_allocate_to_pool_fn = _setter("set_end_allocate_to_pool_fn")
+        set_release_pool = _setter("set_release_pool")
     del _setter
 
 

@@ -1,0 +1,115 @@
+"""Private memory pools: ``torch.cuda.MemPool`` / ``torch.cuda.use_mem_pool`` for ferrocache.
+
+PyTorch refuses ``torch.cuda.MemPool()`` with a plugged-in allocator ("pluggable does not yet
+support createOrIncrefPool"). These give the same capability over the pools ferrocache keeps
+for CUDA graph captures::
+
+    pool = ferrocache.MemPool()
+    with ferrocache.mem_pool(pool):
+        x = torch.empty(1 << 20, device="cuda")   # from the pool's own segments
+    y = torch.empty(1 << 20, device="cuda")       # from the ordinary pools
+    del x
+    pool.release()                                # the pool's memory goes back on empty_cache
+    torch.cuda.empty_cache()
+
+Allocations made by the thread inside the ``with`` block come from the pool, as with
+``torch.cuda.use_mem_pool``; other threads' do not. A block freed in the pool goes back to the
+pool only, and the pool keeps its memory (``empty_cache`` does not release it) until the
+:class:`MemPool` is released (or garbage collected) and no block in it is live.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from typing import Any, Iterator, Optional
+
+from . import _lib, _torch
+from ._torch import Device
+from .errors import library_error
+
+#: ferrocache's pool ids are ``(0, FIRST_POOL_ID + n)``: PyTorch numbers its own from 1 in
+#: either half (``(n, 0)`` for graphs, ``(0, n)`` for user pools), so they never meet.
+FIRST_POOL_ID = 1 << 63
+
+_ids = itertools.count(FIRST_POOL_ID)
+_ids_lock = threading.Lock()
+
+
+def _new_pool_id() -> tuple[int, int]:
+    with _ids_lock:
+        return (0, next(_ids))
+
+
+class MemPool:
+    """A private pool of ferrocache on ``device`` (the current device by default), as
+    ``torch.cuda.MemPool`` is for PyTorch's allocator. Allocate into it with :func:`mem_pool`.
+
+    Holding the object holds a reference to the pool; :meth:`release` (or the object's garbage
+    collection) drops it, after which ``empty_cache`` gives the pool's memory back once no block
+    in it is live.
+    """
+
+    def __init__(self, device: Device = None) -> None:
+        self.device = _torch.device_index(device)
+        #: The pool id, a pair as PyTorch's ``MemPool.id``; ``snapshot()`` segments carry it as
+        #: ``segment_pool_id``.
+        self.id = _new_pool_id()
+        self._lock = threading.Lock()
+        self._held = False
+        _lib.call_status("ferrocache_create_or_incref_pool", self.device, *self.id)
+        self._held = True
+
+    def use_count(self) -> int:
+        """The references the pool holds: this object's, and one per :func:`mem_pool` block
+        under way (PyTorch's ``MemPool.use_count()``). 0 once released."""
+        count = _lib.function("ferrocache_pool_use_count")(self.device, *self.id)
+        return max(int(count), 0)
+
+    def release(self) -> None:
+        """Drops this object's reference to the pool (once; later calls do nothing)."""
+        with self._lock:
+            if not self._held:
+                return
+            self._held = False
+        _lib.call_status("ferrocache_release_pool", self.device, *self.id)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The pool's segments, as in :func:`ferrocache.snapshot` (PyTorch's
+        ``MemPool.snapshot()``)."""
+        from .snapshot import snapshot
+
+        return [s for s in snapshot()["segments"] if s["segment_pool_id"] == self.id]
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # at interpreter exit the library may already be gone
+            pass
+
+    def __repr__(self) -> str:
+        return f"ferrocache.MemPool(id={self.id}, device={self.device})"
+
+
+@contextlib.contextmanager
+def mem_pool(pool: Optional[MemPool] = None, device: Device = None) -> Iterator[MemPool]:
+    """``torch.cuda.use_mem_pool`` for ferrocache: inside the block, allocations this thread
+    makes on the pool's device come from ``pool`` (a new :class:`MemPool` on ``device`` when
+    None, which the block yields). Blocks on one pool do not nest (a RuntimeError says so)."""
+    if pool is None:
+        pool = MemPool(device)
+    elif device is not None and _torch.device_index(device) != pool.device:
+        raise ValueError(f"{pool!r} is on device {pool.device}, not {device!r}")
+    begin = _lib.function("ferrocache_begin_allocate_current_thread_to_pool")
+    if begin(pool.device, *pool.id) != 0:
+        raise library_error(_lib.last_error(), "mem_pool")
+    try:
+        yield pool
+    finally:
+        _lib.call_status("ferrocache_end_allocate_to_pool", pool.device, *pool.id)
+        # The block's own reference, taken by the begin.
+        _lib.call_status("ferrocache_release_pool", pool.device, *pool.id)
+
+
+__all__ = ["FIRST_POOL_ID", "MemPool", "mem_pool"]

@@ -1,0 +1,1 @@
+"""The differential oracle: PyTorch's own caching allocator against ferrocache (see harness)."""

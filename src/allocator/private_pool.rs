@@ -1,0 +1,514 @@
+//! Private pools: the memory of CUDA graph captures (and of `ferrocache.mem_pool()`), kept apart
+//! from the ordinary pools for as long as a graph may replay into it.
+//!
+//! A graph bakes the addresses it used during capture into its kernels, so those addresses must
+//! stay the graph's until the graph is gone. PyTorch's caching allocator therefore serves the
+//! allocations of a capture from a private pool (`PrivatePool`) of its own segments, and this
+//! module does the same, rule for rule (`beginAllocateToPool`, `endAllocateToPool`,
+//! `releasePool` and the private-pool code of `CUDACachingAllocator.cpp`):
+//!
+//! - between [`DeviceAllocator::begin_allocate_to_pool`] and
+//!   [`DeviceAllocator::end_allocate_to_pool`], an allocation whose stream the capture's filter
+//!   accepts is served from that pool's blocks and segments only (`private_pool_for`, PyTorch's
+//!   `get_pool`); a block freed in a pool goes back to that pool only;
+//! - pools are reference-counted: a capture into an existing pool id (a shared
+//!   `torch.cuda.graph_pool_handle()`) takes another reference and reuses the blocks earlier
+//!   captures freed, with the ordinary stream rule (a block serves its own stream only);
+//! - [`DeviceAllocator::release_pool`] drops a reference; once none is left and no block in the
+//!   pool is live, `empty_cache` (and the out-of-memory retry that releases every cached block)
+//!   gives the pool's segments back to the device and forgets the pool. A pool that is still
+//!   referenced, or holds a live block, never loses memory.
+//!
+//! Departures from PyTorch, each refused where PyTorch would assert or corrupt memory:
+//! - a capture into a pool whose references have all been released takes the pool back (PyTorch
+//!   asserts);
+//! - `release_pool` of an unknown pool, of a pool with no references, or of the last reference
+//!   while a capture still records into the pool is refused (PyTorch asserts, or lets the pool
+//!   be freed under the capture);
+//! - the out-of-memory path never releases oversize cached blocks of a private pool (PyTorch's
+//!   `release_available_cached_blocks` would `cudaFree` them although a graph of the pool may
+//!   replay into them);
+//! - an unreferenced pool keeps all its segments while any of its blocks is live (an output
+//!   tensor of a reset graph); PyTorch already releases its wholly free ones.
+
+use super::block::{Block, BlockId};
+use super::pool::BlockPool;
+use super::{AllocError, DeviceAllocator};
+use crate::device::{Device, DeviceError, StreamId};
+use crate::logging;
+use crate::policy::PoolKind;
+use rustc_hash::FxHashMap;
+use std::fmt;
+
+/// PyTorch's `MempoolId_t`: the id of a private pool. `(0, 0)` names the ordinary pools.
+pub type MempoolId = (u64, u64);
+
+/// The id PyTorch reports for memory of the ordinary pools (`segment_pool_id` in snapshots).
+pub const ORDINARY_POOL_ID: MempoolId = (0, 0);
+
+/// Decides whether an allocation on a stream belongs to a capture: PyTorch's
+/// `std::function<bool(cudaStream_t)>`. An `Err` (the filter itself failed) refuses the
+/// allocation, since guessing could put it outside the capture's pool.
+pub type StreamFilter = Box<dyn Fn(StreamId) -> Result<bool, String> + Send>;
+
+/// Where a private pool sits in the allocator's table (stable while the pool exists).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PrivatePoolIndex(pub u32);
+
+/// One private pool: PyTorch's `PrivatePool`.
+#[derive(Debug)]
+pub struct PrivatePool {
+    pub id: MempoolId,
+    /// Graphs (and `mem_pool` contexts) that hold the pool: PyTorch's `use_count`.
+    pub use_count: u32,
+    /// Segments (ordinary ones and expandable address ranges) the pool holds from the device.
+    /// PyTorch counts device allocations (`cudaMalloc_count`); counting segments gives the same
+    /// answer to the one question asked of it, whether the pool still holds any memory.
+    pub segment_count: usize,
+    /// The pool's free blocks, small and large.
+    blocks: [BlockPool; 2],
+}
+
+/// What a test or the C ABI may read about a private pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrivatePoolInfo {
+    pub id: MempoolId,
+    pub use_count: u32,
+    pub segment_count: usize,
+    /// Whether a capture is recording into the pool now.
+    pub recording: bool,
+}
+
+/// Every pool of free blocks: the ordinary small and large pools, and those of each private
+/// pool.
+#[derive(Debug)]
+pub struct BlockPools {
+    /// Indexed by [`kind_index`]: small, large.
+    ordinary: [BlockPool; 2],
+    /// Private pools by index; `None` marks a slot whose pool was forgotten.
+    private: Vec<Option<PrivatePool>>,
+    by_id: FxHashMap<MempoolId, PrivatePoolIndex>,
+}
+
+/// The slot of a pool kind in a pair of block pools.
+pub(super) fn kind_index(kind: PoolKind) -> usize {
+    match kind {
+        PoolKind::Small => 0,
+        PoolKind::Large => 1,
+    }
+}
+
+fn block_pool_pair() -> [BlockPool; 2] {
+    [
+        BlockPool::new(PoolKind::Small),
+        BlockPool::new(PoolKind::Large),
+    ]
+}
+
+impl Default for BlockPools {
+    fn default() -> BlockPools {
+        BlockPools {
+            ordinary: block_pool_pair(),
+            private: Vec::new(),
+            by_id: FxHashMap::default(),
+        }
+    }
+}
+
+impl BlockPools {
+    /// The block pool of `kind` in the private pool `owner`, or the ordinary one for `None`.
+    #[inline]
+    pub fn get(&self, owner: Option<PrivatePoolIndex>, kind: PoolKind) -> &BlockPool {
+        match owner {
+            None => &self.ordinary[kind_index(kind)],
+            Some(index) => &self.private(index).blocks[kind_index(kind)],
+        }
+    }
+
+    #[inline]
+    pub fn get_mut(&mut self, owner: Option<PrivatePoolIndex>, kind: PoolKind) -> &mut BlockPool {
+        match owner {
+            None => &mut self.ordinary[kind_index(kind)],
+            Some(index) => &mut self.private_mut(index).blocks[kind_index(kind)],
+        }
+    }
+
+    /// The block pool a block belongs to.
+    #[inline]
+    pub fn of_block_mut(&mut self, block: &Block) -> &mut BlockPool {
+        self.get_mut(block.private_pool, block.pool)
+    }
+
+    pub fn private(&self, index: PrivatePoolIndex) -> &PrivatePool {
+        self.private[index.0 as usize]
+            .as_ref()
+            .expect("a live private pool")
+    }
+
+    pub fn private_mut(&mut self, index: PrivatePoolIndex) -> &mut PrivatePool {
+        self.private[index.0 as usize]
+            .as_mut()
+            .expect("a live private pool")
+    }
+
+    /// Whether `index` names a live private pool.
+    pub fn is_live(&self, index: PrivatePoolIndex) -> bool {
+        self.private
+            .get(index.0 as usize)
+            .is_some_and(Option::is_some)
+    }
+
+    pub fn find(&self, id: MempoolId) -> Option<PrivatePoolIndex> {
+        self.by_id.get(&id).copied()
+    }
+
+    /// A new private pool with one reference.
+    fn create(&mut self, id: MempoolId) -> PrivatePoolIndex {
+        let pool = PrivatePool {
+            id,
+            use_count: 1,
+            segment_count: 0,
+            blocks: block_pool_pair(),
+        };
+        let index = match self.private.iter().position(Option::is_none) {
+            Some(free) => {
+                self.private[free] = Some(pool);
+                free
+            }
+            None => {
+                self.private.push(Some(pool));
+                self.private.len() - 1
+            }
+        };
+        let index = PrivatePoolIndex(index as u32);
+        self.by_id.insert(id, index);
+        index
+    }
+
+    /// Forgets a private pool that holds no memory.
+    fn forget(&mut self, index: PrivatePoolIndex) {
+        let pool = self.private[index.0 as usize]
+            .take()
+            .expect("a live private pool");
+        debug_assert_eq!(pool.segment_count, 0);
+        self.by_id.remove(&pool.id);
+    }
+
+    /// The live private pools.
+    pub fn private_pools(&self) -> impl Iterator<Item = (PrivatePoolIndex, &PrivatePool)> {
+        self.private
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| p.as_ref().map(|p| (PrivatePoolIndex(i as u32), p)))
+    }
+
+    /// Every block pool with the private pool it belongs to (`None`: ordinary), ordinary first.
+    pub fn all_with_owner(&self) -> impl Iterator<Item = (Option<PrivatePoolIndex>, &BlockPool)> {
+        let private = self
+            .private_pools()
+            .flat_map(|(index, pool)| pool.blocks.iter().map(move |b| (Some(index), b)));
+        self.ordinary.iter().map(|b| (None, b)).chain(private)
+    }
+
+    /// Every block pool, ordinary first.
+    pub fn all(&self) -> impl Iterator<Item = &BlockPool> {
+        self.ordinary.iter().chain(
+            self.private
+                .iter()
+                .flatten()
+                .flat_map(|pool| pool.blocks.iter()),
+        )
+    }
+}
+
+/// A capture under way: PyTorch's `captures_underway` entry.
+pub(super) struct Capture {
+    pub(super) id: MempoolId,
+    pub(super) pool: PrivatePoolIndex,
+    pub(super) filter: StreamFilter,
+}
+
+/// Why a pool operation was refused. Nothing changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PoolError {
+    /// `begin_allocate_to_pool` for a pool a capture already records into.
+    AlreadyRecording(MempoolId),
+    /// `end_allocate_to_pool` for a pool no capture records into.
+    NotRecording(MempoolId),
+    /// No such private pool.
+    Unknown(MempoolId),
+    /// `release_pool` of a pool that holds no references.
+    NotReferenced(MempoolId),
+    /// `release_pool` of the last reference while a capture still records into the pool.
+    StillRecording(MempoolId),
+    /// `(0, 0)`, which names the ordinary pools, used as a private pool's id.
+    OrdinaryId,
+}
+
+/// A pool id as PyTorch prints a `MempoolId_t` from Python: `(1, 0)`.
+pub struct PoolName(pub MempoolId);
+
+impl fmt::Display for PoolName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "({}, {})", self.0.0, self.0.1)
+    }
+}
+
+impl fmt::Display for PoolError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            PoolError::AlreadyRecording(id) => write!(
+                f,
+                "beginAllocateToPool: already recording to mempool_id {}",
+                PoolName(id)
+            ),
+            PoolError::NotRecording(id) => write!(
+                f,
+                "endAllocateToPool: not currently recording to mempool_id {}",
+                PoolName(id)
+            ),
+            PoolError::Unknown(id) => write!(f, "no private pool has mempool_id {}", PoolName(id)),
+            PoolError::NotReferenced(id) => write!(
+                f,
+                "releasePool: mempool_id {} holds no references to release",
+                PoolName(id)
+            ),
+            PoolError::StillRecording(id) => write!(
+                f,
+                "releasePool: a capture still records into mempool_id {}; end it first",
+                PoolName(id)
+            ),
+            PoolError::OrdinaryId => f.write_str(
+                "mempool_id (0, 0) names the ordinary pools and cannot be a private pool's",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for PoolError {}
+
+impl<D: Device> DeviceAllocator<D> {
+    /// PyTorch's `create_or_incref_pool`: a new pool with one reference, or one more reference
+    /// to an existing one (which revives a pool whose references were all released).
+    pub fn create_or_incref_pool(&mut self, id: MempoolId) -> Result<PrivatePoolIndex, PoolError> {
+        if id == ORDINARY_POOL_ID {
+            return Err(PoolError::OrdinaryId);
+        }
+        Ok(match self.pools.find(id) {
+            Some(index) => {
+                self.pools.private_mut(index).use_count += 1;
+                index
+            }
+            None => self.pools.create(id),
+        })
+    }
+
+    /// `beginAllocateToPool`: from now until [`end_allocate_to_pool`](Self::end_allocate_to_pool),
+    /// allocations on streams that `filter` accepts are served from pool `id` (created, or
+    /// given one more reference).
+    pub fn begin_allocate_to_pool(
+        &mut self,
+        id: MempoolId,
+        filter: StreamFilter,
+    ) -> Result<(), PoolError> {
+        if self.captures.iter().any(|c| c.id == id) {
+            return Err(PoolError::AlreadyRecording(id));
+        }
+        let pool = self.create_or_incref_pool(id)?;
+        self.captures.push(Capture { id, pool, filter });
+        logging::capture_begins(id, self.pools.private(pool).use_count);
+        Ok(())
+    }
+
+    /// `endAllocateToPool`: allocations stop going to pool `id`; the pool keeps its memory and
+    /// its references.
+    pub fn end_allocate_to_pool(&mut self, id: MempoolId) -> Result<(), PoolError> {
+        let position = self
+            .captures
+            .iter()
+            .position(|c| c.id == id)
+            .ok_or(PoolError::NotRecording(id))?;
+        // The filter belongs to the caller's capture and is dropped here, at its end.
+        self.captures.remove(position);
+        logging::capture_ends(id);
+        Ok(())
+    }
+
+    /// `releasePool`: a graph using pool `id` is gone. Once no reference is left, the pool's
+    /// wholly free segments go back to the device on the next `empty_cache`.
+    pub fn release_pool(&mut self, id: MempoolId) -> Result<(), PoolError> {
+        let index = self.pools.find(id).ok_or(PoolError::Unknown(id))?;
+        let recording = self.captures.iter().any(|c| c.pool == index);
+        let pool = self.pools.private_mut(index);
+        match pool.use_count {
+            0 => return Err(PoolError::NotReferenced(id)),
+            1 if recording => return Err(PoolError::StillRecording(id)),
+            _ => pool.use_count -= 1,
+        }
+        logging::pool_released(id, pool.use_count);
+        Ok(())
+    }
+
+    /// PyTorch's `getPoolUseCount`: the references pool `id` holds, `None` for no such pool.
+    pub fn pool_use_count(&self, id: MempoolId) -> Option<u32> {
+        self.pools
+            .find(id)
+            .map(|index| self.pools.private(index).use_count)
+    }
+
+    /// Every private pool that exists, in no particular order.
+    pub fn private_pools(&self) -> Vec<PrivatePoolInfo> {
+        self.pools
+            .private_pools()
+            .map(|(index, pool)| PrivatePoolInfo {
+                id: pool.id,
+                use_count: pool.use_count,
+                segment_count: pool.segment_count,
+                recording: self.captures.iter().any(|c| c.pool == index),
+            })
+            .collect()
+    }
+
+    /// Whether a capture is under way (PyTorch's `!captures_underway.empty()`).
+    pub fn capture_underway(&self) -> bool {
+        !self.captures.is_empty()
+    }
+
+    /// PyTorch's `get_pool`, the private half: the pool of the first capture whose filter
+    /// accepts `stream`, or `None` for the ordinary pools.
+    #[inline]
+    pub(super) fn private_pool_for(
+        &self,
+        stream: StreamId,
+    ) -> Result<Option<PrivatePoolIndex>, AllocError> {
+        for capture in &self.captures {
+            match (capture.filter)(stream) {
+                Ok(true) => return Ok(Some(capture.pool)),
+                Ok(false) => {}
+                Err(message) => {
+                    return Err(AllocError::StreamFilter {
+                        pool: capture.id,
+                        message,
+                    });
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// The id a block's memory is reported under (`segment_pool_id`).
+    pub(super) fn pool_id_of(&self, block: &Block) -> MempoolId {
+        block
+            .private_pool
+            .map_or(ORDINARY_POOL_ID, |index| self.pools.private(index).id)
+    }
+
+    /// A new segment (or expandable address range) now belongs to `owner`.
+    pub(super) fn count_segment_taken(&mut self, owner: Option<PrivatePoolIndex>) {
+        if let Some(index) = owner {
+            self.pools.private_mut(index).segment_count += 1;
+        }
+    }
+
+    /// A segment of `owner` went back to the device.
+    pub(super) fn count_segment_returned(&mut self, owner: Option<PrivatePoolIndex>) {
+        if let Some(index) = owner {
+            self.pools.private_mut(index).segment_count -= 1;
+        }
+    }
+
+    /// The free bytes cached in private pools, which PyTorch's out-of-memory message counts as
+    /// allocated ("with ... allocated in private pools (e.g., CUDA Graphs)").
+    pub(super) fn private_pool_cached_bytes(&self) -> usize {
+        self.pools
+            .private_pools()
+            .flat_map(|(_, pool)| pool.blocks.iter())
+            .flat_map(BlockPool::cached)
+            .map(|id| self.arena.get(id).size)
+            .sum()
+    }
+
+    /// The private-pool part of `release_cached_blocks`: every pool without references and
+    /// without a live block gives its segments back to the device, and is then forgotten. Any
+    /// other pool keeps everything.
+    pub(super) fn release_unreferenced_private_pools(&mut self) -> Result<(), DeviceError> {
+        if self.pools.private_pools().next().is_none() {
+            return Ok(());
+        }
+        let holding_live_blocks = self.private_pools_with_live_blocks();
+        let unreferenced: Vec<PrivatePoolIndex> = self
+            .pools
+            .private_pools()
+            .filter(|(index, pool)| pool.use_count == 0 && !holding_live_blocks.contains(index))
+            .map(|(index, _)| index)
+            .collect();
+        for index in unreferenced {
+            self.release_blocks(Some(index), PoolKind::Small)?;
+            self.release_blocks(Some(index), PoolKind::Large)?;
+            // Nobody can allocate from a pool nothing refers to: an expandable range of it with
+            // nothing mapped (its first growth failed) goes back too, which the ordinary pools
+            // keep for the next request of the stream.
+            for kind in [PoolKind::Small, PoolKind::Large] {
+                let unmapped: Vec<BlockId> = self
+                    .pools
+                    .get(Some(index), kind)
+                    .unmapped_blocks()
+                    .filter(|&id| !self.arena.get(id).is_split())
+                    .collect();
+                for id in unmapped {
+                    self.release_expandable_segment(id)?;
+                }
+            }
+            if self.pools.private(index).segment_count == 0 {
+                let id = self.pools.private(index).id;
+                self.pools.forget(index);
+                logging::pool_forgotten(id);
+            }
+        }
+        Ok(())
+    }
+
+    /// The private pools holding a block that is allocated, or freed but waiting for other
+    /// streams. A full walk: only `empty_cache` and the out-of-memory path ask.
+    fn private_pools_with_live_blocks(&self) -> Vec<PrivatePoolIndex> {
+        let mut pools: Vec<PrivatePoolIndex> = self
+            .arena
+            .iter()
+            .filter(|(_, b)| b.mapped && !b.is_available())
+            .filter_map(|(_, b)| b.private_pool)
+            .collect();
+        pools.sort_unstable();
+        pools.dedup();
+        pools
+    }
+
+    /// `record_stream` while a capture is under way: the use is remembered apart, because the
+    /// capture's work on that stream is part of the graph and needs no event (PyTorch's
+    /// `block_to_cudagraph_stream_uses`).
+    pub(super) fn note_capture_stream_use(&mut self, id: BlockId, stream: StreamId) {
+        let uses = self.capture_stream_uses.entry(id).or_default();
+        if !uses.contains(&stream) {
+            uses.push(stream);
+        }
+    }
+
+    /// `insert_events_deferred_until_no_capture`: blocks freed during a capture with uses on
+    /// other streams get their events now, for the uses recorded outside a capture only
+    /// (`remove_cudagraph_stream_uses`).
+    pub(super) fn insert_events_deferred_until_no_capture(&mut self) {
+        debug_assert!(self.captures.is_empty());
+        for id in std::mem::take(&mut self.events_deferred_until_no_capture) {
+            if let Some(during_capture) = self.capture_stream_uses.remove(&id) {
+                self.arena
+                    .get_mut(id)
+                    .stream_uses
+                    .retain(|s| !during_capture.contains(s));
+            }
+            if self.arena.get(id).stream_uses.is_empty() {
+                self.free_block(id);
+            } else {
+                self.insert_events(id);
+            }
+        }
+    }
+}

@@ -1,0 +1,703 @@
+//! The `ferrocache` command: `replay` PyTorch memory snapshots (or a built-in demo) through
+//! ferrocache on a simulated GPU under several settings, and `check-config` a
+//! `PYTORCH_CUDA_ALLOC_CONF` value.
+//!
+//! The program lives here, in the library, so that there is one of it: the `ferrocache` binary
+//! (`src/bin/ferrocache.rs`, which cargo runs and the wheel ships) calls it through the C
+//! function `ferrocache_cli_main` of `libferrocache.so`. [`run`] never exits the process: it
+//! returns the exit status.
+//!
+//! Exit codes: 0 success; 1 a trace or the plot file could not be read or written (the other
+//! traces are still replayed); 2 a usage error or a setting PyTorch would reject.
+
+use crate::config::Config;
+use crate::replay::{
+    self, DeviceWorkload, NativeFigures, PlotPanel, PlotSeries, ReplayOptions, ReplayReport,
+    SegmentMismatch, StartState, Workload, demo,
+};
+use clap::{Args, Parser, Subcommand};
+use serde_json::json;
+use std::ffi::OsString;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// `println!` that ignores a closed stdout (`ferrocache replay ... | head`) instead of panicking.
+macro_rules! say {
+    () => {{
+        let _ = writeln!(std::io::stdout().lock());
+    }};
+    ($($arg:tt)*) => {{
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
+/// `eprintln!` that ignores a closed stderr.
+macro_rules! complain {
+    ($($arg:tt)*) => {{
+        let _ = writeln!(std::io::stderr().lock(), $($arg)*);
+    }};
+}
+
+#[derive(Parser)]
+#[command(
+    name = "ferrocache",
+    version,
+    about = "PyTorch's CUDA caching allocator in Rust: replay memory snapshots, check settings"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Replay PyTorch memory snapshots (or the built-in demo) through ferrocache on a simulated
+    /// GPU, one row per trace and configuration, beside PyTorch's own figures.
+    Replay(ReplayArgs),
+    /// Say whether PyTorch and ferrocache accept a PYTORCH_CUDA_ALLOC_CONF value, and what it
+    /// means.
+    CheckConfig {
+        /// The value, e.g. "expandable_segments:True,max_split_size_mb:128".
+        conf: String,
+    },
+}
+
+#[derive(Args)]
+struct ReplayArgs {
+    /// Snapshots from torch.cuda.memory._dump_snapshot() (pickle) or the same data as JSON.
+    #[arg(value_name = "TRACE")]
+    traces: Vec<PathBuf>,
+    /// Replay a built-in transformer training loop (with no --conf: four settings compared).
+    #[arg(long)]
+    demo: bool,
+    /// A PYTORCH_CUDA_ALLOC_CONF value to replay under; repeat to compare several ("" is
+    /// PyTorch's defaults, the default).
+    #[arg(long = "conf", value_name = "CONF")]
+    confs: Vec<String>,
+    /// Start from an empty GPU (allocations live at the start made first, in address order)
+    /// instead of the segments and blocks PyTorch held when recording began.
+    #[arg(long)]
+    fresh: bool,
+    /// One JSON object per row, one per line, instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Draw reserved and requested bytes over the events into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// Memory of the simulated GPU, in GiB.
+    #[arg(long, value_name = "N", default_value_t = 80.0, value_parser = parse_capacity)]
+    capacity_gib: f64,
+}
+
+fn parse_capacity(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(gib) if gib.is_finite() && gib > 0.0 && gib <= 1.0e6 => Ok(gib),
+        _ => Err(format!(
+            "expected a number of GiB above 0 (at most 1000000), got {text:?}"
+        )),
+    }
+}
+
+/// The settings `--demo` compares when no `--conf` is given.
+const DEMO_CONFIGURATIONS: [&str; 4] = [
+    "",
+    "expandable_segments:True",
+    "max_split_size_mb:128",
+    "roundup_power2_divisions:4",
+];
+const DEMO_NAME: &str = "demo";
+const GIB: f64 = (1u64 << 30) as f64;
+const MIB: f64 = (1u64 << 20) as f64;
+
+/// The exit status of success.
+pub const SUCCESS: u8 = 0;
+/// The exit status when a trace or the plot could not be read or written.
+pub const FILE_ERROR: u8 = 1;
+/// The exit status of a usage error or a setting PyTorch rejects (clap's, for usage errors).
+pub const USAGE_ERROR: u8 = 2;
+
+/// Runs the command line `args` (the program name first) and returns its exit status. Help,
+/// version and usage errors are printed as clap prints them; nothing here exits the process.
+pub fn run<I, T>(args: I) -> u8
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(err) => {
+            // --help and --version come this way too, to stdout and with status 0.
+            let _ = err.print();
+            return u8::try_from(err.exit_code()).unwrap_or(USAGE_ERROR);
+        }
+    };
+    match cli.command {
+        Command::Replay(args) => replay_command(&args),
+        Command::CheckConfig { conf } => check_config(&conf),
+    }
+}
+
+fn check_config(conf: &str) -> u8 {
+    match Config::parse(conf) {
+        Ok(config) => {
+            say!("accepted: PyTorch and ferrocache both accept {conf:?}");
+            for line in config.describe().lines() {
+                say!("  {line}");
+            }
+            if !config.ignored_keys.is_empty() {
+                say!(
+                    "  ignored by ferrocache (PyTorch reads them; they change nothing here): {}",
+                    config.ignored_keys.join(", ")
+                );
+            }
+            for warning in &config.warnings {
+                say!("warning: {warning}");
+            }
+            SUCCESS
+        }
+        Err(err) => {
+            complain!("error: PyTorch rejects {conf:?}: {err}");
+            USAGE_ERROR
+        }
+    }
+}
+
+/// One replay's row.
+struct Row {
+    /// The trace as given (with the device when a snapshot has several), or `demo`.
+    trace: String,
+    conf: String,
+    report: ReplayReport,
+    native: Option<NativeFigures>,
+}
+
+/// A parsed `--conf` and its name.
+#[derive(Clone)]
+struct Setting {
+    raw: String,
+    config: Config,
+}
+
+fn replay_command(args: &ReplayArgs) -> u8 {
+    if args.traces.is_empty() && !args.demo {
+        complain!("error: nothing to replay: give TRACE files, or --demo");
+        return USAGE_ERROR;
+    }
+    let given = match parse_settings(&args.confs) {
+        Ok(settings) => settings,
+        Err(code) => return code,
+    };
+    let trace_settings = if given.is_empty() {
+        vec![Setting {
+            raw: String::new(),
+            config: Config::default(),
+        }]
+    } else {
+        given.clone()
+    };
+    let options = ReplayOptions {
+        capacity: (args.capacity_gib * GIB) as u64,
+        start: if args.fresh {
+            StartState::Fresh
+        } else {
+            StartState::Reconstructed
+        },
+        record_timeline: args.plot.is_some(),
+    };
+
+    let mut rows: Vec<Row> = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
+    let mut failed = false;
+    for path in &args.traces {
+        let snapshot = match replay::load(path) {
+            Ok(snapshot) => snapshot,
+            Err(err) => {
+                complain!("error: {err}");
+                failed = true;
+                continue;
+            }
+        };
+        let workload = Workload::reconstruct(&snapshot);
+        let several = workload.devices.len() > 1;
+        for device in &workload.devices {
+            let trace = if several {
+                format!("{} (device {})", path.display(), device.device)
+            } else {
+                path.display().to_string()
+            };
+            notes.extend(workload_notes(&trace, &workload, device, &options));
+            for setting in &trace_settings {
+                let report = replay::replay(device, &setting.config, &options);
+                let row = Row {
+                    trace: trace.clone(),
+                    conf: setting.raw.clone(),
+                    native: Some(NativeFigures::of(device)),
+                    report,
+                };
+                if options.start == StartState::Reconstructed
+                    && same_policy(&setting.config, &workload.config)
+                {
+                    notes.extend(mismatch_note(&row, device));
+                }
+                notes.extend(start_note(&row, args.capacity_gib));
+                emit(args.json, row, &mut rows);
+            }
+        }
+    }
+    let mut demo_ops = 0;
+    if args.demo {
+        let workload = demo::transformer_training();
+        demo_ops = workload.ops.len();
+        let demo_settings = if given.is_empty() {
+            let defaults: Vec<String> = DEMO_CONFIGURATIONS.iter().map(|c| c.to_string()).collect();
+            parse_settings(&defaults).unwrap_or_default()
+        } else {
+            given
+        };
+        for setting in &demo_settings {
+            let report = replay::replay(&workload, &setting.config, &options);
+            let row = Row {
+                trace: DEMO_NAME.to_string(),
+                conf: setting.raw.clone(),
+                report,
+                native: None,
+            };
+            emit(args.json, row, &mut rows);
+        }
+    }
+
+    if rows.is_empty() && failed {
+        // Nothing was replayed, and each unreadable trace has had its line on stderr: a table
+        // without rows, its column key or an empty plot would only bury the errors.
+        return FILE_ERROR;
+    }
+    if args.json {
+        for note in &notes {
+            complain!("note: {note}");
+        }
+    } else {
+        print_table(&rows);
+        for note in &notes {
+            say!("note: {note}");
+        }
+        say!();
+        say!("{}", wrap(&column_key(), 100));
+        if args.demo {
+            say!();
+            say!(
+                "{}",
+                wrap(&demo_explanation(&rows, demo_ops, args.capacity_gib), 100)
+            );
+        }
+    }
+    if let Some(file) = &args.plot
+        && let Err(message) = write_plot(file, &rows)
+    {
+        complain!("error: {message}");
+        failed = true;
+    }
+    if failed { FILE_ERROR } else { SUCCESS }
+}
+
+/// Parses every `--conf`; a rejected one ends the command with PyTorch's message and code 2.
+fn parse_settings(confs: &[String]) -> Result<Vec<Setting>, u8> {
+    confs
+        .iter()
+        .map(|raw| match Config::parse(raw) {
+            Ok(config) => Ok(Setting {
+                raw: raw.clone(),
+                config,
+            }),
+            Err(err) => {
+                complain!("error: --conf {raw:?}: PyTorch rejects it: {err}");
+                Err(USAGE_ERROR)
+            }
+        })
+        .collect()
+}
+
+/// Whether two settings make the same allocator decisions (the fields ferrocache acts on).
+fn same_policy(a: &Config, b: &Config) -> bool {
+    a.max_split_size == b.max_split_size
+        && a.max_non_split_rounding_size == b.max_non_split_rounding_size
+        && a.garbage_collection_threshold == b.garbage_collection_threshold
+        && a.roundup_power2_divisions == b.roundup_power2_divisions
+        && a.expandable_segments == b.expandable_segments
+        && a.per_process_memory_fraction == b.per_process_memory_fraction
+}
+
+/// Prints a JSON row at once (so long runs stream), or keeps it for the table.
+fn emit(json: bool, row: Row, rows: &mut Vec<Row>) {
+    if json {
+        let native = row.native.as_ref();
+        let value = json!({
+            "trace": row.trace,
+            "conf": row.conf,
+            "events": row.report.events,
+            "peak_requested_bytes": row.report.peak_requested,
+            "peak_reserved_bytes": row.report.peak_reserved,
+            "utilization": row.report.utilization(),
+            "segment_allocs": row.report.segment_allocs,
+            "device_mallocs": row.report.device_mallocs,
+            "device_frees": row.report.device_frees,
+            "retries": row.report.retries,
+            "ooms": row.report.ooms,
+            "native_peak_reserved_bytes": native.map(|n| n.peak_reserved),
+            "native_segment_allocs": native.map(|n| n.segment_allocs),
+            "matching_segment_allocs": native.map(|_| row.report.matching_segment_allocs),
+            "events_per_second": row.report.events_per_second(),
+        });
+        let mut out = std::io::stdout().lock();
+        // A closed pipe (`| head`) is not worth a panic.
+        let _ = writeln!(out, "{value}");
+    }
+    rows.push(row);
+}
+
+/// What a person should know about a recorded workload before trusting its rows.
+fn workload_notes(
+    trace: &str,
+    workload: &Workload,
+    device: &DeviceWorkload,
+    options: &ReplayOptions,
+) -> Vec<String> {
+    let mut notes = Vec::new();
+    if workload.settings_recorded && !same_policy(&workload.config, &Config::default()) {
+        notes.push(format!(
+            "{trace} was recorded with these settings (PyTorch's decisions were made under \
+             them): {}",
+            workload.config.describe().replace('\n', "; ")
+        ));
+    }
+    let d = &device.diagnostics;
+    if !d.is_consistent(&device.figures) {
+        notes.push(format!(
+            "{trace}: the trace does not lead from the reconstructed start to the recorded end \
+             state (unknown frees {}, allocs over live blocks {}, allocations missing at the end \
+             {}, inconsistent frees {}, segment mismatches {}, blocks outside segments {}); the \
+             replay starts from a best guess",
+            d.unknown_frees,
+            d.allocs_over_live,
+            d.allocs_missing_at_end,
+            d.inconsistent_frees,
+            d.segment_mismatches,
+            d.start_blocks_outside_segments
+        ));
+    }
+    if options.start == StartState::Reconstructed && d.estimated_block_sizes > 0 {
+        notes.push(format!(
+            "{trace}: {} of the blocks live at the start have estimated sizes (the trace frees \
+             them without saying how large their blocks were)",
+            d.estimated_block_sizes
+        ));
+    }
+    notes
+}
+
+/// Explains where ferrocache's segment decisions differ from PyTorch's, when they should not.
+fn mismatch_note(row: &Row, device: &DeviceWorkload) -> Option<String> {
+    let report = &row.report;
+    let native = row.native?;
+    if report.mismatches.is_empty() && report.matching_segment_allocs == native.segment_allocs {
+        return None;
+    }
+    let first = report.mismatches.first();
+    let start = &report.start;
+    let mut note = format!(
+        "{} under {}: {} of PyTorch's {} segment decisions made identically",
+        row.trace,
+        conf_name(&row.conf),
+        report.matching_segment_allocs,
+        native.segment_allocs
+    );
+    if let Some(m) = first {
+        note.push_str(&format!("; the first difference: {}", describe_mismatch(m)));
+    }
+    if start.misplaced_allocations + start.failures > 0
+        || device.diagnostics.estimated_block_sizes > 0
+    {
+        note.push_str(&format!(
+            " (start state: {} blocks misplaced, {} failures, {} estimated block sizes)",
+            start.misplaced_allocations, start.failures, device.diagnostics.estimated_block_sizes
+        ));
+    }
+    Some(note)
+}
+
+/// Says when the start state did not fit the simulated GPU (the rows then understate).
+fn start_note(row: &Row, capacity_gib: f64) -> Option<String> {
+    let start = &row.report.start;
+    (start.failures > 0).then(|| {
+        format!(
+            "{} under {}: {} segments or allocations of the start state did not fit on the \
+             simulated {} GiB GPU (see --capacity-gib)",
+            row.trace,
+            conf_name(&row.conf),
+            start.failures,
+            trim_float(capacity_gib)
+        )
+    })
+}
+
+fn describe_mismatch(m: &SegmentMismatch) -> String {
+    let sizes: Vec<String> = m.pytorch_sizes.iter().map(|&s| bytes(s)).collect();
+    let place = match (m.op_index, m.trace_index) {
+        (Some(op), Some(entry)) => format!("op {op} (trace entry {entry})"),
+        (Some(op), None) => format!("op {op}"),
+        _ => "a malloc that failed in PyTorch".to_string(),
+    };
+    let request = m
+        .requested
+        .map(|r| format!(", a request of {}", bytes(r)))
+        .unwrap_or_default();
+    let pytorch = if sizes.is_empty() {
+        "PyTorch took nothing from the device".to_string()
+    } else {
+        format!("PyTorch took {}", sizes.join(" + "))
+    };
+    format!(
+        "{place}{request}: {pytorch}, ferrocache {} device allocation(s) of {} in all",
+        m.ferrocache_count,
+        bytes(m.ferrocache_bytes)
+    )
+}
+
+fn conf_name(conf: &str) -> String {
+    if conf.is_empty() {
+        "PyTorch defaults".to_string()
+    } else {
+        conf.to_string()
+    }
+}
+
+/// Bytes as GiB from 1 GiB up, else as MiB.
+fn bytes(value: u64) -> String {
+    let v = value as f64;
+    if v >= GIB {
+        format!("{:.2} GiB", v / GIB)
+    } else {
+        format!("{:.1} MiB", v / MIB)
+    }
+}
+
+fn percent(ratio: f64) -> String {
+    format!("{:.1}%", 100.0 * ratio)
+}
+
+/// 12345 as "12,345".
+fn grouped(value: u64) -> String {
+    let digits = value.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The trace's file name (the table is for reading; JSON keeps the path).
+fn short_trace(trace: &str) -> String {
+    let (path, device) = match trace.find(" (device ") {
+        Some(at) => trace.split_at(at),
+        None => (trace, ""),
+    };
+    let name = Path::new(path)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.to_string());
+    format!("{name}{device}")
+}
+
+fn print_table(rows: &[Row]) {
+    let header = [
+        "trace",
+        "configuration",
+        "events",
+        "peak requested",
+        "peak reserved",
+        "util.",
+        "segments",
+        "mallocs/frees",
+        "retries",
+        "OOMs",
+        "|",
+        "PyTorch: peak reserved",
+        "util.",
+        "segments",
+        "matching",
+    ];
+    // Left-aligned: the two names; everything else right-aligned.
+    let left = |column: usize| column < 2;
+    let mut table: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
+    for row in rows {
+        let r = &row.report;
+        let native = row.native.as_ref();
+        let na = || "-".to_string();
+        table.push(vec![
+            short_trace(&row.trace),
+            conf_name(&row.conf),
+            grouped(r.events),
+            bytes(r.peak_requested),
+            bytes(r.peak_reserved),
+            percent(r.utilization()),
+            grouped(r.segment_allocs),
+            format!("{}/{}", r.device_mallocs, r.device_frees),
+            grouped(r.retries),
+            grouped(r.ooms),
+            "|".to_string(),
+            native.map_or_else(na, |n| bytes(n.peak_reserved)),
+            native.map_or_else(na, |n| percent(n.utilization)),
+            native.map_or_else(na, |n| grouped(n.segment_allocs)),
+            native.map_or_else(na, |n| {
+                format!("{}/{}", r.matching_segment_allocs, n.segment_allocs)
+            }),
+        ]);
+    }
+    let widths: Vec<usize> = (0..header.len())
+        .map(|c| {
+            table
+                .iter()
+                .map(|row| row[c].chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = std::io::stdout().lock();
+    for row in &table {
+        let cells: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(c, cell)| {
+                if left(c) {
+                    format!("{cell:<width$}", width = widths[c])
+                } else {
+                    format!("{cell:>width$}", width = widths[c])
+                }
+            })
+            .collect();
+        let _ = writeln!(out, "{}", cells.join("  ").trim_end());
+    }
+}
+
+fn column_key() -> String {
+    "Columns: events = allocations, frees and empty_cache calls replayed; peak requested = most \
+     bytes the program held at once (what it asked for); peak reserved = most bytes taken from \
+     the GPU (cudaMalloc'd segments and mapped pages), start state included; util. = peak \
+     requested / peak reserved; segments = device allocations made while replaying (PyTorch's \
+     segment_alloc + segment_map); mallocs/frees = all cudaMalloc-like and cudaFree-like calls, \
+     start state included; retries = mallocs that had to release cached memory and try again; \
+     OOMs = requests ferrocache could not serve. After the bar, PyTorch's own figures from the \
+     recording; matching = how many of PyTorch's segment decisions ferrocache made identically \
+     (same size, in the malloc of the same request)."
+        .to_string()
+}
+
+/// The paragraph under the demo's table, with its figures.
+fn demo_explanation(rows: &[Row], ops: usize, capacity_gib: f64) -> String {
+    let demo_rows: Vec<&Row> = rows.iter().filter(|r| r.trace == DEMO_NAME).collect();
+    let mut text = format!(
+        "The demo is a training loop of a GPT-style transformer (12 layers, hidden size 2048, \
+         batch 8, fp32, Adam) over 8 steps whose sequence length grows from 256 to 1024 tokens, \
+         {} allocation events on two streams, replayed on a simulated {} GiB GPU. Peak \
+         requested is the same in every row: it is the program's own demand. Peak reserved is \
+         what each setting needed from the GPU to serve it; the gap is fragmentation.",
+        grouped(ops as u64),
+        trim_float(capacity_gib)
+    );
+    let lowest = demo_rows.iter().min_by_key(|r| r.report.peak_reserved);
+    let highest = demo_rows.iter().max_by_key(|r| r.report.peak_reserved);
+    if let (Some(low), Some(high)) = (lowest, highest)
+        && demo_rows.len() > 1
+    {
+        text.push_str(&format!(
+            " Here {} needs least ({} reserved, {} utilization) and {} most ({}, {}).",
+            conf_name(&low.conf),
+            bytes(low.report.peak_reserved),
+            percent(low.report.utilization()),
+            conf_name(&high.conf),
+            bytes(high.report.peak_reserved),
+            percent(high.report.utilization()),
+        ));
+    }
+    let shown: Vec<&str> = demo_rows.iter().map(|r| r.conf.as_str()).collect();
+    if shown == DEMO_CONFIGURATIONS {
+        text.push_str(
+            " Why: with the defaults, each step's larger activations no longer fit the blocks \
+             the previous step cached, so new segments are taken while the old ones stay \
+             partly in use. expandable_segments:True keeps one growing segment per stream and \
+             maps pages on demand, so freed space serves any later size. max_split_size_mb:128 \
+             stops large cached blocks from being split: good against fragmentation when memory \
+             is tight, but with memory to spare the unsplittable blocks just accumulate until \
+             a cudaMalloc fails. roundup_power2_divisions:4 rounds requests up to quarter \
+             powers of two so blocks of nearby sizes can be reused, which helps little when \
+             sizes only grow. Try --capacity-gib 40 to see the settings under pressure, or \
+             --plot memory.svg to see where memory goes.",
+        );
+    }
+    text
+}
+
+fn trim_float(value: f64) -> String {
+    let text = format!("{value:.2}");
+    text.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+/// Wraps a paragraph at `width` characters.
+fn wrap(text: &str, width: usize) -> String {
+    let mut lines = Vec::new();
+    let mut line = String::new();
+    for word in text.split_whitespace() {
+        if !line.is_empty() && line.len() + 1 + word.len() > width {
+            lines.push(std::mem::take(&mut line));
+        }
+        if !line.is_empty() {
+            line.push(' ');
+        }
+        line.push_str(word);
+    }
+    if !line.is_empty() {
+        lines.push(line);
+    }
+    lines.join("\n")
+}
+
+/// One panel per workload (trace, device or demo), one line pair per configuration.
+fn write_plot(file: &Path, rows: &[Row]) -> Result<(), String> {
+    let mut order: Vec<&str> = Vec::new();
+    for row in rows {
+        if !order.contains(&row.trace.as_str()) {
+            order.push(&row.trace);
+        }
+    }
+    let titles: Vec<String> = order
+        .iter()
+        .map(|t| {
+            if *t == DEMO_NAME {
+                "demo: transformer training, sequence length 256 -> 1024".to_string()
+            } else {
+                short_trace(t)
+            }
+        })
+        .collect();
+    let labels: Vec<String> = rows.iter().map(|r| conf_name(&r.conf)).collect();
+    let panels: Vec<PlotPanel<'_>> = order
+        .iter()
+        .zip(&titles)
+        .map(|(trace, title)| PlotPanel {
+            title,
+            series: rows
+                .iter()
+                .zip(&labels)
+                .filter(|(r, _)| r.trace == *trace)
+                .map(|(r, label)| PlotSeries {
+                    label,
+                    timeline: &r.report.timeline,
+                })
+                .collect(),
+        })
+        .collect();
+    std::fs::write(file, replay::render_svg(&panels))
+        .map_err(|err| format!("{}: cannot write the plot: {err}", file.display()))
+}

@@ -1,0 +1,278 @@
+//! Initialisation, devices and contexts.
+//!
+//! Each device has one primary context, a fixed handle that is usable while retained. There is
+//! also one "foreign" context, standing for a context another library created: it can be made
+//! current, but memory calls made under it fail, so a caller that forgets to switch to the
+//! primary context is caught.
+
+use std::ffi::{c_char, c_int, c_uint, c_void};
+
+use crate::{
+    CONTEXT_STACK, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NO_DEVICE,
+    CuResult, Driver, call, call_before_init, current_context, put,
+};
+
+const PRIMARY_CONTEXT_BASE: usize = 0xc0de_0000;
+pub const FOREIGN_CONTEXT: usize = 0xf0e1_0000;
+const DEVICE_NAME: &[u8] = b"Fake CUDA Device (ferrocache tests)";
+
+const ATTRIBUTE_MULTIPROCESSOR_COUNT: c_int = 16;
+const ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: c_int = 75;
+const ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int = 76;
+const ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: c_int = 102;
+const ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: c_int = 103;
+
+fn primary_context(device: i32) -> usize {
+    PRIMARY_CONTEXT_BASE + device as usize
+}
+
+impl Driver {
+    /// The device whose primary context `context` is, if it is one.
+    fn primary_context_device(&self, context: usize) -> Option<i32> {
+        let device = i32::try_from(context.checked_sub(PRIMARY_CONTEXT_BASE)?).ok()?;
+        (device < self.device_count).then_some(device)
+    }
+
+    /// A context may be made current if it is the foreign one or a retained primary context.
+    fn usable_context(&self, context: usize) -> bool {
+        context == FOREIGN_CONTEXT
+            || self
+                .primary_context_device(context)
+                .is_some_and(|device| self.primary_context_refs[device as usize] > 0)
+    }
+
+    /// The device of the calling thread's current context, which must be a retained primary
+    /// context: what every memory, stream and event call needs.
+    pub fn require_primary_context(&self) -> Result<i32, CuResult> {
+        let context = current_context();
+        match self.primary_context_device(context) {
+            Some(device) if self.primary_context_refs[device as usize] > 0 => Ok(device),
+            _ => Err(CUDA_ERROR_INVALID_CONTEXT),
+        }
+    }
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuInit(flags: c_uint) -> CuResult {
+    call_before_init("cuInit", |driver| {
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if driver.device_count <= 0 {
+            return Err(CUDA_ERROR_NO_DEVICE);
+        }
+        // Idempotent, as the real one: the runtime and ferrocache both call it.
+        if !driver.initialized {
+            driver.initialized = true;
+            driver.primary_context_refs = vec![0; driver.device_count as usize];
+        }
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDriverGetVersion(version: *mut c_int) -> CuResult {
+    call_before_init("cuDriverGetVersion", |driver| {
+        // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
+        unsafe { put(version, driver.driver_version) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CuResult {
+    call("cuDeviceGetCount", |driver| {
+        // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
+        unsafe { put(count, driver.device_count) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceGet(device: *mut c_int, ordinal: c_int) -> CuResult {
+    call("cuDeviceGet", |driver| {
+        driver.valid_device(ordinal)?;
+        // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
+        unsafe { put(device, ordinal) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceGetAttribute(
+    value: *mut c_int,
+    attribute: c_int,
+    device: c_int,
+) -> CuResult {
+    call("cuDeviceGetAttribute", |driver| {
+        driver.valid_device(device)?;
+        let answer = match attribute {
+            ATTRIBUTE_MULTIPROCESSOR_COUNT => 132,
+            ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR => 9,
+            ATTRIBUTE_COMPUTE_CAPABILITY_MINOR => 0,
+            ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED => 1,
+            ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED => 1,
+            _ => 0,
+        };
+        // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
+        unsafe { put(value, answer) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, device: c_int) -> CuResult {
+    call("cuDeviceTotalMem_v2", |driver| {
+        driver.valid_device(device)?;
+        // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
+        unsafe { put(bytes, driver.capacity as usize) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceGetName(
+    name: *mut c_char,
+    length: c_int,
+    device: c_int,
+) -> CuResult {
+    call("cuDeviceGetName", |driver| {
+        driver.valid_device(device)?;
+        if name.is_null() || length <= 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // Truncated to fit, always NUL-terminated, as the driver does.
+        let copied = DEVICE_NAME.len().min(length as usize - 1);
+        // SAFETY: the caller provides `length` writable bytes at `name`; we write `copied + 1`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(DEVICE_NAME.as_ptr(), name.cast::<u8>(), copied);
+            name.add(copied).write(0);
+        }
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(
+    context: *mut *mut c_void,
+    device: c_int,
+) -> CuResult {
+    call("cuDevicePrimaryCtxRetain", |driver| {
+        driver.valid_device(device)?;
+        // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
+        unsafe { put(context, primary_context(device) as *mut c_void) }?;
+        driver.primary_context_refs[device as usize] += 1;
+        Ok(())
+    })
+}
+
+/// Whether the primary context is active (retained); its flags are always 0 here.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(
+    device: c_int,
+    flags: *mut c_uint,
+    active: *mut c_int,
+) -> CuResult {
+    call("cuDevicePrimaryCtxGetState", |driver| {
+        driver.valid_device(device)?;
+        let retained = driver.primary_context_refs[device as usize] > 0;
+        // SAFETY: out pointers from the caller, valid for writes by the driver API contract.
+        unsafe {
+            put(flags, 0)?;
+            put(active, c_int::from(retained))
+        }
+    })
+}
+
+fn release_primary_context(driver: &mut Driver, device: c_int) -> Result<(), CuResult> {
+    driver.valid_device(device)?;
+    let refs = &mut driver.primary_context_refs[device as usize];
+    if *refs == 0 {
+        return Err(CUDA_ERROR_INVALID_CONTEXT);
+    }
+    *refs -= 1;
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuDevicePrimaryCtxRelease(device: c_int) -> CuResult {
+    call("cuDevicePrimaryCtxRelease", |driver| {
+        release_primary_context(driver, device)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuDevicePrimaryCtxRelease_v2(device: c_int) -> CuResult {
+    call("cuDevicePrimaryCtxRelease_v2", |driver| {
+        release_primary_context(driver, device)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetCurrent(context: *mut *mut c_void) -> CuResult {
+    call("cuCtxGetCurrent", |_| {
+        // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
+        unsafe { put(context, current_context() as *mut c_void) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuCtxSetCurrent(context: *mut c_void) -> CuResult {
+    call("cuCtxSetCurrent", |driver| {
+        let context = context as usize;
+        if context != 0 && !driver.usable_context(context) {
+            return Err(CUDA_ERROR_INVALID_CONTEXT);
+        }
+        // Replaces the top of the stack; NULL pops it (a no-op on an empty stack).
+        CONTEXT_STACK.with_borrow_mut(|stack| {
+            stack.pop();
+            if context != 0 {
+                stack.push(context);
+            }
+        });
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuCtxPushCurrent_v2(context: *mut c_void) -> CuResult {
+    call("cuCtxPushCurrent_v2", |driver| {
+        let context = context as usize;
+        if !driver.usable_context(context) {
+            return Err(CUDA_ERROR_INVALID_CONTEXT);
+        }
+        CONTEXT_STACK.with_borrow_mut(|stack| stack.push(context));
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxPopCurrent_v2(context: *mut *mut c_void) -> CuResult {
+    call("cuCtxPopCurrent_v2", |_| {
+        let popped = CONTEXT_STACK
+            .with_borrow_mut(|stack| stack.pop())
+            .ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+        // The out parameter is optional here.
+        if !context.is_null() {
+            // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
+            unsafe { put(context, popped as *mut c_void) }?;
+        }
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetDevice(device: *mut c_int) -> CuResult {
+    call("cuCtxGetDevice", |driver| {
+        let context = current_context();
+        let ordinal = match driver.primary_context_device(context) {
+            Some(ordinal) => ordinal,
+            None if context == FOREIGN_CONTEXT => 0,
+            None => return Err(CUDA_ERROR_INVALID_CONTEXT),
+        };
+        // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
+        unsafe { put(device, ordinal) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuCtxSynchronize() -> CuResult {
+    call("cuCtxSynchronize", |driver| {
+        driver.require_primary_context().map(drop)
+    })
+}

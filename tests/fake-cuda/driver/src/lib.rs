@@ -1,0 +1,369 @@
+//! A fake CUDA driver on host memory: see README.md for what it models and why.
+//!
+//! Every exported driver function goes through [`call`], which takes the one global lock, counts
+//! the call, applies an injected failure if a test asked for one, and turns a panic into
+//! `CUDA_ERROR_UNKNOWN` (nothing may unwind into the caller). What is per thread in the real
+//! driver (the context stack, the stream-capture mode) is thread-local here too.
+//!
+//! Handles are plain numbers: contexts, streams and events are never dereferenced by callers.
+
+#![allow(
+    non_snake_case,
+    reason = "the exports carry the CUDA driver's symbol names"
+)]
+#![allow(
+    clippy::missing_safety_doc,
+    reason = "every export has the contract of the CUDA driver function of the same name"
+)]
+
+mod call_log;
+mod device;
+mod faults;
+mod memory;
+mod nvml;
+mod stubs;
+mod sync;
+mod vmm;
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::{CStr, c_char, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{LazyLock, Mutex, MutexGuard};
+
+/// `CUresult`.
+pub type CuResult = u32;
+pub const CUDA_SUCCESS: CuResult = 0;
+pub const CUDA_ERROR_INVALID_VALUE: CuResult = 1;
+pub const CUDA_ERROR_OUT_OF_MEMORY: CuResult = 2;
+pub const CUDA_ERROR_NOT_INITIALIZED: CuResult = 3;
+pub const CUDA_ERROR_NO_DEVICE: CuResult = 100;
+pub const CUDA_ERROR_INVALID_DEVICE: CuResult = 101;
+pub const CUDA_ERROR_INVALID_CONTEXT: CuResult = 201;
+pub const CUDA_ERROR_INVALID_HANDLE: CuResult = 400;
+pub const CUDA_ERROR_NOT_READY: CuResult = 600;
+pub const CUDA_ERROR_NOT_SUPPORTED: CuResult = 801;
+pub const CUDA_ERROR_ILLEGAL_STATE: CuResult = 401;
+pub const CUDA_ERROR_ILLEGAL_ADDRESS: CuResult = 700;
+pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CuResult = 900;
+pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CuResult = 901;
+pub const CUDA_ERROR_UNKNOWN: CuResult = 999;
+
+/// Name and description of each code the fake returns, as the real driver spells them.
+const ERROR_TEXTS: &[(CuResult, &CStr, &CStr)] = &[
+    (CUDA_SUCCESS, c"CUDA_SUCCESS", c"no error"),
+    (
+        CUDA_ERROR_INVALID_VALUE,
+        c"CUDA_ERROR_INVALID_VALUE",
+        c"invalid argument",
+    ),
+    (
+        CUDA_ERROR_OUT_OF_MEMORY,
+        c"CUDA_ERROR_OUT_OF_MEMORY",
+        c"out of memory",
+    ),
+    (
+        CUDA_ERROR_NOT_INITIALIZED,
+        c"CUDA_ERROR_NOT_INITIALIZED",
+        c"initialization error",
+    ),
+    (
+        CUDA_ERROR_NO_DEVICE,
+        c"CUDA_ERROR_NO_DEVICE",
+        c"no CUDA-capable device is detected",
+    ),
+    (
+        CUDA_ERROR_INVALID_DEVICE,
+        c"CUDA_ERROR_INVALID_DEVICE",
+        c"invalid device ordinal",
+    ),
+    (
+        CUDA_ERROR_INVALID_CONTEXT,
+        c"CUDA_ERROR_INVALID_CONTEXT",
+        c"invalid device context",
+    ),
+    (
+        CUDA_ERROR_INVALID_HANDLE,
+        c"CUDA_ERROR_INVALID_HANDLE",
+        c"invalid resource handle",
+    ),
+    (
+        CUDA_ERROR_NOT_READY,
+        c"CUDA_ERROR_NOT_READY",
+        c"device not ready",
+    ),
+    (
+        CUDA_ERROR_NOT_SUPPORTED,
+        c"CUDA_ERROR_NOT_SUPPORTED",
+        c"operation not supported",
+    ),
+    (
+        CUDA_ERROR_ILLEGAL_ADDRESS,
+        c"CUDA_ERROR_ILLEGAL_ADDRESS",
+        c"an illegal memory access was encountered",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+        c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+        c"operation not permitted when stream is capturing",
+    ),
+    (
+        CUDA_ERROR_ILLEGAL_STATE,
+        c"CUDA_ERROR_ILLEGAL_STATE",
+        c"the operation cannot be performed in the present state",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+        c"CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+        c"operation failed due to a previous error during capture",
+    ),
+    (CUDA_ERROR_UNKNOWN, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
+];
+
+/// Physical pages, address reservations and mappings all come in this size.
+pub const GRANULARITY: u64 = 2 << 20;
+
+/// What a driver function body returns: `Err` carries the failure code.
+type Outcome = Result<(), CuResult>;
+
+/// The whole state of the fake driver behind one lock.
+#[derive(Default)]
+pub struct Driver {
+    initialized: bool,
+    driver_version: i32,
+    device_count: i32,
+    /// Bytes of device memory per device (accounting only; host memory backs what is used).
+    capacity: u64,
+    /// Per device: bytes held by `cuMemAlloc` allocations and not yet freed physical handles.
+    bytes_in_use: Vec<u64>,
+    /// Retain count of each device's primary context.
+    primary_context_refs: Vec<u32>,
+    allocations: BTreeMap<u64, memory::Allocation>,
+    reservations: BTreeMap<u64, u64>,
+    physical: HashMap<u64, vmm::Physical>,
+    mappings: BTreeMap<u64, vmm::Mapping>,
+    streams: HashMap<usize, sync::Stream>,
+    events: HashMap<usize, sync::Event>,
+    /// How many queries a newly recorded event answers with `CUDA_ERROR_NOT_READY`.
+    event_delay: u32,
+    timed_events: u64,
+    next_handle: u64,
+    calls: HashMap<&'static str, u64>,
+    injected_failures: HashMap<String, CuResult>,
+    sweep: faults::Sweep,
+}
+
+impl Driver {
+    fn from_environment() -> Driver {
+        fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(default)
+        }
+        let device_count = env_or("FAKE_LIBCUDA_DEVICE_COUNT", 1);
+        Driver {
+            driver_version: env_or("FAKE_LIBCUDA_DRIVER_VERSION", 13020),
+            device_count,
+            capacity: env_or("FAKE_LIBCUDA_TOTAL_MEM", 16 << 30),
+            bytes_in_use: vec![0; usize::try_from(device_count).unwrap_or(0)],
+            event_delay: env_or("FAKE_LIBCUDA_EVENT_DELAY", 0),
+            next_handle: 1,
+            ..Driver::default()
+        }
+    }
+
+    /// A fresh number for a stream, event or physical handle; never 0 (NULL).
+    fn new_handle(&mut self) -> u64 {
+        let handle = self.next_handle;
+        self.next_handle += 1;
+        // Spread the numbers out so that a handle of one kind is never mistaken for another.
+        handle << 8
+    }
+
+    fn valid_device(&self, device: i32) -> Outcome {
+        if (0..self.device_count).contains(&device) {
+            Ok(())
+        } else {
+            Err(CUDA_ERROR_INVALID_DEVICE)
+        }
+    }
+
+    /// Claims `size` bytes of `device`'s capacity (each device has `capacity` bytes).
+    fn charge(&mut self, device: i32, size: u64) -> Outcome {
+        let in_use = &mut self.bytes_in_use[device as usize];
+        if self.capacity.saturating_sub(*in_use) < size {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        *in_use += size;
+        Ok(())
+    }
+
+    /// Gives back what [`Driver::charge`] claimed.
+    fn uncharge(&mut self, device: i32, size: u64) {
+        self.bytes_in_use[device as usize] -= size;
+    }
+}
+
+static DRIVER: LazyLock<Mutex<Driver>> = LazyLock::new(|| Mutex::new(Driver::from_environment()));
+
+thread_local! {
+    /// The calling thread's context stack; the top is the current context.
+    static CONTEXT_STACK: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+    /// The calling thread's `CUstreamCaptureMode` (0 = global, the default).
+    static CAPTURE_MODE: Cell<u32> = const { Cell::new(0) };
+}
+
+fn lock() -> MutexGuard<'static, Driver> {
+    // A panic inside a call leaves the state as consistent as any error return does.
+    DRIVER
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Runs the body of the driver function `name` once `cuInit` has been called.
+fn call(name: &'static str, body: impl FnOnce(&mut Driver) -> Outcome) -> CuResult {
+    call_before_init(name, |driver| {
+        if !driver.initialized {
+            return Err(CUDA_ERROR_NOT_INITIALIZED);
+        }
+        body(driver)
+    })
+}
+
+/// Runs the body of the driver function `name`, which works without `cuInit`.
+fn call_before_init(name: &'static str, body: impl FnOnce(&mut Driver) -> Outcome) -> CuResult {
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        let mut driver = lock();
+        *driver.calls.entry(name).or_default() += 1;
+        if let Some(code) = driver.injected_failures.remove(name) {
+            return Err(code);
+        }
+        if let Some(code) = driver.sweep.on_call(name) {
+            return Err(code);
+        }
+        body(&mut driver)
+    }));
+    match outcome {
+        Ok(Ok(())) => CUDA_SUCCESS,
+        Ok(Err(code)) => code,
+        Err(_) => CUDA_ERROR_UNKNOWN,
+    }
+}
+
+/// Writes a result through an out parameter, refusing NULL as the driver does.
+///
+/// # Safety
+/// `out` is NULL or valid for a write of `T`.
+unsafe fn put<T>(out: *mut T, value: T) -> Outcome {
+    if out.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: not NULL, and the caller promises it is valid for writes.
+    unsafe { out.write(value) };
+    Ok(())
+}
+
+/// Reads an input parameter passed by pointer, refusing NULL as the driver does.
+///
+/// # Safety
+/// `input` is NULL or valid for a read of `T`.
+unsafe fn get<T: Copy>(input: *const T) -> Result<T, CuResult> {
+    if input.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: not NULL, and the caller promises it is valid for reads.
+    Ok(unsafe { input.read() })
+}
+
+/// The current context of the calling thread, or 0.
+fn current_context() -> usize {
+    CONTEXT_STACK.with_borrow(|stack| stack.last().copied().unwrap_or(0))
+}
+
+fn error_text(code: CuResult) -> Option<(&'static CStr, &'static CStr)> {
+    ERROR_TEXTS
+        .iter()
+        .find(|(known, _, _)| *known == code)
+        .map(|(_, name, text)| (*name, *text))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetErrorString(code: CuResult, text: *mut *const c_char) -> CuResult {
+    call_before_init("cuGetErrorString", |_| {
+        let found = error_text(code);
+        let pointer = found.map_or(std::ptr::null(), |(_, text)| text.as_ptr());
+        // SAFETY: `text` comes from the caller, who promises a writable `const char*`.
+        unsafe { put(text, pointer) }?;
+        found.map(drop).ok_or(CUDA_ERROR_INVALID_VALUE)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetErrorName(code: CuResult, name: *mut *const c_char) -> CuResult {
+    call_before_init("cuGetErrorName", |_| {
+        let found = error_text(code);
+        let pointer = found.map_or(std::ptr::null(), |(name, _)| name.as_ptr());
+        // SAFETY: `name` comes from the caller, who promises a writable `const char*`.
+        unsafe { put(name, pointer) }?;
+        found.map(drop).ok_or(CUDA_ERROR_INVALID_VALUE)
+    })
+}
+
+// ---- Test-only exports ---------------------------------------------------------------------
+
+/// Reads one counter: the number of calls made to the driver function `name` (its symbol name,
+/// e.g. `cuMemAlloc_v2`), or one of the state counters listed in README.md. -1 if unknown.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fake_cuda_stat(name: *const c_char) -> i64 {
+    if name.is_null() {
+        return -1;
+    }
+    // SAFETY: the caller passes a NUL-terminated string.
+    let Ok(name) = unsafe { CStr::from_ptr(name) }.to_str() else {
+        return -1;
+    };
+    let driver = lock();
+    let value = match name {
+        "bytes_in_use" => driver.bytes_in_use.iter().sum(),
+        "live_allocations" => driver.allocations.len() as u64,
+        "live_reservations" => driver.reservations.len() as u64,
+        "live_physical" => driver.physical.len() as u64,
+        "live_mappings" => driver.mappings.len() as u64,
+        "live_events" => driver.events.len() as u64,
+        "primary_context_refs" => driver
+            .primary_context_refs
+            .iter()
+            .map(|&r| u64::from(r))
+            .sum(),
+        "timed_events" => driver.timed_events,
+        symbol if symbol.starts_with("cu") => driver.calls.get(symbol).copied().unwrap_or(0),
+        _ => return -1,
+    };
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+/// Each event recorded from now on answers `CUDA_ERROR_NOT_READY` to its first `queries` queries.
+#[unsafe(no_mangle)]
+pub extern "C" fn fake_cuda_set_event_delay(queries: u32) {
+    lock().event_delay = queries;
+}
+
+/// Makes the next call of the driver function `name` fail with `code`, doing nothing else.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fake_cuda_fail_next(name: *const c_char, code: CuResult) {
+    if name.is_null() {
+        return;
+    }
+    // SAFETY: the caller passes a NUL-terminated string.
+    let name = unsafe { CStr::from_ptr(name) }
+        .to_string_lossy()
+        .into_owned();
+    lock().injected_failures.insert(name, code);
+}
+
+/// A valid context that is not a primary context, like one another library created.
+#[unsafe(no_mangle)]
+pub extern "C" fn fake_cuda_foreign_context() -> *mut c_void {
+    device::FOREIGN_CONTEXT as *mut c_void
+}

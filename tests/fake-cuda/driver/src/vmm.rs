@@ -1,0 +1,442 @@
+//! The virtual memory management calls behind expandable segments, on mmap and memfd:
+//! a reservation is `PROT_NONE` address space, a physical handle is a memfd, a mapping puts the
+//! memfd's pages into a reservation (still `PROT_NONE`), and `cuMemSetAccess` opens them up.
+
+use std::ffi::{c_int, c_ulonglong, c_void};
+
+use crate::{
+    CUDA_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED,
+    CUDA_ERROR_OUT_OF_MEMORY, CuResult, Driver, GRANULARITY, Outcome, call, call_log, get, put,
+};
+
+const ALLOCATION_TYPE_PINNED: u32 = 1;
+const LOCATION_TYPE_DEVICE: u32 = 1;
+const HANDLE_TYPE_NONE: u32 = 0;
+const HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: u32 = 1;
+const ACCESS_NONE: u32 = 0;
+const ACCESS_READ: u32 = 1;
+const ACCESS_READWRITE: u32 = 3;
+
+/// `CUmemLocation`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct MemLocation {
+    kind: u32,
+    id: c_int,
+}
+
+/// `CUmemAllocationProp`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct AllocationProp {
+    kind: u32,
+    requested_handle_types: u32,
+    location: MemLocation,
+    win32_handle_metadata: *mut c_void,
+    alloc_flags: [u8; 8],
+}
+
+/// `CUmemAccessDesc`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct AccessDesc {
+    location: MemLocation,
+    flags: u32,
+}
+
+/// A `cuMemCreate` handle: a memfd of `size` bytes.
+pub struct Physical {
+    fd: c_int,
+    size: u64,
+    /// The device whose memory it is.
+    device: i32,
+    mappings: u32,
+    /// `cuMemRelease` was called; the memory goes when the last mapping does.
+    released: bool,
+}
+
+/// Pages of one physical handle mapped into a reservation.
+pub struct Mapping {
+    size: u64,
+    handle: u64,
+    accessible: bool,
+}
+
+impl Driver {
+    fn check_device_location(&self, location: MemLocation) -> Outcome {
+        if location.kind != LOCATION_TYPE_DEVICE {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        self.valid_device(location.id)
+            .map_err(|_| CUDA_ERROR_INVALID_VALUE)
+    }
+
+    fn check_allocation_prop(&self, prop: AllocationProp) -> Outcome {
+        if prop.kind != ALLOCATION_TYPE_PINNED {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        self.check_device_location(prop.location)
+    }
+
+    /// The mappings that cover `[ptr, ptr + len)` exactly and without gaps, in address order;
+    /// `None` when the range is not wholly mapped.
+    fn mappings_covering(&self, ptr: u64, len: u64) -> Option<Vec<u64>> {
+        let end = ptr.checked_add(len)?;
+        // The mapping that contains `ptr` may start before it.
+        let first = self
+            .mappings
+            .range(..=ptr)
+            .next_back()
+            .map(|(&start, _)| start)?;
+        let mut covered_to = first;
+        let mut starts = Vec::new();
+        for (&start, mapping) in self.mappings.range(first..end) {
+            if start != covered_to {
+                return None;
+            }
+            covered_to = start + mapping.size;
+            starts.push(start);
+        }
+        (!starts.is_empty() && covered_to >= end).then_some(starts)
+    }
+
+    pub fn check_accessible_mapping(&self, ptr: u64, len: u64) -> Outcome {
+        let starts = self
+            .mappings_covering(ptr, len)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if starts.iter().all(|start| self.mappings[start].accessible) {
+            Ok(())
+        } else {
+            Err(CUDA_ERROR_INVALID_VALUE)
+        }
+    }
+
+    /// The device whose physical memory is mapped at `ptr`, if any.
+    pub fn mapped_device(&self, ptr: u64) -> Option<i32> {
+        let (&start, mapping) = self.mappings.range(..=ptr).next_back()?;
+        (ptr < start + mapping.size)
+            .then(|| self.physical.get(&mapping.handle).map(|p| p.device))
+            .flatten()
+    }
+
+    fn reservation_containing(&self, ptr: u64, len: u64) -> Option<u64> {
+        let (&start, &size) = self.reservations.range(..=ptr).next_back()?;
+        (ptr + len <= start + size).then_some(start)
+    }
+
+    /// Drops a physical handle's memory once it is released and no longer mapped.
+    fn maybe_free_physical(&mut self, handle: u64) {
+        let Some(physical) = self.physical.get(&handle) else {
+            return;
+        };
+        if physical.released && physical.mappings == 0 {
+            let (device, size, fd) = (physical.device, physical.size, physical.fd);
+            self.uncharge(device, size);
+            // SAFETY: the fd is ours, open, and closed exactly once (the entry goes with it).
+            unsafe { libc::close(fd) };
+            self.physical.remove(&handle);
+        }
+    }
+}
+
+fn is_granular(value: u64) -> bool {
+    value != 0 && value.is_multiple_of(GRANULARITY)
+}
+
+/// PROT_NONE anonymous memory at `[ptr, ptr + len)`, replacing whatever was mapped there.
+fn put_back_inaccessible(ptr: u64, len: u64) -> Outcome {
+    // SAFETY: MAP_FIXED over a range inside one of our reservations: only our own mappings are
+    // replaced, and the caller has already forgotten them.
+    let result = unsafe {
+        libc::mmap(
+            ptr as *mut c_void,
+            len as usize,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if result == libc::MAP_FAILED {
+        Err(CUDA_ERROR_OUT_OF_MEMORY)
+    } else {
+        Ok(())
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemGetAllocationGranularity(
+    granularity: *mut usize,
+    prop: *const AllocationProp,
+    option: u32,
+) -> CuResult {
+    call("cuMemGetAllocationGranularity", |driver| {
+        // SAFETY: `prop` is the caller's, readable by the driver API contract.
+        driver.check_allocation_prop(unsafe { get(prop) }?)?;
+        if option > 1 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
+        unsafe { put(granularity, GRANULARITY as usize) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemCreate(
+    handle: *mut u64,
+    size: usize,
+    prop: *const AllocationProp,
+    flags: c_ulonglong,
+) -> CuResult {
+    call("cuMemCreate", |driver| {
+        // SAFETY: `prop` is the caller's, readable by the driver API contract.
+        let prop = unsafe { get(prop) }?;
+        driver.check_allocation_prop(prop)?;
+        match prop.requested_handle_types {
+            HANDLE_TYPE_NONE | HANDLE_TYPE_POSIX_FILE_DESCRIPTOR => {}
+            _ => return Err(CUDA_ERROR_NOT_SUPPORTED),
+        }
+        let size = size as u64;
+        if handle.is_null() || flags != 0 || !is_granular(size) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let device = prop.location.id;
+        let charged = driver.charge(device, size);
+        call_log::create(size, charged.is_ok());
+        charged?;
+        // SAFETY: plain syscalls on a fresh fd we own; failure is checked.
+        let fd = unsafe { libc::memfd_create(c"fake-cuda-physical".as_ptr(), libc::MFD_CLOEXEC) };
+        // SAFETY: as above.
+        if fd < 0 || unsafe { libc::ftruncate(fd, size as libc::off_t) } != 0 {
+            if fd >= 0 {
+                // SAFETY: our own fd, closed once.
+                unsafe { libc::close(fd) };
+            }
+            driver.uncharge(device, size);
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        let new_handle = driver.new_handle();
+        let physical = Physical {
+            fd,
+            size,
+            device,
+            mappings: 0,
+            released: false,
+        };
+        driver.physical.insert(new_handle, physical);
+        // SAFETY: `handle` was checked non-NULL; the caller promises it is writable.
+        unsafe { put(handle, new_handle) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemRelease(handle: u64) -> CuResult {
+    call("cuMemRelease", |driver| {
+        match driver.physical.get_mut(&handle) {
+            Some(physical) if !physical.released => physical.released = true,
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        }
+        driver.maybe_free_physical(handle);
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAddressReserve(
+    ptr: *mut u64,
+    size: usize,
+    alignment: usize,
+    _address_hint: u64,
+    flags: c_ulonglong,
+) -> CuResult {
+    call("cuMemAddressReserve", |driver| {
+        let size = size as u64;
+        if ptr.is_null() || flags != 0 || !is_granular(size) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if alignment != 0 && !alignment.is_power_of_two() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let alignment = (alignment as u64).max(GRANULARITY);
+        // Over-reserve, then trim to an aligned range.
+        let padded = size + alignment;
+        // SAFETY: a fresh anonymous mapping; failure is checked.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                padded as usize,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        let base = base as u64;
+        let start = base.next_multiple_of(alignment);
+        // SAFETY: both pieces lie inside the mapping just made and are not used by anyone.
+        unsafe {
+            if start > base {
+                libc::munmap(base as *mut c_void, (start - base) as usize);
+            }
+            let tail = start + size;
+            if base + padded > tail {
+                libc::munmap(tail as *mut c_void, (base + padded - tail) as usize);
+            }
+        }
+        driver.reservations.insert(start, size);
+        call_log::reserve(start, size);
+        // SAFETY: `ptr` was checked non-NULL; the caller promises it is writable.
+        unsafe { put(ptr, start) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemAddressFree(ptr: u64, size: usize) -> CuResult {
+    call("cuMemAddressFree", |driver| {
+        let size = size as u64;
+        if driver.reservations.get(&ptr) != Some(&size) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // Stricter than the driver: freeing address space that still has pages mapped is a leak.
+        if driver.mappings.range(ptr..ptr + size).next().is_some() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        driver.reservations.remove(&ptr);
+        call_log::address_free(ptr, size);
+        // SAFETY: exactly the range we reserved, with nothing of ours mapped in it any more.
+        unsafe { libc::munmap(ptr as *mut c_void, size as usize) };
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemMap(
+    ptr: u64,
+    size: usize,
+    offset: usize,
+    handle: u64,
+    flags: c_ulonglong,
+) -> CuResult {
+    call("cuMemMap", |driver| {
+        let (size, offset) = (size as u64, offset as u64);
+        let physical = driver
+            .physical
+            .get(&handle)
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        if physical.released || flags != 0 || !is_granular(size) || !ptr.is_multiple_of(GRANULARITY)
+        {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if !offset.is_multiple_of(GRANULARITY) || offset + size > physical.size {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let range = driver
+            .reservation_containing(ptr, size)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let overlaps_before = driver
+            .mappings
+            .range(..ptr)
+            .next_back()
+            .is_some_and(|(&start, mapping)| start + mapping.size > ptr);
+        let overlaps_after = driver.mappings.range(ptr..ptr + size).next().is_some();
+        if overlaps_before || overlaps_after {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: MAP_FIXED over PROT_NONE address space of one of our reservations that holds no
+        // mapping; the fd is ours and open.
+        let result = unsafe {
+            libc::mmap(
+                ptr as *mut c_void,
+                size as usize,
+                libc::PROT_NONE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                physical.fd,
+                offset as libc::off_t,
+            )
+        };
+        if result == libc::MAP_FAILED {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        if let Some(physical) = driver.physical.get_mut(&handle) {
+            physical.mappings += 1;
+        }
+        let mapping = Mapping {
+            size,
+            handle,
+            accessible: false,
+        };
+        driver.mappings.insert(ptr, mapping);
+        call_log::mapping(true, range, ptr, size);
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemSetAccess(
+    ptr: u64,
+    size: usize,
+    desc: *const AccessDesc,
+    count: usize,
+) -> CuResult {
+    call("cuMemSetAccess", |driver| {
+        if desc.is_null() || count == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: the caller passes `count` readable descriptors at `desc`.
+        let descs = unsafe { std::slice::from_raw_parts(desc, count) };
+        for d in descs {
+            driver.check_device_location(d.location)?;
+        }
+        // One device here, so the last descriptor decides.
+        let (protection, accessible) = match descs[count - 1].flags {
+            ACCESS_NONE => (libc::PROT_NONE, false),
+            ACCESS_READ => (libc::PROT_READ, true),
+            ACCESS_READWRITE => (libc::PROT_READ | libc::PROT_WRITE, true),
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        };
+        let size = size as u64;
+        let starts = driver
+            .mappings_covering(ptr, size)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        // SAFETY: the range is wholly covered by our own mappings.
+        if unsafe { libc::mprotect(ptr as *mut c_void, size as usize, protection) } != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        for start in starts {
+            if let Some(mapping) = driver.mappings.get_mut(&start) {
+                mapping.accessible = accessible;
+            }
+        }
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CuResult {
+    call("cuMemUnmap", |driver| {
+        let size = size as u64;
+        // Like the driver, only whole mappings can be unmapped.
+        let starts = driver
+            .mappings_covering(ptr, size)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let last = starts[starts.len() - 1];
+        if starts[0] != ptr || last + driver.mappings[&last].size != ptr + size {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if let Some(range) = driver.reservation_containing(ptr, size) {
+            call_log::mapping(false, range, ptr, size);
+        }
+        for start in starts {
+            if let Some(mapping) = driver.mappings.remove(&start) {
+                if let Some(physical) = driver.physical.get_mut(&mapping.handle) {
+                    physical.mappings -= 1;
+                }
+                driver.maybe_free_physical(mapping.handle);
+            }
+        }
+        put_back_inaccessible(ptr, size)
+    })
+}

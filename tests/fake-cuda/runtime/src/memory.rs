@@ -1,0 +1,288 @@
+//! Device memory (the driver's `cuMemAlloc`: real host memory, so copies work), pinned host
+//! memory (plain host memory, tracked so `cudaFreeHost` and pointer queries know it), copies
+//! and memsets. Work completes at once, so the `Async` forms do the work before they return.
+
+use std::alloc::Layout;
+use std::collections::BTreeMap;
+use std::ffi::{c_int, c_uint, c_void};
+use std::sync::Mutex;
+
+use cudarc::runtime::sys::{cudaMemoryType, cudaPointerAttributes};
+
+use crate::driver::{self, CuStream};
+use crate::{CudaError, INVALID_VALUE, MEMORY_ALLOCATION, Outcome, api, api_on_device, check, put};
+
+const COPY_HOST_TO_HOST: c_int = 0;
+const COPY_HOST_TO_DEVICE: c_int = 1;
+const COPY_DEVICE_TO_HOST: c_int = 2;
+const COPY_DEVICE_TO_DEVICE: c_int = 3;
+const COPY_DEFAULT: c_int = 4;
+const POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
+const HOST_ALIGNMENT: usize = 4096;
+
+/// Pinned host allocations by address.
+static PINNED: Mutex<BTreeMap<usize, Layout>> = Mutex::new(BTreeMap::new());
+
+fn pinned() -> std::sync::MutexGuard<'static, BTreeMap<usize, Layout>> {
+    PINNED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, size: usize) -> CudaError {
+    api_on_device(|_| {
+        if ptr.is_null() {
+            return Err(INVALID_VALUE);
+        }
+        if size == 0 {
+            // SAFETY: checked non-NULL; the caller promises it is writable.
+            return unsafe { put(ptr, std::ptr::null_mut()) };
+        }
+        let mut address = 0u64;
+        // SAFETY: a valid out pointer.
+        check(unsafe { driver::cuMemAlloc_v2(&mut address, size) })?;
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { put(ptr, address as *mut c_void) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cudaFree(ptr: *mut c_void) -> CudaError {
+    // cudaFree(NULL) is the idiom that makes the runtime set up its context: nothing else.
+    api_on_device(|_| {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        // SAFETY: plain driver call; the driver checks the address.
+        check(unsafe { driver::cuMemFree_v2(ptr as u64) })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaMallocAsync(
+    ptr: *mut *mut c_void,
+    size: usize,
+    _stream: CuStream,
+) -> CudaError {
+    // SAFETY: the same contract as cudaMalloc.
+    unsafe { cudaMalloc(ptr, size) }
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cudaFreeAsync(ptr: *mut c_void, _stream: CuStream) -> CudaError {
+    cudaFree(ptr)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaMemGetInfo(free: *mut usize, total: *mut usize) -> CudaError {
+    // SAFETY: forwarded out pointers.
+    api_on_device(|_| check(unsafe { driver::cuMemGetInfo_v2(free, total) }))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaHostAlloc(
+    ptr: *mut *mut c_void,
+    size: usize,
+    _flags: c_uint,
+) -> CudaError {
+    api(|| {
+        if ptr.is_null() {
+            return Err(INVALID_VALUE);
+        }
+        let layout =
+            Layout::from_size_align(size.max(1), HOST_ALIGNMENT).map_err(|_| MEMORY_ALLOCATION)?;
+        // SAFETY: the layout has a non-zero size.
+        let memory = unsafe { std::alloc::alloc(layout) };
+        if memory.is_null() {
+            return Err(MEMORY_ALLOCATION);
+        }
+        pinned().insert(memory as usize, layout);
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { put(ptr, memory.cast()) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaMallocHost(ptr: *mut *mut c_void, size: usize) -> CudaError {
+    // SAFETY: the same contract as cudaHostAlloc.
+    unsafe { cudaHostAlloc(ptr, size, 0) }
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cudaFreeHost(ptr: *mut c_void) -> CudaError {
+    api(|| {
+        let layout = pinned().remove(&(ptr as usize)).ok_or(INVALID_VALUE)?;
+        // SAFETY: allocated by cudaHostAlloc with this layout, freed once (just removed).
+        unsafe { std::alloc::dealloc(ptr.cast(), layout) };
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cudaHostRegister(_ptr: *mut c_void, _size: usize, _flags: c_uint) -> CudaError {
+    api(|| Ok(()))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cudaHostUnregister(_ptr: *mut c_void) -> CudaError {
+    api(|| Ok(()))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaHostGetDevicePointer(
+    device_ptr: *mut *mut c_void,
+    host_ptr: *mut c_void,
+    _flags: c_uint,
+) -> CudaError {
+    // Unified addressing: the host address is the device address.
+    // SAFETY: an out pointer from the caller, writable by the runtime API contract.
+    api(|| unsafe { put(device_ptr, host_ptr) })
+}
+
+/// The device that owns the device memory at `ptr`, or None for host memory.
+fn device_of(ptr: *const c_void) -> Option<c_int> {
+    let mut device: c_int = -1;
+    // SAFETY: a valid out pointer of the attribute's type.
+    let code = unsafe {
+        driver::cuPointerGetAttribute(
+            (&raw mut device).cast(),
+            POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr as u64,
+        )
+    };
+    (code == crate::SUCCESS).then_some(device)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaPointerGetAttributes(
+    attributes: *mut cudaPointerAttributes,
+    ptr: *const c_void,
+) -> CudaError {
+    api_on_device(|_| {
+        // SAFETY: plain integers and pointers (and, in CUDA 13, reserved words): all zeroes
+        // is a valid value.
+        let mut answer: cudaPointerAttributes = unsafe { std::mem::zeroed() };
+        if let Some(device) = device_of(ptr) {
+            answer.type_ = cudaMemoryType::cudaMemoryTypeDevice;
+            answer.device = device;
+            answer.devicePointer = ptr.cast_mut();
+        } else {
+            let is_pinned = pinned()
+                .range(..=ptr as usize)
+                .next_back()
+                .is_some_and(|(&start, layout)| (ptr as usize) < start + layout.size());
+            answer.type_ = if is_pinned {
+                cudaMemoryType::cudaMemoryTypeHost
+            } else {
+                cudaMemoryType::cudaMemoryTypeUnregistered
+            };
+            answer.device = -2;
+            answer.hostPointer = ptr.cast_mut();
+            if is_pinned {
+                answer.devicePointer = ptr.cast_mut();
+            }
+        }
+        // SAFETY: an out pointer from the caller, writable by the runtime API contract.
+        unsafe { put(attributes, answer) }
+    })
+}
+
+/// Copies `count` bytes; the driver checks that each device side is live device memory.
+fn copy(dst: *mut c_void, src: *const c_void, count: usize, kind: c_int) -> Outcome {
+    if count == 0 {
+        return Ok(());
+    }
+    // SAFETY (all arms): device sides are checked by the driver; host sides are the caller's
+    // promise, as with the real runtime.
+    let code = unsafe {
+        match kind {
+            COPY_HOST_TO_DEVICE => driver::cuMemcpyHtoD_v2(dst as u64, src, count),
+            COPY_DEVICE_TO_HOST => driver::cuMemcpyDtoH_v2(dst, src as u64, count),
+            COPY_DEVICE_TO_DEVICE => driver::cuMemcpyDtoD_v2(dst as u64, src as u64, count),
+            COPY_DEFAULT => driver::cuMemcpy(dst as u64, src as u64, count),
+            COPY_HOST_TO_HOST => {
+                std::ptr::copy(src.cast::<u8>(), dst.cast::<u8>(), count);
+                crate::SUCCESS
+            }
+            _ => INVALID_VALUE,
+        }
+    };
+    check(code)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaMemcpy(
+    dst: *mut c_void,
+    src: *const c_void,
+    count: usize,
+    kind: c_int,
+) -> CudaError {
+    api_on_device(|_| copy(dst, src, count, kind))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaMemcpyAsync(
+    dst: *mut c_void,
+    src: *const c_void,
+    count: usize,
+    kind: c_int,
+    _stream: CuStream,
+) -> CudaError {
+    api_on_device(|_| copy(dst, src, count, kind))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaMemcpyPeerAsync(
+    dst: *mut c_void,
+    _dst_device: c_int,
+    src: *const c_void,
+    _src_device: c_int,
+    count: usize,
+    _stream: CuStream,
+) -> CudaError {
+    api_on_device(|_| copy(dst, src, count, COPY_DEVICE_TO_DEVICE))
+}
+
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments, reason = "the runtime's signature")]
+pub unsafe extern "C" fn cudaMemcpy2DAsync(
+    dst: *mut c_void,
+    dst_pitch: usize,
+    src: *const c_void,
+    src_pitch: usize,
+    width: usize,
+    height: usize,
+    kind: c_int,
+    _stream: CuStream,
+) -> CudaError {
+    api_on_device(|_| {
+        if width > dst_pitch || width > src_pitch {
+            return Err(INVALID_VALUE);
+        }
+        for row in 0..height {
+            let to = dst.cast::<u8>().wrapping_add(row * dst_pitch);
+            let from = src.cast::<u8>().wrapping_add(row * src_pitch);
+            copy(to.cast(), from.cast(), width, kind)?;
+        }
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaMemset(ptr: *mut c_void, value: c_int, count: usize) -> CudaError {
+    // The runtime takes an int and uses its low byte.
+    // SAFETY: plain driver call; the driver checks the range.
+    api_on_device(|_| check(unsafe { driver::cuMemsetD8_v2(ptr as u64, value as u8, count) }))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaMemsetAsync(
+    ptr: *mut c_void,
+    value: c_int,
+    count: usize,
+    _stream: CuStream,
+) -> CudaError {
+    // SAFETY: the same contract as cudaMemset.
+    unsafe { cudaMemset(ptr, value, count) }
+}

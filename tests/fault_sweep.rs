@@ -1,0 +1,811 @@
+//! Every driver call fails once (issue 16, item 1), through the C ABI on the fake libcuda.
+//!
+//! One fixed program — allocations of many sizes on 3 streams, `record_stream` with late events,
+//! a memory fraction, an out-of-memory with its retries, `empty_cache`, then everything freed —
+//! runs once to count the N driver calls it makes. Then it runs again N times per kind of error,
+//! in a process of its own each time, with call i failing: out of memory, an invalid value, an
+//! invalid handle, "not permitted during capture", and a sticky illegal address after which
+//! every call fails. After each run:
+//! - the process exited normally and nothing panicked;
+//! - the failure reached the caller: an operation's result or error differs from the clean
+//!   run's, or an ERROR line was logged, or (out of memory) the allocator logged its retry;
+//! - `ferrocache_check_invariants` holds;
+//! - after a non-sticky error the next operations work, and once everything is freed and the
+//!   cache emptied, the fake holds no device allocation, reservation, physical page, mapping or
+//!   event;
+//! - after a sticky error ferrocache logs it once and makes no further driver call (only the
+//!   look-up of the error's text).
+//!
+//! The program runs twice over: with ordinary segments and with `expandable_segments:True`.
+//! It allocates once while a graph capture is under way (the fake's capture flag), but a capture
+//! into a private pool is not part of it yet: private pools do not exist yet.
+
+mod cdylib;
+mod support;
+
+use std::collections::BTreeMap;
+use std::ffi::{CStr, c_char, c_double, c_int, c_void};
+use std::process::{Command, Stdio};
+use std::ptr;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use cdylib::Ferrocache;
+use support::{FakeCuda, fake_libcuda_dir};
+
+const MIB: usize = 1 << 20;
+/// The fake GPU's memory: small enough for the program's out-of-memory.
+const DEVICE_MEMORY: usize = 256 * MIB;
+/// Set in a child process: which program it runs, and the failure to inject.
+const CHILD: &str = "FERROCACHE_SWEEP_CHILD";
+const FAIL_AT: &str = "FERROCACHE_SWEEP_FAIL_AT";
+const FAIL_CODE: &str = "FERROCACHE_SWEEP_FAIL_CODE";
+const FAIL_STICKY: &str = "FERROCACHE_SWEEP_FAIL_STICKY";
+/// Set when the failure lasts for the process (a sticky error, a failed `cuInit`).
+const FAIL_PERMANENT: &str = "FERROCACHE_SWEEP_FAIL_PERMANENT";
+/// A child that runs longer than this is taken to hang.
+const CHILD_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A kind of error the driver gives, as the sweep injects it.
+#[derive(Clone, Copy, Debug)]
+struct Kind {
+    name: &'static str,
+    code: u32,
+    sticky: bool,
+}
+
+const KINDS: [Kind; 5] = [
+    Kind {
+        name: "out of memory",
+        code: 2,
+        sticky: false,
+    },
+    Kind {
+        name: "invalid value",
+        code: 1,
+        sticky: false,
+    },
+    Kind {
+        name: "invalid handle",
+        code: 400,
+        sticky: false,
+    },
+    Kind {
+        name: "not permitted during capture",
+        code: 900,
+        sticky: false,
+    },
+    Kind {
+        name: "illegal address (sticky)",
+        code: 700,
+        sticky: true,
+    },
+];
+
+// ------------------------------------------------------------------------------------------------
+// The child: the program, through the C ABI
+// ------------------------------------------------------------------------------------------------
+
+/// The C ABI, as PyTorch's hooks and the Python package call it (`ferrocache_alloc` is
+/// `rust_malloc` without the C++ throw).
+struct Api {
+    library: Ferrocache,
+}
+
+impl Api {
+    fn alloc(&self, size: usize, stream: u64) -> Result<*mut c_void, String> {
+        let alloc: unsafe extern "C" fn(usize, c_int, *mut c_void) -> *mut c_void =
+            self.library.function("ferrocache_alloc");
+        // SAFETY: plain values; the stream handle is only passed on.
+        let ptr = unsafe { alloc(size, 0, ptr::without_provenance_mut(stream as usize)) };
+        if ptr.is_null() {
+            Err(self.last_error())
+        } else {
+            Ok(ptr)
+        }
+    }
+
+    /// `rust_free`, PyTorch's free hook: errors are logged, not returned.
+    fn rust_free(&self, ptr: *mut c_void, size: usize, stream: u64) {
+        let free: unsafe extern "C" fn(*mut c_void, usize, c_int, *mut c_void) =
+            self.library.function("rust_free");
+        // SAFETY: ferrocache checks the pointer against what it handed out.
+        unsafe { free(ptr, size, 0, ptr::without_provenance_mut(stream as usize)) }
+    }
+
+    /// `rust_record_stream`, PyTorch's hook for `Tensor.record_stream`.
+    fn record_stream(&self, ptr: *mut c_void, stream: u64) {
+        let record: unsafe extern "C" fn(*mut c_void, *mut c_void) =
+            self.library.function("rust_record_stream");
+        // SAFETY: ferrocache checks the pointer; the stream is only passed on.
+        unsafe { record(ptr, ptr::without_provenance_mut(stream as usize)) }
+    }
+
+    fn status(&self, name: &str, result: c_int) -> Result<(), String> {
+        if result == 0 {
+            Ok(())
+        } else {
+            Err(format!("{name}: {}", self.last_error()))
+        }
+    }
+
+    fn set_memory_fraction(&self, fraction: f64) -> Result<(), String> {
+        let set: unsafe extern "C" fn(c_double, c_int) -> c_int =
+            self.library.function("ferrocache_set_memory_fraction");
+        // SAFETY: plain values.
+        self.status("set_memory_fraction", unsafe { set(fraction, 0) })
+    }
+
+    fn empty_cache(&self) -> Result<(), String> {
+        let empty: unsafe extern "C" fn() -> c_int =
+            self.library.function("ferrocache_empty_cache");
+        // SAFETY: no arguments.
+        self.status("empty_cache", unsafe { empty() })
+    }
+
+    fn check_invariants(&self) -> Result<(), String> {
+        let check: unsafe extern "C" fn() -> c_int =
+            self.library.function("ferrocache_check_invariants");
+        // SAFETY: no arguments.
+        self.status("check_invariants", unsafe { check() })
+    }
+
+    fn last_error(&self) -> String {
+        let last_error: unsafe extern "C" fn() -> *const c_char =
+            self.library.function("ferrocache_last_error");
+        // SAFETY: a NUL-terminated string, valid until our next call on this thread.
+        unsafe { CStr::from_ptr(last_error()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+/// The fake's sweep controls (tests/fake-cuda/driver/src/faults.rs).
+struct Sweep {
+    library: libloading::Library,
+}
+
+impl Sweep {
+    fn open() -> Sweep {
+        // SAFETY: in a child process libcuda.so is the fake (no initialisers); dlopen hands back
+        // the library cudarc uses.
+        let library = unsafe { libloading::Library::new("libcuda.so") }.expect("load the fake");
+        Sweep { library }
+    }
+
+    fn function<T: Copy>(&self, name: &str) -> T {
+        // SAFETY: each caller names a fake export and gives its exact C signature.
+        *unsafe { self.library.get::<T>(name.as_bytes()) }
+            .unwrap_or_else(|e| panic!("the fake libcuda lacks {name}: {e}"))
+    }
+
+    fn arm(&self, fail_at: u64, code: u32, sticky: bool) {
+        let arm: extern "C" fn(u64, u32, i32) = self.function("fake_cuda_sweep_arm");
+        arm(fail_at, code, i32::from(sticky));
+    }
+
+    fn calls(&self) -> u64 {
+        let calls: extern "C" fn() -> u64 = self.function("fake_cuda_sweep_calls");
+        calls()
+    }
+
+    fn fired(&self) -> bool {
+        let fired: extern "C" fn() -> i32 = self.function("fake_cuda_sweep_fired");
+        fired() != 0
+    }
+
+    fn call_names(&self) -> Vec<String> {
+        let name: unsafe extern "C" fn(u64, *mut c_char, usize) -> i64 =
+            self.function("fake_cuda_sweep_call_name");
+        (1..=self.calls())
+            .map(|i| {
+                let mut buffer = [0 as c_char; 64];
+                // SAFETY: the buffer is a live local of the length given.
+                let len = unsafe { name(i, buffer.as_mut_ptr(), buffer.len()) };
+                assert!(len > 0, "call {i} has a name");
+                // SAFETY: the fake NUL-terminated what it wrote.
+                unsafe { CStr::from_ptr(buffer.as_ptr()) }
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect()
+    }
+}
+
+/// Retains device 0's primary context on this thread and creates a stream, as PyTorch would.
+fn new_stream() -> u64 {
+    // SAFETY: in a child process libcuda.so is the fake.
+    let cuda = unsafe { libloading::Library::new("libcuda.so") }.expect("load the fake");
+    // SAFETY: each signature is the driver API's.
+    unsafe {
+        let init = cuda
+            .get::<unsafe extern "C" fn(u32) -> c_int>(b"cuInit")
+            .expect("cuInit");
+        let retain = cuda
+            .get::<unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int>(
+                b"cuDevicePrimaryCtxRetain",
+            )
+            .expect("cuDevicePrimaryCtxRetain");
+        let set_current = cuda
+            .get::<unsafe extern "C" fn(*mut c_void) -> c_int>(b"cuCtxSetCurrent")
+            .expect("cuCtxSetCurrent");
+        let create = cuda
+            .get::<unsafe extern "C" fn(*mut *mut c_void, u32) -> c_int>(b"cuStreamCreate")
+            .expect("cuStreamCreate");
+        assert_eq!(init(0), 0);
+        let mut context = ptr::null_mut();
+        assert_eq!(retain(&mut context, 0), 0);
+        assert_eq!(set_current(context), 0);
+        let mut stream = ptr::null_mut();
+        assert_eq!(create(&mut stream, 0), 0);
+        stream.addr() as u64
+    }
+}
+
+/// The program's state: the live allocations, and what each step gave.
+struct Program {
+    api: Api,
+    sweep: Sweep,
+    live: Vec<(*mut c_void, usize, u64)>,
+    /// One line per step whose result the caller sees: `ok`, or the error the caller got.
+    outcomes: Vec<String>,
+    /// The driver calls each of those steps made: counted calls `(first, last]`.
+    spans: Vec<(u64, u64)>,
+}
+
+impl Program {
+    /// Runs one step whose result the caller sees, and records it.
+    fn step<T>(&mut self, what: &str, op: impl FnOnce(&Api) -> Result<T, String>) -> Option<T> {
+        let before = self.sweep.calls();
+        let result = op(&self.api);
+        self.spans.push((before, self.sweep.calls()));
+        match result {
+            Ok(value) => {
+                self.outcomes.push(format!("{what}: ok"));
+                Some(value)
+            }
+            Err(why) => {
+                self.outcomes.push(format!("{what}: {why}"));
+                None
+            }
+        }
+    }
+
+    fn alloc(&mut self, size: usize, stream: u64) -> Option<*mut c_void> {
+        let ptr = self.step(&format!("alloc {size} on {stream:#x}"), |api| {
+            api.alloc(size, stream)
+        });
+        if let Some(ptr) = ptr {
+            self.live.push((ptr, size, stream));
+        }
+        ptr
+    }
+
+    /// Frees the live allocations that `which` picks (by their index among the live ones).
+    fn free_where(&mut self, which: impl Fn(usize) -> bool) {
+        let live = std::mem::take(&mut self.live);
+        for (i, (ptr, size, stream)) in live.into_iter().enumerate() {
+            if which(i) {
+                self.api.rust_free(ptr, size, stream);
+            } else {
+                self.live.push((ptr, size, stream));
+            }
+        }
+    }
+
+    fn free_all(&mut self) {
+        self.free_where(|_| true);
+    }
+}
+
+/// The program with ordinary segments: many sizes on 3 streams, record_stream with events that
+/// complete late, a new segment during a capture, a memory fraction that refuses an
+/// allocation, an allocation larger than the device (the retries, then out of memory),
+/// empty_cache, and everything freed.
+fn segments_program(program: &mut Program, fake: &FakeCuda, streams: [u64; 3]) {
+    let sizes = [
+        512,
+        4096,
+        100_000,
+        MIB,
+        MIB + 1,
+        3 * MIB,
+        12 * MIB,
+        25 * MIB,
+        60 * MIB,
+    ];
+    for (i, size) in sizes.into_iter().enumerate() {
+        program.alloc(size, streams[i % 3]);
+    }
+    program.free_where(|i| i % 2 == 0);
+    for (i, size) in sizes.into_iter().enumerate().take(6) {
+        program.alloc(size, streams[(i + 1) % 3]);
+    }
+
+    // A block used on two other streams, whose events complete only after two queries.
+    fake.set_event_delay(2);
+    if let Some(shared) = program.alloc(3 * MIB, streams[0]) {
+        program.api.record_stream(shared, streams[1]);
+        program.api.record_stream(shared, streams[2]);
+        let last = program.live.len() - 1;
+        program.free_where(|i| i == last);
+    }
+    program.alloc(3 * MIB, streams[0]);
+    program.alloc(512, streams[1]);
+    fake.set_event_delay(0);
+
+    // A new segment while a graph capture is under way on the stream: the malloc runs in the
+    // relaxed capture mode.
+    fake.set_capturing(streams[2], true);
+    program.alloc(70 * MIB, streams[2]);
+    fake.set_capturing(streams[2], false);
+
+    // Half the memory allowed: 100 MiB more does not fit beside what is held.
+    program.step("memory fraction 0.5", |api| api.set_memory_fraction(0.5));
+    program.alloc(100 * MIB, streams[0]);
+    program.step("memory fraction 1.0", |api| api.set_memory_fraction(1.0));
+
+    // Larger than what is free on the device: released cache, retried, out of memory.
+    program.alloc(200 * MIB, streams[2]);
+    program.step("empty_cache", Api::empty_cache);
+    program.alloc(20 * MIB, streams[1]);
+    program.free_all();
+    program.step("empty_cache", Api::empty_cache);
+}
+
+/// The program with `expandable_segments:True`: segments grow on two streams, shrink on
+/// empty_cache and grow again; record_stream with late events; out of memory with retries.
+fn expandable_program(program: &mut Program, fake: &FakeCuda, streams: [u64; 3]) {
+    for (size, stream) in [
+        (MIB, streams[0]),
+        (30 * MIB, streams[0]),
+        (70 * MIB, streams[0]),
+        (4096, streams[0]),
+        (30 * MIB, streams[1]),
+        (100_000, streams[1]),
+    ] {
+        program.alloc(size, stream);
+    }
+    // Free the 30 and 70 MiB blocks of stream 0: empty_cache unmaps their pages.
+    program.free_where(|i| i == 1 || i == 2);
+    program.step("empty_cache", Api::empty_cache);
+    program.alloc(50 * MIB, streams[0]);
+
+    fake.set_event_delay(2);
+    if let Some(shared) = program.alloc(10 * MIB, streams[1]) {
+        program.api.record_stream(shared, streams[2]);
+        let last = program.live.len() - 1;
+        program.free_where(|i| i == last);
+    }
+    program.alloc(10 * MIB, streams[1]);
+    fake.set_event_delay(0);
+
+    // More than the device has left: retries, then out of memory.
+    program.alloc(200 * MIB, streams[0]);
+    program.free_all();
+    program.step("empty_cache", Api::empty_cache);
+}
+
+/// The sweep's summary of one child run, printed on one line of stdout.
+const SUMMARY: &str = "SWEEP-SUMMARY ";
+
+/// Runs one program in this (child) process with the failure the environment names, checks
+/// what it can, and prints the summary for the parent.
+fn run_child(which: &str) {
+    let env_number = |name: &str| -> u64 {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let (fail_at, code, sticky, permanent) = (
+        env_number(FAIL_AT),
+        env_number(FAIL_CODE) as u32,
+        env_number(FAIL_STICKY) != 0,
+        env_number(FAIL_PERMANENT) != 0,
+    );
+    let api = Api {
+        library: Ferrocache::open(),
+    };
+    let fake = FakeCuda::open();
+    let streams = [0, new_stream(), new_stream()];
+    let mut program = Program {
+        api,
+        sweep: Sweep::open(),
+        live: Vec::new(),
+        outcomes: Vec::new(),
+        spans: Vec::new(),
+    };
+
+    program.sweep.arm(fail_at, code, sticky);
+    match which {
+        "segments" => segments_program(&mut program, &fake, streams),
+        "expandable" => expandable_program(&mut program, &fake, streams),
+        other => panic!("no program {other}"),
+    }
+    let calls = program.sweep.calls();
+    let fired = program.sweep.fired();
+    let names = program.sweep.call_names();
+
+    if let Err(why) = program.api.check_invariants() {
+        panic!("invariants broken after the program: {why}");
+    }
+    let mut after = Vec::new();
+    if !(fired && permanent) {
+        // The next operations work: one allocation of each pool on each stream.
+        for stream in streams {
+            for size in [4096, 3 * MIB, 30 * MIB] {
+                let ptr = program
+                    .api
+                    .alloc(size, stream)
+                    .unwrap_or_else(|why| panic!("alloc {size} after the failure: {why}"));
+                program.api.rust_free(ptr, size, stream);
+            }
+        }
+        program
+            .api
+            .empty_cache()
+            .unwrap_or_else(|why| panic!("empty_cache after the failure: {why}"));
+        if let Err(why) = program.api.check_invariants() {
+            panic!("invariants broken at the end: {why}");
+        }
+        for counter in [
+            "bytes_in_use",
+            "live_allocations",
+            "live_reservations",
+            "live_physical",
+            "live_mappings",
+            "live_events",
+        ] {
+            after.push(format!("{counter}={}", fake.stat(counter)));
+            assert_eq!(
+                fake.stat(counter),
+                0,
+                "{counter} after everything was freed and the cache emptied"
+            );
+        }
+    }
+    let summary = serde_json::json!({
+        "calls": calls,
+        "fired": fired,
+        "outcomes": program.outcomes,
+        "spans": program.spans,
+        "names": names,
+    });
+    println!("{SUMMARY}{summary}");
+}
+
+// ------------------------------------------------------------------------------------------------
+// The parent: count, then sweep
+// ------------------------------------------------------------------------------------------------
+
+/// What one child run showed.
+struct RunResult {
+    calls: u64,
+    fired: bool,
+    outcomes: Vec<String>,
+    spans: Vec<(u64, u64)>,
+    names: Vec<String>,
+    stderr: String,
+}
+
+fn settings(which: &str) -> Vec<(&'static str, String)> {
+    let mut env = vec![
+        ("FAKE_LIBCUDA_TOTAL_MEM", DEVICE_MEMORY.to_string()),
+        ("TORCH_CUDA_ALLOC_LOG_LEVEL", "INFO".to_string()),
+    ];
+    if which == "expandable" {
+        env.push(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True".into()));
+    }
+    env
+}
+
+/// Runs the program `which` in a child process with call `fail_at` failing (0: none).
+fn run_once(
+    test: &str,
+    which: &str,
+    fail_at: u64,
+    kind: Kind,
+    permanent: bool,
+) -> Result<RunResult, String> {
+    let mut child = Command::new(std::env::current_exe().expect("the test binary's path"))
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, which)
+        .env("LD_LIBRARY_PATH", fake_libcuda_dir())
+        .envs(settings(which))
+        .env(FAIL_AT, fail_at.to_string())
+        .env(FAIL_CODE, kind.code.to_string())
+        .env(FAIL_STICKY, u8::from(kind.sticky).to_string())
+        .env(FAIL_PERMANENT, u8::from(permanent).to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the test binary again");
+    let start = Instant::now();
+    loop {
+        if child.try_wait().expect("wait for the child").is_some() {
+            break;
+        }
+        if start.elapsed() > CHILD_TIMEOUT {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("hung: still running after {CHILD_TIMEOUT:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let output = child.wait_with_output().expect("the child's output");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    let tail = |text: &str| -> String {
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(25)..].join("\n")
+    };
+    if !output.status.success() || !stdout.contains("1 passed") {
+        return Err(format!(
+            "the child failed ({}):\n{}\n{}",
+            output.status,
+            tail(&stdout),
+            tail(&stderr)
+        ));
+    }
+    if stderr.contains("panicked") {
+        return Err(format!("something panicked:\n{}", tail(&stderr)));
+    }
+    let line = stdout
+        .lines()
+        // libtest writes the test's name on the same line, before the output.
+        .find_map(|l| l.split_once(SUMMARY).map(|(_, summary)| summary))
+        .ok_or("no summary line")?;
+    let summary: serde_json::Value = serde_json::from_str(line).map_err(|e| e.to_string())?;
+    let strings = |key: &str| -> Vec<String> {
+        summary[key]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    Ok(RunResult {
+        calls: summary["calls"].as_u64().unwrap_or(0),
+        fired: summary["fired"].as_bool().unwrap_or(false),
+        outcomes: strings("outcomes"),
+        spans: summary["spans"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|span| (span[0].as_u64().unwrap_or(0), span[1].as_u64().unwrap_or(0)))
+                    .collect()
+            })
+            .unwrap_or_default(),
+        names: strings("names"),
+        stderr,
+    })
+}
+
+fn count_lines(text: &str, needle: &str) -> usize {
+    text.lines().filter(|l| l.contains(needle)).count()
+}
+
+/// What is wrong with a run that failed call `fail_at` with `kind`, judged against the clean
+/// run; `None` when it is all as it must be.
+fn judge(
+    clean: &RunResult,
+    run: &RunResult,
+    fail_at: u64,
+    call: &str,
+    kind: Kind,
+) -> Option<String> {
+    if !run.fired {
+        return Some("the call to fail was never made (the program is not deterministic)".into());
+    }
+    if call == "cuStreamIsCapturing" && kind.code == 900 {
+        // A capture error is the driver's way of saying "a capture is under way": ferrocache
+        // answers it by relaxing the thread's capture mode around the malloc, not as a failure.
+        let relaxed = run.names.get(fail_at as usize).map(String::as_str)
+            == Some("cuThreadExchangeStreamCaptureMode");
+        return (!relaxed).then(|| {
+            "a capture error from cuStreamIsCapturing did not relax the capture mode".into()
+        });
+    }
+    // The step that made the failed call returned an error: the caller knows. (An injected
+    // out-of-memory inside an allocation that runs out of memory anyway changes nothing else.)
+    let failed_step = run
+        .spans
+        .iter()
+        .position(|&(first, last)| first < fail_at && fail_at <= last);
+    let step_failed = failed_step.is_some_and(|i| !run.outcomes[i].ends_with(": ok"));
+    let errors = count_lines(&run.stderr, "[ERROR]");
+    let reached_the_caller = step_failed
+        || run.outcomes != clean.outcomes
+        || errors > count_lines(&clean.stderr, "[ERROR]")
+        || count_lines(&run.stderr, "failed; releasing")
+            > count_lines(&clean.stderr, "failed; releasing");
+    if !reached_the_caller {
+        return Some("the failure reached nobody: same results, no ERROR line, no retry".into());
+    }
+    if kind.sticky {
+        let said = count_lines(&run.stderr, "is unusable in this process");
+        if said != 1 {
+            return Some(format!(
+                "a sticky error must be reported once as leaving the device unusable; \
+                 it was {said} times"
+            ));
+        }
+        // No spinning, no calls at all: only the look-up of the error's text follows it.
+        let after = &run.names[fail_at as usize..];
+        if after.iter().any(|name| name != "cuGetErrorString") {
+            return Some(format!(
+                "{} driver calls after a sticky error: {after:?}",
+                after.len()
+            ));
+        }
+    }
+    None
+}
+
+/// Counts the program's calls, fails each one with each kind of error, and reports.
+fn sweep(test: &str, which: &str) {
+    let clean_kind = Kind {
+        name: "none",
+        code: 0,
+        sticky: false,
+    };
+    let clean = run_once(test, which, 0, clean_kind, false).unwrap_or_else(|why| {
+        panic!("the {which} program fails without any injected failure: {why}")
+    });
+    assert!(
+        clean
+            .outcomes
+            .iter()
+            .any(|o| o.contains("CUDA out of memory")),
+        "the program's out-of-memory step did not run out of memory: {:?}",
+        clean.outcomes
+    );
+    let n = clean.calls;
+    assert!(n >= 20, "only {n} driver calls");
+    eprintln!("the {which} program, without failures:");
+    for outcome in &clean.outcomes {
+        eprintln!("  {outcome}");
+    }
+
+    let jobs: Vec<(u64, Kind)> = (1..=n)
+        .flat_map(|i| KINDS.iter().map(move |&k| (i, k)))
+        .collect();
+    let next = Mutex::new(0usize);
+    let failures = Mutex::new(Vec::new());
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get().min(4));
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| {
+                loop {
+                    let job = {
+                        let mut next = next.lock().unwrap();
+                        let job = jobs.get(*next).copied();
+                        *next += 1;
+                        job
+                    };
+                    let Some((i, kind)) = job else { break };
+                    let call = clean.names[i as usize - 1].as_str();
+                    let permanent = kind.sticky || call == "cuInit";
+                    let verdict = match run_once(test, which, i, kind, permanent) {
+                        Ok(run) => judge(&clean, &run, i, call, kind),
+                        Err(why) => Some(why),
+                    };
+                    if let Some(why) = verdict {
+                        failures.lock().unwrap().push(format!(
+                            "call {i} ({call}) failing with {}: {why}",
+                            kind.name
+                        ));
+                    }
+                }
+            });
+        }
+    });
+
+    // The report: N, the runs, and the calls by function with the kinds each was failed with.
+    let mut by_function: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+    for (i, name) in clean.names.iter().enumerate() {
+        by_function.entry(name).or_default().push(i as u64 + 1);
+    }
+    let kinds: Vec<&str> = KINDS.iter().map(|k| k.name).collect();
+    eprintln!(
+        "fault sweep, {which} program: N = {n} driver calls, {} runs ({} kinds each: {})",
+        jobs.len(),
+        KINDS.len(),
+        kinds.join(", ")
+    );
+    for (function, indices) in &by_function {
+        eprintln!("  {function}: {} call(s), at {indices:?}", indices.len());
+    }
+    let failures = failures.into_inner().unwrap();
+    assert!(
+        failures.is_empty(),
+        "{} of {} runs went wrong:\n{}",
+        failures.len(),
+        jobs.len(),
+        failures.join("\n")
+    );
+    eprintln!("  all {} runs clean", jobs.len());
+}
+
+fn sweep_or_child(test: &str, which: &str) {
+    if std::env::var(CHILD).as_deref() == Ok(which) {
+        run_child(which);
+    } else {
+        sweep(test, which);
+    }
+}
+
+#[test]
+fn every_driver_call_of_the_segments_program_fails_once() {
+    sweep_or_child(
+        "every_driver_call_of_the_segments_program_fails_once",
+        "segments",
+    );
+}
+
+#[test]
+fn every_driver_call_of_the_expandable_program_fails_once() {
+    sweep_or_child(
+        "every_driver_call_of_the_expandable_program_fails_once",
+        "expandable",
+    );
+}
+
+/// The runs that went wrong before their fixes, by call index: each must still be that call
+/// (else the program changed and the list needs the new indices) and must now be clean.
+const FIXED: [(&str, u64, &str, usize); 12] = [
+    // A failure while opening the device was kept for the life of the process.
+    ("segments", 1, "cuDriverGetVersion", 0),
+    ("segments", 8, "cuDevicePrimaryCtxRetain", 1),
+    // Any failed capture query was read as "maybe capturing" and went unreported.
+    ("segments", 10, "cuStreamIsCapturing", 2),
+    // A sticky error was logged again by every later call.
+    ("segments", 11, "cuMemAlloc_v2", 4),
+    // empty_cache left pooled events alive; destroying them may fail too.
+    ("segments", 75, "cuEventDestroy_v2", 2),
+    // During a capture: a capture error from the query on a capturing stream, and a sticky
+    // error inside the relaxed capture mode, which was logged again when leaving it.
+    ("segments", 52, "cuStreamIsCapturing", 3),
+    ("segments", 54, "cuMemAlloc_v2", 4),
+    ("segments", 55, "cuThreadExchangeStreamCaptureMode", 4),
+    // A page whose release failed was forgotten, its memory lost.
+    ("expandable", 76, "cuMemRelease", 1),
+    ("expandable", 75, "cuCtxGetCurrent", 0),
+    ("expandable", 141, "cuMemRelease", 3),
+    // An injected out-of-memory inside the out-of-memory step is that step's error.
+    ("expandable", 127, "cuMemCreate", 0),
+];
+
+#[test]
+fn the_runs_that_went_wrong_before_stay_fixed() {
+    const TEST: &str = "the_runs_that_went_wrong_before_stay_fixed";
+    if let Ok(which) = std::env::var(CHILD) {
+        run_child(&which);
+        return;
+    }
+    for which in ["segments", "expandable"] {
+        let clean_kind = Kind {
+            name: "none",
+            code: 0,
+            sticky: false,
+        };
+        let clean = run_once(TEST, which, 0, clean_kind, false)
+            .unwrap_or_else(|why| panic!("the clean {which} run: {why}"));
+        for &(program, index, call, kind) in FIXED.iter().filter(|f| f.0 == which) {
+            assert_eq!(
+                clean.names[index as usize - 1],
+                call,
+                "call {index} of the {program} program"
+            );
+            let kind = KINDS[kind];
+            let run = run_once(TEST, which, index, kind, kind.sticky || call == "cuInit")
+                .unwrap_or_else(|why| panic!("call {index} ({call}) with {}: {why}", kind.name));
+            if let Some(why) = judge(&clean, &run, index, call, kind) {
+                panic!("call {index} ({call}) with {}: {why}", kind.name);
+            }
+        }
+    }
+}

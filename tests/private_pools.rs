@@ -1,0 +1,421 @@
+//! Private pools (CUDA graph capture) on the simulated GPU: PyTorch's rules for
+//! `beginAllocateToPool`, `endAllocateToPool`, `releasePool` and `empty_cache`, case by case.
+
+use ferrocache::allocator::private_pool::{MempoolId, PoolError, StreamFilter};
+use ferrocache::allocator::{AllocError, DeviceAllocator};
+use ferrocache::config::Config;
+use ferrocache::device::StreamId;
+use ferrocache::device::sim::SimDevice;
+
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+/// The stream a capture records on (PyTorch captures on a side stream).
+const CAPTURE: StreamId = 0x5000;
+const OTHER: StreamId = 0x6000;
+const POOL: MempoolId = (1, 0);
+
+fn allocator(capacity: usize) -> DeviceAllocator<SimDevice> {
+    DeviceAllocator::new(SimDevice::new(capacity), 0, Config::default())
+}
+
+fn checked(a: &DeviceAllocator<SimDevice>) {
+    if let Err(why) = a.check_invariants() {
+        panic!("invariant broken: {why}");
+    }
+}
+
+/// PyTorch's filter for a capture on `stream`: is this stream the capturing one?
+fn on(stream: StreamId) -> StreamFilter {
+    Box::new(move |s| Ok(s == stream))
+}
+
+fn pool_of(a: &DeviceAllocator<SimDevice>, ptr: u64) -> Option<MempoolId> {
+    a.allocation_info(ptr)
+        .expect("a live allocation")
+        .private_pool
+}
+
+#[test]
+fn allocations_on_the_capture_stream_come_from_the_pool_and_others_do_not() {
+    let mut a = allocator(GIB);
+    a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    assert!(a.capture_underway());
+    let inside = a.malloc(4096, CAPTURE).unwrap();
+    let large = a.malloc(30 * MIB, CAPTURE).unwrap();
+    let outside = a.malloc(4096, OTHER).unwrap();
+    assert_eq!(pool_of(&a, inside), Some(POOL));
+    assert_eq!(pool_of(&a, large), Some(POOL));
+    assert_eq!(pool_of(&a, outside), None);
+    a.end_allocate_to_pool(POOL).unwrap();
+    let after = a.malloc(4096, CAPTURE).unwrap();
+    assert_eq!(pool_of(&a, after), None);
+    // Each allocation got its own segment: nothing is shared across pools.
+    let pools: Vec<(u64, MempoolId)> = a
+        .segments()
+        .iter()
+        .map(|s| (s.address, s.segment_pool_id))
+        .collect();
+    assert_eq!(pools.len(), 4, "{pools:x?}");
+    assert_eq!(pools.iter().filter(|(_, id)| *id == POOL).count(), 2);
+    let base = |ptr| a.base_allocation(ptr).unwrap().0;
+    for (ptr, pool) in [
+        (inside, POOL),
+        (large, POOL),
+        (outside, (0, 0)),
+        (after, (0, 0)),
+    ] {
+        assert!(pools.contains(&(base(ptr), pool)), "{ptr:#x}");
+    }
+    checked(&a);
+}
+
+#[test]
+fn a_block_freed_during_capture_is_reused_in_the_capture_but_never_after_it() {
+    let mut a = allocator(GIB);
+    a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    let p = a.malloc(4096, CAPTURE).unwrap();
+    a.free(p).unwrap();
+    let q = a.malloc(4096, CAPTURE).unwrap();
+    assert_eq!(q, p, "inside the capture the pool reuses its freed block");
+    a.free(q).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+
+    // The graph may replay into p: no allocation after the capture gets it, even on the
+    // capture's stream and at the very size.
+    let segment_of_p = a.base_allocation_of_pool_block(p);
+    for _ in 0..3 {
+        let r = a.malloc(4096, CAPTURE).unwrap();
+        assert_ne!(r, p);
+        assert_eq!(pool_of(&a, r), None);
+        assert!(!segment_of_p.contains(&r));
+    }
+    // Nor after empty_cache: the graph still holds its pool.
+    a.empty_cache().unwrap();
+    assert_eq!(a.pool_use_count(POOL), Some(1));
+    let r = a.malloc(4096, CAPTURE).unwrap();
+    assert!(!segment_of_p.contains(&r));
+    checked(&a);
+}
+
+/// The address range of the (free) pool segment holding `ptr`, from the snapshot.
+trait PoolSegment {
+    fn base_allocation_of_pool_block(&self, ptr: u64) -> std::ops::Range<u64>;
+}
+
+impl PoolSegment for DeviceAllocator<SimDevice> {
+    fn base_allocation_of_pool_block(&self, ptr: u64) -> std::ops::Range<u64> {
+        self.segments()
+            .iter()
+            .find(|s| s.address <= ptr && ptr < s.address + s.total_size)
+            .map(|s| {
+                assert_ne!(
+                    s.segment_pool_id,
+                    (0, 0),
+                    "{ptr:#x} is not in a private pool"
+                );
+                s.address..s.address + s.total_size
+            })
+            .expect("a segment holds the block")
+    }
+}
+
+#[test]
+fn two_graphs_sharing_a_pool_reuse_each_others_freed_blocks_and_nobody_else_does() {
+    let mut a = allocator(GIB);
+    let shared: MempoolId = (0, 7);
+    // Graph 1 allocates and frees a scratch buffer, and keeps an output.
+    a.begin_allocate_to_pool(shared, on(CAPTURE)).unwrap();
+    let scratch = a.malloc(3 * MIB, CAPTURE).unwrap();
+    let output = a.malloc(2 * MIB, CAPTURE).unwrap();
+    a.free(scratch).unwrap();
+    a.end_allocate_to_pool(shared).unwrap();
+    let between = a.malloc(3 * MIB, CAPTURE).unwrap();
+    assert_ne!(
+        between, scratch,
+        "an ordinary allocation never gets the pool's block"
+    );
+
+    // Graph 2 captures into the same pool on the same stream: it gets graph 1's freed block.
+    a.begin_allocate_to_pool(shared, on(CAPTURE)).unwrap();
+    assert_eq!(a.pool_use_count(shared), Some(2));
+    let reused = a.malloc(3 * MIB, CAPTURE).unwrap();
+    assert_eq!(reused, scratch);
+    a.free(reused).unwrap();
+    a.end_allocate_to_pool(shared).unwrap();
+    assert_eq!(
+        a.device().counters().mallocs,
+        2,
+        "one pool segment, one ordinary"
+    );
+
+    // PyTorch's stream rule holds inside pools too: a capture on another stream does not get
+    // blocks cached for the first one.
+    a.begin_allocate_to_pool(shared, on(OTHER)).unwrap();
+    let elsewhere = a.malloc(3 * MIB, OTHER).unwrap();
+    assert_ne!(elsewhere, scratch);
+    assert_eq!(pool_of(&a, elsewhere), Some(shared));
+    a.end_allocate_to_pool(shared).unwrap();
+    assert_eq!(a.pool_use_count(shared), Some(3));
+    a.free(output).unwrap();
+    a.free(elsewhere).unwrap();
+    a.free(between).unwrap();
+    checked(&a);
+}
+
+#[test]
+fn a_pool_returns_its_memory_only_once_unreferenced_and_empty() {
+    let mut a = allocator(GIB);
+    a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    let kept = a.malloc(MIB, CAPTURE).unwrap();
+    let scratch = a.malloc(12 * MIB, CAPTURE).unwrap();
+    a.free(scratch).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    let reserved = a.reserved_bytes();
+    assert_eq!(reserved, 2 * MIB + 12 * MIB);
+
+    // Referenced: empty_cache keeps everything, even the wholly free 12 MiB segment.
+    a.empty_cache().unwrap();
+    assert_eq!(a.reserved_bytes(), reserved);
+
+    // g.reset(): no reference left, but a block is live (an output the program kept): the pool
+    // keeps all its memory (PyTorch would already release the free 12 MiB segment).
+    a.release_pool(POOL).unwrap();
+    assert_eq!(a.pool_use_count(POOL), Some(0));
+    a.empty_cache().unwrap();
+    assert_eq!(a.reserved_bytes(), reserved);
+    assert_eq!(a.pool_use_count(POOL), Some(0));
+    checked(&a);
+
+    // The output dies: the pool's last segment goes back and the pool is gone.
+    a.free(kept).unwrap();
+    assert_eq!(a.reserved_bytes(), reserved, "only empty_cache releases");
+    a.empty_cache().unwrap();
+    assert_eq!(a.reserved_bytes(), 0);
+    assert_eq!(a.pool_use_count(POOL), None);
+    assert!(a.private_pools().is_empty());
+    assert!(a.device().allocations().is_empty());
+    checked(&a);
+}
+
+#[test]
+fn statistics_count_pool_memory_as_pytorch_does() {
+    let mut a = allocator(GIB);
+    a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    let small = a.malloc(1000, CAPTURE).unwrap();
+    let large = a.malloc(5 * MIB, CAPTURE).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    let s = a.stats();
+    assert_eq!(s.allocation.all.current, 2);
+    assert_eq!(s.allocated_bytes.small_pool.current, 1024);
+    assert_eq!(s.allocated_bytes.large_pool.current, 5 * MIB as i64);
+    assert_eq!(s.segment.small_pool.current, 1);
+    assert_eq!(s.segment.large_pool.current, 1);
+    assert_eq!(s.reserved_bytes.all.current, (2 + 20) as i64 * MIB as i64);
+    assert_eq!(s.requested_bytes.all.current, 1000 + 5 * MIB as i64);
+    a.free(small).unwrap();
+    a.free(large).unwrap();
+    assert_eq!(a.stats().allocated_bytes.all.current, 0);
+    assert_eq!(a.stats().inactive_split.all.current, 0);
+    a.release_pool(POOL).unwrap();
+    a.empty_cache().unwrap();
+    let s = a.stats();
+    assert_eq!(s.segment.all.current, 0);
+    assert_eq!(s.segment.all.freed, 2);
+    assert_eq!(s.num_device_free, 2);
+    checked(&a);
+}
+
+#[test]
+fn refused_pool_calls_change_nothing() {
+    let mut a = allocator(GIB);
+    assert_eq!(a.release_pool(POOL), Err(PoolError::Unknown(POOL)));
+    assert_eq!(
+        a.end_allocate_to_pool(POOL),
+        Err(PoolError::NotRecording(POOL))
+    );
+    a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    assert_eq!(
+        a.begin_allocate_to_pool(POOL, on(OTHER)),
+        Err(PoolError::AlreadyRecording(POOL))
+    );
+    assert_eq!(
+        a.pool_use_count(POOL),
+        Some(1),
+        "the refused begin took no reference"
+    );
+    assert_eq!(a.release_pool(POOL), Err(PoolError::StillRecording(POOL)));
+    let p = a.malloc(4096, OTHER).unwrap();
+    assert_eq!(
+        pool_of(&a, p),
+        None,
+        "the refused capture's filter is not used"
+    );
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.release_pool(POOL).unwrap();
+    assert_eq!(a.release_pool(POOL), Err(PoolError::NotReferenced(POOL)));
+    assert_eq!(
+        a.begin_allocate_to_pool((0, 0), on(OTHER)),
+        Err(PoolError::OrdinaryId)
+    );
+    assert_eq!(
+        PoolError::AlreadyRecording(POOL).to_string(),
+        "beginAllocateToPool: already recording to mempool_id (1, 0)"
+    );
+    checked(&a);
+}
+
+#[test]
+fn a_failing_stream_filter_refuses_the_allocation() {
+    let mut a = allocator(GIB);
+    a.begin_allocate_to_pool(
+        POOL,
+        Box::new(|_| Err("cudaErrorInvalidResourceHandle".into())),
+    )
+    .unwrap();
+    let err = a.malloc(4096, CAPTURE).unwrap_err();
+    assert!(
+        matches!(&err, AllocError::StreamFilter { pool, message } if *pool == POOL && message == "cudaErrorInvalidResourceHandle"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("pool (1, 0) failed"), "{err}");
+    assert_eq!(a.live_allocations(), 0);
+    assert_eq!(a.reserved_bytes(), 0);
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.malloc(4096, CAPTURE).unwrap();
+    checked(&a);
+}
+
+#[test]
+fn a_capture_into_a_released_pool_takes_it_back() {
+    let mut a = allocator(GIB);
+    a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    let p = a.malloc(4096, CAPTURE).unwrap();
+    a.free(p).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.release_pool(POOL).unwrap();
+    a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    assert_eq!(a.pool_use_count(POOL), Some(1));
+    assert_eq!(a.malloc(4096, CAPTURE).unwrap(), p);
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(
+        a.reserved_bytes(),
+        2 * MIB,
+        "referenced again: nothing released"
+    );
+    checked(&a);
+}
+
+#[test]
+fn stream_uses_recorded_during_capture_need_no_event_but_earlier_ones_do() {
+    let mut a = allocator(GIB);
+    let before = a.malloc(4096, CAPTURE).unwrap();
+    a.record_stream(before, OTHER).unwrap();
+    a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    let during = a.malloc(4096, CAPTURE).unwrap();
+    a.record_stream(during, OTHER).unwrap();
+    // Freed during the capture: no event may be recorded now.
+    a.free(during).unwrap();
+    a.free(before).unwrap();
+    assert_eq!(a.device().counters().events_recorded, 0);
+    assert_ne!(a.malloc(4096, CAPTURE).unwrap(), during, "not yet reusable");
+    a.end_allocate_to_pool(POOL).unwrap();
+    checked(&a);
+
+    // After the capture, the next allocation records the deferred events: `during` was used on
+    // OTHER only inside the capture (that work is part of the graph), so it is free at once;
+    // `before` waits for OTHER's work from before the capture.
+    let _ordinary = a.malloc(MIB, 0).unwrap();
+    assert_eq!(a.device().counters().events_recorded, 1);
+    a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    let again = a.malloc(4096, CAPTURE).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    assert_eq!(again, during, "free in its pool without waiting");
+    assert_ne!(
+        a.malloc(4096, CAPTURE).unwrap(),
+        before,
+        "still waiting for OTHER"
+    );
+    a.device_mut().complete_stream(OTHER);
+    assert_eq!(a.malloc(4096, CAPTURE).unwrap(), before);
+    checked(&a);
+}
+
+#[test]
+fn out_of_memory_counts_cached_pool_memory_as_allocated() {
+    let mut a = allocator(64 * MIB);
+    a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    let scratch = a.malloc(40 * MIB, CAPTURE).unwrap();
+    a.free(scratch).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    let syncs = a.stats().num_sync_all_streams;
+    let err = a.malloc(40 * MIB, 0).unwrap_err();
+    let AllocError::OutOfMemory(oom) = err else {
+        panic!("{err:?}")
+    };
+    assert!(
+        oom.message.contains(
+            "Of the allocated memory 40.00 MiB is allocated by PyTorch, with 40.00 MiB allocated \
+             in private pools (e.g., CUDA Graphs), and 0 bytes is reserved by PyTorch but unallocated."
+        ),
+        "{}",
+        oom.message
+    );
+    // The retry released every cached block it could, and none of the graph's.
+    assert_eq!(a.stats().num_sync_all_streams, syncs + 1);
+    assert_eq!(a.reserved_bytes(), 40 * MIB);
+    checked(&a);
+}
+
+#[test]
+fn during_a_capture_the_out_of_memory_path_does_not_synchronize() {
+    let config = Config {
+        max_split_size: 16 * MIB,
+        ..Config::default()
+    };
+    let mut a = DeviceAllocator::new(SimDevice::new(64 * MIB), 0, config);
+    a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    let big = a.malloc(40 * MIB, CAPTURE).unwrap();
+    a.free(big).unwrap();
+    // An oversize free block of the pool would be released by PyTorch here; not by ferrocache.
+    assert!(matches!(
+        a.malloc(50 * MIB, CAPTURE),
+        Err(AllocError::OutOfMemory(_))
+    ));
+    assert_eq!(a.stats().num_sync_all_streams, 0);
+    assert_eq!(a.reserved_bytes(), 40 * MIB);
+    assert_eq!(a.malloc(40 * MIB, CAPTURE).unwrap(), big);
+    a.end_allocate_to_pool(POOL).unwrap();
+    checked(&a);
+}
+
+#[test]
+fn expandable_segments_of_a_pool_are_its_own() {
+    let config = Config {
+        expandable_segments: true,
+        ..Config::default()
+    };
+    let mut a = DeviceAllocator::new(SimDevice::new(GIB), 0, config);
+    let ordinary = a.malloc(30 * MIB, CAPTURE).unwrap();
+    a.free(ordinary).unwrap();
+    a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    let inside = a.malloc(30 * MIB, CAPTURE).unwrap();
+    assert_ne!(
+        inside, ordinary,
+        "the ordinary segment's free pages are not the pool's"
+    );
+    assert_eq!(pool_of(&a, inside), Some(POOL));
+    a.free(inside).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    assert_eq!(a.expandable_segment_ranges().len(), 2);
+    a.empty_cache().unwrap();
+    // The ordinary segment gave everything back; the pool's keeps its pages.
+    assert_eq!(a.reserved_bytes(), 40 * MIB);
+    assert_eq!(a.expandable_segment_ranges().len(), 1);
+    a.release_pool(POOL).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.reserved_bytes(), 0);
+    assert_eq!(a.device().reserved_ranges(), 0);
+    assert!(a.private_pools().is_empty());
+    checked(&a);
+}
