@@ -3,10 +3,14 @@
 //!
 //! `cargo bench --bench allocator`
 
+mod common;
+
+use common::median_chunk_time;
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use ferrocache::allocator::DeviceAllocator;
 use ferrocache::config::Config;
 use ferrocache::device::sim::SimDevice;
+use ferrocache::lock::SpinNapMutex;
 use std::hint::black_box;
 
 const BLOCK: usize = 4096;
@@ -66,6 +70,41 @@ fn split_merge_pair(c: &mut Criterion) {
         });
         a.free(keep).unwrap();
     }
+    group.finish();
+}
+
+/// The cache-hit pair with the lock taken around each call, as the C ABI takes it: the lock
+/// ferrocache uses (`lock::SpinNapMutex`, released by a plain store) next to parking_lot's
+/// mutex (released by an atomic read-modify-write), with 10,000 live blocks.
+fn locked_cache_hit_pair(c: &mut Criterion) {
+    let mut group = c.benchmark_group("locked_cache_hit_malloc_free/10000");
+    let spin_nap = SpinNapMutex::new(with_live_blocks(10_000));
+    group.bench_function("spin_nap", |b| {
+        b.iter_custom(|iters| {
+            median_chunk_time(iters, || {
+                let p = spin_nap.lock().malloc(black_box(BLOCK), 0).unwrap();
+                spin_nap.lock().free(black_box(p)).unwrap();
+            })
+        })
+    });
+    let parking = parking_lot::Mutex::new(with_live_blocks(10_000));
+    group.bench_function("parking_lot", |b| {
+        b.iter_custom(|iters| {
+            median_chunk_time(iters, || {
+                let p = parking.lock().malloc(black_box(BLOCK), 0).unwrap();
+                parking.lock().free(black_box(p)).unwrap();
+            })
+        })
+    });
+    let mut unlocked = with_live_blocks(10_000);
+    group.bench_function("no_lock", |b| {
+        b.iter_custom(|iters| {
+            median_chunk_time(iters, || {
+                let p = unlocked.malloc(black_box(BLOCK), 0).unwrap();
+                unlocked.free(black_box(p)).unwrap();
+            })
+        })
+    });
     group.finish();
 }
 
@@ -143,6 +182,7 @@ criterion_group!(
     cache_hit_pair,
     large_cache_hit_pair,
     split_merge_pair,
+    locked_cache_hit_pair,
     capture_cache_hit_pair
 );
 criterion_main!(benches);

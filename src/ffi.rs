@@ -29,10 +29,11 @@ use parking_lot::Mutex;
 
 use crate::allocator::history::{MemorySnapshot, StackId};
 use crate::allocator::private_pool::{MempoolId, StreamFilter};
-use crate::allocator::{AllocError, DeviceAllocator};
+use crate::allocator::{AllocError, AllocationInfo, DeviceAllocator, PointerError};
 use crate::config::{ALLOC_CONF_VARS, Config, selected_alloc_conf};
 use crate::device::cuda::CudaDevice;
 use crate::device::{DeviceError, DevicePtr, StreamId};
+use crate::lock::SpinNapMutex;
 use crate::logging;
 
 /// A CUDA stream handle as PyTorch passes it; 0 is the legacy default stream.
@@ -45,7 +46,9 @@ pub type cudaStream_t = *mut c_void;
 /// PyTorch's `c10::DeviceIndex` is an `int8_t`, so there are never more devices than this.
 const MAX_DEVICES: usize = 128;
 
-type LockedAllocator = Mutex<DeviceAllocator<CudaDevice>>;
+/// A cache hit holds this lock for tens of nanoseconds; see `lock` for why it is not
+/// parking_lot's.
+type LockedAllocator = SpinNapMutex<DeviceAllocator<CudaDevice>>;
 
 /// Per device: its allocator once created, or why it could not be (kept, so that a missing
 /// driver is reported once and not retried on every allocation).
@@ -110,7 +113,21 @@ fn device_slot(
 
 /// The allocator of `device`, created on first use. A device number out of range is bad input,
 /// logged at ERROR.
+#[inline]
 fn allocator(device: c_int) -> Result<&'static LockedAllocator, String> {
+    // Every allocation comes here: the created allocator is one load away.
+    if let Ok(slot) = device_slot(device)
+        && let Some(Ok(created)) = slot.get()
+    {
+        return Ok(created);
+    }
+    first_use_of(device)
+}
+
+/// [`allocator`] when `device` has no usable allocator yet: creates it, or says why not.
+#[cold]
+#[inline(never)]
+fn first_use_of(device: c_int) -> Result<&'static LockedAllocator, String> {
     let slot = device_slot(device).inspect_err(|why| logging::invalid_device(why))?;
     if let Some(created) = slot.get() {
         return created.as_ref().map_err(String::clone);
@@ -127,7 +144,7 @@ fn allocator(device: c_int) -> Result<&'static LockedAllocator, String> {
             if history.enabled {
                 allocator.record_history(true, history.max_entries);
             }
-            let _ = slot.set(Ok(Mutex::new(allocator)));
+            let _ = slot.set(Ok(SpinNapMutex::new(allocator)));
         }
         Err(err) => {
             let why = unavailable_message(device, &err);
@@ -176,20 +193,22 @@ fn created_allocator(device: c_int) -> Option<&'static LockedAllocator> {
     device_slot(device).ok()?.get()?.as_ref().ok()
 }
 
-/// Runs `action` under the lock of the allocator that handed out `ptr`, looking at `preferred`
-/// first; `None` when no allocator knows `ptr`. The look-up and the action share one lock, so
-/// another thread cannot free `ptr` in between.
+/// Runs `action` under the lock of each created allocator in turn, `preferred` first, until one
+/// knows the pointer `action` is about; with that allocator's device and answer, or `None` when
+/// none knows it. `action` is the look-up itself: every `DeviceAllocator` method that takes a
+/// pointer changes nothing for one it did not hand out. So the usual call costs one lock and one
+/// hash-map look-up, and another thread cannot free the pointer between look-up and action.
 fn with_owner<R>(
-    ptr: DevicePtr,
     preferred: Option<c_int>,
-    action: impl FnOnce(c_int, &mut DeviceAllocator<CudaDevice>) -> R,
-) -> Option<R> {
+    mut action: impl FnMut(&mut DeviceAllocator<CudaDevice>) -> Result<R, PointerError>,
+) -> Option<(c_int, R)> {
     let first = preferred.and_then(|device| Some((device, created_allocator(device)?)));
     let others = created_allocators().filter(|(device, _)| Some(*device) != preferred);
     for (device, allocator) in first.into_iter().chain(others) {
-        let mut allocator = allocator.lock();
-        if allocator.allocation_info(ptr).is_some() {
-            return Some(action(device, &mut allocator));
+        let answer = action(&mut allocator.lock());
+        match answer {
+            Ok(found) => return Some((device, found)),
+            Err(PointerError::Unknown(_)) => {}
         }
     }
     None
@@ -291,6 +310,7 @@ fn device_pointer(ptr: DevicePtr) -> *mut c_void {
 }
 
 /// Allocates, or says why not (the message the C++ exception or the last error carries).
+#[inline]
 fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_void, AllocFailure> {
     if size == 0 {
         return Ok(ptr::null_mut());
@@ -432,37 +452,48 @@ struct FreeClaims {
 
 /// Frees `ptr`. Wrong claims about it are logged at WARN and the recorded values used; a pointer
 /// no allocator knows is refused (logged at ERROR by the caller) and nothing changes.
+///
+/// The device the caller names is tried first, and the free itself is the look-up: one lock and
+/// one hash-map removal on the usual path.
+#[inline]
 fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
     // Before any lock, as in `allocate`.
     let stack = gather_stack(StackEvent::Free);
-    with_owner(ptr, claims.device, |device, allocator| {
-        if let Some(claimed) = claims.device
-            && claimed != device
-        {
-            logging::free_argument_mismatch(ptr, "device", &claimed, &device);
+    match with_owner(claims.device, |allocator| {
+        allocator.free_with_stack(ptr, stack)
+    }) {
+        Some((device, recorded)) => {
+            // Logged after the lock is released: a warning never holds up other threads.
+            report_wrong_claims(claims, device, &recorded);
+            Ok(())
         }
-        if let Some(info) = allocator.allocation_info(ptr) {
-            if let Some(size) = claims.size
-                && size != info.requested_size
-            {
-                logging::free_argument_mismatch(ptr, "size", &size, &info.requested_size);
-            }
-            if let Some(stream) = claims.stream
-                && stream != info.stream
-            {
-                logging::free_argument_mismatch(
-                    ptr,
-                    "stream",
-                    &logging::StreamName(stream),
-                    &logging::StreamName(info.stream),
-                );
-            }
-        }
-        allocator
-            .free_with_stack(ptr, stack)
-            .map_err(|err| err.to_string())
-    })
-    .unwrap_or_else(|| Err(unknown_pointer(ptr)))
+        None => Err(unknown_pointer(ptr)),
+    }
+}
+
+/// Logs at WARN each claim of a free that differs from what the allocation recorded.
+fn report_wrong_claims(claims: &FreeClaims, device: c_int, recorded: &AllocationInfo) {
+    let ptr = recorded.ptr;
+    if let Some(claimed) = claims.device
+        && claimed != device
+    {
+        logging::free_argument_mismatch(ptr, "device", &claimed, &device);
+    }
+    if let Some(size) = claims.size
+        && size != recorded.requested_size
+    {
+        logging::free_argument_mismatch(ptr, "size", &size, &recorded.requested_size);
+    }
+    if let Some(stream) = claims.stream
+        && stream != recorded.stream
+    {
+        logging::free_argument_mismatch(
+            ptr,
+            "stream",
+            &logging::StreamName(stream),
+            &logging::StreamName(recorded.stream),
+        );
+    }
 }
 
 /// For `rust_malloc` in `oom.cpp` only (not exported from the library): allocates `size` bytes
@@ -618,14 +649,11 @@ pub extern "C" fn rust_record_stream(ptr: *mut c_void, stream: cudaStream_t) {
     guarded("rust_record_stream", (), || {
         settings();
         let address = ptr.addr() as DevicePtr;
-        let result = with_owner(address, None, |_, allocator| {
-            allocator
-                .record_stream(address, stream_id(stream))
-                .map_err(|err| err.to_string())
-        })
-        .unwrap_or_else(|| Err(unknown_pointer(address)));
-        if let Err(why) = result {
-            logging::call_refused("rust_record_stream", &why);
+        let recorded = with_owner(None, |allocator| {
+            allocator.record_stream(address, stream_id(stream))
+        });
+        if recorded.is_none() {
+            logging::call_refused("rust_record_stream", &unknown_pointer(address));
         }
     });
 }
@@ -641,16 +669,10 @@ pub unsafe extern "C" fn rust_base_alloc(ptr: *mut c_void, size: *mut usize) -> 
     let (base, base_size) = guarded("rust_base_alloc", (ptr, 0), || {
         settings();
         let address = ptr.addr() as DevicePtr;
-        let found = with_owner(address, None, |_, allocator| {
-            allocator
-                .base_allocation(address)
-                .map_err(|err| err.to_string())
-        })
-        .unwrap_or_else(|| Err(unknown_pointer(address)));
-        match found {
-            Ok((base, base_size)) => (device_pointer(base), base_size),
-            Err(why) => {
-                logging::call_refused("rust_base_alloc", &why);
+        match with_owner(None, |allocator| allocator.base_allocation(address)) {
+            Some((_, (base, base_size))) => (device_pointer(base), base_size),
+            None => {
+                logging::call_refused("rust_base_alloc", &unknown_pointer(address));
                 (ptr, 0)
             }
         }

@@ -6,6 +6,7 @@ pub mod cli;
 pub mod config;
 pub mod device;
 pub mod ffi;
+pub mod lock;
 pub mod logging;
 pub mod policy;
 pub mod replay;

@@ -49,6 +49,14 @@ impl Api {
         unsafe { free(ptr) }
     }
 
+    /// PyTorch's allocation function (it throws a C++ exception on failure, which no test here
+    /// provokes).
+    fn rust_malloc(&self, size: usize, stream: u64) -> *mut c_void {
+        let malloc: AllocFn = self.library.function("rust_malloc");
+        // SAFETY: plain values; a stream handle is only passed on.
+        unsafe { malloc(size, 0, ptr::without_provenance_mut(stream as usize)) }
+    }
+
     fn rust_free(&self, ptr: *mut c_void, size: usize, stream: u64) {
         let free: RustFreeFn = self.library.function("rust_free");
         // SAFETY: as for `free`.
@@ -353,6 +361,48 @@ fn history_and_snapshot_have_pytorchs_structure() {
         let snapshot = api.snapshot().expect("a snapshot");
         assert_eq!(snapshot["device_traces"][0], Value::Array(vec![]));
         assert_eq!(api.free(kept), 0);
+    });
+}
+
+/// Calls made so far to every driver function ferrocache uses.
+fn driver_calls(fake: &FakeCuda) -> Vec<(&'static str, i64)> {
+    ferrocache::device::cuda::REQUIRED_SYMBOLS
+        .iter()
+        .map(|&symbol| (symbol, fake.stat(symbol)))
+        .collect()
+}
+
+#[test]
+fn a_cache_hit_never_calls_the_driver() {
+    in_own_process("a_cache_hit_never_calls_the_driver", &[], || {
+        let api = Api::open();
+        let fake = FakeCuda::open();
+        let stream = new_stream();
+        let sizes = [4 << 10, 3 * MIB, 64 * MIB];
+        // The first round creates the segments; every later one is served from the cache.
+        for round in 0..100 {
+            let calls = driver_calls(&fake);
+            for stream in [0, stream] {
+                for size in sizes {
+                    let block = api.rust_malloc(size, stream);
+                    assert!(!block.is_null(), "{}", api.last_error());
+                    api.rust_free(block, size, stream);
+                }
+            }
+            if round > 0 {
+                assert_eq!(
+                    driver_calls(&fake),
+                    calls,
+                    "round {round} called the driver"
+                );
+            }
+        }
+        assert!(fake.stat("cuMemAlloc_v2") > 0, "the counts are the fake's");
+        assert_eq!(
+            api.stat("num_device_alloc"),
+            6,
+            "one segment per size and stream"
+        );
     });
 }
 

@@ -268,15 +268,20 @@ impl<D: Device> DeviceAllocator<D> {
     /// What the allocator knows about the live allocation at `ptr`.
     pub fn allocation_info(&self, ptr: DevicePtr) -> Option<AllocationInfo> {
         let id = *self.allocated.get(&ptr)?;
+        Some(self.info_of(ptr, id))
+    }
+
+    /// What block `id`, handed out at `ptr`, records.
+    fn info_of(&self, ptr: DevicePtr, id: BlockId) -> AllocationInfo {
         let b = self.arena.get(id);
-        Some(AllocationInfo {
+        AllocationInfo {
             ptr,
             size: b.size,
             requested_size: b.requested_size,
             stream: b.stream,
             pool: b.pool,
             private_pool: b.private_pool.map(|index| self.pools.private(index).id),
-        })
+        }
     }
 
     // ----------------------------------------------------------------------------------------
@@ -329,11 +334,15 @@ impl<D: Device> DeviceAllocator<D> {
         result
     }
 
-    /// [`free`](Self::free) on behalf of the caller's stack `stack`: the `free_requested` and
-    /// `free_completed` entries it records carry it.
-    pub fn free_with_stack(&mut self, ptr: DevicePtr, stack: StackId) -> Result<(), PointerError> {
+    /// [`free_returning_info`](Self::free_returning_info) on behalf of the caller's stack
+    /// `stack`: the `free_requested` and `free_completed` entries it records carry it.
+    pub fn free_with_stack(
+        &mut self,
+        ptr: DevicePtr,
+        stack: StackId,
+    ) -> Result<AllocationInfo, PointerError> {
         let previous = self.history.set_current_stack(stack);
-        let result = self.free(ptr);
+        let result = self.free_returning_info(ptr);
         self.history.set_current_stack(previous);
         result
     }
@@ -608,10 +617,18 @@ impl<D: Device> DeviceAllocator<D> {
     /// Frees an allocation. The block is cached for its stream at once, or, if the program used
     /// it on other streams, once the work queued on them by now has completed.
     pub fn free(&mut self, ptr: DevicePtr) -> Result<(), PointerError> {
+        self.free_returning_info(ptr).map(drop)
+    }
+
+    /// [`DeviceAllocator::free`], returning what the allocation had recorded, so that a caller
+    /// can check what it was told about the pointer without a second look-up. A pointer this
+    /// allocator did not hand out changes nothing.
+    pub fn free_returning_info(&mut self, ptr: DevicePtr) -> Result<AllocationInfo, PointerError> {
         let id = self
             .allocated
             .remove(&ptr)
             .ok_or(PointerError::Unknown(ptr))?;
+        let info = self.info_of(ptr, id);
         let block = self.arena.get_mut(id);
         block.allocated = false;
         let (pool, size, requested, stream) =
@@ -637,7 +654,7 @@ impl<D: Device> DeviceAllocator<D> {
             }
             self.insert_events(id);
         }
-        Ok(())
+        Ok(info)
     }
 
     /// `free_block`: returns an available block to its pool, merged with free neighbours.

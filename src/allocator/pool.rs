@@ -12,6 +12,7 @@
 use super::block::{Block, BlockId};
 use crate::device::{DevicePtr, StreamId};
 use crate::policy::{K_MIN_BLOCK_SIZE, PoolKind};
+use std::cell::Cell;
 use std::collections::BTreeMap;
 
 /// Blocks up to this size are kept in exact size classes.
@@ -197,6 +198,11 @@ pub struct BlockPool {
     pub kind: PoolKind,
     /// Per stream, sorted by stream (PyTorch orders by stream first).
     streams: Vec<StreamBlocks>,
+    /// Where the stream looked up last sits in `streams`. A program allocates on one stream
+    /// many times in a row, and with several streams the binary search is a chain of dependent
+    /// loads that everything after it waits for (~10 ns of a cache hit with three streams).
+    /// Checked before use, so it is never stale.
+    last_stream: Cell<usize>,
     heap_slots: HeapSlots,
     cached: usize,
     /// Unmapped address space of expandable segments.
@@ -210,6 +216,7 @@ impl BlockPool {
         BlockPool {
             kind,
             streams: Vec::new(),
+            last_stream: Cell::new(0),
             heap_slots: HeapSlots::default(),
             cached: 0,
             unmapped: BTreeMap::new(),
@@ -218,7 +225,15 @@ impl BlockPool {
     }
 
     fn stream_index(&self, stream: StreamId) -> Result<usize, usize> {
-        self.streams.binary_search_by_key(&stream, |s| s.stream)
+        let last = self.last_stream.get();
+        if self.streams.get(last).is_some_and(|s| s.stream == stream) {
+            return Ok(last);
+        }
+        let found = self.streams.binary_search_by_key(&stream, |s| s.stream);
+        if let Ok(index) = found {
+            self.last_stream.set(index);
+        }
+        found
     }
 
     fn stream_blocks(&self, stream: StreamId) -> Option<&StreamBlocks> {

@@ -24,9 +24,10 @@ use crate::logging;
 /// The oldest driver we accept, as `cuDriverGetVersion` reports it (CUDA 12.0).
 const MIN_DRIVER_VERSION: i32 = 12000;
 
-/// Every driver function this module calls. cudarc resolves symbols lazily and panics on a
-/// missing one, so [`CudaDevice::new`] checks them all up front.
-const REQUIRED_SYMBOLS: &[&str] = &[
+/// Every driver function this module calls (a unit test checks the list against the source).
+/// cudarc resolves symbols lazily and panics on a missing one, so [`CudaDevice::new`] checks
+/// them all up front; the C ABI tests count calls to them all.
+pub const REQUIRED_SYMBOLS: &[&str] = &[
     "cuInit",
     "cuDriverGetVersion",
     "cuGetErrorString",
