@@ -31,7 +31,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use cdylib::Ferrocache;
-use support::{FakeCuda, fake_libcuda_dir};
+use support::{FakeCuda, fake_libcuda_dir, new_stream};
 
 const MIB: usize = 1 << 20;
 /// The fake GPU's memory: small enough for the program's out-of-memory.
@@ -209,36 +209,6 @@ impl Sweep {
                     .into_owned()
             })
             .collect()
-    }
-}
-
-/// Retains device 0's primary context on this thread and creates a stream, as PyTorch would.
-fn new_stream() -> u64 {
-    // SAFETY: in a child process libcuda.so is the fake.
-    let cuda = unsafe { libloading::Library::new("libcuda.so") }.expect("load the fake");
-    // SAFETY: each signature is the driver API's.
-    unsafe {
-        let init = cuda
-            .get::<unsafe extern "C" fn(u32) -> c_int>(b"cuInit")
-            .expect("cuInit");
-        let retain = cuda
-            .get::<unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int>(
-                b"cuDevicePrimaryCtxRetain",
-            )
-            .expect("cuDevicePrimaryCtxRetain");
-        let set_current = cuda
-            .get::<unsafe extern "C" fn(*mut c_void) -> c_int>(b"cuCtxSetCurrent")
-            .expect("cuCtxSetCurrent");
-        let create = cuda
-            .get::<unsafe extern "C" fn(*mut *mut c_void, u32) -> c_int>(b"cuStreamCreate")
-            .expect("cuStreamCreate");
-        assert_eq!(init(0), 0);
-        let mut context = ptr::null_mut();
-        assert_eq!(retain(&mut context, 0), 0);
-        assert_eq!(set_current(context), 0);
-        let mut stream = ptr::null_mut();
-        assert_eq!(create(&mut stream, 0), 0);
-        stream.addr() as u64
     }
 }
 

@@ -10,7 +10,7 @@ use std::ptr;
 
 use cdylib::Ferrocache;
 use serde_json::Value;
-use support::{FakeCuda, in_own_process, in_own_process_without_libcuda};
+use support::{FakeCuda, in_own_process, in_own_process_without_libcuda, new_stream};
 
 const MIB: usize = 1 << 20;
 
@@ -186,36 +186,6 @@ fn fill_and_check(ptr: *mut c_void, len: usize, byte: u8) -> bool {
     let bytes = unsafe { std::slice::from_raw_parts_mut(ptr.cast::<u8>(), len) };
     bytes.fill(byte);
     bytes.iter().all(|&b| b == byte)
-}
-
-/// Retains device 0's primary context on this thread and creates a stream, as PyTorch would.
-fn new_stream() -> u64 {
-    // SAFETY: in a child process libcuda.so is the fake, already loaded by ferrocache.
-    let cuda = unsafe { libloading::Library::new("libcuda.so") }.expect("load the fake");
-    // SAFETY: each signature is the driver API's.
-    unsafe {
-        let init = cuda
-            .get::<unsafe extern "C" fn(u32) -> c_int>(b"cuInit")
-            .expect("cuInit");
-        let retain = cuda
-            .get::<unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int>(
-                b"cuDevicePrimaryCtxRetain",
-            )
-            .expect("cuDevicePrimaryCtxRetain");
-        let set_current = cuda
-            .get::<unsafe extern "C" fn(*mut c_void) -> c_int>(b"cuCtxSetCurrent")
-            .expect("cuCtxSetCurrent");
-        let create = cuda
-            .get::<unsafe extern "C" fn(*mut *mut c_void, u32) -> c_int>(b"cuStreamCreate")
-            .expect("cuStreamCreate");
-        assert_eq!(init(0), 0);
-        let mut context = ptr::null_mut();
-        assert_eq!(retain(&mut context, 0), 0);
-        assert_eq!(set_current(context), 0);
-        let mut stream = ptr::null_mut();
-        assert_eq!(create(&mut stream, 0), 0);
-        stream.addr() as u64
-    }
 }
 
 #[test]

@@ -163,3 +163,34 @@ impl FakeCuda {
         get()
     }
 }
+
+/// A stream made with the fake driver (in a child process, after `cuInit` and with device 0's
+/// primary context current), as PyTorch would pass one.
+pub fn new_stream() -> u64 {
+    // SAFETY: in a child process libcuda.so is the fake, already loaded by ferrocache.
+    let cuda = unsafe { libloading::Library::new("libcuda.so") }.expect("load the fake");
+    // SAFETY: each signature is the driver API's.
+    unsafe {
+        let init = cuda
+            .get::<unsafe extern "C" fn(u32) -> c_int>(b"cuInit")
+            .expect("cuInit");
+        let retain = cuda
+            .get::<unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int>(
+                b"cuDevicePrimaryCtxRetain",
+            )
+            .expect("cuDevicePrimaryCtxRetain");
+        let set_current = cuda
+            .get::<unsafe extern "C" fn(*mut c_void) -> c_int>(b"cuCtxSetCurrent")
+            .expect("cuCtxSetCurrent");
+        let create = cuda
+            .get::<unsafe extern "C" fn(*mut *mut c_void, u32) -> c_int>(b"cuStreamCreate")
+            .expect("cuStreamCreate");
+        assert_eq!(init(0), 0);
+        let mut context = std::ptr::null_mut();
+        assert_eq!(retain(&mut context, 0), 0);
+        assert_eq!(set_current(context), 0);
+        let mut stream = std::ptr::null_mut();
+        assert_eq!(create(&mut stream, 0), 0);
+        stream.addr() as u64
+    }
+}
