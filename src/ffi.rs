@@ -316,6 +316,12 @@ fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_v
         return Ok(ptr::null_mut());
     }
     let allocator = allocator(device)?;
+    if let Some(why) = crate::device::cuda::unusable() {
+        // Memory from the cache would be as unusable, and a capture's stream filter (PyTorch's
+        // code, which asks CUDA) must not be asked either: the allocation fails at once.
+        logging::call_failed("allocation", &why);
+        return Err(AllocFailure::Other(why.to_string()));
+    }
     // Before the lock: the gatherer takes the GIL, which a thread waiting for the lock may hold.
     let stack = gather_stack(StackEvent::Alloc);
     let result = allocator

@@ -27,34 +27,7 @@ const INHERITED_SETTINGS: [&str; 6] = [
 /// Builds the client once per test process.
 fn client() -> &'static Path {
     static CLIENT: OnceLock<PathBuf> = OnceLock::new();
-    CLIENT.get_or_init(|| {
-        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(CLIENT_SOURCE);
-        let binary = Path::new(env!("CARGO_TARGET_TMPDIR")).join("pytorch_like_client");
-        let cxx = std::env::var_os("CXX").unwrap_or_else(|| "g++".into());
-        let output = Command::new(&cxx)
-            .args([
-                "-std=c++17",
-                "-g",
-                "-O1",
-                "-Wall",
-                "-Wextra",
-                "-Werror",
-                "-pthread",
-            ])
-            .arg(&source)
-            .arg("-o")
-            .arg(&binary)
-            .arg("-ldl")
-            .output()
-            .unwrap_or_else(|e| panic!("run {} (a C++ compiler is needed): {e}", cxx.display()));
-        assert!(
-            output.status.success(),
-            "building {} failed:\n{}",
-            source.display(),
-            String::from_utf8_lossy(&output.stderr)
-        );
-        binary
-    })
+    CLIENT.get_or_init(|| support::compile_cpp(CLIENT_SOURCE, "pytorch_like_client", &["-ldl"]))
 }
 
 enum Driver {

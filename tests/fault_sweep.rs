@@ -16,18 +16,21 @@
 //! - after a sticky error ferrocache logs it once and makes no further driver call (only the
 //!   look-up of the error's text).
 //!
-//! The program runs twice over: with ordinary segments and with `expandable_segments:True`.
-//! It allocates once while a graph capture is under way (the fake's capture flag), but a capture
-//! into a private pool is not part of it yet: private pools do not exist yet.
+//! The program comes in three parts, each swept on its own: with ordinary segments (it also
+//! allocates once while a capture is under way without a pool), with `expandable_segments:True`,
+//! and CUDA graph captures into a private pool shared by two graphs, made as PyTorch's
+//! `CUDAGraph` makes them: its pool hooks with PyTorch's C++ types and its stream filter, which
+//! asks the driver for the stream's capture (`tests/cpp/capture_hooks.cpp`).
 
 mod cdylib;
 mod support;
 
 use std::collections::BTreeMap;
 use std::ffi::{CStr, c_char, c_double, c_int, c_void};
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::ptr;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use cdylib::Ferrocache;
@@ -43,6 +46,8 @@ const FAIL_CODE: &str = "FERROCACHE_SWEEP_FAIL_CODE";
 const FAIL_STICKY: &str = "FERROCACHE_SWEEP_FAIL_STICKY";
 /// Set when the failure lasts for the process (a sticky error, a failed `cuInit`).
 const FAIL_PERMANENT: &str = "FERROCACHE_SWEEP_FAIL_PERMANENT";
+/// The compiled `tests/cpp/capture_hooks.cpp`, built once by the parent.
+const CAPTURE_HOOKS: &str = "FERROCACHE_SWEEP_CAPTURE_HOOKS";
 /// A child that runs longer than this is taken to hang.
 const CHILD_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -150,6 +155,48 @@ impl Api {
         self.status("check_invariants", unsafe { check() })
     }
 
+    /// PyTorch's `CUDAGraph::capture_begin`: the begin hook, with a filter that accepts the
+    /// streams whose capture has the id `*capture_id`.
+    fn capture_begin(
+        &self,
+        hooks: &libloading::Library,
+        pool: (u64, u64),
+        capture_info: *mut c_void,
+        capture_id: *const u64,
+    ) -> Result<(), String> {
+        type Begin = unsafe extern "C" fn(
+            *mut c_void,
+            c_int,
+            u64,
+            u64,
+            *mut c_void,
+            *const u64,
+        ) -> *const c_char;
+        // SAFETY: the helper's export, with its C signature.
+        let begin = *unsafe { hooks.get::<Begin>(b"capture_hooks_begin") }.expect("the helper");
+        let hook = self.library.address("rust_begin_allocate_to_pool");
+        // SAFETY: the hook has the C++ type the helper casts it to; `capture_info` is the fake's
+        // cuStreamGetCaptureInfo; `capture_id` outlives the capture (the program keeps it).
+        let refused = unsafe { begin(hook, 0, pool.0, pool.1, capture_info, capture_id) };
+        if refused.is_null() {
+            Ok(())
+        } else {
+            // SAFETY: a NUL-terminated string, valid until this thread's next begin.
+            Err(unsafe { CStr::from_ptr(refused) }
+                .to_string_lossy()
+                .into_owned())
+        }
+    }
+
+    /// `capture_end` or `reset`: the end or the release hook (`hook`), which log what they refuse.
+    fn pool_hook(&self, hooks: &libloading::Library, hook: &str, pool: (u64, u64)) {
+        type Call = unsafe extern "C" fn(*mut c_void, c_int, u64, u64);
+        // SAFETY: the helper's export, with its C signature.
+        let call = *unsafe { hooks.get::<Call>(b"capture_hooks_pool_call") }.expect("the helper");
+        // SAFETY: `hook` is one of the two hooks of type void(int, MempoolId_t).
+        unsafe { call(self.library.address(hook), 0, pool.0, pool.1) }
+    }
+
     fn last_error(&self) -> String {
         let last_error: unsafe extern "C" fn() -> *const c_char =
             self.library.function("ferrocache_last_error");
@@ -177,6 +224,11 @@ impl Sweep {
         // SAFETY: each caller names a fake export and gives its exact C signature.
         *unsafe { self.library.get::<T>(name.as_bytes()) }
             .unwrap_or_else(|e| panic!("the fake libcuda lacks {name}: {e}"))
+    }
+
+    /// The address of the fake's export `name`.
+    fn address(&self, name: &str) -> *mut c_void {
+        self.function(name)
     }
 
     fn arm(&self, fail_at: u64, code: u32, sticky: bool) {
@@ -221,6 +273,16 @@ struct Program {
     outcomes: Vec<String>,
     /// The driver calls each of those steps made: counted calls `(first, last]`.
     spans: Vec<(u64, u64)>,
+    /// `tests/cpp/capture_hooks.cpp`, for the capture program.
+    capture_hooks: Option<libloading::Library>,
+    /// The capture ids the filters read, kept for as long as ferrocache may ask them.
+    #[allow(
+        clippy::vec_box,
+        reason = "each id keeps its address while the Vec grows: the filters hold pointers to them"
+    )]
+    capture_ids: Vec<Box<u64>>,
+    /// The driver calls PyTorch's side made itself (the capture id queries), not ferrocache.
+    own_calls: Vec<u64>,
 }
 
 impl Program {
@@ -265,6 +327,80 @@ impl Program {
 
     fn free_all(&mut self) {
         self.free_where(|_| true);
+    }
+
+    fn free(&mut self, ptr: *mut c_void) {
+        if let Some(i) = self.live.iter().position(|&(p, _, _)| p == ptr) {
+            let (ptr, size, stream) = self.live.remove(i);
+            self.api.rust_free(ptr, size, stream);
+        }
+    }
+
+    /// `torch.cuda.graph` entering: a capture begins on `stream` (the fake's capture flag), its
+    /// id is asked of the driver as PyTorch asks it, and the begin hook makes allocations on the
+    /// stream come from `pool`. False (the capture undone) when PyTorch's capture_begin would
+    /// have raised.
+    fn capture_begin(&mut self, fake: &FakeCuda, pool: (u64, u64), stream: u64) -> bool {
+        fake.set_capturing(stream, true);
+        let capture_info = self.sweep.address("cuStreamGetCaptureInfo");
+        let before = self.sweep.calls();
+        let id = self.step("the capture's id", |_| {
+            type Info = unsafe extern "C" fn(*mut c_void, *mut u32, *mut u64) -> u32;
+            // SAFETY: the fake's cuStreamGetCaptureInfo has this signature.
+            let info: Info = unsafe { std::mem::transmute::<*mut c_void, Info>(capture_info) };
+            let (mut status, mut id) = (0u32, 0u64);
+            // SAFETY: valid out pointers; the stream handle is only passed on.
+            match unsafe {
+                info(
+                    ptr::without_provenance_mut(stream as usize),
+                    &mut status,
+                    &mut id,
+                )
+            } {
+                0 => Ok(id),
+                code => Err(format!("cudaStreamGetCaptureInfo failed ({code})")),
+            }
+        });
+        self.own_calls.extend(before + 1..=self.sweep.calls());
+        let Some(id) = id else {
+            fake.set_capturing(stream, false);
+            return false;
+        };
+        self.capture_ids.push(Box::new(id));
+        let id: *const u64 = &**self.capture_ids.last().expect("just pushed");
+        let hooks = self
+            .capture_hooks
+            .take()
+            .expect("the capture hooks are loaded");
+        let begun = self
+            .step(&format!("capture_begin into pool {pool:?}"), |api| {
+                api.capture_begin(&hooks, pool, capture_info, id)
+            })
+            .is_some();
+        self.capture_hooks = Some(hooks);
+        if !begun {
+            fake.set_capturing(stream, false);
+        }
+        begun
+    }
+
+    /// `torch.cuda.graph` leaving: the capture ends, then the end hook.
+    fn capture_end(&mut self, fake: &FakeCuda, pool: (u64, u64), stream: u64) {
+        fake.set_capturing(stream, false);
+        self.pool_hook("rust_end_allocate_to_pool", pool);
+    }
+
+    /// A hook that returns nothing, as one step: `capture_end`'s or `reset`'s.
+    fn pool_hook(&mut self, hook: &str, pool: (u64, u64)) {
+        let hooks = self
+            .capture_hooks
+            .take()
+            .expect("the capture hooks are loaded");
+        self.step(&format!("{hook} {pool:?}"), |api| {
+            api.pool_hook(&hooks, hook, pool);
+            Ok(())
+        });
+        self.capture_hooks = Some(hooks);
     }
 }
 
@@ -356,6 +492,46 @@ fn expandable_program(program: &mut Program, fake: &FakeCuda, streams: [u64; 3])
     program.step("empty_cache", Api::empty_cache);
 }
 
+/// The graphs' pool, as `torch.cuda.graph_pool_handle()` gives it.
+const GRAPH_POOL: (u64, u64) = (1, 0);
+
+/// CUDA graph captures into a private pool: a graph captured on stream 2 allocates from the
+/// pool (small and large blocks, new segments made in the relaxed capture mode) while stream 0
+/// keeps the ordinary pools, frees a block during its capture; a second graph shares the pool
+/// (`pool=g1.pool()`) on stream 1 and runs out of memory; then both are reset: their tensors freed, the pool released
+/// twice, the cache emptied.
+fn capture_program(program: &mut Program, fake: &FakeCuda, streams: [u64; 3]) {
+    program.alloc(MIB, streams[0]);
+    program.alloc(4096, streams[2]);
+    let mut graphs = 0;
+    if program.capture_begin(fake, GRAPH_POOL, streams[2]) {
+        graphs += 1;
+        let freed = program.alloc(3 * MIB, streams[2]);
+        program.alloc(4096, streams[2]);
+        program.alloc(25 * MIB, streams[2]);
+        program.alloc(4096, streams[0]);
+        if let Some(freed) = freed {
+            program.free(freed);
+        }
+        program.alloc(2 * MIB, streams[2]);
+        program.capture_end(fake, GRAPH_POOL, streams[2]);
+    }
+    program.alloc(3 * MIB, streams[2]);
+    if program.capture_begin(fake, GRAPH_POOL, streams[1]) {
+        graphs += 1;
+        program.alloc(3 * MIB, streams[1]);
+        program.alloc(60 * MIB, streams[1]);
+        // More than the device has left, during the capture: out of memory.
+        program.alloc(200 * MIB, streams[1]);
+        program.capture_end(fake, GRAPH_POOL, streams[1]);
+    }
+    program.free_all();
+    for _ in 0..graphs {
+        program.pool_hook("rust_release_pool", GRAPH_POOL);
+    }
+    program.step("empty_cache", Api::empty_cache);
+}
+
 /// The sweep's summary of one child run, printed on one line of stdout.
 const SUMMARY: &str = "SWEEP-SUMMARY ";
 
@@ -385,12 +561,19 @@ fn run_child(which: &str) {
         live: Vec::new(),
         outcomes: Vec::new(),
         spans: Vec::new(),
+        capture_hooks: std::env::var_os(CAPTURE_HOOKS).map(|path| {
+            // SAFETY: the helper has no initialisers beyond the C++ runtime's.
+            unsafe { libloading::Library::new(path) }.expect("load the capture hooks")
+        }),
+        capture_ids: Vec::new(),
+        own_calls: Vec::new(),
     };
 
     program.sweep.arm(fail_at, code, sticky);
     match which {
         "segments" => segments_program(&mut program, &fake, streams),
         "expandable" => expandable_program(&mut program, &fake, streams),
+        "capture" => capture_program(&mut program, &fake, streams),
         other => panic!("no program {other}"),
     }
     let calls = program.sweep.calls();
@@ -441,6 +624,7 @@ fn run_child(which: &str) {
         "outcomes": program.outcomes,
         "spans": program.spans,
         "names": names,
+        "own_calls": program.own_calls,
     });
     println!("{SUMMARY}{summary}");
 }
@@ -456,6 +640,8 @@ struct RunResult {
     outcomes: Vec<String>,
     spans: Vec<(u64, u64)>,
     names: Vec<String>,
+    /// Calls made by PyTorch's side itself (1-based), not by ferrocache.
+    own_calls: Vec<u64>,
     stderr: String,
 }
 
@@ -468,6 +654,18 @@ fn settings(which: &str) -> Vec<(&'static str, String)> {
         env.push(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True".into()));
     }
     env
+}
+
+/// `tests/cpp/capture_hooks.cpp`, built once per parent process.
+fn capture_hooks() -> &'static Path {
+    static HOOKS: OnceLock<PathBuf> = OnceLock::new();
+    HOOKS.get_or_init(|| {
+        support::compile_cpp(
+            "tests/cpp/capture_hooks.cpp",
+            "libcapture_hooks.so",
+            &["-shared", "-fPIC"],
+        )
+    })
 }
 
 /// Runs the program `which` in a child process with call `fail_at` failing (0: none).
@@ -487,6 +685,7 @@ fn run_once(
         .env(FAIL_CODE, kind.code.to_string())
         .env(FAIL_STICKY, u8::from(kind.sticky).to_string())
         .env(FAIL_PERMANENT, u8::from(permanent).to_string())
+        .env(CAPTURE_HOOKS, capture_hooks())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -550,6 +749,10 @@ fn run_once(
             })
             .unwrap_or_default(),
         names: strings("names"),
+        own_calls: summary["own_calls"]
+            .as_array()
+            .map(|a| a.iter().filter_map(serde_json::Value::as_u64).collect())
+            .unwrap_or_default(),
         stderr,
     })
 }
@@ -596,23 +799,41 @@ fn judge(
         return Some("the failure reached nobody: same results, no ERROR line, no retry".into());
     }
     if kind.sticky {
-        let said = count_lines(&run.stderr, "is unusable in this process");
-        if said != 1 {
-            return Some(format!(
-                "a sticky error must be reported once as leaving the device unusable; \
-                 it was {said} times"
-            ));
-        }
-        // No spinning, no calls at all: only the look-up of the error's text follows it.
-        let after = &run.names[fail_at as usize..];
-        if after.iter().any(|name| name != "cuGetErrorString") {
-            return Some(format!(
-                "{} driver calls after a sticky error: {after:?}",
-                after.len()
-            ));
-        }
+        return judge_sticky(run, fail_at, call);
     }
     None
+}
+
+/// A sticky error: ferrocache says once that CUDA is unusable and makes no driver call after it
+/// (but the look-up of the error's text). When the failed call was PyTorch's (a capture's id, or
+/// the stream filter, which asks `cuStreamGetCaptureInfo`), ferrocache learns of the error at its
+/// own next call, which fails; before that it may ask a filter again, which fails again.
+fn judge_sticky(run: &RunResult, fail_at: u64, call: &str) -> Option<String> {
+    const FILTER_CALL: &str = "cuStreamGetCaptureInfo";
+    let ferrocache_calls: Vec<&str> = (fail_at + 1..=run.calls)
+        .filter(|i| !run.own_calls.contains(i))
+        .map(|i| run.names[i as usize - 1].as_str())
+        .collect();
+    let pytorchs_call = call == FILTER_CALL;
+    let mut after = ferrocache_calls.as_slice();
+    if pytorchs_call {
+        let first_own = after.iter().position(|&name| name != FILTER_CALL);
+        after = first_own.map_or(&[], |i| &after[i + 1..]);
+    }
+    if after.iter().any(|&name| name != "cuGetErrorString") {
+        return Some(format!(
+            "{} driver calls after a sticky error: {after:?}",
+            after.len()
+        ));
+    }
+    let said = count_lines(&run.stderr, "is unusable in this process");
+    let learned = !pytorchs_call || ferrocache_calls.iter().any(|&name| name != FILTER_CALL);
+    (said != usize::from(learned)).then(|| {
+        format!(
+            "a sticky error must be reported once as leaving the device unusable (once \
+             ferrocache made a call of its own after it); it was {said} times"
+        )
+    })
 }
 
 /// Counts the program's calls, fails each one with each kind of error, and reports.
@@ -717,6 +938,14 @@ fn every_driver_call_of_the_segments_program_fails_once() {
 }
 
 #[test]
+fn every_driver_call_of_the_capture_program_fails_once() {
+    sweep_or_child(
+        "every_driver_call_of_the_capture_program_fails_once",
+        "capture",
+    );
+}
+
+#[test]
 fn every_driver_call_of_the_expandable_program_fails_once() {
     sweep_or_child(
         "every_driver_call_of_the_expandable_program_fails_once",
@@ -726,7 +955,7 @@ fn every_driver_call_of_the_expandable_program_fails_once() {
 
 /// The runs that went wrong before their fixes, by call index: each must still be that call
 /// (else the program changed and the list needs the new indices) and must now be clean.
-const FIXED: [(&str, u64, &str, usize); 12] = [
+const FIXED: [(&str, u64, &str, usize); 13] = [
     // A failure while opening the device was kept for the life of the process.
     ("segments", 1, "cuDriverGetVersion", 0),
     ("segments", 8, "cuDevicePrimaryCtxRetain", 1),
@@ -747,6 +976,9 @@ const FIXED: [(&str, u64, &str, usize); 12] = [
     ("expandable", 141, "cuMemRelease", 3),
     // An injected out-of-memory inside the out-of-memory step is that step's error.
     ("expandable", 127, "cuMemCreate", 0),
+    // After a sticky error, allocations still asked the capture's stream filter (PyTorch's
+    // code, which asks CUDA), and a cache hit still succeeded.
+    ("capture", 17, "cuCtxGetCurrent", 4),
 ];
 
 #[test]
@@ -756,7 +988,7 @@ fn the_runs_that_went_wrong_before_stay_fixed() {
         run_child(&which);
         return;
     }
-    for which in ["segments", "expandable"] {
+    for which in ["segments", "expandable", "capture"] {
         let clean_kind = Kind {
             name: "none",
             code: 0,

@@ -631,6 +631,11 @@ fn error(call: &'static str, result: sys::CUresult) -> DeviceError {
 /// Set by the first sticky error: why CUDA is unusable in this process.
 static UNUSABLE: OnceLock<String> = OnceLock::new();
 
+/// Why CUDA is unusable in this process, once a sticky error said so.
+pub fn unusable() -> Option<&'static str> {
+    UNUSABLE.get().map(String::as_str)
+}
+
 /// The errors that CUDA's documentation calls sticky: they leave the process's CUDA state
 /// inconsistent, every later call returns the same error, and only a new process recovers.
 fn is_sticky_error(result: sys::CUresult) -> bool {

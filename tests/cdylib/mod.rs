@@ -56,4 +56,9 @@ impl Ferrocache {
         *unsafe { self.library.get::<T>(name.as_bytes()) }
             .unwrap_or_else(|e| panic!("libferrocache.so lacks {name}: {e}"))
     }
+
+    /// The address of the export `name`, for C++ that calls it with its C++ type.
+    pub fn address(&self, name: &str) -> *mut std::ffi::c_void {
+        self.function(name)
+    }
 }

@@ -98,6 +98,40 @@ pub fn fake_libcuda_dir() -> &'static Path {
     })
 }
 
+/// Compiles the C++ test helper `source` (under `tests/cpp/`) with g++ (or `$CXX`) into the
+/// target's temporary directory as `output`; `extra` comes after the source (`-shared`, `-ldl`).
+/// Written under a temporary name and renamed, since several test processes may build it at once.
+pub fn compile_cpp(source: &str, output: &str, extra: &[&str]) -> PathBuf {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(source);
+    let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join(output);
+    let partial = target.with_extension(format!("partial-{}", std::process::id()));
+    let cxx = std::env::var_os("CXX").unwrap_or_else(|| "g++".into());
+    let result = Command::new(&cxx)
+        .args([
+            "-std=c++17",
+            "-g",
+            "-O1",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-pthread",
+        ])
+        .arg(&source)
+        .args(extra)
+        .arg("-o")
+        .arg(&partial)
+        .output()
+        .unwrap_or_else(|e| panic!("run {} (a C++ compiler is needed): {e}", cxx.display()));
+    assert!(
+        result.status.success(),
+        "building {} failed:\n{}",
+        source.display(),
+        String::from_utf8_lossy(&result.stderr)
+    );
+    std::fs::rename(&partial, &target).expect("move the compiled helper into place");
+    target
+}
+
 /// The fake's test-only exports, looked up in the libcuda that cudarc loaded.
 pub struct FakeCuda {
     library: libloading::Library,
