@@ -1,4 +1,6 @@
-//! Fault sweeps: "fail the i-th driver call", counted over every driver function together.
+//! Fault sweeps: "fail the i-th driver call", counted over every driver function together, and
+//! over the fake runtime's functions too where the runtime is loaded (it reports each of its
+//! calls through [`fake_cuda_sweep_runtime_call`]).
 //!
 //! A test arms the sweep with [`fake_cuda_sweep_arm`]; from then on every driver call is counted
 //! (and its name kept), and call number `fail_at` (1-based) returns `code` without doing anything.
@@ -60,6 +62,21 @@ pub extern "C" fn fake_cuda_sweep_arm(fail_at: u64, code: CuResult, sticky: i32)
         fired: false,
         failed_call: None,
     };
+}
+
+/// Counts a call of the fake runtime's function `name` (`len` bytes) as the driver counts its
+/// own: runtime and driver calls are numbered together. Returns the code the call must fail
+/// with, or 0 (success: go on).
+///
+/// # Safety
+/// `name` is `len` bytes of UTF-8 that live as long as the process: a string literal of the fake
+/// runtime, which is never unloaded.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fake_cuda_sweep_runtime_call(name: *const u8, len: usize) -> CuResult {
+    // SAFETY: the caller's contract: valid UTF-8 for the life of the process.
+    let name: &'static str =
+        unsafe { std::str::from_utf8_unchecked(std::slice::from_raw_parts(name, len)) };
+    lock().sweep.on_call(name).unwrap_or(crate::CUDA_SUCCESS)
 }
 
 /// How many driver calls were made since the sweep was armed.

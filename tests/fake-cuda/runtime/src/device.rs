@@ -38,7 +38,7 @@ fn attribute(attribute: c_int, device: c_int) -> Result<c_int, CudaError> {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaGetDeviceCount(count: *mut c_int) -> CudaError {
-    api(|| {
+    api("cudaGetDeviceCount", || {
         let found = driver::device_count();
         // SAFETY: an out pointer from the caller, writable by the runtime API contract.
         unsafe { put(count, *found.as_ref().unwrap_or(&0)) }?;
@@ -49,12 +49,14 @@ pub unsafe extern "C" fn cudaGetDeviceCount(count: *mut c_int) -> CudaError {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaGetDevice(device: *mut c_int) -> CudaError {
     // SAFETY: an out pointer from the caller, writable by the runtime API contract.
-    api(|| unsafe { put(device, CURRENT_DEVICE.get()) })
+    api("cudaGetDevice", || unsafe {
+        put(device, CURRENT_DEVICE.get())
+    })
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaSetDevice(device: c_int) -> CudaError {
-    api(|| {
+    api("cudaSetDevice", || {
         valid_device(device)?;
         enter(device)?;
         CURRENT_DEVICE.set(device);
@@ -64,36 +66,42 @@ pub extern "C" fn cudaSetDevice(device: c_int) -> CudaError {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaSetDeviceFlags(_flags: c_uint) -> CudaError {
-    api(|| Ok(()))
+    api("cudaSetDeviceFlags", || Ok(()))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaGetDeviceFlags(flags: *mut c_uint) -> CudaError {
     // SAFETY: an out pointer from the caller, writable by the runtime API contract.
-    api(|| unsafe { put(flags, 0) })
+    api("cudaGetDeviceFlags", || unsafe { put(flags, 0) })
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaDeviceSynchronize() -> CudaError {
     // SAFETY: plain driver call on the current context.
-    api_on_device(|_| check(unsafe { driver::cuCtxSynchronize() }))
+    api_on_device("cudaDeviceSynchronize", |_| {
+        check(unsafe { driver::cuCtxSynchronize() })
+    })
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaDeviceReset() -> CudaError {
-    api(|| Ok(()))
+    api("cudaDeviceReset", || Ok(()))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaDriverGetVersion(version: *mut c_int) -> CudaError {
     // SAFETY: forwarded out pointer.
-    api(|| check(unsafe { driver::cuDriverGetVersion(version) }))
+    api("cudaDriverGetVersion", || {
+        check(unsafe { driver::cuDriverGetVersion(version) })
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaRuntimeGetVersion(version: *mut c_int) -> CudaError {
     // SAFETY: an out pointer from the caller, writable by the runtime API contract.
-    api(|| unsafe { put(version, RUNTIME_VERSION) })
+    api("cudaRuntimeGetVersion", || unsafe {
+        put(version, RUNTIME_VERSION)
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -103,7 +111,9 @@ pub unsafe extern "C" fn cudaDeviceGetAttribute(
     device: c_int,
 ) -> CudaError {
     // SAFETY: an out pointer from the caller, writable by the runtime API contract.
-    api(|| unsafe { put(value, attribute(which, device)?) })
+    api("cudaDeviceGetAttribute", || unsafe {
+        put(value, attribute(which, device)?)
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -112,7 +122,9 @@ pub unsafe extern "C" fn cudaDeviceGetStreamPriorityRange(
     greatest: *mut c_int,
 ) -> CudaError {
     // SAFETY: forwarded optional out pointers.
-    api_on_device(|_| check(unsafe { driver::cuCtxGetStreamPriorityRange(least, greatest) }))
+    api_on_device("cudaDeviceGetStreamPriorityRange", |_| {
+        check(unsafe { driver::cuCtxGetStreamPriorityRange(least, greatest) })
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -121,7 +133,7 @@ pub unsafe extern "C" fn cudaDeviceCanAccessPeer(
     device: c_int,
     peer: c_int,
 ) -> CudaError {
-    api(|| {
+    api("cudaDeviceCanAccessPeer", || {
         valid_device(device)?;
         valid_device(peer)?;
         // SAFETY: an out pointer from the caller, writable by the runtime API contract.
@@ -131,7 +143,7 @@ pub unsafe extern "C" fn cudaDeviceCanAccessPeer(
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaDeviceEnablePeerAccess(_peer: c_int, _flags: c_uint) -> CudaError {
-    api(|| Err(crate::NOT_SUPPORTED))
+    api("cudaDeviceEnablePeerAccess", || Err(crate::NOT_SUPPORTED))
 }
 
 #[unsafe(no_mangle)]
@@ -140,7 +152,7 @@ pub unsafe extern "C" fn cudaDeviceGetPCIBusId(
     length: c_int,
     device: c_int,
 ) -> CudaError {
-    api(|| {
+    api("cudaDeviceGetPCIBusId", || {
         valid_device(device)?;
         let text = format!("0000:{:02x}:00.0\0", device + 1);
         let length = usize::try_from(length).unwrap_or(0);
@@ -199,7 +211,9 @@ pub unsafe extern "C" fn cudaGetDeviceProperties(
     device: c_int,
 ) -> CudaError {
     // SAFETY: an out pointer from the caller, writable by the runtime API contract.
-    api(|| unsafe { put(prop, properties(device)?) })
+    api("cudaGetDeviceProperties", || unsafe {
+        put(prop, properties(device)?)
+    })
 }
 
 /// The name CUDA 12's headers give `cudaGetDeviceProperties`.

@@ -50,6 +50,8 @@ unsafe extern "C" {
     pub fn cuEventRecord(event: CuEvent, stream: CuStream) -> u32;
     pub fn cuEventQuery(event: CuEvent) -> u32;
     pub fn cuEventSynchronize(event: CuEvent) -> u32;
+    /// The fake driver's fault sweep: counts a runtime call; the code it must fail with, or 0.
+    pub fn fake_cuda_sweep_runtime_call(name: *const u8, len: usize) -> u32;
 }
 
 /// The most devices the fake driver is ever asked to model.

@@ -80,9 +80,9 @@ pub unsafe extern "C" fn __cudaPopCallConfiguration(
 
 /// Every launch fails: the fake has no GPU to run a kernel on. PyTorch reports the error as a
 /// `torch.AcceleratorError`, and the process goes on.
-fn refuse_launch() -> CudaError {
+fn refuse_launch(name: &'static str) -> CudaError {
     log!("kernel launch refused (the fake CUDA runs no kernels)");
-    api(|| Err(NO_KERNEL_IMAGE))
+    api(name, || Err(NO_KERNEL_IMAGE))
 }
 
 #[unsafe(no_mangle)]
@@ -94,7 +94,7 @@ pub extern "C" fn cudaLaunchKernel(
     _shared_memory: usize,
     _stream: CuStream,
 ) -> CudaError {
-    refuse_launch()
+    refuse_launch("cudaLaunchKernel")
 }
 
 #[unsafe(no_mangle)]
@@ -106,7 +106,7 @@ pub extern "C" fn __cudaLaunchKernel(
     _shared_memory: usize,
     _stream: CuStream,
 ) -> CudaError {
-    refuse_launch()
+    refuse_launch("__cudaLaunchKernel")
 }
 
 #[unsafe(no_mangle)]
@@ -118,7 +118,7 @@ pub extern "C" fn cudaLaunchCooperativeKernel(
     _shared_memory: usize,
     _stream: CuStream,
 ) -> CudaError {
-    refuse_launch()
+    refuse_launch("cudaLaunchCooperativeKernel")
 }
 
 #[unsafe(no_mangle)]
@@ -127,7 +127,7 @@ pub extern "C" fn cudaLaunchKernelExC(
     _function: *const c_void,
     _arguments: *mut *mut c_void,
 ) -> CudaError {
-    refuse_launch()
+    refuse_launch("cudaLaunchKernelExC")
 }
 
 #[unsafe(no_mangle)]
@@ -135,7 +135,7 @@ pub unsafe extern "C" fn cudaFuncGetAttributes(
     attributes: *mut cudaFuncAttributes,
     _function: *const c_void,
 ) -> CudaError {
-    api(|| {
+    api("cudaFuncGetAttributes", || {
         // SAFETY: cudaFuncAttributes is plain integers: all zeroes is a valid value.
         let mut answer: cudaFuncAttributes = unsafe { std::mem::zeroed() };
         answer.maxThreadsPerBlock = 1024;
@@ -151,7 +151,7 @@ pub extern "C" fn cudaFuncSetAttribute(
     _attribute: c_int,
     _value: c_int,
 ) -> CudaError {
-    api(|| Ok(()))
+    api("cudaFuncSetAttribute", || Ok(()))
 }
 
 #[unsafe(no_mangle)]
@@ -162,7 +162,9 @@ pub unsafe extern "C" fn cudaOccupancyMaxActiveBlocksPerMultiprocessor(
     _shared_memory: usize,
 ) -> CudaError {
     // SAFETY: an out pointer from the caller, writable by the runtime API contract.
-    api(|| unsafe { put(blocks, 1) })
+    api("cudaOccupancyMaxActiveBlocksPerMultiprocessor", || unsafe {
+        put(blocks, 1)
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -181,12 +183,12 @@ pub unsafe extern "C" fn cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaProfilerStart() -> CudaError {
-    api(|| Ok(()))
+    api("cudaProfilerStart", || Ok(()))
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaProfilerStop() -> CudaError {
-    api(|| Ok(()))
+    api("cudaProfilerStop", || Ok(()))
 }
 
 // ---- Driver entry points -------------------------------------------------------------------
@@ -225,11 +227,12 @@ fn driver_function(name: &CStr) -> *mut c_void {
 /// # Safety
 /// `symbol` is NULL or NUL-terminated; the out pointers are NULL or writable.
 unsafe fn entry_point(
+    name: &'static str,
     symbol: *const c_char,
     function: *mut *mut c_void,
     status: *mut c_int,
 ) -> CudaError {
-    api(|| {
+    api(name, || {
         if symbol.is_null() {
             return Err(INVALID_VALUE);
         }
@@ -252,7 +255,7 @@ pub unsafe extern "C" fn cudaGetDriverEntryPoint(
     status: *mut c_int,
 ) -> CudaError {
     // SAFETY: the caller's arguments, by the runtime API contract.
-    unsafe { entry_point(symbol, function, status) }
+    unsafe { entry_point("cudaGetDriverEntryPoint", symbol, function, status) }
 }
 
 #[unsafe(no_mangle)]
@@ -264,7 +267,7 @@ pub unsafe extern "C" fn cudaGetDriverEntryPointByVersion(
     status: *mut c_int,
 ) -> CudaError {
     // SAFETY: the caller's arguments, by the runtime API contract.
-    unsafe { entry_point(symbol, function, status) }
+    unsafe { entry_point("cudaGetDriverEntryPointByVersion", symbol, function, status) }
 }
 
 /// Logs what was registered when the process ends, with `FAKE_CUDA_LOG` set.
@@ -286,5 +289,5 @@ pub unsafe extern "C" fn __cudaGetKernel(
     function: *const c_void,
 ) -> CudaError {
     // SAFETY: an out pointer from the caller, writable by the runtime API contract.
-    api(|| unsafe { put(kernel, function) })
+    api("__cudaGetKernel", || unsafe { put(kernel, function) })
 }

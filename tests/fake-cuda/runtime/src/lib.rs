@@ -56,12 +56,19 @@ thread_local! {
     static LAST_ERROR: Cell<CudaError> = const { Cell::new(SUCCESS) };
 }
 
-/// Runs the body of an export, catching panics and recording a failure as the last error.
-fn api(body: impl FnOnce() -> Outcome) -> CudaError {
-    let code = match catch_unwind(AssertUnwindSafe(body)) {
-        Ok(Ok(())) => SUCCESS,
-        Ok(Err(code)) => code,
-        Err(_) => UNKNOWN,
+/// Runs the body of the export `name`, catching panics and recording a failure as the last
+/// error. The driver's fault sweep counts the call first, as it counts its own, and may fail it.
+fn api(name: &'static str, body: impl FnOnce() -> Outcome) -> CudaError {
+    // SAFETY: a string literal: it lives as long as this library, which is never unloaded.
+    let injected = unsafe { driver::fake_cuda_sweep_runtime_call(name.as_ptr(), name.len()) };
+    let code = if injected != SUCCESS {
+        injected
+    } else {
+        match catch_unwind(AssertUnwindSafe(body)) {
+            Ok(Ok(())) => SUCCESS,
+            Ok(Err(code)) => code,
+            Err(_) => UNKNOWN,
+        }
     };
     // "Not ready" is an answer, not an error: the real runtime does not record it either.
     if code != SUCCESS && code != NOT_READY {
@@ -72,8 +79,8 @@ fn api(body: impl FnOnce() -> Outcome) -> CudaError {
 
 /// Like [`api`], for the calls that work on the current device: makes its primary context
 /// current on this thread first, as the runtime does implicitly.
-fn api_on_device(body: impl FnOnce(i32) -> Outcome) -> CudaError {
-    api(|| {
+fn api_on_device(name: &'static str, body: impl FnOnce(i32) -> Outcome) -> CudaError {
+    api(name, || {
         let device = CURRENT_DEVICE.get();
         driver::enter(device)?;
         body(device)

@@ -31,7 +31,7 @@ fn pinned() -> std::sync::MutexGuard<'static, BTreeMap<usize, Layout>> {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, size: usize) -> CudaError {
-    api_on_device(|_| {
+    api_on_device("cudaMalloc", |_| {
         if ptr.is_null() {
             return Err(INVALID_VALUE);
         }
@@ -50,7 +50,7 @@ pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, size: usize) -> CudaE
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaFree(ptr: *mut c_void) -> CudaError {
     // cudaFree(NULL) is the idiom that makes the runtime set up its context: nothing else.
-    api_on_device(|_| {
+    api_on_device("cudaFree", |_| {
         if ptr.is_null() {
             return Ok(());
         }
@@ -77,7 +77,9 @@ pub extern "C" fn cudaFreeAsync(ptr: *mut c_void, _stream: CuStream) -> CudaErro
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaMemGetInfo(free: *mut usize, total: *mut usize) -> CudaError {
     // SAFETY: forwarded out pointers.
-    api_on_device(|_| check(unsafe { driver::cuMemGetInfo_v2(free, total) }))
+    api_on_device("cudaMemGetInfo", |_| {
+        check(unsafe { driver::cuMemGetInfo_v2(free, total) })
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -86,7 +88,7 @@ pub unsafe extern "C" fn cudaHostAlloc(
     size: usize,
     _flags: c_uint,
 ) -> CudaError {
-    api(|| {
+    api("cudaHostAlloc", || {
         if ptr.is_null() {
             return Err(INVALID_VALUE);
         }
@@ -111,7 +113,7 @@ pub unsafe extern "C" fn cudaMallocHost(ptr: *mut *mut c_void, size: usize) -> C
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaFreeHost(ptr: *mut c_void) -> CudaError {
-    api(|| {
+    api("cudaFreeHost", || {
         let layout = pinned().remove(&(ptr as usize)).ok_or(INVALID_VALUE)?;
         // SAFETY: allocated by cudaHostAlloc with this layout, freed once (just removed).
         unsafe { std::alloc::dealloc(ptr.cast(), layout) };
@@ -121,12 +123,12 @@ pub extern "C" fn cudaFreeHost(ptr: *mut c_void) -> CudaError {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaHostRegister(_ptr: *mut c_void, _size: usize, _flags: c_uint) -> CudaError {
-    api(|| Ok(()))
+    api("cudaHostRegister", || Ok(()))
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaHostUnregister(_ptr: *mut c_void) -> CudaError {
-    api(|| Ok(()))
+    api("cudaHostUnregister", || Ok(()))
 }
 
 #[unsafe(no_mangle)]
@@ -137,7 +139,9 @@ pub unsafe extern "C" fn cudaHostGetDevicePointer(
 ) -> CudaError {
     // Unified addressing: the host address is the device address.
     // SAFETY: an out pointer from the caller, writable by the runtime API contract.
-    api(|| unsafe { put(device_ptr, host_ptr) })
+    api("cudaHostGetDevicePointer", || unsafe {
+        put(device_ptr, host_ptr)
+    })
 }
 
 /// The device that owns the device memory at `ptr`, or None for host memory.
@@ -159,7 +163,7 @@ pub unsafe extern "C" fn cudaPointerGetAttributes(
     attributes: *mut cudaPointerAttributes,
     ptr: *const c_void,
 ) -> CudaError {
-    api_on_device(|_| {
+    api_on_device("cudaPointerGetAttributes", |_| {
         // SAFETY: plain integers and pointers (and, in CUDA 13, reserved words): all zeroes
         // is a valid value.
         let mut answer: cudaPointerAttributes = unsafe { std::mem::zeroed() };
@@ -218,7 +222,7 @@ pub unsafe extern "C" fn cudaMemcpy(
     count: usize,
     kind: c_int,
 ) -> CudaError {
-    api_on_device(|_| copy(dst, src, count, kind))
+    api_on_device("cudaMemcpy", |_| copy(dst, src, count, kind))
 }
 
 #[unsafe(no_mangle)]
@@ -229,7 +233,7 @@ pub unsafe extern "C" fn cudaMemcpyAsync(
     kind: c_int,
     _stream: CuStream,
 ) -> CudaError {
-    api_on_device(|_| copy(dst, src, count, kind))
+    api_on_device("cudaMemcpyAsync", |_| copy(dst, src, count, kind))
 }
 
 #[unsafe(no_mangle)]
@@ -241,7 +245,9 @@ pub unsafe extern "C" fn cudaMemcpyPeerAsync(
     count: usize,
     _stream: CuStream,
 ) -> CudaError {
-    api_on_device(|_| copy(dst, src, count, COPY_DEVICE_TO_DEVICE))
+    api_on_device("cudaMemcpyPeerAsync", |_| {
+        copy(dst, src, count, COPY_DEVICE_TO_DEVICE)
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -256,7 +262,7 @@ pub unsafe extern "C" fn cudaMemcpy2DAsync(
     kind: c_int,
     _stream: CuStream,
 ) -> CudaError {
-    api_on_device(|_| {
+    api_on_device("cudaMemcpy2DAsync", |_| {
         if width > dst_pitch || width > src_pitch {
             return Err(INVALID_VALUE);
         }
@@ -273,7 +279,9 @@ pub unsafe extern "C" fn cudaMemcpy2DAsync(
 pub unsafe extern "C" fn cudaMemset(ptr: *mut c_void, value: c_int, count: usize) -> CudaError {
     // The runtime takes an int and uses its low byte.
     // SAFETY: plain driver call; the driver checks the range.
-    api_on_device(|_| check(unsafe { driver::cuMemsetD8_v2(ptr as u64, value as u8, count) }))
+    api_on_device("cudaMemset", |_| {
+        check(unsafe { driver::cuMemsetD8_v2(ptr as u64, value as u8, count) })
+    })
 }
 
 #[unsafe(no_mangle)]

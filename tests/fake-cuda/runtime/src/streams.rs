@@ -19,7 +19,9 @@ fn create_stream(stream: *mut CuStream, flags: c_uint, priority: c_int) -> Outco
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaStreamCreate(stream: *mut CuStream) -> CudaError {
-    api_on_device(|_| create_stream(stream, 0, DEFAULT_PRIORITY))
+    api_on_device("cudaStreamCreate", |_| {
+        create_stream(stream, 0, DEFAULT_PRIORITY)
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -27,7 +29,9 @@ pub unsafe extern "C" fn cudaStreamCreateWithFlags(
     stream: *mut CuStream,
     flags: c_uint,
 ) -> CudaError {
-    api_on_device(|_| create_stream(stream, flags, DEFAULT_PRIORITY))
+    api_on_device("cudaStreamCreateWithFlags", |_| {
+        create_stream(stream, flags, DEFAULT_PRIORITY)
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -36,25 +40,33 @@ pub unsafe extern "C" fn cudaStreamCreateWithPriority(
     flags: c_uint,
     priority: c_int,
 ) -> CudaError {
-    api_on_device(|_| create_stream(stream, flags, priority))
+    api_on_device("cudaStreamCreateWithPriority", |_| {
+        create_stream(stream, flags, priority)
+    })
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaStreamDestroy(stream: CuStream) -> CudaError {
     // SAFETY: plain driver call; the driver checks the handle.
-    api(|| check(unsafe { driver::cuStreamDestroy_v2(stream) }))
+    api("cudaStreamDestroy", || {
+        check(unsafe { driver::cuStreamDestroy_v2(stream) })
+    })
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaStreamSynchronize(stream: CuStream) -> CudaError {
     // SAFETY: plain driver call; the driver checks the handle.
-    api_on_device(|_| check(unsafe { driver::cuStreamSynchronize(stream) }))
+    api_on_device("cudaStreamSynchronize", |_| {
+        check(unsafe { driver::cuStreamSynchronize(stream) })
+    })
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaStreamQuery(stream: CuStream) -> CudaError {
     // SAFETY: plain driver call; the driver checks the handle.
-    api_on_device(|_| check(unsafe { driver::cuStreamQuery(stream) }))
+    api_on_device("cudaStreamQuery", |_| {
+        check(unsafe { driver::cuStreamQuery(stream) })
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -64,7 +76,9 @@ pub extern "C" fn cudaStreamWaitEvent(
     flags: c_uint,
 ) -> CudaError {
     // SAFETY: plain driver call; the driver checks the handles.
-    api_on_device(|_| check(unsafe { driver::cuStreamWaitEvent(stream, event, flags) }))
+    api_on_device("cudaStreamWaitEvent", |_| {
+        check(unsafe { driver::cuStreamWaitEvent(stream, event, flags) })
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -73,13 +87,17 @@ pub unsafe extern "C" fn cudaStreamGetPriority(
     priority: *mut c_int,
 ) -> CudaError {
     // SAFETY: forwarded out pointer.
-    api_on_device(|_| check(unsafe { driver::cuStreamGetPriority(stream, priority) }))
+    api_on_device("cudaStreamGetPriority", |_| {
+        check(unsafe { driver::cuStreamGetPriority(stream, priority) })
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaStreamGetFlags(stream: CuStream, flags: *mut c_uint) -> CudaError {
     // SAFETY: forwarded out pointer.
-    api_on_device(|_| check(unsafe { driver::cuStreamGetFlags(stream, flags) }))
+    api_on_device("cudaStreamGetFlags", |_| {
+        check(unsafe { driver::cuStreamGetFlags(stream, flags) })
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -88,7 +106,7 @@ pub unsafe extern "C" fn cudaLaunchHostFunc(
     function: Option<unsafe extern "C" fn(*mut c_void)>,
     data: *mut c_void,
 ) -> CudaError {
-    api(|| {
+    api("cudaLaunchHostFunc", || {
         let function = function.ok_or(crate::INVALID_VALUE)?;
         // SAFETY: the caller's callback with the caller's data; the stream's work is done.
         unsafe { function(data) };
@@ -103,7 +121,7 @@ pub unsafe extern "C" fn cudaStreamAddCallback(
     data: *mut c_void,
     _flags: c_uint,
 ) -> CudaError {
-    api(|| {
+    api("cudaStreamAddCallback", || {
         let callback = callback.ok_or(crate::INVALID_VALUE)?;
         // SAFETY: the caller's callback with the caller's data; the stream's work is done.
         unsafe { callback(stream, crate::SUCCESS, data) };
@@ -116,7 +134,9 @@ pub unsafe extern "C" fn cudaStreamAddCallback(
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaStreamBeginCapture(stream: CuStream, mode: u32) -> CudaError {
     // SAFETY: plain driver call; the driver checks the handle and the mode.
-    api_on_device(|_| check(unsafe { driver::cuStreamBeginCapture_v2(stream, mode) }))
+    api_on_device("cudaStreamBeginCapture", |_| {
+        check(unsafe { driver::cuStreamBeginCapture_v2(stream, mode) })
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -125,20 +145,26 @@ pub unsafe extern "C" fn cudaStreamEndCapture(
     graph: *mut *mut c_void,
 ) -> CudaError {
     // SAFETY: forwarded out pointer.
-    api_on_device(|_| check(unsafe { driver::cuStreamEndCapture(stream, graph) }))
+    api_on_device("cudaStreamEndCapture", |_| {
+        check(unsafe { driver::cuStreamEndCapture(stream, graph) })
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaStreamIsCapturing(stream: CuStream, status: *mut u32) -> CudaError {
     // SAFETY: forwarded out pointer.
-    api_on_device(|_| check(unsafe { driver::cuStreamIsCapturing(stream, status) }))
+    api_on_device("cudaStreamIsCapturing", |_| {
+        check(unsafe { driver::cuStreamIsCapturing(stream, status) })
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaThreadExchangeStreamCaptureMode(mode: *mut u32) -> CudaError {
     // The mode is per thread in the driver, so the runtime and ferrocache see the same one.
     // SAFETY: forwarded in/out pointer.
-    api(|| check(unsafe { driver::cuThreadExchangeStreamCaptureMode(mode) }))
+    api("cudaThreadExchangeStreamCaptureMode", || {
+        check(unsafe { driver::cuThreadExchangeStreamCaptureMode(mode) })
+    })
 }
 
 /// Status and id of `stream`'s capture, and an empty dependency set: the fake's graphs have
@@ -185,7 +211,7 @@ pub unsafe extern "C" fn cudaStreamGetCaptureInfo(
     count: *mut usize,
 ) -> CudaError {
     // SAFETY: the caller's pointers, by the runtime API contract.
-    api_on_device(|_| unsafe {
+    api_on_device("cudaStreamGetCaptureInfo", |_| unsafe {
         capture_info(stream, status, id, graph, dependencies, edges, count)
     })
 }
@@ -200,7 +226,7 @@ pub unsafe extern "C" fn cudaStreamGetCaptureInfo(
 ) -> CudaError {
     use std::ptr::null_mut;
     // SAFETY: the caller's pointers, by the runtime API contract.
-    api_on_device(|_| unsafe {
+    api_on_device("cudaStreamGetCaptureInfo", |_| unsafe {
         capture_info(
             stream,
             status,
@@ -225,7 +251,7 @@ pub unsafe extern "C" fn cudaStreamGetCaptureInfo_v2(
 ) -> CudaError {
     let no_edges = std::ptr::null_mut();
     // SAFETY: the caller's pointers, by the runtime API contract.
-    api_on_device(|_| unsafe {
+    api_on_device("cudaStreamGetCaptureInfo_v2", |_| unsafe {
         capture_info(stream, status, id, graph, dependencies, no_edges, count)
     })
 }
@@ -242,7 +268,7 @@ pub unsafe extern "C" fn cudaStreamGetCaptureInfo_v3(
     count: *mut usize,
 ) -> CudaError {
     // SAFETY: the caller's pointers, by the runtime API contract.
-    api_on_device(|_| unsafe {
+    api_on_device("cudaStreamGetCaptureInfo_v3", |_| unsafe {
         capture_info(stream, status, id, graph, dependencies, edges, count)
     })
 }
@@ -262,7 +288,9 @@ pub unsafe extern "C" fn cudaGraphInstantiate(
     _flags: u64,
 ) -> CudaError {
     // SAFETY: an out pointer from the caller, writable by the runtime API contract.
-    api(|| unsafe { put(exec, new_graph_exec()) })
+    api("cudaGraphInstantiate", || unsafe {
+        put(exec, new_graph_exec())
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -277,22 +305,22 @@ pub unsafe extern "C" fn cudaGraphInstantiateWithFlags(
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaGraphLaunch(_exec: *mut c_void, _stream: CuStream) -> CudaError {
-    api(|| Ok(()))
+    api("cudaGraphLaunch", || Ok(()))
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaGraphUpload(_exec: *mut c_void, _stream: CuStream) -> CudaError {
-    api(|| Ok(()))
+    api("cudaGraphUpload", || Ok(()))
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaGraphDestroy(_graph: *mut c_void) -> CudaError {
-    api(|| Ok(()))
+    api("cudaGraphDestroy", || Ok(()))
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaGraphExecDestroy(_exec: *mut c_void) -> CudaError {
-    api(|| Ok(()))
+    api("cudaGraphExecDestroy", || Ok(()))
 }
 
 #[unsafe(no_mangle)]
@@ -302,7 +330,7 @@ pub unsafe extern "C" fn cudaGraphGetNodes(
     count: *mut usize,
 ) -> CudaError {
     // SAFETY: an out pointer from the caller, writable by the runtime API contract.
-    api(|| unsafe { put(count, 0) })
+    api("cudaGraphGetNodes", || unsafe { put(count, 0) })
 }
 
 // ---- Events --------------------------------------------------------------------------------
@@ -310,25 +338,33 @@ pub unsafe extern "C" fn cudaGraphGetNodes(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaEventCreate(event: *mut CuEvent) -> CudaError {
     // SAFETY: forwarded out pointer.
-    api_on_device(|_| check(unsafe { driver::cuEventCreate(event, 0) }))
+    api_on_device("cudaEventCreate", |_| {
+        check(unsafe { driver::cuEventCreate(event, 0) })
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaEventCreateWithFlags(event: *mut CuEvent, flags: c_uint) -> CudaError {
     // SAFETY: forwarded out pointer; the driver checks the flags.
-    api_on_device(|_| check(unsafe { driver::cuEventCreate(event, flags) }))
+    api_on_device("cudaEventCreateWithFlags", |_| {
+        check(unsafe { driver::cuEventCreate(event, flags) })
+    })
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaEventDestroy(event: CuEvent) -> CudaError {
     // SAFETY: plain driver call; the driver checks the handle.
-    api(|| check(unsafe { driver::cuEventDestroy_v2(event) }))
+    api("cudaEventDestroy", || {
+        check(unsafe { driver::cuEventDestroy_v2(event) })
+    })
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaEventRecord(event: CuEvent, stream: CuStream) -> CudaError {
     // SAFETY: plain driver call; the driver checks the handles.
-    api_on_device(|_| check(unsafe { driver::cuEventRecord(event, stream) }))
+    api_on_device("cudaEventRecord", |_| {
+        check(unsafe { driver::cuEventRecord(event, stream) })
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -343,13 +379,17 @@ pub extern "C" fn cudaEventRecordWithFlags(
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaEventQuery(event: CuEvent) -> CudaError {
     // SAFETY: plain driver call; the driver checks the handle.
-    api(|| check(unsafe { driver::cuEventQuery(event) }))
+    api("cudaEventQuery", || {
+        check(unsafe { driver::cuEventQuery(event) })
+    })
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaEventSynchronize(event: CuEvent) -> CudaError {
     // SAFETY: plain driver call; the driver checks the handle.
-    api(|| check(unsafe { driver::cuEventSynchronize(event) }))
+    api("cudaEventSynchronize", || {
+        check(unsafe { driver::cuEventSynchronize(event) })
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -360,5 +400,5 @@ pub unsafe extern "C" fn cudaEventElapsedTime(
 ) -> CudaError {
     // Work takes no time here.
     // SAFETY: an out pointer from the caller, writable by the runtime API contract.
-    api(|| unsafe { put(ms, 0.0) })
+    api("cudaEventElapsedTime", || unsafe { put(ms, 0.0) })
 }
