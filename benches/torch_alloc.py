@@ -52,6 +52,8 @@ MODES = ("native", "ferrocache", "floor")
 LIVE = (1_000, 10_000, 100_000)
 SMALL = 4 << 10
 LARGE = 64 << 20
+#: The two ways a pluggable allocator is called: through PyTorch, and directly.
+WAYS = ("torch", "direct")
 
 # The CUDA runtime wheels ship the runtime's headers but not the two of crt/ that nvcc's
 # toolkit has; a host-only compile needs only these: CUDA's attributes as nothing, or as GCC's.
@@ -115,6 +117,12 @@ CHILD = textwrap.dedent(
     harness.get_device_ns.restype = ctypes.c_double
     harness.get_device_ns.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
     RELEASE_ALL = ctypes.c_size_t(-1).value
+    fake_driver = ctypes.CDLL("libcuda.so.1")  # the fake's call counters
+    fake_driver.fake_cuda_stat.restype = ctypes.c_int64
+    fake_driver.fake_cuda_stat.argtypes = [ctypes.c_char_p]
+
+    def fake_stat(name):
+        return fake_driver.fake_cuda_stat(name.encode())
 
     def address(library, name):
         return ctypes.cast(getattr(library, name), ctypes.c_void_p).value
@@ -148,15 +156,20 @@ CHILD = textwrap.dedent(
         # One 64 MiB block allocated and freed: cached, for the large pairs.
         check(harness.torch_pairs_ns(options["large"], stream, 1, 1), "warm-up")
         row = {}
+        device_allocs = fake_stat("cuMemAlloc_v2")
         for name, size in (("small", options["small"]), ("large", options["large"])):
             row[f"torch_{name}"] = check(
                 harness.torch_pairs_ns(size, stream, chunks, chunk_pairs), "pairs")
             if direct:
                 row[f"direct_{name}"] = harness.direct_pairs_ns(
                     direct[0], direct[1], size, 0, stream, chunks, chunk_pairs)
+        # Every timed pair is a cache hit: no device allocation in any of them.
+        row["device_allocs"] = fake_stat("cuMemAlloc_v2") - device_allocs
         row["get_device"] = harness.get_device_ns(chunks, chunk_pairs)
         figures[str(live)] = row
     check(harness.torch_release(RELEASE_ALL), "release")
+    if mode == "ferrocache":  # ferrocache's own count: PyTorch did hand it the pairs
+        figures["ferrocache_allocations"] = ferrocache.memory_stats()["allocation.all.allocated"]
 
     # The Python level: torch.empty + del with live tensors and a cached hole, as above.
     torch.cuda.empty_cache()
@@ -265,44 +278,66 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     for mode in runs:
         per_live = {}
         for live in runs[mode][0]:
-            if live == "python":
+            if not live.isdigit():
                 continue
             per_live[live] = {key: median(mode, live, key) for key in runs[mode][0][live]}
         summary[mode] = {"cpp": per_live, "python": median(mode, "python")}
     return summary
 
 
-def report(summary: dict[str, Any], rounds: int) -> None:
-    native, ours, floor = (summary[m] for m in MODES)
-    print(f"medians over {rounds} rounds, ns per alloc+free pair")
+def _cpp_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
+    return [row for live, row in run.items() if live.isdigit()]
+
+
+def _ratio_range(runs: dict[str, list[dict[str, Any]]], *keys: str) -> str:
+    """The lowest and highest ferrocache/native ratio of one round (processes run in turn)."""
+
+    def pick(run: dict[str, Any]) -> float:
+        for key in keys:
+            run = run[key]
+        return float(run)  # type: ignore[arg-type]
+
+    ratios = [pick(f) / pick(n) for n, f in zip(runs["native"], runs["ferrocache"])]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
+def report(summary: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:
+    native, ours, floor = (summary[mode] for mode in MODES)
+    sizes = (("small", "4 KiB"), ("large", "64 MiB"))
+    print(f"medians over {len(runs['native'])} rounds, ns per alloc+free pair")
     print()
-    print("C++: raw_alloc_with_stream + raw_delete (through PyTorch)")
-    header = (f"{'pair':<7} {'live':>7} {'native':>8} {'ferrocache':>10} {'floor':>8} "
-              f"{'ferro/native':>12} {'floor/native':>12}")  # fmt: skip
-    print(header)
+    print("C++: raw_alloc_with_stream + raw_delete, through PyTorch")
+    print(f"{'pair':<7} {'live':>7} {'native':>8} {'ferrocache':>10} {'floor':>7} "
+          f"{'ferrocache/native':>17} {'(rounds)':>9} {'floor/native':>12}")  # fmt: skip
     for live in native["cpp"]:
-        for name, label in (("small", "4 KiB"), ("large", "64 MiB")):
-            n = native["cpp"][live][f"torch_{name}"]
-            f = ours["cpp"][live][f"torch_{name}"]
-            w = floor["cpp"][live][f"torch_{name}"]
-            print(f"{label:<7} {int(live):>7,} {n:8.1f} {f:10.1f} {w:8.1f} {f / n:12.2f} {w / n:12.2f}")
+        for name, label in sizes:
+            key = f"torch_{name}"
+            n, f, w = (m["cpp"][live][key] for m in (native, ours, floor))
+            spread = _ratio_range(runs, live, key)
+            print(f"{label:<7} {int(live):>7,} {n:8.1f} {f:10.1f} {w:7.1f} "
+                  f"{f / n:17.2f} {spread:>9} {w / n:12.2f}")  # fmt: skip
     print()
-    print("the pluggable allocators' own functions called directly, and PyTorch's wrapper")
-    print(f"{'pair':<7} {'live':>7} {'ferro direct':>12} {'ferro wrap':>10} "
-          f"{'floor direct':>12} {'floor wrap':>10} {'GetDevice':>9}")  # fmt: skip
+    print("the pluggable allocators called directly, and PyTorch's wrapper (= through - direct)")
+    print(f"{'pair':<7} {'live':>7} {'ferrocache direct':>17} {'wrapper':>7} "
+          f"{'floor direct':>12} {'wrapper':>7} {'GetDevice':>9}")  # fmt: skip
     for live in native["cpp"]:
-        for name, label in (("small", "4 KiB"), ("large", "64 MiB")):
-            fd = ours["cpp"][live][f"direct_{name}"]
-            fw = ours["cpp"][live][f"torch_{name}"] - fd
-            wd = floor["cpp"][live][f"direct_{name}"]
-            ww = floor["cpp"][live][f"torch_{name}"] - wd
-            gd = native["cpp"][live]["get_device"]
-            print(f"{label:<7} {int(live):>7,} {fd:12.1f} {fw:10.1f} {wd:12.1f} {ww:10.1f} {gd:9.1f}")
+        for name, label in sizes:
+            through_ours, direct_ours = (ours["cpp"][live][f"{k}_{name}"] for k in WAYS)
+            through_floor, direct_floor = (floor["cpp"][live][f"{k}_{name}"] for k in WAYS)
+            get_device = native["cpp"][live]["get_device"]
+            print(f"{label:<7} {int(live):>7,} {direct_ours:17.1f} "
+                  f"{through_ours - direct_ours:7.1f} {direct_floor:12.1f} "
+                  f"{through_floor - direct_floor:7.1f} {get_device:9.1f}")  # fmt: skip
+    device_allocs = {
+        mode: max(row["device_allocs"] for run in runs[mode] for row in _cpp_rows(run))
+        for mode in MODES
+    }
+    print(f"device allocations in the timed pairs (most in one process): {device_allocs}")
     print()
-    print("Python: torch.empty(1024, float32, cuda) + del, 10,000 live tensors")
+    print("Python: torch.empty(1024, dtype=torch.float32, device='cuda') + del, 10,000 live")
     n, f, w = native["python"], ours["python"], floor["python"]
-    print(f"native {n:.0f} ns, ferrocache {f:.0f} ns, floor {w:.0f} ns; "
-          f"ferrocache/native {f / n:.3f}, floor/native {w / n:.3f}")
+    print(f"native {n:.0f} ns, ferrocache {f:.0f} ns, floor {w:.0f} ns; ferrocache/native "
+          f"{f / n:.2f} (rounds {_ratio_range(runs, 'python')}), floor/native {w / n:.2f}")
 
 
 def main() -> None:
@@ -328,7 +363,7 @@ def main() -> None:
     print(f"torch {info['version']} (CUDA {info['cuda']}) on the fake CUDA; "
           f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     summary = summarise(runs)
-    report(summary, args.rounds)
+    report(summary, runs)
     if args.json:
         args.json.write_text(json.dumps({"torch": info["version"], "options": options,
                                          "runs": runs, "summary": summary}, indent=1))
