@@ -1,7 +1,7 @@
 """Host cost per allocation through real PyTorch: ferrocache behind CUDAPluggableAllocator
 against PyTorch's native caching allocator, on the fake CUDA, side by side in one run.
 
-    scripts/with-fake-cuda python benches/torch_alloc.py [--rounds 5] [--chunks 41] [--json FILE]
+    scripts/with-fake-cuda python benches/torch_alloc.py [--rounds 7] [--chunks 41] [--json FILE]
 
 Three kinds of process, identical but for the allocator PyTorch is given before CUDA starts:
 
@@ -342,7 +342,7 @@ def report(summary: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> No
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="processes of each kind")
+    parser.add_argument("--rounds", type=int, default=7, help="processes of each kind")
     parser.add_argument("--chunks", type=int, default=41, help="timed chunks per C++ figure")
     parser.add_argument("--chunk-pairs", type=int, default=1000, help="pairs per chunk")
     parser.add_argument("--python-chunks", type=int, default=21, help="chunks, Python level")
