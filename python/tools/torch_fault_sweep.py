@@ -41,6 +41,8 @@ STEPS = 3
 #: The loop's host batch: copied to the device and back each step and compared.
 BATCH_SHAPE = (4, 64, 256)
 VERDICTS_BAD = ("HUNG", "DIED", "CORRUPT", "SILENT")
+#: The fake's settings: a 4 GiB device, and no line of its own per refused kernel launch.
+FAKE_ENVIRONMENT = {"FAKE_CUDA_QUIET": "1", "FAKE_LIBCUDA_TOTAL_MEM": str(4 << 30)}
 
 
 def program(fake, fail_at: int, code: int, sticky: int) -> dict:
@@ -194,8 +196,12 @@ def abort_signature(stderr: str) -> str | None:
 
 
 def sweep(args) -> int:
-    """One worker: runs its share of the (kind, call) jobs and writes them to --out."""
+    """One worker: runs its share of the (kind, call) jobs and writes them to --out (or, with
+    --one, runs one case and prints it)."""
     import ctypes
+
+    # Read by the fake when CUDA starts, in each child.
+    os.environ.update(FAKE_ENVIRONMENT)
 
     import torch  # imported before the fork, once
 
@@ -328,7 +334,7 @@ def run_workers(args, native: bool, tag: str = "worker"):
     """Runs the sweep in `args.workers` processes; (calls, names, results) or None."""
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
-    env = {**os.environ, "FAKE_CUDA_QUIET": "1", "FAKE_LIBCUDA_TOTAL_MEM": str(4 << 30)}
+    env = {**os.environ, **FAKE_ENVIRONMENT}
     shards = []
     for worker in range(args.workers):
         part = os.path.join(out_dir, f"{tag}-{worker}.json")
