@@ -19,9 +19,8 @@
 //! - the **optimizer** (Adam, foreach): both moments made at the first step and kept, a
 //!   temporary list as large as the parameters for the update's denominator.
 
-use super::workload::{
-    Allocation, DeviceWorkload, Diagnostics, Figures, Op, OpOrigin, StartAllocation,
-};
+use super::op_list::OpList;
+use super::workload::DeviceWorkload;
 
 /// The default stream, where the model runs.
 pub const MAIN_STREAM: u64 = 0;
@@ -94,49 +93,11 @@ impl Lcg {
     }
 }
 
-/// The op list under construction.
-struct Program {
-    ops: Vec<Op>,
-    allocations: Vec<Allocation>,
-    requested: u64,
-    figures: Figures,
-    random: Lcg,
-}
-
-impl Program {
-    fn alloc(&mut self, size: u64, stream: u64) -> u32 {
-        let id = self.allocations.len() as u32;
-        self.allocations.push(Allocation {
-            address: 0,
-            requested_size: size,
-            stream,
-            live_at_start: false,
-        });
-        self.ops.push(Op::Alloc { id, size, stream });
-        self.requested += size;
-        self.figures.allocs += 1;
-        self.figures.peak_requested = self.figures.peak_requested.max(self.requested);
-        id
-    }
-
-    fn free(&mut self, id: u32) {
-        self.requested -= self.allocations[id as usize].requested_size;
-        self.figures.frees += 1;
-        self.ops.push(Op::Free { id });
-    }
-
-    fn free_all(&mut self, ids: impl IntoIterator<Item = u32>) {
-        for id in ids {
-            self.free(id);
-        }
-    }
-
-    /// A kernel's scratch space of an odd size between `low` and `high` bytes, freed at once.
-    fn workspace(&mut self, low: u64, high: u64) {
-        let size = low + self.random.next() % (high - low);
-        let id = self.alloc(size, MAIN_STREAM);
-        self.free(id);
-    }
+/// A kernel's scratch space of an odd size between `low` and `high` bytes, freed at once.
+fn workspace(p: &mut OpList, random: &mut Lcg, low: u64, high: u64) {
+    let size = low + random.next() % (high - low);
+    let id = p.alloc(size, MAIN_STREAM);
+    p.free(id);
 }
 
 /// One transformer layer's parameters, as (size in bytes) in registration order.
@@ -172,13 +133,8 @@ struct Saved {
 
 /// Builds the workload for `spec`.
 pub fn build(spec: &DemoSpec) -> DeviceWorkload {
-    let mut p = Program {
-        ops: Vec::new(),
-        allocations: Vec::new(),
-        requested: 0,
-        figures: Figures::default(),
-        random: Lcg(0x5eed),
-    };
+    let mut p = OpList::default();
+    let mut random = Lcg(0x5eed);
     let d = spec.hidden;
 
     // Parameters: embedding (tied with the output layer), the layers, the final layer norm.
@@ -213,7 +169,7 @@ pub fn build(spec: &DemoSpec) -> DeviceWorkload {
             let ln1 = p.alloc(activation, MAIN_STREAM);
             let qkv = p.alloc(3 * activation, MAIN_STREAM);
             let raw_scores = p.alloc(scores, MAIN_STREAM);
-            p.workspace(64 * 1024, 3 * MIB); // softmax reduction scratch
+            workspace(&mut p, &mut random, 64 * 1024, 3 * MIB); // softmax reduction scratch
             let probabilities = p.alloc(scores, MAIN_STREAM);
             p.free(raw_scores);
             let attention = p.alloc(activation, MAIN_STREAM);
@@ -256,7 +212,7 @@ pub fn build(spec: &DemoSpec) -> DeviceWorkload {
         let mut gradients: Vec<u32> = Vec::with_capacity(parameter_sizes.len());
         let mut bucket_fill = 0u64;
         let mut open_bucket: Option<u32> = None;
-        let mut parameter_gradient = |p: &mut Program, size: u64, gradients: &mut Vec<u32>| {
+        let mut parameter_gradient = |p: &mut OpList, size: u64, gradients: &mut Vec<u32>| {
             gradients.push(p.alloc(size, MAIN_STREAM));
             // Gradients are copied into the current bucket; a full bucket is all-reduced on
             // the side stream and the previous one, finished by now, is freed.
@@ -300,7 +256,7 @@ pub fn build(spec: &DemoSpec) -> DeviceWorkload {
             p.free(s.attention);
             let grad_probabilities = p.alloc(scores, MAIN_STREAM);
             let grad_scores = p.alloc(scores, MAIN_STREAM);
-            p.workspace(64 * 1024, 3 * MIB);
+            workspace(&mut p, &mut random, 64 * 1024, 3 * MIB);
             p.free_all([grad_probabilities, s.probabilities]);
             let grad_qkv = p.alloc(3 * activation, MAIN_STREAM);
             p.free_all([grad_scores, grad_attention, s.qkv]);
@@ -335,38 +291,19 @@ pub fn build(spec: &DemoSpec) -> DeviceWorkload {
             .iter()
             .map(|&size| p.alloc(size, MAIN_STREAM))
             .collect();
-        p.workspace(512, 64 * 1024); // the foreach kernels' tensor-list metadata
+        workspace(&mut p, &mut random, 512, 64 * 1024); // the foreach kernels' tensor-list metadata
         p.free_all(denominators);
         // zero_grad(set_to_none=True).
         p.free_all(gradients);
     }
 
-    let op_origins = (0..p.ops.len())
-        .map(|index| OpOrigin {
-            trace_index: index,
-            time_us: 0,
-        })
-        .collect();
-    DeviceWorkload {
-        device: 0,
-        start_segments: Vec::new(),
-        start_allocations: Vec::<StartAllocation>::new(),
-        allocations: p.allocations,
-        ops: p.ops,
-        op_origins,
-        segment_decisions: Vec::new(),
-        figures: Figures {
-            end_requested: p.requested,
-            ..p.figures
-        },
-        timeline: Vec::new(),
-        diagnostics: Diagnostics::default(),
-    }
+    p.into_workload()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::replay::workload::Op;
 
     /// Every allocation is freed at most once and only after it was made.
     fn check_well_formed(w: &DeviceWorkload) {

@@ -18,9 +18,8 @@
 //! [`build`] makes the program on its four streams; [`on_one_stream`] puts the same program on
 //! one stream, the reference that cross-stream reuse is measured against.
 
-use super::workload::{
-    Allocation, DeviceWorkload, Diagnostics, Figures, Op, OpOrigin, StartAllocation,
-};
+use super::op_list::OpList;
+use super::workload::{DeviceWorkload, Op};
 
 pub const COMPUTE_STREAM: u64 = 0;
 pub const ALL_GATHER_STREAM: u64 = 0x10;
@@ -79,44 +78,6 @@ pub fn fsdp_training() -> DeviceWorkload {
     build(&FsdpSpec::default())
 }
 
-/// The op list under construction.
-#[derive(Default)]
-struct Program {
-    ops: Vec<Op>,
-    allocations: Vec<Allocation>,
-    requested: u64,
-    figures: Figures,
-}
-
-impl Program {
-    fn alloc(&mut self, size: u64, stream: u64) -> u32 {
-        let id = self.allocations.len() as u32;
-        self.allocations.push(Allocation {
-            address: 0,
-            requested_size: size,
-            stream,
-            live_at_start: false,
-        });
-        self.ops.push(Op::Alloc { id, size, stream });
-        self.requested += size;
-        self.figures.allocs += 1;
-        self.figures.peak_requested = self.figures.peak_requested.max(self.requested);
-        id
-    }
-
-    fn free(&mut self, id: u32) {
-        self.requested -= self.allocations[id as usize].requested_size;
-        self.figures.frees += 1;
-        self.ops.push(Op::Free { id });
-    }
-
-    fn free_all(&mut self, ids: impl IntoIterator<Item = u32>) {
-        for id in ids {
-            self.free(id);
-        }
-    }
-}
-
 /// One layer's saved activations: five tensors of 1/8, 1/8, 1/4, 3/8 and 1/8 of the total
 /// (norm output, attention output, QKV, MLP hidden, residual), in the order forward makes them.
 fn activation_sizes(total: u64) -> [u64; 5] {
@@ -126,7 +87,7 @@ fn activation_sizes(total: u64) -> [u64; 5] {
 
 /// Builds the workload for `spec`, on its four streams.
 pub fn build(spec: &FsdpSpec) -> DeviceWorkload {
-    let mut p = Program::default();
+    let mut p = OpList::default();
     let shard = spec.layer_parameters / spec.world_size;
     // The sharded parameters and the optimizer's moments, made once and kept.
     for _ in 0..spec.layers {
@@ -193,7 +154,7 @@ pub fn build(spec: &FsdpSpec) -> DeviceWorkload {
         }
         p.free_all(sharded);
     }
-    finish(p)
+    p.into_workload()
 }
 
 /// The same program with every allocation on one stream: the reference for what several
@@ -209,30 +170,6 @@ pub fn on_one_stream(workload: &DeviceWorkload) -> DeviceWorkload {
         allocation.stream = COMPUTE_STREAM;
     }
     one
-}
-
-fn finish(p: Program) -> DeviceWorkload {
-    let op_origins = (0..p.ops.len())
-        .map(|index| OpOrigin {
-            trace_index: index,
-            time_us: 0,
-        })
-        .collect();
-    DeviceWorkload {
-        device: 0,
-        start_segments: Vec::new(),
-        start_allocations: Vec::<StartAllocation>::new(),
-        allocations: p.allocations,
-        ops: p.ops,
-        op_origins,
-        segment_decisions: Vec::new(),
-        figures: Figures {
-            end_requested: p.requested,
-            ..p.figures
-        },
-        timeline: Vec::new(),
-        diagnostics: Diagnostics::default(),
-    }
 }
 
 #[cfg(test)]

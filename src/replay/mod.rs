@@ -21,6 +21,7 @@
 pub mod demo;
 pub mod demo_fsdp;
 pub mod engine;
+mod op_list;
 pub mod pickle;
 pub mod plot;
 pub mod snapshot;
