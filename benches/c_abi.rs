@@ -301,7 +301,7 @@ fn two_streams(c: &mut Criterion, [first, second]: &[Worker; 2]) {
 /// that stream (`cuEventRecord`), the next allocation finds it completed (`cuEventQuery`), so
 /// this pair includes the fake driver's cost. With 10k live blocks, next to a plain pair.
 fn record_stream_pair(c: &mut Criterion, abi: Abi) {
-    let other: Stream = ptr::without_provenance_mut(new_stream() as usize);
+    let other: Stream = ptr::without_provenance_mut(support::new_stream() as usize);
     let blocks = abi.live_blocks(10_000, ptr::null_mut());
     let mut group = c.benchmark_group("record_stream/live_10000");
     group.bench_function("plain_pair", |b| {
@@ -319,36 +319,6 @@ fn record_stream_pair(c: &mut Criterion, abi: Abi) {
     });
     group.finish();
     abi.free_all(blocks);
-}
-
-/// Retains device 0's primary context on this thread and creates a stream, as PyTorch would.
-fn new_stream() -> u64 {
-    // SAFETY: in the rerun process libcuda.so is the fake, already loaded by ferrocache.
-    let cuda = unsafe { libloading::Library::new("libcuda.so") }.expect("load the fake");
-    // SAFETY: each signature is the driver API's.
-    unsafe {
-        let init = cuda
-            .get::<unsafe extern "C" fn(u32) -> c_int>(b"cuInit")
-            .expect("cuInit");
-        let retain = cuda
-            .get::<unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int>(
-                b"cuDevicePrimaryCtxRetain",
-            )
-            .expect("cuDevicePrimaryCtxRetain");
-        let set_current = cuda
-            .get::<unsafe extern "C" fn(*mut c_void) -> c_int>(b"cuCtxSetCurrent")
-            .expect("cuCtxSetCurrent");
-        let create = cuda
-            .get::<unsafe extern "C" fn(*mut *mut c_void, u32) -> c_int>(b"cuStreamCreate")
-            .expect("cuStreamCreate");
-        assert_eq!(init(0), 0);
-        let mut context = ptr::null_mut();
-        assert_eq!(retain(&mut context, 0), 0);
-        assert_eq!(set_current(context), 0);
-        let mut stream = ptr::null_mut();
-        assert_eq!(create(&mut stream, 0), 0);
-        stream.addr() as u64
-    }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -464,25 +434,7 @@ fn fake_libcuda_for_this_run() -> PathBuf {
     if !std::env::args().any(|arg| arg == "--bench") {
         return support::fake_libcuda_dir().to_path_buf();
     }
-    // Built as `support::fake_libcuda_dir` builds it, with --release.
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fake-cuda/Cargo.toml");
-    let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake-libcuda");
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(cargo)
-        .args(["build", "--quiet", "--release", "--package", "fake-libcuda"])
-        .arg("--manifest-path")
-        .arg(&manifest)
-        .arg("--target-dir")
-        .arg(&target)
-        .status()
-        .expect("run cargo to build the fake libcuda");
-    assert!(status.success(), "building {} failed", manifest.display());
-    let dir = target.join("release");
-    let versioned = dir.join("libcuda.so.1");
-    if !versioned.exists() {
-        let _ = std::os::unix::fs::symlink("libcuda.so", &versioned);
-    }
-    dir
+    support::build_fake_libcuda("release")
 }
 
 fn main() {
@@ -504,8 +456,8 @@ fn main() {
     // Started first, as PyTorch's threads are: glibc's malloc skips its locks only while a
     // process has a single thread, which no PyTorch process has.
     let workers = [
-        Worker::spawn(abi, new_stream(), 2_500),
-        Worker::spawn(abi, new_stream(), 2_500),
+        Worker::spawn(abi, support::new_stream(), 2_500),
+        Worker::spawn(abi, support::new_stream(), 2_500),
     ];
     let mut criterion = Criterion::default()
         .output_directory(&criterion_dir())

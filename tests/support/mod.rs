@@ -72,30 +72,35 @@ fn run(test: &str, library_path: &str, env: &[(&str, &str)], body: impl FnOnce()
 /// `libcuda.so` and `libcuda.so.1` (the name a driver installation provides).
 pub fn fake_libcuda_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fake-cuda/Cargo.toml");
-        // A target directory of its own, inside ours: the fake is not part of this workspace.
-        let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake-libcuda");
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let status = Command::new(cargo)
-            .arg("build")
-            .arg("--quiet")
-            .args(["--package", "fake-libcuda"])
-            .arg("--manifest-path")
-            .arg(&manifest)
-            .arg("--target-dir")
-            .arg(&target)
-            .status()
-            .expect("run cargo to build the fake libcuda");
-        assert!(status.success(), "building {} failed", manifest.display());
-        let dir = target.join("debug");
-        let versioned = dir.join("libcuda.so.1");
-        if !versioned.exists() {
-            // Another test binary may be doing the same at the same moment.
-            let _ = std::os::unix::fs::symlink("libcuda.so", &versioned);
-        }
-        dir
-    })
+    DIR.get_or_init(|| build_fake_libcuda("debug"))
+}
+
+/// Builds the fake libcuda with cargo's `profile` (`debug`, or `release` for a measuring run);
+/// the directory that holds it.
+pub fn build_fake_libcuda(profile: &str) -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fake-cuda/Cargo.toml");
+    // A target directory of its own, inside ours: the fake is not part of this workspace.
+    let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake-libcuda");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .arg("build")
+        .arg("--quiet")
+        .args((profile == "release").then_some("--release"))
+        .args(["--package", "fake-libcuda"])
+        .arg("--manifest-path")
+        .arg(&manifest)
+        .arg("--target-dir")
+        .arg(&target)
+        .status()
+        .expect("run cargo to build the fake libcuda");
+    assert!(status.success(), "building {} failed", manifest.display());
+    let dir = target.join(profile);
+    let versioned = dir.join("libcuda.so.1");
+    if !versioned.exists() {
+        // Another test binary may be doing the same at the same moment.
+        let _ = std::os::unix::fs::symlink("libcuda.so", &versioned);
+    }
+    dir
 }
 
 /// Compiles the C++ test helper `source` (under `tests/cpp/`) with g++ (or `$CXX`) into the
