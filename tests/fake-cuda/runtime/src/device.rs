@@ -6,7 +6,7 @@ use std::ffi::{c_char, c_int, c_uint};
 use cudarc::runtime::sys::cudaDeviceProp;
 
 use crate::driver::{self, enter};
-use crate::{CURRENT_DEVICE, CudaError, INVALID_DEVICE, Outcome, api, api_on_device, check, put};
+use crate::{CURRENT_DEVICE, CudaError, INVALID_DEVICE, Outcome, api, check, put};
 
 /// The runtime version this build reports (the headers its `cudaDeviceProp` follows).
 #[cfg(feature = "cuda-13")]
@@ -75,13 +75,7 @@ pub unsafe extern "C" fn cudaGetDeviceFlags(flags: *mut c_uint) -> CudaError {
     api("cudaGetDeviceFlags", || unsafe { put(flags, 0) })
 }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cudaDeviceSynchronize() -> CudaError {
-    // SAFETY: plain driver call on the current context.
-    api_on_device("cudaDeviceSynchronize", |_| {
-        check(unsafe { driver::cuCtxSynchronize() })
-    })
-}
+forward_on_device!(fn cudaDeviceSynchronize() => cuCtxSynchronize);
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaDeviceReset() -> CudaError {
@@ -116,16 +110,7 @@ pub unsafe extern "C" fn cudaDeviceGetAttribute(
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cudaDeviceGetStreamPriorityRange(
-    least: *mut c_int,
-    greatest: *mut c_int,
-) -> CudaError {
-    // SAFETY: forwarded optional out pointers.
-    api_on_device("cudaDeviceGetStreamPriorityRange", |_| {
-        check(unsafe { driver::cuCtxGetStreamPriorityRange(least, greatest) })
-    })
-}
+forward_on_device!(fn cudaDeviceGetStreamPriorityRange(least: *mut c_int, greatest: *mut c_int) => cuCtxGetStreamPriorityRange);
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaDeviceCanAccessPeer(

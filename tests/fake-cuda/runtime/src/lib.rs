@@ -21,6 +21,22 @@
     reason = "every export has the contract of the CUDA runtime function of the same name"
 )]
 
+/// A runtime function that is its driver function on the current device: the same arguments,
+/// the driver's result (`api_on_device`: the device's context made current, the call counted by
+/// the sweep, a failure kept as the last error).
+macro_rules! forward_on_device {
+    (fn $name:ident($($arg:ident: $type:ty),*) => $driver:ident) => {
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name($($arg: $type),*) -> $crate::CudaError {
+            $crate::api_on_device(stringify!($name), |_| {
+                // SAFETY: the arguments are the caller's, passed on to the driver function with
+                // the same contract.
+                $crate::check(unsafe { $crate::driver::$driver($($arg),*) })
+            })
+        }
+    };
+}
+
 mod device;
 mod driver;
 mod errors;

@@ -74,13 +74,7 @@ pub extern "C" fn cudaFreeAsync(ptr: *mut c_void, _stream: CuStream) -> CudaErro
     cudaFree(ptr)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cudaMemGetInfo(free: *mut usize, total: *mut usize) -> CudaError {
-    // SAFETY: forwarded out pointers.
-    api_on_device("cudaMemGetInfo", |_| {
-        check(unsafe { driver::cuMemGetInfo_v2(free, total) })
-    })
-}
+forward_on_device!(fn cudaMemGetInfo(free: *mut usize, total: *mut usize) => cuMemGetInfo_v2);
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaHostAlloc(

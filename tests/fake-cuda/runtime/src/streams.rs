@@ -53,52 +53,15 @@ pub extern "C" fn cudaStreamDestroy(stream: CuStream) -> CudaError {
     })
 }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cudaStreamSynchronize(stream: CuStream) -> CudaError {
-    // SAFETY: plain driver call; the driver checks the handle.
-    api_on_device("cudaStreamSynchronize", |_| {
-        check(unsafe { driver::cuStreamSynchronize(stream) })
-    })
-}
+forward_on_device!(fn cudaStreamSynchronize(stream: CuStream) => cuStreamSynchronize);
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cudaStreamQuery(stream: CuStream) -> CudaError {
-    // SAFETY: plain driver call; the driver checks the handle.
-    api_on_device("cudaStreamQuery", |_| {
-        check(unsafe { driver::cuStreamQuery(stream) })
-    })
-}
+forward_on_device!(fn cudaStreamQuery(stream: CuStream) => cuStreamQuery);
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cudaStreamWaitEvent(
-    stream: CuStream,
-    event: CuEvent,
-    flags: c_uint,
-) -> CudaError {
-    // SAFETY: plain driver call; the driver checks the handles.
-    api_on_device("cudaStreamWaitEvent", |_| {
-        check(unsafe { driver::cuStreamWaitEvent(stream, event, flags) })
-    })
-}
+forward_on_device!(fn cudaStreamWaitEvent(stream: CuStream, event: CuEvent, flags: c_uint) => cuStreamWaitEvent);
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cudaStreamGetPriority(
-    stream: CuStream,
-    priority: *mut c_int,
-) -> CudaError {
-    // SAFETY: forwarded out pointer.
-    api_on_device("cudaStreamGetPriority", |_| {
-        check(unsafe { driver::cuStreamGetPriority(stream, priority) })
-    })
-}
+forward_on_device!(fn cudaStreamGetPriority(stream: CuStream, priority: *mut c_int) => cuStreamGetPriority);
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cudaStreamGetFlags(stream: CuStream, flags: *mut c_uint) -> CudaError {
-    // SAFETY: forwarded out pointer.
-    api_on_device("cudaStreamGetFlags", |_| {
-        check(unsafe { driver::cuStreamGetFlags(stream, flags) })
-    })
-}
+forward_on_device!(fn cudaStreamGetFlags(stream: CuStream, flags: *mut c_uint) => cuStreamGetFlags);
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaLaunchHostFunc(
@@ -131,32 +94,11 @@ pub unsafe extern "C" fn cudaStreamAddCallback(
 
 // ---- Capture -------------------------------------------------------------------------------
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cudaStreamBeginCapture(stream: CuStream, mode: u32) -> CudaError {
-    // SAFETY: plain driver call; the driver checks the handle and the mode.
-    api_on_device("cudaStreamBeginCapture", |_| {
-        check(unsafe { driver::cuStreamBeginCapture_v2(stream, mode) })
-    })
-}
+forward_on_device!(fn cudaStreamBeginCapture(stream: CuStream, mode: u32) => cuStreamBeginCapture_v2);
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cudaStreamEndCapture(
-    stream: CuStream,
-    graph: *mut *mut c_void,
-) -> CudaError {
-    // SAFETY: forwarded out pointer.
-    api_on_device("cudaStreamEndCapture", |_| {
-        check(unsafe { driver::cuStreamEndCapture(stream, graph) })
-    })
-}
+forward_on_device!(fn cudaStreamEndCapture(stream: CuStream, graph: *mut *mut c_void) => cuStreamEndCapture);
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cudaStreamIsCapturing(stream: CuStream, status: *mut u32) -> CudaError {
-    // SAFETY: forwarded out pointer.
-    api_on_device("cudaStreamIsCapturing", |_| {
-        check(unsafe { driver::cuStreamIsCapturing(stream, status) })
-    })
-}
+forward_on_device!(fn cudaStreamIsCapturing(stream: CuStream, status: *mut u32) => cuStreamIsCapturing);
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaThreadExchangeStreamCaptureMode(mode: *mut u32) -> CudaError {
@@ -343,13 +285,7 @@ pub unsafe extern "C" fn cudaEventCreate(event: *mut CuEvent) -> CudaError {
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cudaEventCreateWithFlags(event: *mut CuEvent, flags: c_uint) -> CudaError {
-    // SAFETY: forwarded out pointer; the driver checks the flags.
-    api_on_device("cudaEventCreateWithFlags", |_| {
-        check(unsafe { driver::cuEventCreate(event, flags) })
-    })
-}
+forward_on_device!(fn cudaEventCreateWithFlags(event: *mut CuEvent, flags: c_uint) => cuEventCreate);
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaEventDestroy(event: CuEvent) -> CudaError {
@@ -359,13 +295,7 @@ pub extern "C" fn cudaEventDestroy(event: CuEvent) -> CudaError {
     })
 }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cudaEventRecord(event: CuEvent, stream: CuStream) -> CudaError {
-    // SAFETY: plain driver call; the driver checks the handles.
-    api_on_device("cudaEventRecord", |_| {
-        check(unsafe { driver::cuEventRecord(event, stream) })
-    })
-}
+forward_on_device!(fn cudaEventRecord(event: CuEvent, stream: CuStream) => cuEventRecord);
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaEventRecordWithFlags(
@@ -373,7 +303,8 @@ pub extern "C" fn cudaEventRecordWithFlags(
     stream: CuStream,
     _flags: c_uint,
 ) -> CudaError {
-    cudaEventRecord(event, stream)
+    // SAFETY: the caller's handles, passed on; the driver checks them.
+    unsafe { cudaEventRecord(event, stream) }
 }
 
 #[unsafe(no_mangle)]
