@@ -104,15 +104,16 @@ def call_names(fake, total: int) -> list[str]:
     return names
 
 
-def run_forked(fake, fail_at: int, code: int, sticky: int, timeout: float,
-               want_names: bool = False) -> dict:
-    """Runs the program in a forked child with call `fail_at` failing; its verdict."""
-    result_read, result_write = os.pipe()
-    err_read, err_write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
+def run_child(fake, fail_at: int, code: int, sticky: int, want_names: bool,
+              result_read: int, result_write: int, err_write: int) -> None:
+    """The forked child: runs the program, writes its outcome, exits; never returns (an error
+    of the harness itself ends the child with status 70, never in the parent's code)."""
+    import atexit
+    import ctypes
+    import traceback
+
+    try:
         os.close(result_read)
-        os.close(err_read)
         os.dup2(err_write, 2)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
@@ -121,15 +122,26 @@ def run_forked(fake, fail_at: int, code: int, sticky: int, timeout: float,
             outcome["names"] = call_names(fake, outcome["calls"])
         with os.fdopen(result_write, "w") as out:
             out.write(json.dumps(outcome))
-        # The exit of a process: Python's atexit handlers (torch's among them), then libc's exit,
-        # which runs the C and C++ libraries' handlers and destructors (torch's, ferrocache's).
-        # Only the interpreter's own teardown of its modules is skipped (0.3 s a run).
-        import atexit
-        import ctypes
-
-        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - whatever it is, the child must not return
+        traceback.print_exc()
         sys.stderr.flush()
-        ctypes.CDLL(None).exit(0)
+        os._exit(70)
+    # The exit of a process: Python's atexit handlers (torch's among them), then libc's exit,
+    # which runs the C and C++ libraries' handlers and destructors (torch's, ferrocache's).
+    # Only the interpreter's own teardown of its modules is skipped (0.3 s a run).
+    atexit._run_exitfuncs()
+    sys.stderr.flush()
+    ctypes.CDLL(None).exit(0)
+
+
+def run_forked(fake, fail_at: int, code: int, sticky: int, timeout: float,
+               want_names: bool = False) -> dict:
+    """Runs the program in a forked child with call `fail_at` failing; its verdict."""
+    result_read, result_write = os.pipe()
+    err_read, err_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        run_child(fake, fail_at, code, sticky, want_names, result_read, result_write, err_write)
     os.close(result_write)
     os.close(err_write)
     chunks = {result_read: [], err_read: []}
