@@ -486,6 +486,40 @@ fn a_driver_failure_is_reported_as_a_cuda_error() {
 }
 
 #[test]
+fn after_a_sticky_error_every_allocation_fails_even_from_the_cache() {
+    in_own_process(
+        "after_a_sticky_error_every_allocation_fails_even_from_the_cache",
+        &[],
+        || {
+            let api = Api::open();
+            let fake = FakeCuda::open();
+            let cached = api.alloc(4096, 0, 0);
+            assert!(!cached.is_null());
+            api.rust_free(cached, 4096, 0);
+            // An illegal address leaves the context unusable.
+            fake.fail_next("cuMemAlloc_v2", 700);
+            assert!(api.alloc(100 * MIB, 0, 0).is_null());
+            let unusable = api.last_error();
+            assert!(
+                unusable.contains("CUDA is unusable in this process"),
+                "{unusable}"
+            );
+            // The cached 4 KiB block would be a cache hit: it is refused too, without a call.
+            let calls_before = fake.stat("cuCtxGetCurrent") + fake.stat("cuMemAlloc_v2");
+            assert!(
+                api.alloc(4096, 0, 0).is_null(),
+                "a cache hit after a sticky error"
+            );
+            assert_eq!(api.last_error(), unusable);
+            assert_eq!(
+                fake.stat("cuCtxGetCurrent") + fake.stat("cuMemAlloc_v2"),
+                calls_before
+            );
+        },
+    );
+}
+
+#[test]
 fn devices_that_do_not_exist_are_errors() {
     in_own_process("devices_that_do_not_exist_are_errors", &[], || {
         let api = Api::open();
