@@ -172,7 +172,8 @@ def run_forked(fake, fail_at: int, code: int, sticky: int, timeout: float,
     if os.WIFSIGNALED(status) or os.WEXITSTATUS(status) != 0 or not text:
         how = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
                else f"exit {os.WEXITSTATUS(status)}")
-        return {"verdict": f"DIED ({how})", "stderr": stderr[-3000:]}
+        return {"verdict": f"DIED ({how})", "stderr": stderr[-3000:],
+                "signature": abort_signature(stderr)}
     result = json.loads(text)
     result["logged"] = "[ERROR] Allocator:" in stderr
     complete = result["checked"] == STEPS and result["graphs"] == result["graphs_expected"]
@@ -238,8 +239,10 @@ def sweep(args) -> int:
         outcome["calls_before"] = names[max(0, int(index) - 8):int(index) - 1]
         print(json.dumps(outcome, indent=1))
         return 1 if is_bad(outcome["verdict"]) else 0
+    only = set(args.calls.split(",")) if args.calls else None
     jobs = [(kind, index) for kind in args.kinds.split(",")
-            for index in range(1, total + 1, args.stride)]
+            for index in range(1, total + 1, args.stride)
+            if only is None or names[index - 1] in only]
     worker, workers = args.shard
     results = []
     for kind, index in jobs[worker::workers]:
@@ -249,7 +252,7 @@ def sweep(args) -> int:
                         "verdict": outcome["verdict"],
                         "errors": outcome.get("errors", [])[:3],
                         "logged": outcome.get("logged", False),
-                        "signature": abort_signature(outcome.get("stderr", "")),
+                        "signature": outcome.get("signature"),
                         "stderr": outcome.get("stderr", "") if is_bad(outcome["verdict"]) else ""})
     with open(args.out, "w") as f:
         json.dump({"torch": torch.__version__, "calls": total, "names": names,
@@ -264,6 +267,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=60)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", default="target/torch-fault-sweep/summary.json")
+    parser.add_argument("--calls", default=None, metavar="NAMES",
+                        help="only the calls of these functions, e.g. cudaGetDevice,cuMemAlloc_v2")
     parser.add_argument("--native", action="store_true",
                         help="PyTorch's own allocator instead of ferrocache")
     parser.add_argument("--one", default=None, metavar="KIND:CALL",
@@ -282,14 +287,19 @@ def main() -> int:
     bad = [r for r in results if is_bad(r["verdict"])]
     # A process that PyTorch itself ended (a C++ exception thrown where PyTorch cannot let one
     # out, after a sticky error) is PyTorch's doing when its own allocator's run ends the same
-    # way: the same sweep with the native allocator says which ends are PyTorch's.
+    # way: the native allocator's sweep, over every call of the functions whose failure ended a
+    # process here (the call numbers differ between the two allocators), says which are.
     native_signatures: set[str] = set()
     native_summary = None
-    if not args.native and any(r["verdict"].startswith("DIED") for r in bad):
-        kinds = sorted({r["kind"] for r in bad}, key=list(KINDS).index)
-        print(f"runs died: the same sweep with PyTorch's own allocator ({','.join(kinds)})")
-        native = run_workers(argparse.Namespace(**{**vars(args), "kinds": ",".join(kinds)}),
-                             native=True, tag="native")
+    died = [r for r in bad if r["verdict"].startswith("DIED")]
+    if not args.native and died:
+        kinds = sorted({r["kind"] for r in died}, key=list(KINDS).index)
+        calls = sorted({r["call"] for r in died})
+        print(f"runs died: PyTorch's own allocator with every call of {','.join(calls)} "
+              f"failing ({','.join(kinds)})")
+        native_args = {**vars(args), "kinds": ",".join(kinds), "calls": ",".join(calls),
+                       "stride": 1}
+        native = run_workers(argparse.Namespace(**native_args), native=True, tag="native")
         if native is None:
             return 1
         native_signatures = {r["signature"] for r in native[2]
@@ -353,6 +363,8 @@ def run_workers(args, native: bool, tag: str = "worker"):
         command = [sys.executable, __file__, "--shard", f"{worker}/{args.workers}",
                    "--kinds", args.kinds, "--stride", str(args.stride),
                    "--timeout", str(args.timeout), "--out", part]
+        if args.calls:
+            command += ["--calls", args.calls]
         if native:
             command.append("--native")
         shards.append((part, subprocess.Popen(command, env=env)))

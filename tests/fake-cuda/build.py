@@ -198,6 +198,17 @@ def cargo_build(target_dir: Path, *arguments: str, env: dict[str, str] | None = 
         sys.exit(f"fake-cuda: cargo build {' '.join(arguments)} failed")
 
 
+def looked_up_driver_functions(torch_lib: Path | None) -> set[str]:
+    """The driver functions libc10_cuda finds with dlsym rather than imports: c10's DriverAPI
+    (torch 2.5 to 2.7 look up every one of its list when the native allocator starts, and fail
+    if one is missing). Read from the library's strings: names of the driver's form, `cuX...`."""
+    library = torch_lib / "libc10_cuda.so" if torch_lib is not None else None
+    if library is None or not library.exists():
+        return set()
+    data = library.read_bytes()
+    return {m.decode() for m in re.findall(rb"(?<=\x00)(cu[A-Z][A-Za-z0-9_]{2,60})(?=\x00)", data)}
+
+
 def rust_exports(source_dir: Path) -> set[str]:
     """The names of the `#[unsafe(no_mangle)]` functions in a crate's sources."""
     pattern = re.compile(r"#\[unsafe\(no_mangle\)\]\s*pub (?:unsafe )?extern \"C\" fn (\w+)")
@@ -229,7 +240,8 @@ def build(out: Path, torch_lib: Path | None, cuda_major: int | None) -> None:
     # generated "not supported" export of the driver itself (see driver/build.rs).
     driver_names = out / "build" / "driver-stubs.txt"
     implemented_driver = rust_exports(HERE / "driver" / "src")
-    driver_names.write_text("".join(f"{n}\n" for n in sorted(wanted.pop("libcuda.so.1", set()) - implemented_driver)))
+    imported = wanted.pop("libcuda.so.1", set()) | looked_up_driver_functions(torch_lib)
+    driver_names.write_text("".join(f"{n}\n" for n in sorted(imported - implemented_driver)))
     versions.pop("libcuda.so.1", None)
     cargo_target = out / "cargo"
     cargo_build(cargo_target, "-p", "fake-libcuda", env={"FAKE_CUDA_DRIVER_STUBS": str(driver_names)})
