@@ -8,6 +8,7 @@ import pytest
 from torch_env import (
     GIB,
     MIB,
+    TORCH_ABORTS_AT_EXIT_ON_A_BAD_SETTING,
     TORCH_VERSION,
     WORDING_FROM,
     require_real_torch,
@@ -80,6 +81,7 @@ def test_a_bad_setting_is_refused_in_pytorchs_own_words(conf: str) -> None:
             result(str(err))
         """,
         env=torch_env(PYTORCH_CUDA_ALLOC_CONF=conf),
+        check=not TORCH_ABORTS_AT_EXIT_ON_A_BAD_SETTING,
     )
     assert native is not None, f"PyTorch accepts {conf!r}"
     assert ours["given"]

@@ -32,6 +32,9 @@ def _torch_version() -> tuple[int, ...]:
 
 #: The installed PyTorch's (major, minor), without importing it.
 TORCH_VERSION = _torch_version()
+#: torch 2.9 parses PYTORCH_CUDA_ALLOC_CONF once more at exit and aborts there on a setting it
+#: refused, whichever allocator is in use: a child that answered may still exit with SIGABRT.
+TORCH_ABORTS_AT_EXIT_ON_A_BAD_SETTING = TORCH_VERSION == (2, 9)
 #: ferrocache's messages for refused settings are those of this PyTorch and newer (older ones
 #: word some of them differently).
 WORDING_FROM = (2, 15)
