@@ -11,9 +11,12 @@ import subprocess
 
 import pytest
 from conftest import REPO, STRICT
-from torch_env import require_real_torch
+from torch_env import TORCH_VERSION, require_real_torch
 
 require_real_torch()
+
+#: The torch the benchmark's figures are for.
+BENCHMARKED_TORCH = (2, 15)
 
 
 def _load_benchmark():
@@ -33,10 +36,17 @@ def test_the_torch_allocation_benchmark_runs_under_each_allocator() -> None:
     try:
         harness = bench.build_harness(info)
     except subprocess.CalledProcessError as err:
+        command = " ".join(map(str, err.cmd))
         # The CUDA runtime headers come from PyPI (once); without it the benchmark cannot build.
-        if STRICT or "pip" not in " ".join(map(str, err.cmd)):
-            raise
-        pytest.skip(f"could not download the CUDA runtime headers: {err}")
+        if "pip" in command and not STRICT:
+            pytest.skip(f"could not download the CUDA runtime headers: {err}")
+        # The benchmark is made for torch 2.15 (docs/performance.md). Older torches' headers
+        # may not compile against the newest headers of their CUDA minor on PyPI (torch 2.12
+        # and 2.13 call a cudaStreamGetCaptureInfo form the 13.0 headers there lack).
+        if "-std=c++20" in err.cmd and TORCH_VERSION != BENCHMARKED_TORCH:
+            version = ".".join(map(str, TORCH_VERSION))
+            pytest.skip(f"the harness does not build against torch {version}'s headers")
+        raise
     small_pairs = 2 * 10  # chunks * chunk_pairs, per figure
     options = {
         "live": [100], "small": bench.SMALL, "large": bench.LARGE, "chunks": 2,
