@@ -95,6 +95,9 @@ const KINDS: [Kind; 5] = [
 /// `rust_malloc` without the C++ throw).
 struct Api {
     library: Ferrocache,
+    /// `tests/cpp/capture_hooks.cpp` (PyTorch's `CUDAGraph` side of the pool hooks), when the
+    /// parent built it.
+    capture_hooks: Option<libloading::Library>,
 }
 
 impl Api {
@@ -159,7 +162,6 @@ impl Api {
     /// streams whose capture has the id `*capture_id`.
     fn capture_begin(
         &self,
-        hooks: &libloading::Library,
         pool: (u64, u64),
         capture_info: *mut c_void,
         capture_id: *const u64,
@@ -172,8 +174,7 @@ impl Api {
             *mut c_void,
             *const u64,
         ) -> *const c_char;
-        // SAFETY: the helper's export, with its C signature.
-        let begin = *unsafe { hooks.get::<Begin>(b"capture_hooks_begin") }.expect("the helper");
+        let begin: Begin = self.capture_hook("capture_hooks_begin");
         let hook = self.library.address("rust_begin_allocate_to_pool");
         // SAFETY: the hook has the C++ type the helper casts it to; `capture_info` is the fake's
         // cuStreamGetCaptureInfo; `capture_id` outlives the capture (the program keeps it).
@@ -189,12 +190,21 @@ impl Api {
     }
 
     /// `capture_end` or `reset`: the end or the release hook (`hook`), which log what they refuse.
-    fn pool_hook(&self, hooks: &libloading::Library, hook: &str, pool: (u64, u64)) {
+    fn pool_hook(&self, hook: &str, pool: (u64, u64)) {
         type Call = unsafe extern "C" fn(*mut c_void, c_int, u64, u64);
-        // SAFETY: the helper's export, with its C signature.
-        let call = *unsafe { hooks.get::<Call>(b"capture_hooks_pool_call") }.expect("the helper");
+        let call: Call = self.capture_hook("capture_hooks_pool_call");
         // SAFETY: `hook` is one of the two hooks of type void(int, MempoolId_t).
         unsafe { call(self.library.address(hook), 0, pool.0, pool.1) }
+    }
+
+    /// The capture helper's export `name`; `T` must be its exact C signature.
+    fn capture_hook<T: Copy>(&self, name: &str) -> T {
+        let hooks = self
+            .capture_hooks
+            .as_ref()
+            .expect("the capture hooks are loaded");
+        // SAFETY: each caller names an export of tests/cpp/capture_hooks.cpp with its signature.
+        *unsafe { hooks.get::<T>(name.as_bytes()) }.expect("the capture helper's export")
     }
 
     fn last_error(&self) -> String {
@@ -273,8 +283,6 @@ struct Program {
     outcomes: Vec<String>,
     /// The driver calls each of those steps made: counted calls `(first, last]`.
     spans: Vec<(u64, u64)>,
-    /// `tests/cpp/capture_hooks.cpp`, for the capture program.
-    capture_hooks: Option<libloading::Library>,
     /// The capture ids the filters read, kept for as long as ferrocache may ask them.
     #[allow(
         clippy::vec_box,
@@ -331,8 +339,7 @@ impl Program {
 
     fn free(&mut self, ptr: *mut c_void) {
         if let Some(i) = self.live.iter().position(|&(p, _, _)| p == ptr) {
-            let (ptr, size, stream) = self.live.remove(i);
-            self.api.rust_free(ptr, size, stream);
+            self.free_where(|j| j == i);
         }
     }
 
@@ -342,12 +349,11 @@ impl Program {
     /// have raised.
     fn capture_begin(&mut self, fake: &FakeCuda, pool: (u64, u64), stream: u64) -> bool {
         fake.set_capturing(stream, true);
+        type Info = unsafe extern "C" fn(*mut c_void, *mut u32, *mut u64) -> u32;
+        let info: Info = self.sweep.function("cuStreamGetCaptureInfo");
         let capture_info = self.sweep.address("cuStreamGetCaptureInfo");
         let before = self.sweep.calls();
         let id = self.step("the capture's id", |_| {
-            type Info = unsafe extern "C" fn(*mut c_void, *mut u32, *mut u64) -> u32;
-            // SAFETY: the fake's cuStreamGetCaptureInfo has this signature.
-            let info: Info = unsafe { std::mem::transmute::<*mut c_void, Info>(capture_info) };
             let (mut status, mut id) = (0u32, 0u64);
             // SAFETY: valid out pointers; the stream handle is only passed on.
             match unsafe {
@@ -368,16 +374,11 @@ impl Program {
         };
         self.capture_ids.push(Box::new(id));
         let id: *const u64 = &**self.capture_ids.last().expect("just pushed");
-        let hooks = self
-            .capture_hooks
-            .take()
-            .expect("the capture hooks are loaded");
         let begun = self
             .step(&format!("capture_begin into pool {pool:?}"), |api| {
-                api.capture_begin(&hooks, pool, capture_info, id)
+                api.capture_begin(pool, capture_info, id)
             })
             .is_some();
-        self.capture_hooks = Some(hooks);
         if !begun {
             fake.set_capturing(stream, false);
         }
@@ -392,15 +393,10 @@ impl Program {
 
     /// A hook that returns nothing, as one step: `capture_end`'s or `reset`'s.
     fn pool_hook(&mut self, hook: &str, pool: (u64, u64)) {
-        let hooks = self
-            .capture_hooks
-            .take()
-            .expect("the capture hooks are loaded");
         self.step(&format!("{hook} {pool:?}"), |api| {
-            api.pool_hook(&hooks, hook, pool);
+            api.pool_hook(hook, pool);
             Ok(())
         });
-        self.capture_hooks = Some(hooks);
     }
 }
 
@@ -498,8 +494,8 @@ const GRAPH_POOL: (u64, u64) = (1, 0);
 /// CUDA graph captures into a private pool: a graph captured on stream 2 allocates from the
 /// pool (small and large blocks, new segments made in the relaxed capture mode) while stream 0
 /// keeps the ordinary pools, frees a block during its capture; a second graph shares the pool
-/// (`pool=g1.pool()`) on stream 1 and runs out of memory; then both are reset: their tensors freed, the pool released
-/// twice, the cache emptied.
+/// (`pool=g1.pool()`) on stream 1 and runs out of memory; then both are reset: their tensors
+/// freed, the pool released twice, the cache emptied.
 fn capture_program(program: &mut Program, fake: &FakeCuda, streams: [u64; 3]) {
     program.alloc(MIB, streams[0]);
     program.alloc(4096, streams[2]);
@@ -552,6 +548,10 @@ fn run_child(which: &str) {
     );
     let api = Api {
         library: Ferrocache::open(),
+        capture_hooks: std::env::var_os(CAPTURE_HOOKS).map(|path| {
+            // SAFETY: the helper has no initialisers beyond the C++ runtime's.
+            unsafe { libloading::Library::new(path) }.expect("load the capture hooks")
+        }),
     };
     let fake = FakeCuda::open();
     let streams = [0, new_stream(), new_stream()];
@@ -561,10 +561,6 @@ fn run_child(which: &str) {
         live: Vec::new(),
         outcomes: Vec::new(),
         spans: Vec::new(),
-        capture_hooks: std::env::var_os(CAPTURE_HOOKS).map(|path| {
-            // SAFETY: the helper has no initialisers beyond the C++ runtime's.
-            unsafe { libloading::Library::new(path) }.expect("load the capture hooks")
-        }),
         capture_ids: Vec::new(),
         own_calls: Vec::new(),
     };

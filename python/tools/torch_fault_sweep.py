@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 
 KINDS = {
     "out_of_memory": (2, 0),
@@ -311,13 +312,8 @@ def main() -> int:
                              and r["signature"] in native_signatures)
     unexplained = [r for r in bad if not r["pytorchs_own"]]
     counts = count_verdicts(results)
-    no_effect: dict[str, int] = {}
-    for r in results:
-        if r["verdict"] == "no effect":
-            no_effect[r["call"]] = no_effect.get(r["call"], 0) + 1
-    by_function: dict[str, int] = {}
-    for name in names:
-        by_function[name] = by_function.get(name, 0) + 1
+    no_effect = dict(Counter(r["call"] for r in results if r["verdict"] == "no effect"))
+    by_function = dict(Counter(names))
     summary = {"allocator": "native" if args.native else "ferrocache", "calls": total,
                "runs": len(results), "stride": args.stride, "counts": counts,
                "calls_by_function": by_function, "no_effect_by_function": no_effect,
@@ -342,14 +338,13 @@ def main() -> int:
 
 
 def count_verdicts(results: list[dict]) -> dict[str, dict[str, int]]:
-    counts: dict[str, dict[str, int]] = {}
+    counts: dict[str, Counter[str]] = {}
     for r in results:
         verdict = r["verdict"].split(" (")[0]
         if r.get("pytorchs_own"):
             verdict = "DIED as under PyTorch's allocator"
-        counts.setdefault(r["kind"], {}).setdefault(verdict, 0)
-        counts[r["kind"]][verdict] += 1
-    return counts
+        counts.setdefault(r["kind"], Counter())[verdict] += 1
+    return {kind: dict(verdicts) for kind, verdicts in counts.items()}
 
 
 def run_workers(args, native: bool, tag: str = "worker"):

@@ -11,6 +11,7 @@
 
 use crate::{CuResult, lock};
 use std::ffi::c_char;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 #[derive(Default)]
 pub struct Sweep {
@@ -53,6 +54,7 @@ impl Sweep {
 /// `code`, and with `sticky` non-zero every call after it as well.
 #[unsafe(no_mangle)]
 pub extern "C" fn fake_cuda_sweep_arm(fail_at: u64, code: CuResult, sticky: i32) {
+    ARMED.store(true, Ordering::Release);
     lock().sweep = Sweep {
         armed: true,
         fail_at,
@@ -73,11 +75,19 @@ pub extern "C" fn fake_cuda_sweep_arm(fail_at: u64, code: CuResult, sticky: i32)
 /// runtime, which is never unloaded.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fake_cuda_sweep_runtime_call(name: *const u8, len: usize) -> CuResult {
+    // Unarmed (every run but a sweep's), a runtime call that needs no driver call must not take
+    // the driver's lock: the host-cost benchmarks time PyTorch's cudaGetDevice on this fake.
+    if !ARMED.load(Ordering::Acquire) {
+        return crate::CUDA_SUCCESS;
+    }
     // SAFETY: the caller's contract: valid UTF-8 for the life of the process.
     let name: &'static str =
         unsafe { std::str::from_utf8_unchecked(std::slice::from_raw_parts(name, len)) };
     lock().sweep.on_call(name).unwrap_or(crate::CUDA_SUCCESS)
 }
+
+/// Whether a sweep was ever armed in this process (it is never disarmed, only re-armed).
+static ARMED: AtomicBool = AtomicBool::new(false);
 
 /// How many driver calls were made since the sweep was armed.
 #[unsafe(no_mangle)]
