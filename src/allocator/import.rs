@@ -17,16 +17,7 @@ impl<D: Device> DeviceAllocator<D> {
         pool: PoolKind,
         live: &[ImportedBlock],
     ) -> Result<(DevicePtr, Vec<DevicePtr>), AllocError> {
-        let mut cursor = 0;
-        for b in live {
-            if b.offset < cursor || b.size == 0 || b.offset.saturating_add(b.size) > size {
-                return Err(AllocError::InvalidArgument(format!(
-                    "block at offset {} (size {}) does not fit a segment of {size} bytes",
-                    b.offset, b.size
-                )));
-            }
-            cursor = b.offset + b.size;
-        }
+        check_fit(live, size, &format!("a segment of {size} bytes"))?;
         let base = match self.device.malloc(size, stream) {
             Ok(ptr) => ptr,
             Err(DeviceError::OutOfMemory) => {
@@ -42,19 +33,7 @@ impl<D: Device> DeviceAllocator<D> {
             Err(err) => return Err(err.into()),
         };
         let head = self.adopt_segment(base, size, stream, pool);
-        // Lay out the pieces: free gaps and live blocks, in address order.
-        let mut pieces: Vec<(usize, usize, Option<usize>)> = Vec::new();
-        let mut offset = 0;
-        for b in live {
-            if b.offset > offset {
-                pieces.push((offset, b.offset - offset, None));
-            }
-            pieces.push((b.offset, b.size, Some(b.requested_size)));
-            offset = b.offset + b.size;
-        }
-        if offset < size {
-            pieces.push((offset, size - offset, None));
-        }
+        let pieces = pieces(live, size);
         let split = pieces.len() > 1;
         let mut ids = Vec::with_capacity(pieces.len());
         for (i, &(piece_offset, piece_size, requested)) in pieces.iter().enumerate() {
@@ -120,16 +99,7 @@ impl<D: Device> DeviceAllocator<D> {
         pool: PoolKind,
         live: &[ImportedBlock],
     ) -> Result<(DevicePtr, Vec<DevicePtr>), AllocError> {
-        let mut cursor = 0;
-        for b in live {
-            if b.offset < cursor || b.size == 0 || b.offset.saturating_add(b.size) > mapped {
-                return Err(AllocError::InvalidArgument(format!(
-                    "block at offset {} (size {}) does not fit {mapped} mapped bytes",
-                    b.offset, b.size
-                )));
-            }
-            cursor = b.offset + b.size;
-        }
+        check_fit(live, mapped, &format!("{mapped} mapped bytes"))?;
         let head = self.new_expandable_segment(stream, pool, None)?;
         let (base, range) = {
             let b = self.arena.get(head);
@@ -159,19 +129,7 @@ impl<D: Device> DeviceAllocator<D> {
         self.pools
             .get_mut(None, pool)
             .remove(head, self.arena.get(head));
-        let mapped_size = self.arena.get(head).size;
-        let mut pieces: Vec<(usize, usize, Option<usize>)> = Vec::new();
-        let mut offset = 0;
-        for b in live {
-            if b.offset > offset {
-                pieces.push((offset, b.offset - offset, None));
-            }
-            pieces.push((b.offset, b.size, Some(b.requested_size)));
-            offset = b.offset + b.size;
-        }
-        if offset < mapped_size {
-            pieces.push((offset, mapped_size - offset, None));
-        }
+        let pieces = pieces(live, self.arena.get(head).size);
         let segment = self.arena.get(head).expandable;
         let mut pointers = Vec::with_capacity(live.len());
         let mut previous: Option<BlockId> = None;
@@ -200,4 +158,38 @@ impl<D: Device> DeviceAllocator<D> {
         }
         Ok((base, pointers))
     }
+}
+
+/// Refuses live blocks that are empty, out of order, overlapping, or beyond the `room` bytes
+/// that `room_name` describes.
+fn check_fit(live: &[ImportedBlock], room: usize, room_name: &str) -> Result<(), AllocError> {
+    let mut cursor = 0;
+    for b in live {
+        if b.offset < cursor || b.size == 0 || b.offset.saturating_add(b.size) > room {
+            return Err(AllocError::InvalidArgument(format!(
+                "block at offset {} (size {}) does not fit {room_name}",
+                b.offset, b.size
+            )));
+        }
+        cursor = b.offset + b.size;
+    }
+    Ok(())
+}
+
+/// The pieces of `size` bytes holding `live`, in address order: `(offset, size, Some(requested
+/// size))` for a live block, `(offset, size, None)` for a free gap.
+fn pieces(live: &[ImportedBlock], size: usize) -> Vec<(usize, usize, Option<usize>)> {
+    let mut pieces = Vec::with_capacity(2 * live.len() + 1);
+    let mut offset = 0;
+    for b in live {
+        if b.offset > offset {
+            pieces.push((offset, b.offset - offset, None));
+        }
+        pieces.push((b.offset, b.size, Some(b.requested_size)));
+        offset = b.offset + b.size;
+    }
+    if offset < size {
+        pieces.push((offset, size - offset, None));
+    }
+    pieces
 }
