@@ -128,6 +128,9 @@ fn allocator(device: c_int) -> Result<&'static LockedAllocator, String> {
 #[cold]
 #[inline(never)]
 fn first_use_of(device: c_int) -> Result<&'static LockedAllocator, String> {
+    // The settings (and logging) are read on the library's first use, before anything is
+    // logged; a created allocator implies they were.
+    settings();
     let slot = device_slot(device).inspect_err(|why| logging::invalid_device(why))?;
     if let Some(created) = slot.get() {
         return created.as_ref().map_err(String::clone);
@@ -310,7 +313,7 @@ fn device_pointer(ptr: DevicePtr) -> *mut c_void {
 }
 
 /// Allocates, or says why not (the message the C++ exception or the last error carries).
-#[inline]
+#[inline(always)]
 fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_void, AllocFailure> {
     if size == 0 {
         return Ok(ptr::null_mut());
@@ -465,11 +468,29 @@ struct FreeClaims {
 fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
     // Before any lock, as in `allocate`.
     let stack = gather_stack(StackEvent::Free);
+    if let Some(device) = claims.device
+        && let Some(allocator) = created_allocator(device)
+    {
+        // The guard goes at the end of this statement: a warning never holds up other threads.
+        let freed = allocator.lock().free_with_stack(ptr, stack);
+        if let Ok(recorded) = freed {
+            report_wrong_claims(claims, device, &recorded);
+            return Ok(());
+        }
+    }
+    release_elsewhere(ptr, claims, stack)
+}
+
+/// [`release`] when the device the caller named (if any) did not hand `ptr` out: every device
+/// is asked (the named one again, which costs only on this rare path).
+#[cold]
+#[inline(never)]
+fn release_elsewhere(ptr: DevicePtr, claims: &FreeClaims, stack: StackId) -> Result<(), String> {
+    settings();
     match with_owner(claims.device, |allocator| {
         allocator.free_with_stack(ptr, stack)
     }) {
         Some((device, recorded)) => {
-            // Logged after the lock is released: a warning never holds up other threads.
             report_wrong_claims(claims, device, &recorded);
             Ok(())
         }
@@ -478,7 +499,25 @@ fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
 }
 
 /// Logs at WARN each claim of a free that differs from what the allocation recorded.
+#[inline(always)]
 fn report_wrong_claims(claims: &FreeClaims, device: c_int, recorded: &AllocationInfo) {
+    let differs = |claim: Option<u64>, actual: u64| claim.is_some_and(|c| c != actual);
+    if differs(claims.device.map(|d| d as u64), device as u64)
+        || differs(
+            claims.size.map(|s| s as u64),
+            recorded.requested_size as u64,
+        )
+        || differs(claims.stream, recorded.stream)
+    {
+        log_wrong_claims(claims, device, recorded);
+    }
+}
+
+/// [`report_wrong_claims`] once a claim differs (out of line: PyTorch's wrapper always passes
+/// what the allocation recorded).
+#[cold]
+#[inline(never)]
+fn log_wrong_claims(claims: &FreeClaims, device: c_int, recorded: &AllocationInfo) {
     let ptr = recorded.ptr;
     if let Some(claimed) = claims.device
         && claimed != device
@@ -520,7 +559,6 @@ pub unsafe extern "C" fn ferrocache_internal_malloc(
     thrower: *mut ferrocache_oom_thrower,
 ) -> *mut c_void {
     let failure = guarded("rust_malloc", Err(None), || {
-        settings();
         allocate(size, device, stream).map_err(|failure| {
             let throw_with = match &failure {
                 AllocFailure::OutOfMemory(_) => oom_thrower(),
@@ -555,7 +593,6 @@ pub extern "C" fn rust_free(ptr: *mut c_void, size: usize, device: c_int, stream
         return;
     }
     guarded("rust_free", (), || {
-        settings();
         let claims = FreeClaims {
             size: Some(size),
             device: Some(device),

@@ -23,6 +23,7 @@ const BITMAP_WORDS: usize = EXACT_CLASSES / 64;
 
 /// The class of the blocks of `size` bytes, or for a request of `size`, the first class that
 /// can hold it (sizes are rounded up to a multiple of 512).
+#[inline(always)]
 fn class_of(size: usize) -> usize {
     size.div_ceil(K_MIN_BLOCK_SIZE).max(1) - 1
 }
@@ -51,11 +52,13 @@ impl ClassBitmap {
         }
     }
 
+    #[inline(always)]
     fn set(&mut self, class: usize) {
         self.words[class / 64] |= 1 << (class % 64);
         self.summary |= 1 << (class / 64);
     }
 
+    #[inline(always)]
     fn clear(&mut self, class: usize) {
         let word = &mut self.words[class / 64];
         *word &= !(1 << (class % 64));
@@ -65,6 +68,7 @@ impl ClassBitmap {
     }
 
     /// The first occupied class at or after `class`.
+    #[inline(always)]
     fn first_from(&self, class: usize) -> Option<usize> {
         if class >= EXACT_CLASSES {
             return None;
@@ -112,7 +116,8 @@ impl ClassBitmap {
 struct StreamBlocks {
     stream: StreamId,
     /// Per exact class, a binary min-heap of (address, block).
-    classes: Vec<Vec<(DevicePtr, BlockId)>>,
+    /// A fixed-size array, so that an index below `EXACT_CLASSES` needs no bounds check.
+    classes: Box<[Vec<(DevicePtr, BlockId)>; EXACT_CLASSES]>,
     occupied: ClassBitmap,
     /// Blocks above `EXACT_LIMIT`, by (size, address).
     larger: BTreeMap<(usize, DevicePtr), BlockId>,
@@ -122,7 +127,7 @@ impl StreamBlocks {
     fn new(stream: StreamId) -> StreamBlocks {
         StreamBlocks {
             stream,
-            classes: vec![Vec::new(); EXACT_CLASSES],
+            classes: Box::new([const { Vec::new() }; EXACT_CLASSES]),
             occupied: ClassBitmap::new(),
             larger: BTreeMap::new(),
         }
@@ -142,6 +147,7 @@ impl StreamBlocks {
 struct HeapSlots(Vec<u32>);
 
 impl HeapSlots {
+    #[inline(always)]
     fn set(&mut self, id: BlockId, slot: usize) {
         let i = id.0 as usize;
         if i >= self.0.len() {
@@ -150,6 +156,7 @@ impl HeapSlots {
         self.0[i] = slot as u32;
     }
 
+    #[inline(always)]
     fn get(&self, id: BlockId) -> usize {
         self.0[id.0 as usize] as usize
     }
@@ -224,11 +231,18 @@ impl BlockPool {
         }
     }
 
+    #[inline(always)]
     fn stream_index(&self, stream: StreamId) -> Result<usize, usize> {
         let last = self.last_stream.get();
         if self.streams.get(last).is_some_and(|s| s.stream == stream) {
             return Ok(last);
         }
+        self.search_stream(stream)
+    }
+
+    /// [`BlockPool::stream_index`] when the stream is not the one looked up last.
+    #[inline(never)]
+    fn search_stream(&self, stream: StreamId) -> Result<usize, usize> {
         let found = self.streams.binary_search_by_key(&stream, |s| s.stream);
         if let Ok(index) = found {
             self.last_stream.set(index);
@@ -241,9 +255,35 @@ impl BlockPool {
     }
 
     /// `insert_into_blocks`: caches a free mapped block and starts its garbage-collection age.
+    #[inline(always)]
     pub fn insert(&mut self, id: BlockId, block: &mut Block) {
         debug_assert!(block.mapped);
         block.gc_count_base = self.get_free_blocks_call_count;
+        // The usual case, inlined into every cache hit: a block of an exact class of a stream
+        // already here. The rest (a new stream, a block above the classes) is out of line.
+        if block.size <= EXACT_LIMIT
+            && let Ok(index) = self.stream_index(block.stream)
+        {
+            let blocks = &mut self.streams[index];
+            let class = class_of(block.size);
+            let heap = &mut blocks.classes[class];
+            let slot = heap.len();
+            heap.push((block.ptr, id));
+            if slot == 0 {
+                blocks.occupied.set(class);
+                self.heap_slots.set(id, 0);
+            } else {
+                sift_up(heap, &mut self.heap_slots, slot);
+            }
+            self.cached += 1;
+        } else {
+            self.insert_uncommon(id, block);
+        }
+    }
+
+    /// [`BlockPool::insert`] of a block above the classes, or of a stream new to this pool.
+    #[inline(never)]
+    fn insert_uncommon(&mut self, id: BlockId, block: &Block) {
         let index = match self.stream_index(block.stream) {
             Ok(i) => i,
             Err(i) => {
@@ -267,32 +307,48 @@ impl BlockPool {
     }
 
     /// Removes a cached block; true if it was there.
+    #[inline(always)]
     pub fn remove(&mut self, id: BlockId, block: &Block) -> bool {
+        if block.size > EXACT_LIMIT {
+            return self.remove_larger(block);
+        }
         let Ok(index) = self.stream_index(block.stream) else {
             return false;
         };
         let blocks = &mut self.streams[index];
-        let removed = if block.size <= EXACT_LIMIT {
-            let class = class_of(block.size);
-            let heap = &mut blocks.classes[class];
-            let slot = self.heap_slots.get(id);
-            if heap.get(slot).is_none_or(|e| e.1 != id) {
-                return false;
-            }
-            let last = heap.len() - 1;
+        let class = class_of(block.size);
+        let heap = &mut blocks.classes[class];
+        let slot = self.heap_slots.get(id);
+        if heap.get(slot).is_none_or(|e| e.1 != id) {
+            return false;
+        }
+        let last = heap.len() - 1;
+        if slot == last {
+            // The usual case on a cache hit: the class holds this block alone.
+            heap.pop();
+        } else {
             heap.swap(slot, last);
             heap.pop();
-            if slot < heap.len() {
-                sift_down(heap, &mut self.heap_slots, slot);
-                sift_up(heap, &mut self.heap_slots, slot);
-            }
-            if heap.is_empty() {
-                blocks.occupied.clear(class);
-            }
-            true
-        } else {
-            blocks.larger.remove(&(block.size, block.ptr)).is_some()
+            sift_down(heap, &mut self.heap_slots, slot);
+            sift_up(heap, &mut self.heap_slots, slot);
+        }
+        if heap.is_empty() {
+            blocks.occupied.clear(class);
+        }
+        self.cached -= 1;
+        true
+    }
+
+    /// [`BlockPool::remove`] of a block above the classes.
+    #[inline(never)]
+    fn remove_larger(&mut self, block: &Block) -> bool {
+        let Ok(index) = self.stream_index(block.stream) else {
+            return false;
         };
+        let removed = self.streams[index]
+            .larger
+            .remove(&(block.size, block.ptr))
+            .is_some();
         if removed {
             self.cached -= 1;
         }
@@ -306,7 +362,7 @@ impl BlockPool {
 
     /// Best fit: the smallest cached block of `stream` of at least `size` bytes, lowest address
     /// first among equals (the first block of [`BlockPool::fitting`]).
-    #[inline]
+    #[inline(always)]
     pub fn best_fit(&self, stream: StreamId, size: usize) -> Option<BlockId> {
         let blocks = self.stream_blocks(stream)?;
         if size <= EXACT_LIMIT
