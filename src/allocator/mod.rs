@@ -381,7 +381,7 @@ impl<D: Device> DeviceAllocator<D> {
     }
 
     /// `get_free_block`: the best-fitting cached block of the request's stream, if one may serve.
-    #[inline]
+    #[inline(always)]
     fn get_free_block(&mut self, request: &Request) -> Option<BlockId> {
         let pool = self.pools.get_mut(request.private_pool, request.pool);
         if self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0 {
@@ -425,7 +425,7 @@ impl<D: Device> DeviceAllocator<D> {
     }
 
     /// `alloc_found_block`: hands out the block, splitting off the rest when `split`.
-    #[inline]
+    #[inline(always)]
     fn alloc_found_block(
         &mut self,
         id: BlockId,
@@ -484,7 +484,7 @@ impl<D: Device> DeviceAllocator<D> {
     }
 
     /// Marks a block allocated to the program, with its statistics and trace entry.
-    #[inline]
+    #[inline(always)]
     fn hand_out(&mut self, id: BlockId, requested_size: usize) -> DevicePtr {
         let block = self.arena.get_mut(id);
         block.allocated = true;
