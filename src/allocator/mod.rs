@@ -22,6 +22,7 @@ pub mod cross_stream;
 pub mod expandable;
 pub mod history;
 mod import;
+mod live;
 pub mod pool;
 pub mod private_pool;
 pub mod stats;
@@ -169,7 +170,7 @@ pub struct DeviceAllocator<D: Device> {
     /// Streams a block was used on (`record_stream`) while a capture was under way.
     capture_stream_uses: FxHashMap<BlockId, Vec<StreamId>>,
     /// Blocks handed out to the program, by address.
-    allocated: FxHashMap<DevicePtr, BlockId>,
+    allocated: live::LiveTable,
     /// Per stream, events recorded when a block used on it was freed, oldest first.
     pending_events: BTreeMap<StreamId, VecDeque<(EventHandle, BlockId)>>,
     pending_event_count: usize,
@@ -202,7 +203,7 @@ impl<D: Device> DeviceAllocator<D> {
             captures: Vec::new(),
             events_deferred_until_no_capture: Vec::new(),
             capture_stream_uses: FxHashMap::default(),
-            allocated: FxHashMap::default(),
+            allocated: live::LiveTable::default(),
             pending_events: BTreeMap::new(),
             pending_event_count: 0,
             total_allocated_memory: 0,
