@@ -5,7 +5,7 @@
 // builds it (as the tests build C++) and runs it against the fake libcuda; see
 // docs/performance.md.
 //
-//   cpp_caller LIBRARY [--rounds N] [--pairs N] [--live N] [--only KIND]
+//   cpp_caller LIBRARY [--rounds N] [--pairs N] [--live N] [--size BYTES] [--only KIND]
 //
 // Each round, in this order:
 //   glibc          malloc(4096) + free, through function pointers the compiler cannot see into
@@ -50,6 +50,8 @@ using LastErrorFn = const char* (*)();
 using Clock = std::chrono::steady_clock;
 
 constexpr size_t kSmall = 4096;
+// The size of the timed pairs (`--size`, 4 KiB unless told).
+size_t pair_size = kSmall;
 constexpr size_t kSizes = 64;
 
 [[noreturn]] void die(const std::string& why) {
@@ -144,9 +146,9 @@ void ferrocache_pairs(const Ferrocache& lib, Stream stream, size_t pairs) {
     AllocFn alloc = lib.alloc;
     FreeFn release = lib.free;
     for (size_t i = 0; i < pairs; ++i) {
-        void* ptr = alloc(kSmall, 0, stream);
+        void* ptr = alloc(pair_size, 0, stream);
         keep(ptr);
-        release(ptr, kSmall, 0, stream);
+        release(ptr, pair_size, 0, stream);
     }
 }
 
@@ -280,6 +282,8 @@ int main(int argc, char** argv) {
             pairs = number_after(i, argc, argv);
         } else if (std::strcmp(argv[i], "--live") == 0) {
             live = number_after(i, argc, argv);
+        } else if (std::strcmp(argv[i], "--size") == 0) {
+            pair_size = number_after(i, argc, argv);
         } else if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
             only = argv[++i];
         } else {
@@ -299,7 +303,7 @@ int main(int argc, char** argv) {
         auto malloc_fn = libc_malloc;
         auto free_fn = libc_free;
         for (size_t i = 0; i < pairs; ++i) {
-            void* ptr = malloc_fn(kSmall);
+            void* ptr = malloc_fn(pair_size);
             keep(ptr);
             free_fn(ptr);
         }

@@ -124,10 +124,17 @@ struct StreamBlocks {
 }
 
 impl StreamBlocks {
+    /// Out of line, and the classes made on the heap: an array of them built on the stack
+    /// first (`Box::new([...])`) gave every caller a 96 KiB frame to probe, page by page, on
+    /// each call.
+    #[inline(never)]
     fn new(stream: StreamId) -> StreamBlocks {
+        let classes: Box<[Vec<(DevicePtr, BlockId)>]> = vec![Vec::new(); EXACT_CLASSES].into();
         StreamBlocks {
             stream,
-            classes: Box::new([const { Vec::new() }; EXACT_CLASSES]),
+            classes: classes
+                .try_into()
+                .expect("EXACT_CLASSES classes were made"),
             occupied: ClassBitmap::new(),
             larger: BTreeMap::new(),
         }
