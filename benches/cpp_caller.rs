@@ -74,7 +74,7 @@ fn main() {
     assert!(
         output.status.success()
             && stdout.contains("invariants hold")
-            && stdout.contains("two threads, each on its stream"),
+            && stdout.contains("two threads, each on its own stream"),
         "the C++ harness failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
         output.status
     );
