@@ -132,9 +132,7 @@ impl StreamBlocks {
         let classes: Box<[Vec<(DevicePtr, BlockId)>]> = vec![Vec::new(); EXACT_CLASSES].into();
         StreamBlocks {
             stream,
-            classes: classes
-                .try_into()
-                .expect("EXACT_CLASSES classes were made"),
+            classes: classes.try_into().expect("EXACT_CLASSES classes were made"),
             occupied: ClassBitmap::new(),
             larger: BTreeMap::new(),
         }
