@@ -24,15 +24,6 @@ use std::path::PathBuf;
 use std::process::Command;
 
 const SOURCE: &str = "benches/cpp_caller.cpp";
-/// Settings that would change what is measured; the figures are for PyTorch's defaults.
-const INHERITED_SETTINGS: [&str; 6] = [
-    "PYTORCH_CUDA_ALLOC_CONF",
-    "PYTORCH_HIP_ALLOC_CONF",
-    "PYTORCH_ALLOC_CONF",
-    "TORCH_CUDA_ALLOC_LOG_LEVEL",
-    "FAKE_LIBCUDA_TOTAL_MEM",
-    "FAKE_LIBCUDA_DEVICE_COUNT",
-];
 /// What a test run asks of the harness: every kind of measurement, briefly.
 const TEST_RUN: [&str; 6] = ["--rounds", "1", "--pairs", "2000", "--live", "640"];
 
@@ -56,7 +47,7 @@ fn main() {
         TEST_RUN.iter().map(|a| a.to_string()).collect()
     };
     let mut command = Command::new(&harness);
-    for variable in INHERITED_SETTINGS {
+    for variable in support::INHERITED_SETTINGS {
         command.env_remove(variable);
     }
     command

@@ -501,14 +501,12 @@ fn release_elsewhere(ptr: DevicePtr, claims: &FreeClaims, stack: StackId) -> Res
 /// Logs at WARN each claim of a free that differs from what the allocation recorded.
 #[inline(always)]
 fn report_wrong_claims(claims: &FreeClaims, device: c_int, recorded: &AllocationInfo) {
-    let differs = |claim: Option<u64>, actual: u64| claim.is_some_and(|c| c != actual);
-    if differs(claims.device.map(|d| d as u64), device as u64)
-        || differs(
-            claims.size.map(|s| s as u64),
-            recorded.requested_size as u64,
-        )
-        || differs(claims.stream, recorded.stream)
-    {
+    let all_right = claims.device.is_none_or(|claimed| claimed == device)
+        && claims
+            .size
+            .is_none_or(|size| size == recorded.requested_size)
+        && claims.stream.is_none_or(|stream| stream == recorded.stream);
+    if !all_right {
         log_wrong_claims(claims, device, recorded);
     }
 }

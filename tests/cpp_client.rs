@@ -14,16 +14,6 @@ use regex::Regex;
 
 const CLIENT_SOURCE: &str = "tests/cpp/pytorch_like_client.cpp";
 
-/// Variables that would change what the client sees, removed unless a test sets them.
-const INHERITED_SETTINGS: [&str; 6] = [
-    "PYTORCH_CUDA_ALLOC_CONF",
-    "PYTORCH_HIP_ALLOC_CONF",
-    "PYTORCH_ALLOC_CONF",
-    "TORCH_CUDA_ALLOC_LOG_LEVEL",
-    "FAKE_LIBCUDA_TOTAL_MEM",
-    "FAKE_LIBCUDA_DEVICE_COUNT",
-];
-
 /// Builds the client once per test process.
 fn client() -> &'static Path {
     static CLIENT: OnceLock<PathBuf> = OnceLock::new();
@@ -49,7 +39,7 @@ fn run_client(wrapper: &[&str], driver: Driver, env: &[(&str, &str)], args: &[&s
         }
         None => Command::new(client()),
     };
-    for variable in INHERITED_SETTINGS {
+    for variable in support::INHERITED_SETTINGS {
         command.env_remove(variable);
     }
     command
