@@ -7,23 +7,25 @@
 //
 //   cpp_caller LIBRARY [--rounds N] [--pairs N] [--live N] [--size BYTES] [--only KIND]
 //
-// Each round, in this order:
-//   glibc          malloc(4096) + free, through function pointers the compiler cannot see into
+// Each round, in this order (the pairs are of SIZE bytes, 4 KiB unless `--size` says):
+//   glibc          malloc + free, through function pointers the compiler cannot see into
 //   64 sizes       LIVE live blocks of 1 KiB, 2 KiB, ... 64 KiB in turn on the default stream,
-//                  then PAIRS pairs of a 4 KiB rust_malloc + rust_free on it
-//   all 4 KiB      the same with LIVE live blocks of 4 KiB
+//                  then PAIRS pairs of rust_malloc + rust_free on it: a cache hit that splits
+//                  the free tail of the last segment and merges it back
+//   all 4 KiB      the same with LIVE live blocks of 4 KiB (the same split and merge)
+//   a hole         LIVE live blocks of 4 KiB with one freed in the middle: the pairs reuse it,
+//                  neither splitting nor merging (what benches/c_abi.rs times)
 //   one thread     a worker thread, on a stream of its own with LIVE/2 live blocks of 64 sizes,
 //                  makes PAIRS pairs alone
 //   two threads    that worker and a second one, each on its own stream and with its own LIVE/2
 //                  live blocks, make PAIRS pairs each at the same time: per pair, the time from
 //                  the first start to the last finish divided by PAIRS
-// The 4 KiB pair is a cache hit: it splits the free tail of the last segment and merges back.
-// The live blocks of the first two are made and freed within the round; the workers' stay.
+// The live blocks of the first three are made and freed within the round; the workers' stay.
 // At the end, the median of each over the rounds and the ratios. The worker threads exist from
 // the start, as in every PyTorch process: glibc's malloc skips its arena locks only in a
 // process that never had a second thread. Exit status 0 when every allocation succeeded and
-// ferrocache's invariants hold at the end. `--only glibc|sizes|small|one|two` runs one kind
-// alone (for a profiler: `valgrind --tool=callgrind`, `perf record`), without the table.
+// ferrocache's invariants hold at the end. `--only glibc|sizes|small|hole|one|two` runs one
+// kind alone (for a profiler: `valgrind --tool=callgrind`, `perf record`), without the table.
 
 #include <dlfcn.h>
 
@@ -147,7 +149,7 @@ struct LiveBlocks {
     LiveBlocks& operator=(const LiveBlocks&) = delete;
 };
 
-// `pairs` 4 KiB pairs through ferrocache on `stream`.
+// `pairs` pairs of `pair_size` bytes through ferrocache on `stream`.
 void ferrocache_pairs(const Ferrocache& lib, Stream stream, size_t pairs) {
     AllocFn alloc = lib.alloc;
     FreeFn release = lib.free;
@@ -355,7 +357,7 @@ int main(int argc, char** argv) {
                 return 0;
             }
         }
-        die(std::string("--only takes glibc, sizes, small, one or two, not ") + only);
+        die(std::string("--only takes glibc, sizes, small, hole, one or two, not ") + only);
     }
 
     std::printf("%zu rounds of %zu pairs of %zu bytes, %zu live blocks (workers: %zu each); "
