@@ -517,3 +517,37 @@ fn large_segment_size_sets_the_segments_of_medium_requests() {
     );
     checked(&a);
 }
+
+/// Issue 20, first shape: two free 128 KiB blocks, the tail of a newer segment (A) at the lower
+/// address and the freed last block of an older segment (B) at the higher one. PyTorch >= 2.12
+/// breaks ties between equal blocks by segment creation order, so it hands out B's block; the
+/// address order (ferrocache before the fix) handed out A's tail, and the small pool evolved
+/// differently from there (231 segments instead of PyTorch's 230 on a recording).
+#[test]
+fn equal_blocks_go_to_the_older_segment_even_at_a_higher_address() {
+    const KIB: usize = 1 << 10;
+    let mut a = allocator(GIB);
+    // A placeholder segment at the lowest addresses, given back once B is made, so that the
+    // newer segment A takes its place below B.
+    let placeholder = a.malloc(20 * MIB, 0).unwrap();
+    let b: Vec<u64> = (0..16).map(|_| a.malloc(128 * KIB, 0).unwrap()).collect();
+    a.free(placeholder).unwrap();
+    a.empty_cache().unwrap();
+    let segment_a: Vec<u64> = [720_896, 720_896, 262_144, 262_144]
+        .into_iter()
+        .map(|size| a.malloc(size, 0).unwrap())
+        .collect();
+    assert!(segment_a[0] < b[0], "A, the newer segment, lies below B");
+    let a_tail = segment_a[3] + 262_144;
+    a.free(b[15]).unwrap();
+    let chosen = a.malloc(128 * KIB, 0).unwrap();
+    assert_eq!(
+        chosen, b[15],
+        "B's freed block, not A's tail at {a_tail:#x}"
+    );
+    // Within one segment the lower address still wins.
+    a.free(b[3]).unwrap();
+    a.free(b[10]).unwrap();
+    assert_eq!(a.malloc(128 * KIB, 0).unwrap(), b[3]);
+    checked(&a);
+}

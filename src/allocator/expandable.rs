@@ -360,6 +360,7 @@ impl<D: Device> DeviceAllocator<D> {
         let mut block = Block::new(segment.base(), segment.size(), stream, pool);
         block.mapped = false;
         block.private_pool = private_pool;
+        block.segment_order = self.next_segment_order();
         let segment_id = match self.expandable_segments.iter().position(Option::is_none) {
             Some(free) => {
                 self.expandable_segments[free] = Some(segment);

@@ -188,6 +188,9 @@ pub struct DeviceAllocator<D: Device> {
     /// Set while the cache is emptied, after the streams were synchronized: free neighbours of
     /// different streams may merge.
     merging_across_streams: bool,
+    /// Segments made so far (device allocations and expandable segments): the next one's
+    /// [`Block::segment_order`] is this plus one.
+    segments_made: u64,
 }
 
 impl<D: Device> DeviceAllocator<D> {
@@ -212,6 +215,7 @@ impl<D: Device> DeviceAllocator<D> {
             history: History::default(),
             cross_stream: CrossStreamCounts::default(),
             merging_across_streams: false,
+            segments_made: 0,
             config,
         };
         if let Some(fraction) = allocator.config.per_process_memory_fraction
@@ -539,7 +543,9 @@ impl<D: Device> DeviceAllocator<D> {
         pool: PoolKind,
     ) -> BlockId {
         self.total_allocated_memory += size;
-        let id = self.arena.insert(Block::new(ptr, size, stream, pool));
+        let mut block = Block::new(ptr, size, stream, pool);
+        block.segment_order = self.next_segment_order();
+        let id = self.arena.insert(block);
         self.stats.segment.increase(pool, 1);
         self.stats.reserved_bytes.increase(pool, size as u64);
         if policy::is_oversize(size, &self.config) {
@@ -550,6 +556,13 @@ impl<D: Device> DeviceAllocator<D> {
             .record(TraceAction::SegmentAlloc, ptr, size, stream);
         logging::segment_allocated(ptr, size, stream);
         id
+    }
+
+    /// The order of a segment being made now: PyTorch's allocation-order counter, taken when
+    /// new backing memory is obtained and inherited by every block carved from it.
+    fn next_segment_order(&mut self) -> u64 {
+        self.segments_made += 1;
+        self.segments_made
     }
 
     /// The out-of-memory error, in PyTorch's words and figures.
