@@ -21,7 +21,9 @@
 //!   says which key and which word.
 //! - Booleans are exactly `True` or `False`; the newest PyTorch does not take `true`.
 
-use crate::policy::{K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUNDUP_POWER_OF_TWO_INTERVALS};
+use crate::policy::{
+    self, K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUNDUP_POWER_OF_TWO_INTERVALS, TieRule,
+};
 use serde_json::{Map, Value, json};
 use std::fmt;
 
@@ -146,9 +148,45 @@ pub struct Config {
     /// `PYTORCH_CUDA_ALLOC_CONF`): a request that misses its stream's cache may take a block
     /// cached on another stream, after a device-side wait (see `allocator::cross_stream`).
     pub cross_stream: bool,
+    /// How ties between equal cached blocks break: the rule of the PyTorch ferrocache runs
+    /// under (`FERROCACHE_PYTORCH_VERSION`, which `ferrocache.install()` sets from
+    /// `torch.__version__`); PyTorch 2.15's by default.
+    pub tie_rule: TieRule,
     /// Things PyTorch lets pass that look like mistakes (a `,` where a `:` belongs, `40MB`, a
     /// variable hidden by another), one sentence each, no duplicates; for the caller to log.
     pub warnings: Vec<String>,
+}
+
+/// The PyTorch version ferrocache decides like (`2.12`, `2.12.1+cu128`, ...): set by
+/// `ferrocache.install()` from `torch.__version__`; unset, PyTorch 2.15's rules.
+pub const PYTORCH_VERSION_VAR: &str = "FERROCACHE_PYTORCH_VERSION";
+
+/// Reads `FERROCACHE_PYTORCH_VERSION`: the rules that changed between PyTorch versions follow
+/// it; a value that is not a version is ignored with a warning.
+fn apply_pytorch_version_var(config: &mut Config, value: Option<String>) {
+    let Some(value) = value else { return };
+    match parse_major_minor(&value) {
+        Some((major, minor)) => config.tie_rule = policy::tie_rule_of_pytorch(major, minor),
+        None => push_unique(
+            &mut config.warnings,
+            format!(
+                "{PYTORCH_VERSION_VAR}={value:?} is not a PyTorch version (expected e.g. 2.15.0); \
+                 PyTorch 2.15's rules apply"
+            ),
+        ),
+    }
+}
+
+/// `major.minor` of a version string such as `2.12.1+cu128` or `2.16.0a0`.
+fn parse_major_minor(text: &str) -> Option<(u32, u32)> {
+    let mut parts = text.trim().split('.');
+    let major = parts.next()?.parse().ok()?;
+    let minor: String = parts
+        .next()?
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    Some((major, minor.parse().ok()?))
 }
 
 /// ferrocache's own variable for cross-stream reuse (PyTorch would reject a new key in
@@ -191,6 +229,7 @@ impl Default for Config {
             pinned_use_cuda_host_register: false,
             graph_capture_record_stream_reuse: false,
             cross_stream: false,
+            tie_rule: TieRule::default(),
             warnings: Vec::new(),
         }
     }
@@ -247,6 +286,7 @@ impl Config {
     pub fn from_vars(lookup: impl Fn(&str) -> Option<String>) -> Result<Config> {
         let mut config = Config::from_alloc_conf_vars(&lookup)?;
         apply_cross_stream_var(&mut config, lookup(CROSS_STREAM_VAR));
+        apply_pytorch_version_var(&mut config, lookup(PYTORCH_VERSION_VAR));
         Ok(config)
     }
 

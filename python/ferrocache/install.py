@@ -74,6 +74,9 @@ def is_installed() -> bool:
 
 
 CROSS_STREAM_VAR = "FERROCACHE_CROSS_STREAM"
+#: The PyTorch whose rules ferrocache follows where they changed between versions (which of two
+#: equal cached blocks best fit takes); install() sets it from ``torch.__version__``.
+PYTORCH_VERSION_VAR = "FERROCACHE_PYTORCH_VERSION"
 
 
 def install(
@@ -140,6 +143,9 @@ def install(
         # Before anything reads ferrocache's settings (config.apply may ask the library).
         if cross_stream is not None:
             os.environ[CROSS_STREAM_VAR] = _flag(cross_stream)
+        torch_version = getattr(torch, "__version__", None)
+        if torch_version:
+            os.environ.setdefault(PYTORCH_VERSION_VAR, str(torch_version))
         config.apply(conf, log_level)
         path = str(_lib.library_path())
         _lib.load()

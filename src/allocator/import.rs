@@ -42,10 +42,7 @@ impl<D: Device> DeviceAllocator<D> {
                 b.size = piece_size;
                 head
             } else {
-                let piece = self
-                    .arena
-                    .get(head)
-                    .sibling(base + piece_offset as u64, piece_size);
+                let piece = self.piece_of(head, base + piece_offset as u64, piece_size);
                 self.arena.insert(piece)
             };
             ids.push((id, requested));
@@ -138,10 +135,7 @@ impl<D: Device> DeviceAllocator<D> {
                     head
                 }
                 Some(previous) => {
-                    let piece = self
-                        .arena
-                        .get(head)
-                        .sibling(base + piece_offset as u64, piece_size);
+                    let piece = self.piece_of(head, base + piece_offset as u64, piece_size);
                     self.arena.insert_after(previous, piece)
                 }
             };
