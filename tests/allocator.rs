@@ -562,7 +562,7 @@ fn equal_blocks_go_to_the_older_segment_even_at_a_higher_address() {
 fn equal_large_blocks_go_to_the_older_segment() {
     let mut a = allocator(GIB);
     // A 128 MiB segment carved into 80, 20, 20 and 8 MiB blocks.
-    let mut carved_segment = |a: &mut DeviceAllocator<SimDevice>| -> Vec<u64> {
+    let carved_segment = |a: &mut DeviceAllocator<SimDevice>| -> Vec<u64> {
         let whole = a.malloc(128 * MIB, 0).unwrap();
         a.free(whole).unwrap();
         let blocks: Vec<u64> = [80, 20, 20, 8]
