@@ -148,6 +148,11 @@ pub struct Config {
     /// `PYTORCH_CUDA_ALLOC_CONF`): a request that misses its stream's cache may take a block
     /// cached on another stream, after a device-side wait (see `allocator::cross_stream`).
     pub cross_stream: bool,
+    /// ferrocache's own opt-in (`FERROCACHE_EXPANDABLE_IGNORE_MAX_SPLIT`): `max_split_size_mb`
+    /// does not apply to blocks inside expandable segments, which always split anyway. PyTorch
+    /// applies it and then maps new pages beside a free block it refused, so reserved memory
+    /// can grow without bound (pytorch#123548).
+    pub expandable_ignore_max_split: bool,
     /// How ties between equal cached blocks break: the rule of the PyTorch ferrocache runs
     /// under (`FERROCACHE_PYTORCH_VERSION`, which `ferrocache.install()` sets from
     /// `torch.__version__`); PyTorch 2.15's by default.
@@ -193,21 +198,25 @@ fn parse_major_minor(text: &str) -> Option<(u32, u32)> {
 /// `PYTORCH_CUDA_ALLOC_CONF`).
 pub const CROSS_STREAM_VAR: &str = "FERROCACHE_CROSS_STREAM";
 
-/// Reads `FERROCACHE_CROSS_STREAM`: `1`/`true`/`yes`/`on` turn the mode on, `0`/`false`/`no`/
-/// `off`/empty leave it off; anything else leaves it off with a warning (bad input never
-/// stops the allocator).
-fn apply_cross_stream_var(config: &mut Config, value: Option<String>) {
-    let Some(value) = value else { return };
+/// ferrocache's own variable that exempts blocks of expandable segments from
+/// `max_split_size_mb` ([`Config::expandable_ignore_max_split`]).
+pub const EXPANDABLE_IGNORE_MAX_SPLIT_VAR: &str = "FERROCACHE_EXPANDABLE_IGNORE_MAX_SPLIT";
+
+/// Reads one of ferrocache's on/off variables: `1`/`true`/`yes`/`on` turn it on, `0`/`false`/
+/// `no`/`off`/empty leave it off; anything else leaves it off with a warning that names
+/// `what` (bad input never stops the allocator).
+fn flag_var(config: &mut Config, name: &str, value: Option<String>, what: &str) -> bool {
+    let Some(value) = value else { return false };
     match value.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => config.cross_stream = true,
-        "" | "0" | "false" | "no" | "off" => config.cross_stream = false,
-        _ => push_unique(
-            &mut config.warnings,
-            format!(
-                "{CROSS_STREAM_VAR}={value:?} is not understood (expected 1 or 0); \
-                 cross-stream reuse stays off"
-            ),
-        ),
+        "1" | "true" | "yes" | "on" => true,
+        "" | "0" | "false" | "no" | "off" => false,
+        _ => {
+            push_unique(
+                &mut config.warnings,
+                format!("{name}={value:?} is not understood (expected 1 or 0); {what} stays off"),
+            );
+            false
+        }
     }
 }
 
@@ -229,6 +238,7 @@ impl Default for Config {
             pinned_use_cuda_host_register: false,
             graph_capture_record_stream_reuse: false,
             cross_stream: false,
+            expandable_ignore_max_split: false,
             tie_rule: TieRule::default(),
             warnings: Vec::new(),
         }
@@ -285,7 +295,18 @@ impl Config {
     /// [`Config::source`]; none set gives the defaults.
     pub fn from_vars(lookup: impl Fn(&str) -> Option<String>) -> Result<Config> {
         let mut config = Config::from_alloc_conf_vars(&lookup)?;
-        apply_cross_stream_var(&mut config, lookup(CROSS_STREAM_VAR));
+        config.cross_stream = flag_var(
+            &mut config,
+            CROSS_STREAM_VAR,
+            lookup(CROSS_STREAM_VAR),
+            "cross-stream reuse",
+        );
+        config.expandable_ignore_max_split = flag_var(
+            &mut config,
+            EXPANDABLE_IGNORE_MAX_SPLIT_VAR,
+            lookup(EXPANDABLE_IGNORE_MAX_SPLIT_VAR),
+            "the exemption of expandable segments from max_split_size_mb",
+        );
         apply_pytorch_version_var(&mut config, lookup(PYTORCH_VERSION_VAR));
         Ok(config)
     }
@@ -351,6 +372,12 @@ impl Config {
             lines.push(format!(
                 "cross-stream reuse: on ({CROSS_STREAM_VAR}; a stream's miss may take another \
                  stream's cached block after one device-side event wait)"
+            ));
+        }
+        if self.expandable_ignore_max_split {
+            lines.push(format!(
+                "max_split_size_mb does not apply inside expandable segments: on \
+                 ({EXPANDABLE_IGNORE_MAX_SPLIT_VAR}; their blocks always split)"
             ));
         }
         if let Some(fraction) = self.per_process_memory_fraction {

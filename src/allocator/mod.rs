@@ -414,10 +414,11 @@ impl<D: Device> DeviceAllocator<D> {
             }
         }
         let block = arena.get(id);
-        // Expandable blocks are carved freely (they always split), so the oversize rules,
-        // which protect unsplittable blocks, do not apply to them.
-        if block.expandable.is_none() && !policy::may_serve(block.size, request.size, &self.config)
-        {
+        // PyTorch applies the oversize rules to expandable blocks too, though they always split
+        // (which grows reserved memory without bound, pytorch#123548); the opt-in
+        // FERROCACHE_EXPANDABLE_IGNORE_MAX_SPLIT leaves them out.
+        let exempt = block.expandable.is_some() && self.config.expandable_ignore_max_split;
+        if !exempt && !policy::may_serve(block.size, request.size, &self.config) {
             return None;
         }
         pool.remove(id, block);
