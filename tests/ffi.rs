@@ -466,6 +466,79 @@ fn out_of_memory_gives_null_and_pytorchs_message() {
     );
 }
 
+/// What the observer of `oom_observers_are_called_before_the_error_with_pytorchs_figures` saw:
+/// its arguments, and whether the allocator answered a snapshot from inside it.
+static OBSERVED: std::sync::Mutex<Vec<(c_int, usize, usize, usize, bool)>> =
+    std::sync::Mutex::new(Vec::new());
+/// `ferrocache_snapshot` and `ferrocache_string_free`, for the observer.
+static SNAPSHOT_FUNCTIONS: std::sync::OnceLock<(OwnedStringFn, unsafe extern "C" fn(*mut c_char))> =
+    std::sync::OnceLock::new();
+
+extern "C" fn record_out_of_memory(device: c_int, alloc_size: usize, total: usize, free: usize) {
+    let (snapshot, string_free) = SNAPSHOT_FUNCTIONS.get().expect("set before the allocation");
+    // Deadlocks if the device's lock were still held.
+    // SAFETY: no arguments; the string is the library's and goes back to it.
+    let answered = unsafe {
+        let text = snapshot();
+        let answered = !text.is_null();
+        string_free(text);
+        answered
+    };
+    OBSERVED
+        .lock()
+        .unwrap()
+        .push((device, alloc_size, total, free, answered));
+}
+
+#[test]
+fn oom_observers_are_called_before_the_error_with_pytorchs_figures() {
+    let total = (64 * MIB).to_string();
+    let env = [("FAKE_LIBCUDA_TOTAL_MEM", total.as_str())];
+    in_own_process(
+        "oom_observers_are_called_before_the_error_with_pytorchs_figures",
+        &env,
+        || {
+            type ObserverFn = unsafe extern "C" fn(
+                Option<extern "C" fn(c_int, usize, usize, usize)>,
+            ) -> c_int;
+            let api = Api::open();
+            let _ = SNAPSHOT_FUNCTIONS.set((
+                api.library.function("ferrocache_snapshot"),
+                api.library.function("ferrocache_string_free"),
+            ));
+            let attach: ObserverFn = api.library.function("ferrocache_attach_oom_observer");
+            let detach: ObserverFn = api.library.function("ferrocache_detach_oom_observer");
+            // SAFETY: a NULL observer is refused; the observer stays callable for the process.
+            unsafe {
+                assert_eq!(attach(None), -1);
+                assert!(api.last_error().contains("NULL"), "{}", api.last_error());
+                assert_eq!(attach(Some(record_out_of_memory)), 0);
+            }
+            assert!(api.alloc(1 << 40, 0, 0).is_null());
+            assert!(
+                api.last_error().starts_with("CUDA out of memory."),
+                "the observer's own calls leave the error alone: {}",
+                api.last_error()
+            );
+            // With a memory fraction, PyTorch passes the limit in place of the total.
+            assert_eq!(api.set_memory_fraction(0.5, 0), 0);
+            assert!(api.alloc(40 * MIB, 0, 0).is_null());
+            // SAFETY: as above.
+            unsafe { assert_eq!(detach(Some(record_out_of_memory)), 0) };
+            assert!(api.alloc(1 << 40, 0, 0).is_null());
+            assert_eq!(
+                *OBSERVED.lock().unwrap(),
+                [
+                    (0, 1 << 40, 64 * MIB, 64 * MIB, true),
+                    (0, 40 * MIB, 32 * MIB, 64 * MIB, true),
+                ],
+                "called once per out of memory until detached"
+            );
+            assert_eq!(api.stat("num_ooms"), 3);
+        },
+    );
+}
+
 #[test]
 fn a_driver_failure_is_reported_as_a_cuda_error() {
     in_own_process("a_driver_failure_is_reported_as_a_cuda_error", &[], || {
