@@ -21,6 +21,11 @@ typedef struct CUstream_st *cudaStream_t;
 typedef uint64_t (*ferrocache_stack_gatherer)(int event);
 /* Throws the C++ exception for an out-of-memory message. See ferrocache_set_oom_thrower. */
 typedef void (*ferrocache_oom_thrower)(const char *message);
+/* Called at each out of memory, before the error: the device, the bytes that could not be
+   allocated, the device's total (or the memory-fraction limit) and free bytes. See
+   ferrocache_attach_oom_observer. */
+typedef void (*ferrocache_oom_observer)(int device, size_t alloc_size, size_t device_total,
+                                        size_t device_free);
 
 #ifdef __cplusplus
 extern "C" {

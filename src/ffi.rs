@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, Ordering};
 use parking_lot::Mutex;
 
 use crate::allocator::history::{MemorySnapshot, StackId};
+use crate::allocator::stats::DeviceStats;
 use crate::allocator::private_pool::{MempoolId, StreamFilter};
 use crate::allocator::{
     AllocError, AllocationInfo, DeviceAllocator, OutOfMemoryError, PointerError,
@@ -1054,9 +1055,30 @@ pub unsafe extern "C" fn ferrocache_string_free(text: *mut c_char) {
 #[unsafe(no_mangle)]
 pub extern "C" fn ferrocache_memory_stats(device: c_int) -> *mut c_char {
     with_last_error("ferrocache_memory_stats", ptr::null_mut(), || {
-        let json = allocator(device)?.lock().stats().to_json();
+        let json = match allocator_if_used(device)? {
+            Some(allocator) => allocator.lock().stats().to_json(),
+            None => DeviceStats::new(config()?.max_split_size).to_json(),
+        };
         Ok(into_c_string(json))
     })
+}
+
+/// The allocator of `device` for a question about its statistics, or `None` for a device that
+/// exists but that this process has not allocated on: its statistics are all zero, and asking
+/// must not open it. PyTorch keeps statistics for every device from the start, so asking about
+/// another GPU costs nothing there; opening the device would retain its primary context, which
+/// on a real GPU takes hundreds of MiB on it (under `torchrun`, every rank asking about every
+/// device would put a context of each rank on each GPU). The device count is PyTorch's (from
+/// `rust_init`); without it, the device is opened to learn whether it exists.
+fn allocator_if_used(device: c_int) -> Result<Option<&'static LockedAllocator>, String> {
+    let slot = device_slot(device).inspect_err(|why| logging::invalid_device(why))?;
+    if let Some(created) = slot.get() {
+        return created.as_ref().map(Some).map_err(String::clone);
+    }
+    if device < DEVICE_COUNT.load(Ordering::Relaxed) {
+        return Ok(None);
+    }
+    allocator(device).map(Some)
 }
 
 /// `torch.cuda.memory._snapshot()`: PyTorch's structure as JSON (`segments` of every device,
@@ -1115,7 +1137,9 @@ pub extern "C" fn ferrocache_record_history(enabled: c_int, max_entries: usize) 
 #[unsafe(no_mangle)]
 pub extern "C" fn ferrocache_reset_peak_stats(device: c_int) -> c_int {
     with_last_error("ferrocache_reset_peak_stats", -1, || {
-        allocator(device)?.lock().reset_peak_stats();
+        if let Some(allocator) = allocator_if_used(device)? {
+            allocator.lock().reset_peak_stats();
+        }
         Ok(0)
     })
 }
@@ -1124,7 +1148,9 @@ pub extern "C" fn ferrocache_reset_peak_stats(device: c_int) -> c_int {
 #[unsafe(no_mangle)]
 pub extern "C" fn ferrocache_reset_accumulated_stats(device: c_int) -> c_int {
     with_last_error("ferrocache_reset_accumulated_stats", -1, || {
-        allocator(device)?.lock().reset_accumulated_stats();
+        if let Some(allocator) = allocator_if_used(device)? {
+            allocator.lock().reset_accumulated_stats();
+        }
         Ok(0)
     })
 }

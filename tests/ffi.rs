@@ -540,6 +540,40 @@ fn oom_observers_are_called_before_the_error_with_pytorchs_figures() {
 }
 
 #[test]
+fn statistics_of_a_device_never_used_open_nothing_there() {
+    in_own_process(
+        "statistics_of_a_device_never_used_open_nothing_there",
+        &[("FAKE_LIBCUDA_DEVICE_COUNT", "2")],
+        || {
+            type InitFn = unsafe extern "C" fn(c_int);
+            let api = Api::open();
+            let fake = FakeCuda::open();
+            let init: InitFn = api.library.function("rust_init");
+            // SAFETY: a plain value, as PyTorch passes it at CUDA's lazy initialisation.
+            unsafe { init(2) };
+            let ptr = api.alloc(MIB, 0, 0);
+            assert!(!ptr.is_null());
+            let contexts = fake.stat("primary_context_refs");
+            let other = api.stats(1).expect("statistics of device 1");
+            assert_eq!(other["allocated_bytes.all.current"], 0);
+            assert_eq!(other["reserved_bytes.all.peak"], 0);
+            let reset: DeviceFn = api.library.function("ferrocache_reset_peak_stats");
+            // SAFETY: a plain value.
+            assert_eq!(unsafe { reset(1) }, 0);
+            assert_eq!(
+                fake.stat("primary_context_refs"),
+                contexts,
+                "asking about device 1 retained no context there"
+            );
+            assert_eq!(api.stat("allocated_bytes.all.current"), MIB as i64);
+            assert!(api.stats(2).is_none(), "there is no device 2");
+            assert!(api.last_error().contains("no CUDA device 2"), "{}", api.last_error());
+            assert_eq!(api.free(ptr), 0);
+        },
+    );
+}
+
+#[test]
 fn a_driver_failure_is_reported_as_a_cuda_error() {
     in_own_process("a_driver_failure_is_reported_as_a_cuda_error", &[], || {
         let api = Api::open();
