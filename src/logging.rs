@@ -8,8 +8,9 @@
 //! library is loaded, so that loading it never writes anything or reads the environment early).
 //!
 //! One rank of a job of several (`WORLD_SIZE` > 1, as `torchrun` sets it) starts each line with
-//! `[rank N] ` ([`rank_prefix`]), so that the ranks' lines, interleaved on one terminal, can be
-//! told apart; a single process keeps the plain format.
+//! `[rankN]:` ([`rank_prefix`]), PyTorch's own prefix for a rank's tracebacks and log lines, so
+//! that the ranks' lines, interleaved on one terminal, can be told apart, and one grep finds
+//! all of a rank's lines, PyTorch's and ferrocache's; a single process keeps the plain format.
 
 use crate::config::{Config, LOG_LEVEL_VAR, LogLevel};
 use crate::device::{DevicePtr, StreamId};
@@ -181,20 +182,21 @@ pub const WORLD_SIZE_VAR: &str = "WORLD_SIZE";
 /// The variable that gives this process's rank in the job (`torchrun` sets it).
 pub const RANK_VAR: &str = "RANK";
 
-/// What starts each log line: `[rank N] ` for rank `N` of a job of more than one process
-/// (`WORLD_SIZE` > 1 and a `RANK`), nothing otherwise. Values that are not numbers count as
-/// unset: a line without the prefix is better than a wrong one.
+/// What starts each log line: `[rankN]:` for rank `N` of a job of more than one process
+/// (`WORLD_SIZE` > 1 and a `RANK`), nothing otherwise. It is the prefix `torch.distributed`
+/// puts on a rank's tracebacks and PyTorch's logging on its lines. Values that are not numbers
+/// count as unset: a line without the prefix is better than a wrong one.
 pub fn rank_prefix(world_size: Option<&str>, rank: Option<&str>) -> String {
     let number = |text: Option<&str>| text.and_then(|t| t.trim().parse::<u64>().ok());
     match (number(world_size), number(rank)) {
-        (Some(size), Some(rank)) if size > 1 => format!("[rank {rank}] "),
+        (Some(size), Some(rank)) if size > 1 => format!("[rank{rank}]:"),
         _ => String::new(),
     }
 }
 
 /// Installs the stderr logger at the level `TORCH_CUDA_ALLOC_LOG_LEVEL` names (WARN when unset),
 /// once per process; later calls do nothing. Lines are exactly `[LEVEL] message`: no timestamp,
-/// no module path, no colour; one rank of several puts `[rank N] ` before ([`rank_prefix`]).
+/// no module path, no colour; one rank of several puts `[rankN]:` before ([`rank_prefix`]).
 /// Only ferrocache's own target is shown.
 ///
 /// Another logger already installed in this copy of the `log` crate (a test harness, a program
@@ -320,8 +322,8 @@ mod tests {
 
     #[test]
     fn only_a_rank_of_several_prefixes_its_lines() {
-        assert_eq!(rank_prefix(Some("8"), Some("3")), "[rank 3] ");
-        assert_eq!(rank_prefix(Some("2"), Some("0")), "[rank 0] ");
+        assert_eq!(rank_prefix(Some("8"), Some("3")), "[rank3]:");
+        assert_eq!(rank_prefix(Some("2"), Some("0")), "[rank0]:");
         // A single process, or no job at all: the seed's format.
         assert_eq!(rank_prefix(Some("1"), Some("0")), "");
         assert_eq!(rank_prefix(None, None), "");

@@ -101,16 +101,17 @@ def per_rank_path(path: Union[str, "os.PathLike[str]"], process: Optional[Proces
 
 
 def log_prefix() -> str:
-    """``[rank N] `` for rank N of a job of several (from ``WORLD_SIZE`` and ``RANK``, as the
-    library's logger reads them), else nothing: the start of every ferrocache log line."""
+    """``[rankN]:`` for rank N of a job of several (from ``WORLD_SIZE`` and ``RANK``, as the
+    library's logger reads them), else nothing: the start of every ferrocache log line. It is
+    the prefix ``torch.distributed`` puts on a rank's tracebacks."""
     world_size, rank = _number(WORLD_SIZE_VAR), _number(RANK_VAR)
     if world_size is not None and world_size > 1 and rank is not None:
-        return f"[rank {rank}] "
+        return f"[rank{rank}]:"
     return ""
 
 
 def log(level: str, message: str) -> None:
-    """One line on stderr in the library's format (``[rank N] [LEVEL] Allocator: message``),
+    """One line on stderr in the library's format (``[rankN]:[LEVEL] Allocator: message``),
     unless ``TORCH_CUDA_ALLOC_LOG_LEVEL`` hides the level."""
     order = ("TRACE", "DEBUG", "INFO", "WARN", "ERROR")
     wanted = os.environ.get("TORCH_CUDA_ALLOC_LOG_LEVEL", "WARN").strip().upper()

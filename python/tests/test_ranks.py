@@ -1,5 +1,5 @@
 """One rank of several, without PyTorch: the snapshot file names (``{rank}``, ``{local_rank}``,
-``{pid}``, ``<stem>_rank<N><ext>``), the ``[rank N]`` log prefix of the library and of the
+``{pid}``, ``<stem>_rank<N><ext>``), the ``[rankN]:`` log prefix of the library and of the
 package, and the snapshot written at the first out of memory (``ferrocache.oom``)."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_the_process_is_read_from_torchruns_variables(monkeypatch: pytest.Monkey
         monkeypatch.setenv(name, value)
     ranked = _ranks.this_process()
     assert (ranked.rank, ranked.local_rank, ranked.world_size, ranked.in_a_job) == (3, 1, 8, True)
-    assert _ranks.log_prefix() == "[rank 3] "
+    assert _ranks.log_prefix() == "[rank3]:"
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert _ranks.log_prefix() == ""
 
@@ -76,7 +76,7 @@ def test_rank_files_and_lines_under_torchrun_variables(tmp_path: Path) -> None:
     assert f"RESULT:{tmp_path / 'run_rank1.pickle'}" in process.stdout
     assert (tmp_path / "run_rank1.pickle").is_file() and not (tmp_path / "run.pickle").exists()
     lines = process.stderr.splitlines()
-    assert lines and all(line.startswith("[rank 1] [INFO] Allocator: ") for line in lines), lines
+    assert lines and all(line.startswith("[rank1]:[INFO] Allocator: ") for line in lines), lines
 
 
 def test_a_single_process_keeps_the_plain_format_and_name(tmp_path: Path) -> None:
@@ -122,7 +122,7 @@ def test_the_snapshot_is_written_at_the_first_oom_before_the_error(tmp_path: Pat
     assert "CUDA out of memory. Tried to allocate 1024.00 GiB" in process.stdout
     notes = [line for line in process.stderr.splitlines() if "snapshot written" in line]
     assert notes == [
-        f"[rank 1] [ERROR] Allocator: out of memory on device 0: snapshot written to {written} "
+        f"[rank1]:[ERROR] Allocator: out of memory on device 0: snapshot written to {written} "
         "(open it at https://pytorch.org/memory_viz)"
     ], "written once, at the first out of memory"
     with open(written, "rb") as f:

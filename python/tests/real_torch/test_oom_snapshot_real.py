@@ -22,7 +22,7 @@ for attempt in range(2):
     except torch.OutOfMemoryError as err:
         outcome.setdefault("type", type(err).__name__)
         outcome.setdefault("written_before_python_saw_it", os.path.exists({written!r}))
-        outcome.setdefault("message", str(err)[:44])
+        outcome.setdefault("message", str(err).split(". GPU")[0])
 """
 
 
@@ -34,6 +34,7 @@ def read(path: Path) -> dict:
 def test_install_snapshot_on_oom_writes_the_snapshot_before_the_error(tmp_path: Path) -> None:
     written = tmp_path / "oom.pickle"
     process = run_torch_process(
+        "def result(value):\n    print('RESULT:' + json.dumps(value))\n"
         f"ferrocache.install(snapshot_on_oom={str(written)!r})\n"
         + GROW_UNTIL_OOM.format(written=str(written))
         + "result(outcome)\n",
