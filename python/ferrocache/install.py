@@ -173,6 +173,7 @@ def install(
         torch_api.patch_torch_cuda(torch)
         torch_api.connect_oom_error(torch)
         _replace_oom_observer_attachment(torch)
+        _warn_of_nccl_register_hook()
         if snapshot_on_oom is not None:
             oom.snapshot_on_oom(snapshot_on_oom)
         _installed = _Installed(
@@ -191,6 +192,23 @@ def _replace_oom_observer_attachment(torch: ModuleType) -> None:
     if native is not None and hasattr(native, TORCH_OOM_OBSERVER_ATTACHMENT):
         # Listed by torch_api.replaced_names() with the rest.
         torch_api._replace(native, TORCH_OOM_OBSERVER_ATTACHMENT, oom.attach_out_of_memory_observer)
+
+
+#: PyTorch's switch that registers the caching allocator's segments with NCCL through an
+#: allocator trace tracker, which PyTorch refuses for a plugged-in allocator.
+NCCL_REGISTER_HOOK_VAR = "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"
+
+
+def _warn_of_nccl_register_hook() -> None:
+    """With the hook on, PyTorch's NCCL process group aborts the process at its creation
+    (docs/distributed.md): said once, at install(), while it can still be changed."""
+    if os.environ.get(NCCL_REGISTER_HOOK_VAR, "").strip().lower() in ("1", "true", "yes", "on", "y"):
+        _ranks.log(
+            "WARN",
+            f"{NCCL_REGISTER_HOOK_VAR}=1 needs PyTorch's own allocator: with a plugged-in allocator "
+            "PyTorch's NCCL process group aborts the process when it is created; unset it "
+            "(see docs/distributed.md)",
+        )
 
 
 def _flag(on: bool) -> str:

@@ -20,7 +20,7 @@ from typing import Optional
 
 import pytest
 
-from torch_env import GIB, require_real_torch, torch_env
+from torch_env import GIB, require_real_torch, run_torch, run_torch_process, torch_env
 
 require_real_torch()
 
@@ -158,3 +158,115 @@ def test_an_oom_on_one_rank_ends_the_job_as_torch_distributed_does(tmp_path: Pat
     (oom,) = [entry for entry in snapshot["device_traces"][1] if entry["action"] == "oom"]
     assert oom["size"] == 1 << 40
     assert "grow_activations" in [frame["name"] for frame in oom["frames"]]
+
+
+def test_the_ddp_example_reports_every_rank(tmp_path: Path) -> None:
+    """examples/ddp_memory.py as docs/distributed.md runs it (``--out`` aside)."""
+    example = WORKERS.parents[3] / "examples" / "ddp_memory.py"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        str(example), "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    env = dict(os.environ, **torch_env(FAKE_LIBCUDA_DEVICE_COUNT="2", OMP_NUM_THREADS="1"))
+    job = subprocess.run(command, env=env, capture_output=True, text=True, timeout=JOB_LIMIT_S)
+    assert job.returncode == 0, explain(job)
+    rows = [line.split() for line in job.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert [row[:2] for row in rows] == [["0", "cuda:0"], ["1", "cuda:1"]], job.stdout
+    assert "job: worst rank 1 (" in job.stdout, "the rank with the bigger batch"
+    snapshots = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert snapshots == ["ddp_memory_rank0.pickle", "ddp_memory_rank1.pickle"]
+    assert "$ ferrocache replay --job " in job.stdout
+    # Each rank's snapshot replayed (by --job, or one by one where this ferrocache lacks it).
+    assert "ddp_memory_rank0.pickle" in job.stdout.split("$ ferrocache replay")[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# What needs PyTorch's own allocator (docs/distributed.md)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_ipc_and_pytorchs_mempool_are_refused_with_pytorchs_messages() -> None:
+    out = run_torch(
+        """
+        import torch.multiprocessing
+        from multiprocessing.reduction import ForkingPickler
+        ferrocache.install()
+        x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        out = {}
+        try:
+            torch.cuda.MemPool()
+        except RuntimeError as err:
+            out["mempool"] = str(err).split(". ")[0]
+        try:
+            # NCCL's buffers come from such a pool, with NCCL's allocator (a pluggable one).
+            other = torch.cuda.memory.CUDAPluggableAllocator(
+                str(ferrocache.library_path()), "rust_malloc", "rust_free"
+            )
+            torch.cuda.MemPool(other.allocator())
+        except RuntimeError as err:
+            out["mempool_with_its_own_allocator"] = str(err).split(". ")[0]
+        try:
+            ForkingPickler.dumps(x)  # what torch.multiprocessing does to send a CUDA tensor
+        except RuntimeError as err:
+            out["ipc"] = str(err).split(". ")[0]
+        pool = ferrocache.MemPool()
+        with ferrocache.mem_pool(pool):
+            y = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        out["ferrocache_pool"] = len(pool.snapshot())
+        result(out)
+        """
+    )
+    assert out == {
+        "mempool": "pluggable does not yet support createOrIncrefPool",
+        "mempool_with_its_own_allocator": "pluggable does not yet support createOrIncrefPool",
+        "ipc": "CUDAPluggableAllocator does not yet support shareIPcHandle",
+        "ferrocache_pool": 1,
+    }
+
+
+def test_nccl_process_groups_with_a_plugged_in_allocator() -> None:
+    """On the fake, NCCL itself cannot start (its library is a stub), but creating and destroying
+    process groups shows what PyTorch does around a plugged-in allocator."""
+    nccl = run_torch_process(
+        """
+        import torch.distributed as dist
+        os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1")
+        ferrocache.install()
+        torch.empty(1, device="cuda")
+        # The stock ProcessGroupNCCL creates its communicator lazily: creating and destroying
+        # the group works.
+        os.environ["MASTER_PORT"] = str(__import__("socket").create_server(("127.0.0.1", 0)).getsockname()[1])
+        dist.init_process_group("nccl-legacy")
+        dist.destroy_process_group()
+        print("nccl-legacy: created and destroyed", flush=True)
+        # torch 2.15's default NCCL group (nccl2) starts NCCL at once; when that fails, its
+        # clean-up asks the allocator for a snapshot, which a plugged-in allocator refuses,
+        # from a destructor: the process aborts.
+        os.environ["MASTER_PORT"] = str(__import__("socket").create_server(("127.0.0.1", 0)).getsockname()[1])
+        dist.init_process_group("nccl")
+        """,
+        check=False,
+    )
+    assert "nccl-legacy: created and destroyed" in nccl.stdout, nccl.stderr
+    assert nccl.returncode == -signal.SIGABRT
+    assert "CUDAPluggableAllocator does not yet support snapshot" in nccl.stderr
+
+    hook = run_torch_process(
+        """
+        import torch.distributed as dist
+        os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1")
+        os.environ["MASTER_PORT"] = str(__import__("socket").create_server(("127.0.0.1", 0)).getsockname()[1])
+        ferrocache.install()
+        torch.empty(1, device="cuda")
+        print("installed", flush=True)
+        dist.init_process_group("nccl-legacy")
+        """,
+        env=torch_env(TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK="1"),
+        check=False,
+    )
+    assert "installed" in hook.stdout, hook.stderr
+    assert hook.returncode == -signal.SIGABRT, hook.stderr
+    assert (
+        "[WARN] Allocator: TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 needs PyTorch's own "
+        "allocator" in hook.stderr
+    )
