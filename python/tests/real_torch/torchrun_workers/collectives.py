@@ -41,7 +41,10 @@ def on_device(values):
 
 
 # Ranks allocate different amounts: rank r keeps r + 1 buffers of 3 MiB.
+before = torch.cuda.memory_allocated()
 kept = [torch.empty(3 * MIB, dtype=torch.uint8, device="cuda") for _ in range(rank + 1)]
+report["allocated_for_kept"] = torch.cuda.memory_allocated() - before
+report["kept_bytes"] = sum(t.nbytes for t in kept)
 report["device_of_tensors"] = sorted({t.device.index for t in kept})
 
 # Collectives on tensors from ferrocache.
@@ -54,6 +57,16 @@ report["broadcast"] = source.cpu().tolist()
 gathered = [torch.empty(4, device="cuda") for _ in range(world)]
 dist.all_gather(gathered, on_device([float(rank)] * 4))
 report["all_gather"] = [t.cpu().tolist() for t in gathered]
+
+# Each rank's statistics are its own device's; asking about another device opens nothing there.
+contexts_before = fake.fake_cuda_stat(b"primary_context_refs")
+report["other_devices_allocated"] = [
+    torch.cuda.memory_stats(d).get("allocated_bytes.all.current", 0)
+    for d in range(torch.cuda.device_count())
+    if d != local_rank
+]
+report["contexts_opened_by_asking"] = fake.fake_cuda_stat(b"primary_context_refs") - contexts_before
+report["segments_devices"] = sorted({s["device"] for s in torch.cuda.memory._snapshot()["segments"]})
 
 # A collective on a communication stream; record_stream keeps its buffer from reuse until the
 # stream's work is done. FAKE_LIBCUDA_EVENT_DELAY makes that "later".
@@ -71,19 +84,6 @@ report["bucket_sum"] = bucket_sum
 report["reused_while_comm_busy"] = again.data_ptr() == address
 del again
 torch.cuda.synchronize()
-
-# Each rank's statistics are its own device's; asking about another device opens nothing there.
-stats = torch.cuda.memory_stats()
-report["allocated"] = stats["allocated_bytes.all.current"]
-report["kept_bytes"] = sum(t.nbytes for t in kept)
-contexts_before = fake.fake_cuda_stat(b"primary_context_refs")
-report["other_devices_allocated"] = [
-    torch.cuda.memory_stats(d).get("allocated_bytes.all.current", 0)
-    for d in range(torch.cuda.device_count())
-    if d != local_rank
-]
-report["contexts_opened_by_asking"] = fake.fake_cuda_stat(b"primary_context_refs") - contexts_before
-report["segments_devices"] = sorted({s["device"] for s in torch.cuda.memory._snapshot()["segments"]})
 
 report["snapshot"] = ferrocache.dump_snapshot(os.path.join(out, "job.pickle"))
 report["snapshot_with_placeholders"] = ferrocache.dump_snapshot(
