@@ -47,7 +47,9 @@ BUCKET_BYTES = 25 * MIB  # DDP's default bucket_cap_mb
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     parser.add_argument("--out", default="ddp-memory-out", help="where the snapshots go")
     parser.add_argument("--backend", default="gloo", help="torch.distributed backend (gloo, nccl)")
@@ -98,7 +100,9 @@ def main() -> int:
 
     params = [torch.empty(HIDDEN * HIDDEN, device="cuda") for _ in range(LAYERS)]
     sizes = [p.nbytes for p in params]
-    buckets = [torch.zeros(sum(sizes[i] for i in layers) // 4, device="cuda") for layers in buckets_of(sizes)]
+    buckets = [
+        torch.zeros(sum(sizes[i] for i in layers) // 4, device="cuda") for layers in buckets_of(sizes)
+    ]
     optimizer_state: list[torch.Tensor] = []
     comm = torch.cuda.Stream()
     batch = 8 + 4 * rank  # uneven data: each rank's batch differs
@@ -108,7 +112,8 @@ def main() -> int:
 
     snapshot = ferrocache.dump_snapshot(out / "ddp_memory.pickle")  # ddp_memory_rank<N>.pickle
     stats = torch.cuda.memory_stats()
-    mine = (rank, local_rank, stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"], snapshot)
+    peaks = stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"]
+    mine = (rank, local_rank, *peaks, snapshot)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -121,7 +126,10 @@ def main() -> int:
 def report(ranks: list) -> None:
     print(f"{'rank':>4}  {'device':<7} {'peak allocated':>15} {'peak reserved':>14}  snapshot")
     for rank, local_rank, allocated, reserved, snapshot in ranks:
-        print(f"{rank:>4}  cuda:{local_rank:<2} {allocated / MIB:>11.1f} MiB {reserved / MIB:>10.1f} MiB  {snapshot}")
+        print(
+            f"{rank:>4}  cuda:{local_rank:<2} {allocated / MIB:>11.1f} MiB "
+            f"{reserved / MIB:>10.1f} MiB  {snapshot}"
+        )
     peaks = [reserved for _, _, _, reserved, _ in ranks]
     worst = max(range(len(ranks)), key=lambda i: peaks[i])
     print(

@@ -28,8 +28,8 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, Ordering};
 use parking_lot::Mutex;
 
 use crate::allocator::history::{MemorySnapshot, StackId};
-use crate::allocator::stats::DeviceStats;
 use crate::allocator::private_pool::{MempoolId, StreamFilter};
+use crate::allocator::stats::DeviceStats;
 use crate::allocator::{
     AllocError, AllocationInfo, DeviceAllocator, OutOfMemoryError, PointerError,
 };

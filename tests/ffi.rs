@@ -466,12 +466,15 @@ fn out_of_memory_gives_null_and_pytorchs_message() {
     );
 }
 
-/// What the observer of `oom_observers_are_called_before_the_error_with_pytorchs_figures` saw:
-/// its arguments, and whether the allocator answered a snapshot from inside it.
-static OBSERVED: std::sync::Mutex<Vec<(c_int, usize, usize, usize, bool)>> =
-    std::sync::Mutex::new(Vec::new());
+/// One call of an out-of-memory observer: device, size, total (or limit), free, and whether the
+/// allocator answered a snapshot from inside the observer.
+type ObservedCall = (c_int, usize, usize, usize, bool);
+type StringFreeFn = unsafe extern "C" fn(*mut c_char);
+
+/// What the observer of `oom_observers_are_called_before_the_error_with_pytorchs_figures` saw.
+static OBSERVED: std::sync::Mutex<Vec<ObservedCall>> = std::sync::Mutex::new(Vec::new());
 /// `ferrocache_snapshot` and `ferrocache_string_free`, for the observer.
-static SNAPSHOT_FUNCTIONS: std::sync::OnceLock<(OwnedStringFn, unsafe extern "C" fn(*mut c_char))> =
+static SNAPSHOT_FUNCTIONS: std::sync::OnceLock<(OwnedStringFn, StringFreeFn)> =
     std::sync::OnceLock::new();
 
 extern "C" fn record_out_of_memory(device: c_int, alloc_size: usize, total: usize, free: usize) {
@@ -498,9 +501,8 @@ fn oom_observers_are_called_before_the_error_with_pytorchs_figures() {
         "oom_observers_are_called_before_the_error_with_pytorchs_figures",
         &env,
         || {
-            type ObserverFn = unsafe extern "C" fn(
-                Option<extern "C" fn(c_int, usize, usize, usize)>,
-            ) -> c_int;
+            type ObserverFn =
+                unsafe extern "C" fn(Option<extern "C" fn(c_int, usize, usize, usize)>) -> c_int;
             let api = Api::open();
             let _ = SNAPSHOT_FUNCTIONS.set((
                 api.library.function("ferrocache_snapshot"),
@@ -567,7 +569,11 @@ fn statistics_of_a_device_never_used_open_nothing_there() {
             );
             assert_eq!(api.stat("allocated_bytes.all.current"), MIB as i64);
             assert!(api.stats(2).is_none(), "there is no device 2");
-            assert!(api.last_error().contains("no CUDA device 2"), "{}", api.last_error());
+            assert!(
+                api.last_error().contains("no CUDA device 2"),
+                "{}",
+                api.last_error()
+            );
             assert_eq!(api.free(ptr), 0);
         },
     );

@@ -69,12 +69,15 @@ def attach_out_of_memory_observer(observer: Observer) -> None:
         try:
             observer(device, alloc_size, device_total, device_free)
         except BaseException:  # nothing may escape into the allocator
-            _ranks.log("ERROR", "an out-of-memory observer raised (the out of memory is raised as usual):")
+            _ranks.log(
+                "ERROR", "an out-of-memory observer raised (the out of memory is raised as usual):"
+            )
             traceback.print_exc()
 
     callback = _OBSERVER_TYPE(call)
+    address = ctypes.cast(callback, ctypes.c_void_p).value
     with _lock:
-        if _lib.function("ferrocache_attach_oom_observer")(ctypes.cast(callback, ctypes.c_void_p).value) != 0:
+        if _lib.function("ferrocache_attach_oom_observer")(address) != 0:
             raise RuntimeError(_lib.last_error())
         if not _attached:
             atexit.register(_detach_all)

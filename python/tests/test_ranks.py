@@ -38,7 +38,9 @@ def test_each_rank_writes_its_own_file(given: str, alone: str, rank_3_of_8: str)
     assert _ranks.per_rank_path(Path(given), RANK_3_OF_8) == rank_3_of_8
 
 
-@pytest.mark.parametrize("bad", ["run-{host}.pickle", "run-{}.pickle", "run-{0}.pickle", "run-{rank", "r{rank.real}"])
+@pytest.mark.parametrize(
+    "bad", ["run-{host}.pickle", "run-{}.pickle", "run-{0}.pickle", "run-{rank", "r{rank.real}"]
+)
 def test_an_unknown_placeholder_is_refused(bad: str) -> None:
     with pytest.raises(ValueError, match="snapshot path"):
         _ranks.check_path(bad)

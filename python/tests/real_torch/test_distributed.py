@@ -14,6 +14,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Optional
@@ -138,13 +139,15 @@ def test_an_oom_on_one_rank_ends_the_job_as_torch_distributed_does(tmp_path: Pat
     assert job.returncode != 0, explain(job)
     # Rank 1 raised PyTorch's error with PyTorch's message; rank 0 never got its sum.
     # PyTorch puts the same prefix on the traceback: one grep finds all of a rank's lines.
-    assert "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1024.00 GiB" in job.stderr, explain(job)
+    raised = "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1024.00 GiB"
+    assert raised in job.stderr, explain(job)
     assert "[rank1]:[ERROR] Allocator: CUDA out of memory. Tried to allocate 1024.00 GiB" in job.stderr
     assert "[rank0]:[ERROR] Allocator" not in job.stderr
     assert "finished its all-reduce" not in job.stdout
     # torchrun names the failed rank, and ended the job well within the group's timeout.
     root_cause = job.stderr[job.stderr.find("Root Cause") :]
-    assert "ChildFailedError" in job.stderr and "rank      : 1 (local_rank: 1)" in root_cause, explain(job)
+    assert "ChildFailedError" in job.stderr, explain(job)
+    assert "rank      : 1 (local_rank: 1)" in root_cause, explain(job)
     ended_after = finished - float((tmp_path / "oom_at").read_text())
     assert ended_after < group_timeout_s, f"the job hung {ended_after:.0f} s after the OOM"
     # No rank is left running.
@@ -152,7 +155,8 @@ def test_an_oom_on_one_rank_ends_the_job_as_torch_distributed_does(tmp_path: Pat
     # The failed rank left its snapshot, written before the exception; the other none.
     assert not (tmp_path / "oom_rank0.pickle").exists()
     written = tmp_path / "oom_rank1.pickle"
-    assert f"[rank1]:[ERROR] Allocator: out of memory on device 1: snapshot written to {written}" in job.stderr
+    note = f"[rank1]:[ERROR] Allocator: out of memory on device 1: snapshot written to {written}"
+    assert note in job.stderr
     with open(written, "rb") as f:
         snapshot = pickle.load(f)
     (oom,) = [entry for entry in snapshot["device_traces"][1] if entry["action"] == "oom"]
@@ -224,27 +228,40 @@ def test_ipc_and_pytorchs_mempool_are_refused_with_pytorchs_messages() -> None:
     }
 
 
+#: A child's helper: a TCP port free now, for a process group's store.
+FREE_PORT = """
+def free_port():
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+"""
+
+
 def test_nccl_process_groups_with_a_plugged_in_allocator() -> None:
     """On the fake, NCCL itself cannot start (its library is a stub), but creating and destroying
     process groups shows what PyTorch does around a plugged-in allocator."""
     nccl = run_torch_process(
-        """
+        FREE_PORT
+        + textwrap.dedent(
+            """
         import torch.distributed as dist
         os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1")
         ferrocache.install()
         torch.empty(1, device="cuda")
         # The stock ProcessGroupNCCL creates its communicator lazily: creating and destroying
         # the group works.
-        os.environ["MASTER_PORT"] = str(__import__("socket").create_server(("127.0.0.1", 0)).getsockname()[1])
+        os.environ["MASTER_PORT"] = free_port()
         dist.init_process_group("nccl-legacy")
         dist.destroy_process_group()
         print("nccl-legacy: created and destroyed", flush=True)
         # torch 2.15's default NCCL group (nccl2) starts NCCL at once; when that fails, its
         # clean-up asks the allocator for a snapshot, which a plugged-in allocator refuses,
         # from a destructor: the process aborts.
-        os.environ["MASTER_PORT"] = str(__import__("socket").create_server(("127.0.0.1", 0)).getsockname()[1])
+        os.environ["MASTER_PORT"] = free_port()
         dist.init_process_group("nccl")
-        """,
+        """
+        ),
         check=False,
     )
     assert "nccl-legacy: created and destroyed" in nccl.stdout, nccl.stderr
@@ -252,15 +269,18 @@ def test_nccl_process_groups_with_a_plugged_in_allocator() -> None:
     assert "CUDAPluggableAllocator does not yet support snapshot" in nccl.stderr
 
     hook = run_torch_process(
-        """
+        FREE_PORT
+        + textwrap.dedent(
+            """
         import torch.distributed as dist
         os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1")
-        os.environ["MASTER_PORT"] = str(__import__("socket").create_server(("127.0.0.1", 0)).getsockname()[1])
+        os.environ["MASTER_PORT"] = free_port()
         ferrocache.install()
         torch.empty(1, device="cuda")
         print("installed", flush=True)
         dist.init_process_group("nccl-legacy")
-        """,
+        """
+        ),
         env=torch_env(TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK="1"),
         check=False,
     )
