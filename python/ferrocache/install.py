@@ -117,14 +117,11 @@ def install(
     """
     global _installed
     torch = _import_torch()
-    if snapshot_on_oom is None:
-        snapshot_on_oom = oom.snapshot_on_oom_from_environment()
-    if snapshot_on_oom is not None:
-        _ranks.check_path(snapshot_on_oom)  # refused before anything changes
+    snapshot_on_oom = _snapshot_on_oom_path(snapshot_on_oom)  # refused before anything changes
     with _lock:
         if _installed is not None:
             _check_same_settings(_installed, conf, log_level)
-            if snapshot_on_oom is not None and os.fspath(snapshot_on_oom) != _installed.snapshot_on_oom:
+            if snapshot_on_oom is not None and snapshot_on_oom != _installed.snapshot_on_oom:
                 warnings.warn(
                     f"ferrocache is already installed; snapshot_on_oom={snapshot_on_oom!r} is ignored",
                     stacklevel=2,
@@ -176,10 +173,22 @@ def install(
         _warn_of_nccl_register_hook()
         if snapshot_on_oom is not None:
             oom.snapshot_on_oom(snapshot_on_oom)
-        _installed = _Installed(
-            allocator, conf, log_level, None if snapshot_on_oom is None else os.fspath(snapshot_on_oom)
-        )
+        _installed = _Installed(allocator, conf, log_level, snapshot_on_oom)
         return allocator
+
+
+def _snapshot_on_oom_path(given: Optional[Union[str, "os.PathLike[str]"]]) -> Optional[str]:
+    """The snapshot path ``install()`` was given, else ``FERROCACHE_SNAPSHOT_ON_OOM``'s, checked
+    (``ValueError`` for a placeholder other than ``{rank}``, ``{local_rank}``, ``{pid}``)."""
+    if given is not None:
+        return _ranks.check_path(given)
+    from_environment = oom.snapshot_on_oom_from_environment()
+    if from_environment is None:
+        return None
+    try:
+        return _ranks.check_path(from_environment)
+    except ValueError as err:
+        raise ValueError(f"{oom.SNAPSHOT_ON_OOM_VAR}: {err}") from None
 
 
 #: PyTorch's way to attach an out-of-memory observer, which it refuses for a plugged-in
