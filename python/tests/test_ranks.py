@@ -180,3 +180,22 @@ def test_oom_observers_see_pytorchs_figures_and_cannot_break_the_error() -> None
     ) in process.stdout, process.stdout + process.stderr
     assert "[ERROR] Allocator: an out-of-memory observer raised" in process.stderr
     assert "KeyError: \"the observer's own bug\"" in process.stderr
+
+
+def test_a_bad_environment_path_names_its_variable() -> None:
+    out = run_json(
+        """
+        import ferrocache, torch
+        try:
+            ferrocache.install()
+        except ValueError as err:
+            result([str(err), ferrocache.is_installed()])
+        """,
+        fake_torch=True,
+        env={"FERROCACHE_SNAPSHOT_ON_OOM": "oom-{node}.pickle"},
+    )
+    assert out == [
+        "FERROCACHE_SNAPSHOT_ON_OOM: snapshot path 'oom-{node}.pickle' has unknown placeholder(s) "
+        "{node}; the placeholders are {rank}, {local_rank} and {pid}",
+        False,
+    ]
