@@ -10,6 +10,7 @@
 use crate::config::{Config, LOG_LEVEL_VAR, LogLevel};
 use crate::device::{DevicePtr, StreamId};
 use log::{debug, error, info, warn};
+use std::cell::Cell;
 use std::fmt;
 use std::io::Write;
 use std::sync::{Once, OnceLock};
@@ -172,6 +173,49 @@ fn repeats_unusable(why: &str) -> bool {
         .is_some_and(|unusable| why.contains(unusable.as_str()))
 }
 
+thread_local! {
+    /// Set on threads that replay recordings on simulated GPUs (`ferrocache.advise()`, the
+    /// out-of-memory advice): their allocators' lines are not the process's.
+    static SILENCED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// From now on, nothing this thread logs is written (for threads that only run simulations).
+pub fn silence_this_thread() {
+    SILENCED.with(|s| s.set(true));
+}
+
+/// Runs `body` with this thread's log lines dropped, then restores what was before.
+pub fn silenced<R>(body: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SILENCED.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(SILENCED.with(|s| s.replace(true)));
+    body()
+}
+
+/// The stderr logger, less the lines of silenced threads. The check comes after the level
+/// check, so a disabled level still costs one atomic load.
+struct UnlessSilenced(env_logger::Logger);
+
+impl log::Log for UnlessSilenced {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        self.0.enabled(metadata) && !SILENCED.with(Cell::get)
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if !SILENCED.with(Cell::get) {
+            self.0.log(record);
+        }
+    }
+
+    fn flush(&self) {
+        self.0.flush();
+    }
+}
+
 /// Installs the stderr logger at the level `TORCH_CUDA_ALLOC_LOG_LEVEL` names (WARN when unset),
 /// once per process; later calls do nothing. Lines are exactly `[LEVEL] message`: no timestamp,
 /// no module path, no colour. Only ferrocache's own target is shown.
@@ -185,12 +229,15 @@ pub fn init() {
             Ok(level) => (level, None),
             Err(err) => (LogLevel::default(), Some(err)),
         };
-        let installed = env_logger::Builder::new()
+        let logger = env_logger::Builder::new()
             .filter_level(log::LevelFilter::Off)
             .filter_module(TARGET, level.to_level_filter())
             .format(|out, record| writeln!(out, "[{}] {}", record.level(), record.args()))
             .target(env_logger::Target::Stderr)
-            .try_init();
+            .build();
+        let filter = logger.filter();
+        let installed = log::set_boxed_logger(Box::new(UnlessSilenced(logger)))
+            .map(|()| log::set_max_level(filter));
         if let (Ok(()), Some(err)) = (installed, problem) {
             warn!(target: TARGET, "Allocator: {err}; using {} (the default)", LogLevel::default());
         }
