@@ -75,6 +75,17 @@ impl Subject {
     pub fn from_snapshot(name: &str, rank: Option<u32>, snapshot: &Snapshot) -> Vec<Subject> {
         let workload = Workload::reconstruct(snapshot);
         let recorded = recorded_setting(snapshot, &workload);
+        Subject::from_workload(name, rank, workload, recorded)
+    }
+
+    /// One subject per device of `workload` (reconstructed from a snapshot), named after
+    /// `name`, each recorded under `recorded`.
+    pub fn from_workload(
+        name: &str,
+        rank: Option<u32>,
+        workload: Workload,
+        recorded: Option<Candidate>,
+    ) -> Vec<Subject> {
         let several = workload.devices.len() > 1;
         workload
             .devices
@@ -110,7 +121,7 @@ impl Subject {
 /// The setting a snapshot was recorded under: the raw `PYTORCH_CUDA_ALLOC_CONF` when PyTorch
 /// wrote it and it still reads, else the recorded values written as a conf; `None` when the
 /// snapshot does not say.
-fn recorded_setting(snapshot: &Snapshot, workload: &Workload) -> Option<Candidate> {
+pub fn recorded_setting(snapshot: &Snapshot, workload: &Workload) -> Option<Candidate> {
     let settings = snapshot.allocator_settings.as_ref()?;
     if let Some(raw) = &settings.alloc_conf
         && let Ok(candidate) = Candidate::new(raw, false)
@@ -430,7 +441,12 @@ pub fn tune_candidates(
             .map(|s| SubjectInfo {
                 name: s.name.clone(),
                 rank: s.rank,
-                events: s.workload.ops.len() as u64,
+                events: s
+                    .workload
+                    .ops
+                    .iter()
+                    .filter(|op| !matches!(op, Op::Oom { .. }))
+                    .count() as u64,
                 peak_requested: s.workload.figures.peak_requested,
                 live_at_start: s.workload.figures.live_at_start_requested,
             })

@@ -86,7 +86,7 @@ fn saving(value: u64, reference: u64) -> String {
     } else {
         100.0 * saved as f64 / reference as f64
     };
-    format!("{:.2} GiB ({percent:.1}%)", saved as f64 / GIB)
+    format!("{} ({percent:.1}%)", bytes(saved))
 }
 
 fn capacity_phrase(tuning: &Tuning) -> String {
@@ -293,7 +293,7 @@ fn write_rows(out: &mut String, rows: &[Vec<String>], left: usize) {
             .iter()
             .enumerate()
             .map(|(c, cell)| {
-                if c < left || c == 1 {
+                if c < left {
                     format!("{cell:<width$}", width = widths[c])
                 } else {
                     format!("{cell:>width$}", width = widths[c])
@@ -563,5 +563,6 @@ mod tests {
         assert_eq!(change(90, 100), "-10.0%");
         assert_eq!(change(100, 100), "0.0%");
         assert_eq!(saving(3 << 30, 4 << 30), "1.00 GiB (25.0%)");
+        assert_eq!(saving(108 << 20, 128 << 20), "20.0 MiB (15.6%)");
     }
 }
