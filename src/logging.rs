@@ -318,6 +318,20 @@ pub fn free_argument_mismatch(
     warn!(target: TARGET, "Allocator: rust_free of block {ptr:#x} was given {argument} {given}, but the block was allocated with {argument} {recorded}; using the recorded one");
 }
 
+/// The line after an out-of-memory that says which setting would have served the program
+/// (`tune::live`), or why none would.
+pub fn oom_advice(line: &str) {
+    error!(target: TARGET, "Allocator: {line}");
+}
+
+/// An out-of-memory without recorded history: once per process, how to get the advice.
+pub fn oom_advice_needs_history() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        error!(target: TARGET, "Allocator: to learn which PYTORCH_CUDA_ALLOC_CONF would have served this program, record its allocation history from the start (torch.cuda.memory._record_memory_history() with ferrocache installed, or ferrocache.record_memory_history()): the next out-of-memory then names the setting, and ferrocache.advise() shows the table");
+    });
+}
+
 /// A panic inside ferrocache was caught at the C ABI (a bug in ferrocache).
 pub fn internal_error(function: &str, why: &str) {
     error!(target: TARGET, "Allocator: internal error in {function}: {why}");

@@ -167,7 +167,7 @@ pub enum OomAdvice {
 impl OomAdvice {
     /// The advice as one log line (without the `Allocator: ` prefix).
     pub fn line(&self, device: i32) -> String {
-        let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+        let gib = |b: u64| report::bytes(b);
         match self {
             OomAdvice::LiveBytesExceed { live, capacity } => format!(
                 "advice: no PYTORCH_CUDA_ALLOC_CONF would have served this program: its live \
@@ -187,7 +187,7 @@ impl OomAdvice {
                 if *is_current {
                     return format!(
                         "advice: replayed, the current setting would have served the {events} \
-                         recorded events and this request within the {} this process could use \
+                         recorded allocations and frees and this request within the {} this process could use \
                          on GPU {device} (peak reserved {}), and no other setting tried does \
                          better: the memory went to what the history does not show (allocations \
                          before recording began, other processes); ferrocache.advise() shows \
@@ -206,9 +206,9 @@ impl OomAdvice {
                     .unwrap_or_default();
                 format!(
                     "advice: PYTORCH_CUDA_ALLOC_CONF={}{env} would have served this program so \
-                     far ({events} recorded events and this request) within the {} it could use \
-                     on GPU {device}: peak reserved {}{current}; ferrocache.advise() shows the \
-                     table",
+                     far ({events} recorded allocations and frees, and this request) within the \
+                     {} it could use on GPU {device}: peak reserved {}{current}; \
+                     ferrocache.advise() shows the table",
                     report::shell_quote(&candidate.conf),
                     gib(*capacity),
                     gib(*peak_reserved)
@@ -238,8 +238,13 @@ pub fn oom_advice(
         return Ok(OomAdvice::LiveBytesExceed { live, capacity });
     }
     let mut subject = live_subject(snapshot, config, device)?;
+    let events = subject
+        .workload
+        .ops
+        .iter()
+        .filter(|op| !matches!(op, crate::replay::Op::Oom { .. }))
+        .count() as u64;
     subject.workload = super::with_last_oom_served(&subject.workload);
-    let events = subject.workload.ops.len() as u64;
     let options = TuneOptions {
         capacity,
         capacity_source: CapacitySource::Device,
@@ -381,7 +386,7 @@ mod tests {
         assert!(!is_current);
         assert!(!candidate.conf.is_empty() || candidate.cross_stream);
         assert!(*peak_reserved <= capacity);
-        assert_eq!(*events, 5, "four operations and the request that failed");
+        assert_eq!(*events, 4, "the request that failed is not counted");
         let line = advice.line(0);
         assert!(
             line.starts_with(&format!(

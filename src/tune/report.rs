@@ -90,16 +90,16 @@ fn saving(value: u64, reference: u64) -> String {
 }
 
 fn capacity_phrase(tuning: &Tuning) -> String {
-    let gib = capacity_gib_text(tuning.options.capacity);
+    let memory = bytes(tuning.options.capacity);
     match tuning.options.capacity_source {
-        CapacitySource::Given => format!("a simulated {gib} GiB GPU"),
+        CapacitySource::Given => format!("a simulated GPU of {memory}"),
         CapacitySource::Recording => format!(
-            "a simulated {gib} GiB GPU (the recording's: free memory at its out-of-memory plus \
-             what was reserved then)"
+            "a simulated GPU of {memory} (the recording's: free memory at its out-of-memory \
+             plus what was reserved then)"
         ),
-        CapacitySource::Device => format!("a simulated {gib} GiB GPU (this process's device)"),
+        CapacitySource::Device => format!("a simulated GPU of {memory} (this process's device)"),
         CapacitySource::Default => format!(
-            "a simulated {gib} GiB GPU (the default: the recording does not say its GPU's \
+            "a simulated GPU of {memory} (the default: the recording does not say its GPU's \
              memory; see --capacity-gib)"
         ),
     }
@@ -306,21 +306,21 @@ fn write_rows(out: &mut String, rows: &[Vec<String>], left: usize) {
 
 /// The lines to paste, what they save, and how to check them.
 fn answer(out: &mut String, tuning: &Tuning, options: &TextOptions) {
-    let capacity = capacity_gib_text(tuning.options.capacity);
+    let capacity = bytes(tuning.options.capacity);
     let Some(best) = tuning.recommendation() else {
         let first = &tuning.ranked[0];
         let requested = tuning.peak_requested();
         if requested > tuning.options.capacity {
             let _ = writeln!(
                 out,
-                "No setting can serve this within {capacity} GiB: the program itself holds {} at \
+                "No setting can serve this within {capacity}: the program itself holds {} at \
                  its peak (live tensors alone), more than the GPU's memory.",
                 bytes(requested)
             );
         } else {
             let _ = writeln!(
                 out,
-                "No setting tried serves this within {capacity} GiB without running out of \
+                "No setting tried serves this within {capacity} without running out of \
                  memory; the fewest failures ({}) come with {}.",
                 grouped(first.ooms()),
                 first.candidate.label()
@@ -330,7 +330,7 @@ fn answer(out: &mut String, tuning: &Tuning, options: &TextOptions) {
     };
     let _ = writeln!(
         out,
-        "Recommended (the lowest peak reserved with no out-of-memory on {capacity} GiB):"
+        "Recommended (the lowest peak reserved with no out-of-memory on {capacity}):"
     );
     let _ = writeln!(
         out,
@@ -416,7 +416,10 @@ fn answer(out: &mut String, tuning: &Tuning, options: &TextOptions) {
             command.push("--cross-stream".to_string());
         }
         if tuning.options.capacity != super::DEFAULT_CAPACITY {
-            command.push(format!("--capacity-gib {capacity}"));
+            command.push(format!(
+                "--capacity-gib {}",
+                capacity_gib_text(tuning.options.capacity)
+            ));
         }
         if tuning.options.start == StartState::Fresh {
             command.push("--fresh".to_string());
