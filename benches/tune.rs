@@ -57,7 +57,10 @@ fn search(c: &mut Criterion) {
             .map_or("none".to_string(), |b| b.candidate.label()),
     );
     if benching() {
-        assert!(first.ranked.len() >= 500, "the aim is 500 candidates or more");
+        assert!(
+            first.ranked.len() >= 500,
+            "the aim is 500 candidates or more"
+        );
         assert!(subjects[0].events() >= 20_000);
     }
     let mut group = c.benchmark_group("tune");

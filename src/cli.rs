@@ -20,8 +20,8 @@ use crate::tune::report::{bytes, grouped, wrap};
 use crate::tune::{self, CapacitySource, Subject, TuneOptions, same_policy, short_trace};
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
-use std::ffi::OsString;
 use std::collections::BTreeSet;
+use std::ffi::OsString;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -240,7 +240,9 @@ fn replay_command(args: &ReplayArgs) -> u8 {
         return USAGE_ERROR;
     }
     if args.job && args.demo {
-        complain!("error: --job reads TRACE files as the ranks of one job; it does not apply to --demo");
+        complain!(
+            "error: --job reads TRACE files as the ranks of one job; it does not apply to --demo"
+        );
         return USAGE_ERROR;
     }
     let ranks = if args.job {
@@ -951,7 +953,13 @@ fn print_job_table(jobs: &[JobRow]) {
         ]);
     }
     let widths: Vec<usize> = (0..table[0].len())
-        .map(|c| table.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+        .map(|c| {
+            table
+                .iter()
+                .map(|r| r[c].chars().count())
+                .max()
+                .unwrap_or(0)
+        })
         .collect();
     for row in &table {
         let cells: Vec<String> = row

@@ -1158,11 +1158,13 @@ fn advise_on_history(
         }
         let device_memory = match allocator.allowed_memory_maximum() {
             Some(allowed) => allowed as u64,
-            None => allocator
-                .device_mut()
-                .mem_get_info()
-                .map_err(|err| format!("cudaMemGetInfo failed: {err}"))?
-                .total as u64,
+            None => {
+                allocator
+                    .device_mut()
+                    .mem_get_info()
+                    .map_err(|err| format!("cudaMemGetInfo failed: {err}"))?
+                    .total as u64
+            }
         };
         (
             allocator.history_snapshot(),
@@ -1184,7 +1186,8 @@ fn advise_on_snapshot(
     capacity: Option<u64>,
     max_candidates: Option<usize>,
 ) -> Result<tune::Tuning, String> {
-    let snapshot = crate::replay::parse_snapshot(bytes, "the snapshot").map_err(|e| e.to_string())?;
+    let snapshot =
+        crate::replay::parse_snapshot(bytes, "the snapshot").map_err(|e| e.to_string())?;
     let workload = crate::replay::Workload::reconstruct(&snapshot);
     let recorded = tune::recorded_setting(&snapshot, &workload);
     let mut recorded_capacity: Option<u64> = None;

@@ -466,7 +466,10 @@ fn oversize_release_passes_over_split_blocks_of_imported_segments() {
     // 180 MiB free in the segment, too large to serve 150 MiB (more than 20 MiB over), and
     // only 100 MiB left on the device: an out-of-memory, with the segment untouched.
     let failed = a.malloc(150 * MIB, 0);
-    assert!(matches!(failed, Err(AllocError::OutOfMemory(_))), "{failed:?}");
+    assert!(
+        matches!(failed, Err(AllocError::OutOfMemory(_))),
+        "{failed:?}"
+    );
     checked(&a);
     assert_eq!(a.device().counters().frees, 0);
     assert_eq!(a.stats().reserved_bytes.all.current, 200 * MIB as i64);

@@ -73,7 +73,9 @@ fn replay_rows(args: &[&str]) -> Vec<Value> {
 }
 
 fn bytes(value: &Value) -> u64 {
-    value.as_u64().unwrap_or_else(|| panic!("not a byte count: {value}"))
+    value
+        .as_u64()
+        .unwrap_or_else(|| panic!("not a byte count: {value}"))
 }
 
 /// The replay arguments that reproduce a candidate of `tuned` (conf, env, capacity, start).
@@ -118,11 +120,20 @@ fn tune_and_confirm(trace: &Path, extra: &[&str]) -> Value {
         all.extend(replay_args.iter().map(String::as_str));
         let rows = replay_rows(&all);
         assert_eq!(rows.len(), 1, "{rows:?}");
-        assert_eq!(bytes(&rows[0]["peak_reserved_bytes"]), peak, "{path} {conf:?}");
+        assert_eq!(
+            bytes(&rows[0]["peak_reserved_bytes"]),
+            peak,
+            "{path} {conf:?}"
+        );
         assert_eq!(rows[0]["ooms"], 0, "{path} {conf:?}");
     }
     // Every candidate's figure is the replay's: spot-check the last one too.
-    let last = tuned["candidates"].as_array().unwrap().last().unwrap().clone();
+    let last = tuned["candidates"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
     let replay_args = replay_arguments(&tuned, last["conf"].as_str().unwrap(), &last["env"]);
     let mut all: Vec<&str> = vec![path.as_str()];
     all.extend(replay_args.iter().map(String::as_str));
@@ -154,7 +165,10 @@ fn every_shared_trace_gets_a_recommendation_that_replay_confirms() {
         for start in [&[][..], &["--fresh"][..]] {
             let tuned = tune_and_confirm(&dir.join(name), start);
             savings.push((name, start.len(), tuned["recommended_conf"].clone()));
-            assert_eq!(tuned["capacity_source"], "default", "no OOM entries: 80 GiB");
+            assert_eq!(
+                tuned["capacity_source"], "default",
+                "no OOM entries: 80 GiB"
+            );
         }
     }
     // Expandable segments are what helps on the two that allocate while recording (docs/tune.md).
@@ -169,16 +183,18 @@ fn every_shared_trace_gets_a_recommendation_that_replay_confirms() {
 fn pytorchs_own_recordings_get_a_recommendation_that_replay_confirms() {
     for trace in oracle_recordings() {
         let tuned = tune_and_confirm(&trace, &[]);
-        assert!(tuned["recorded_conf"].is_string(), "PyTorch records its setting");
+        assert!(
+            tuned["recorded_conf"].is_string(),
+            "PyTorch records its setting"
+        );
         // A capacity given adds garbage collection under a memory fraction.
         let tight = tune_and_confirm(&trace, &["--capacity-gib", "0.75"]);
-        assert!(
-            tight["candidates"]
-                .as_array()
+        assert!(tight["candidates"].as_array().unwrap().iter().any(|c| {
+            c["conf"]
+                .as_str()
                 .unwrap()
-                .iter()
-                .any(|c| c["conf"].as_str().unwrap().contains("garbage_collection_threshold")),
-        );
+                .contains("garbage_collection_threshold")
+        }),);
         assert_eq!(tight["capacity_source"], "given");
     }
 }
@@ -210,7 +226,13 @@ fn the_json_has_the_documented_keys() {
     let candidates = tuned["candidates"].as_array().unwrap();
     assert!(candidates.len() > 10);
     for candidate in candidates {
-        for key in ["conf", "env", "peak_reserved_bytes", "device_allocs", "ooms"] {
+        for key in [
+            "conf",
+            "env",
+            "peak_reserved_bytes",
+            "device_allocs",
+            "ooms",
+        ] {
             assert!(candidate.get(key).is_some(), "{key} missing: {candidate}");
         }
     }
@@ -230,14 +252,23 @@ fn the_table_ranks_and_says_what_to_paste_and_what_it_saves() {
     assert!(output.status.success(), "{}", stderr(&output));
     let text = stdout(&output);
     assert!(text.contains("PyTorch defaults"), "{text}");
-    assert!(text.contains("max_split_size_mb:64 (the recording's setting)"), "{text}");
-    assert!(text.contains("\n  export PYTORCH_CUDA_ALLOC_CONF="), "{text}");
+    assert!(
+        text.contains("max_split_size_mb:64 (the recording's setting)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("\n  export PYTORCH_CUDA_ALLOC_CONF="),
+        "{text}"
+    );
     assert!(text.contains("less than PyTorch's defaults"), "{text}");
     assert!(
         text.contains("less than the setting the recording ran under (max_split_size_mb:64"),
         "{text}"
     );
-    assert!(text.contains(&format!("Check it: ferrocache replay {trace} --conf ")), "{text}");
+    assert!(
+        text.contains(&format!("Check it: ferrocache replay {trace} --conf ")),
+        "{text}"
+    );
 }
 
 #[test]
@@ -257,8 +288,14 @@ fn several_traces_get_one_setting_judged_by_the_worst() {
         .iter()
         .map(|r| bytes(&r["peak_reserved_bytes"]))
         .collect();
-    assert_eq!(peaks.iter().max().copied(), Some(bytes(&tuned["peak_reserved_bytes"])));
-    assert_eq!(peaks.iter().sum::<u64>(), bytes(&best["sum_peak_reserved_bytes"]));
+    assert_eq!(
+        peaks.iter().max().copied(),
+        Some(bytes(&tuned["peak_reserved_bytes"]))
+    );
+    assert_eq!(
+        peaks.iter().sum::<u64>(),
+        bytes(&best["sum_peak_reserved_bytes"])
+    );
     // No candidate has a lower worst trace.
     for candidate in tuned["candidates"].as_array().unwrap() {
         assert!(bytes(&candidate["peak_reserved_bytes"]) >= bytes(&tuned["peak_reserved_bytes"]));
@@ -297,7 +334,12 @@ fn replay_job_gives_per_rank_rows_and_the_job_row() {
         let mine: Vec<&&Value> = ranks.iter().filter(|r| r["conf"] == conf).collect();
         let peaks: Vec<(u64, u64)> = mine
             .iter()
-            .map(|r| (r["rank"].as_u64().unwrap(), bytes(&r["peak_reserved_bytes"])))
+            .map(|r| {
+                (
+                    r["rank"].as_u64().unwrap(),
+                    bytes(&r["peak_reserved_bytes"]),
+                )
+            })
             .collect();
         let worst = peaks.iter().map(|p| p.1).max().unwrap();
         let lowest = peaks.iter().map(|p| p.1).min().unwrap();
@@ -366,7 +408,10 @@ fn tune_job_minimizes_the_worst_rank_and_replay_job_confirms_it() {
     let text = stdout(&output);
     assert!(text.contains("worst rank"), "{text}");
     assert!(text.contains("peak reserved per rank"), "{text}");
-    assert!(text.contains("Check it: ferrocache replay --job "), "{text}");
+    assert!(
+        text.contains("Check it: ferrocache replay --job "),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -390,7 +435,10 @@ fn job_files_must_name_distinct_ranks() {
         let err = stderr(&output);
         assert_eq!(err.lines().count(), 2, "{err}");
         assert!(err.contains("are both rank 0"), "{err}");
-        assert!(err.contains("plain.pickle: cannot tell which rank"), "{err}");
+        assert!(
+            err.contains("plain.pickle: cannot tell which rank"),
+            "{err}"
+        );
         assert_eq!(stdout(&output), "");
     }
     // None readable.

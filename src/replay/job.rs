@@ -82,7 +82,11 @@ pub enum RankError {
     /// No rule of [`rank_of_path`] fits this file's name.
     Unnamed(PathBuf),
     /// Two files name the same rank.
-    Duplicate { rank: u32, first: PathBuf, second: PathBuf },
+    Duplicate {
+        rank: u32,
+        first: PathBuf,
+        second: PathBuf,
+    },
 }
 
 impl fmt::Display for RankError {
@@ -172,7 +176,9 @@ impl JobSummary {
             worst_rank,
             worst_peak_reserved,
             spread,
-            sum_peak_reserved: peaks.iter().fold(0u64, |sum, &(_, p)| sum.saturating_add(p)),
+            sum_peak_reserved: peaks
+                .iter()
+                .fold(0u64, |sum, &(_, p)| sum.saturating_add(p)),
         })
     }
 }
@@ -250,7 +256,12 @@ mod tests {
         assert_eq!(job.sum_peak_reserved, 850);
         assert_eq!(job.ranks, 4);
         assert_eq!(JobSummary::of(&[(2, 5)]).unwrap().spread, 1.0);
-        assert!(JobSummary::of(&[(0, 0), (1, 5)]).unwrap().spread.is_infinite());
+        assert!(
+            JobSummary::of(&[(0, 0), (1, 5)])
+                .unwrap()
+                .spread
+                .is_infinite()
+        );
         assert!(JobSummary::of(&[]).is_none());
     }
 }

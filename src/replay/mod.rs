@@ -32,8 +32,8 @@ pub use engine::{
     DEFAULT_CAPACITY, MemoryPoint, NativeFigures, ReplayOptions, ReplayReport, SegmentMismatch,
     StartReport, StartState, replay,
 };
-pub use pickle::{Document, PickleError, PickleErrorKind, PickleValue, ValueRef};
 pub use job::{JobSummary, RankError, assign_ranks, rank_of_path};
+pub use pickle::{Document, PickleError, PickleErrorKind, PickleValue, ValueRef};
 pub use plot::{PlotPanel, PlotSeries, render_svg};
 pub use snapshot::{
     Action, AllocatorSettings, BlockState, BlockStatus, Segment, Snapshot, TraceEvent, load,

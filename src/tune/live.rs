@@ -3,7 +3,7 @@
 //! `ferrocache.record_memory_history()`) searched like a snapshot file, and the line an
 //! out-of-memory adds to PyTorch's message.
 
-use super::{CapacitySource, Candidate, Subject, TuneOptions, Tuning, report};
+use super::{Candidate, CapacitySource, Subject, TuneOptions, Tuning, report};
 use crate::allocator::history::{MemorySnapshot, TraceAction};
 use crate::config::Config;
 use crate::replay::{
@@ -57,7 +57,11 @@ pub fn to_replay_snapshot(snapshot: &MemorySnapshot, config: &Config) -> Snapsho
                 .iter()
                 .map(|e| TraceEvent {
                     action: action(e.action),
-                    addr: if e.action == TraceAction::Oom { 0 } else { e.addr },
+                    addr: if e.action == TraceAction::Oom {
+                        0
+                    } else {
+                        e.addr
+                    },
                     size: e.size,
                     stream: e.stream,
                     time_us: e.time_us,
@@ -90,7 +94,8 @@ fn action(action: TraceAction) -> Action {
 fn settings_of(config: &Config) -> AllocatorSettings {
     AllocatorSettings {
         alloc_conf: Some(super::conf_of(config)),
-        max_split_size: (config.max_split_size != usize::MAX).then_some(config.max_split_size as u64),
+        max_split_size: (config.max_split_size != usize::MAX)
+            .then_some(config.max_split_size as u64),
         garbage_collection_threshold: Some(config.garbage_collection_threshold),
         expandable_segments: Some(config.expandable_segments),
         release_lock_on_cudamalloc: Some(config.release_lock_on_cudamalloc),
@@ -116,11 +121,7 @@ pub fn live_subject(
     config: &Config,
     device: i32,
 ) -> Result<Subject, String> {
-    let recorded_events = snapshot
-        .device_traces
-        .iter()
-        .map(Vec::len)
-        .sum::<usize>();
+    let recorded_events = snapshot.device_traces.iter().map(Vec::len).sum::<usize>();
     if recorded_events == 0 {
         return Err(HOW_TO_RECORD.to_string());
     }
@@ -153,7 +154,7 @@ pub enum OomAdvice {
     LiveBytesExceed { live: u64, capacity: u64 },
     /// This setting would have served the history so far, the failed request included.
     Setting {
-        candidate: Candidate,
+        candidate: Box<Candidate>,
         peak_reserved: u64,
         current_peak_reserved: Option<u64>,
         capacity: u64,
@@ -254,7 +255,7 @@ pub fn oom_advice(
     let tuning = super::tune(std::slice::from_ref(&subject), &options);
     Ok(match tuning.recommendation() {
         Some(best) => OomAdvice::Setting {
-            candidate: best.candidate.clone(),
+            candidate: Box::new(best.candidate.clone()),
             peak_reserved: best.worst_peak_reserved(),
             current_peak_reserved: tuning
                 .recorded()
@@ -322,7 +323,12 @@ mod tests {
         let snapshot = allocator.history_snapshot();
         let subject = live_subject(&snapshot, allocator.config(), 0).unwrap();
         assert_eq!(subject.workload.ops.len(), 36);
-        assert!(subject.workload.diagnostics.is_consistent(&subject.workload.figures));
+        assert!(
+            subject
+                .workload
+                .diagnostics
+                .is_consistent(&subject.workload.figures)
+        );
         assert_eq!(subject.recorded, Some(Candidate::defaults()));
         // The replay under the process's own setting is what the allocator did.
         let report = crate::replay::replay(

@@ -282,7 +282,9 @@ impl Evaluated {
     }
 
     pub fn worst_peak_reserved(&self) -> u64 {
-        self.figures.get(self.worst()).map_or(0, |f| f.peak_reserved)
+        self.figures
+            .get(self.worst())
+            .map_or(0, |f| f.peak_reserved)
     }
 
     pub fn sum_peak_reserved(&self) -> u64 {
@@ -388,7 +390,10 @@ pub fn tune_candidates(
     options: &TuneOptions,
 ) -> Tuning {
     let started = Instant::now();
-    if !candidates.iter().any(|c| c.same_setting(&Candidate::defaults())) {
+    if !candidates
+        .iter()
+        .any(|c| c.same_setting(&Candidate::defaults()))
+    {
         candidates.insert(0, Candidate::defaults());
     }
     let replay_options = ReplayOptions {
@@ -428,8 +433,10 @@ pub fn tune_candidates(
             .position(|e| e.candidate.same_setting(wanted))
     };
     let defaults = find(&Candidate::defaults()).unwrap_or(0);
-    let recorded_settings: Vec<&Candidate> =
-        subjects.iter().filter_map(|s| s.recorded.as_ref()).collect();
+    let recorded_settings: Vec<&Candidate> = subjects
+        .iter()
+        .filter_map(|s| s.recorded.as_ref())
+        .collect();
     let recorded = recorded_settings.first().and_then(|r| find(r));
     let recorded_differ = recorded_settings
         .windows(2)

@@ -344,7 +344,10 @@ mod tests {
             "expandable_segments:True,roundup_power2_divisions:[256:1,512:2,>:8] \
              +FERROCACHE_CROSS_STREAM=1"
         );
-        assert_eq!(c.env().get("FERROCACHE_CROSS_STREAM").map(String::as_str), Some("1"));
+        assert_eq!(
+            c.env().get("FERROCACHE_CROSS_STREAM").map(String::as_str),
+            Some("1")
+        );
     }
 
     #[test]
