@@ -360,6 +360,10 @@ fn advise_after_out_of_memory(
     allocator: &LockedAllocator,
     oom: &crate::allocator::OutOfMemoryError,
 ) {
+    if !logging::errors_enabled() {
+        // TORCH_CUDA_ALLOC_LOG_LEVEL=OFF: nobody would read the line.
+        return;
+    }
     let capacity = tune::live::oom_capacity(
         oom.reserved as u64,
         oom.device_free as u64,

@@ -318,6 +318,11 @@ pub fn free_argument_mismatch(
     warn!(target: TARGET, "Allocator: rust_free of block {ptr:#x} was given {argument} {given}, but the block was allocated with {argument} {recorded}; using the recorded one");
 }
 
+/// Whether ERROR lines are written (every level but `OFF`).
+pub fn errors_enabled() -> bool {
+    log::log_enabled!(target: TARGET, log::Level::Error)
+}
+
 /// The line after an out-of-memory that says which setting would have served the program
 /// (`tune::live`), or why none would.
 pub fn oom_advice(line: &str) {

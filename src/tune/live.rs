@@ -20,9 +20,10 @@ pub const HOW_TO_RECORD: &str = "no allocation history was recorded in this proc
      torch.cuda.memory._record_memory_history() (with ferrocache installed) or \
      ferrocache.record_memory_history() before the work to advise on, then ferrocache.advise()";
 
-/// The allocator's own snapshot as the replay reader's [`Snapshot`], `config` being the
-/// process's settings.
-pub fn to_replay_snapshot(snapshot: &MemorySnapshot, config: &Config) -> Snapshot {
+/// One device allocator's own snapshot (device `device`) as the replay reader's [`Snapshot`],
+/// `config` being the process's settings. The allocator lists its trace first, whatever its
+/// device; the reader finds a device's trace at the device's index.
+pub fn to_replay_snapshot(snapshot: &MemorySnapshot, config: &Config, device: usize) -> Snapshot {
     let segments = snapshot
         .segments
         .iter()
@@ -49,25 +50,22 @@ pub fn to_replay_snapshot(snapshot: &MemorySnapshot, config: &Config) -> Snapsho
                 .collect(),
         })
         .collect();
-    let device_traces = snapshot
+    let mut device_traces: Vec<Vec<TraceEvent>> = vec![Vec::new(); device + 1];
+    device_traces[device] = snapshot
         .device_traces
         .iter()
-        .map(|trace| {
-            trace
-                .iter()
-                .map(|e| TraceEvent {
-                    action: action(e.action),
-                    addr: if e.action == TraceAction::Oom {
-                        0
-                    } else {
-                        e.addr
-                    },
-                    size: e.size,
-                    stream: e.stream,
-                    time_us: e.time_us,
-                    device_free: (e.action == TraceAction::Oom).then_some(e.addr),
-                })
-                .collect()
+        .flatten()
+        .map(|e| TraceEvent {
+            action: action(e.action),
+            addr: if e.action == TraceAction::Oom {
+                0
+            } else {
+                e.addr
+            },
+            size: e.size,
+            stream: e.stream,
+            time_us: e.time_us,
+            device_free: (e.action == TraceAction::Oom).then_some(e.addr),
         })
         .collect();
     Snapshot {
@@ -125,12 +123,13 @@ pub fn live_subject(
     if recorded_events == 0 {
         return Err(HOW_TO_RECORD.to_string());
     }
-    let replay_snapshot = to_replay_snapshot(snapshot, config);
+    let index = usize::try_from(device).map_err(|_| format!("invalid device ordinal {device}"))?;
+    let replay_snapshot = to_replay_snapshot(snapshot, config, index);
     let name = format!("this process (device {device})");
     let mut subjects = Subject::from_snapshot(&name, None, &replay_snapshot);
     let index = subjects
         .iter()
-        .position(|s| s.workload.device == usize::try_from(device).unwrap_or(usize::MAX))
+        .position(|s| s.workload.device == index)
         .ok_or_else(|| {
             format!("no allocation history was recorded on device {device}: {HOW_TO_RECORD}")
         })?;
@@ -339,6 +338,26 @@ mod tests {
         assert_eq!(
             report.peak_reserved,
             allocator.stats().reserved_bytes.all.peak as u64
+        );
+    }
+
+    #[test]
+    fn another_devices_history_is_found_under_its_index() {
+        let mut device = SimDevice::new(1 << 30);
+        device.set_complete_immediately(true);
+        let mut allocator = DeviceAllocator::new(device, 2, Config::default());
+        allocator.record_history(true, usize::MAX);
+        let block = allocator.malloc(30 * MIB, 0).unwrap();
+        allocator.free(block).unwrap();
+        let subject = live_subject(&allocator.history_snapshot(), allocator.config(), 2).unwrap();
+        assert_eq!(subject.workload.device, 2);
+        assert_eq!(subject.workload.ops.len(), 2);
+        assert_eq!(subject.workload.segment_decisions.len(), 1);
+        assert!(
+            subject
+                .workload
+                .diagnostics
+                .is_consistent(&subject.workload.figures)
         );
     }
 
