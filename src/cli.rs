@@ -245,13 +245,9 @@ fn replay_command(args: &ReplayArgs) -> u8 {
         );
         return USAGE_ERROR;
     }
-    let ranks = if args.job {
-        match job_ranks(&args.traces) {
-            Ok(ranks) => Some(ranks),
-            Err(code) => return code,
-        }
-    } else {
-        None
+    let ranks = match job_ranks(args.job, &args.traces) {
+        Ok(ranks) => ranks,
+        Err(code) => return code,
     };
     let mut given = match parse_settings(&args.confs) {
         Ok(settings) => settings,
@@ -290,13 +286,8 @@ fn replay_command(args: &ReplayArgs) -> u8 {
     let mut failed = false;
     for (index, path) in args.traces.iter().enumerate() {
         let rank = ranks.as_ref().map(|r| r[index]);
-        let snapshot = match replay::load(path) {
-            Ok(snapshot) => snapshot,
-            Err(err) => {
-                complain!("error: {err}");
-                failed = true;
-                continue;
-            }
+        let Some(snapshot) = load_or_complain(path, &mut failed) else {
+            continue;
         };
         let workload = Workload::reconstruct(&snapshot);
         let several = workload.devices.len() > 1;
@@ -450,6 +441,17 @@ fn replay_command(args: &ReplayArgs) -> u8 {
         failed = true;
     }
     if failed { FILE_ERROR } else { SUCCESS }
+}
+
+/// Reads a snapshot, or says on stderr why it cannot (one line naming the file) and notes the
+/// failure.
+fn load_or_complain(path: &Path, failed: &mut bool) -> Option<replay::Snapshot> {
+    replay::load(path)
+        .inspect_err(|err| {
+            complain!("error: {err}");
+            *failed = true;
+        })
+        .ok()
 }
 
 /// Parses every `--conf`; a rejected one ends the command with PyTorch's message and code 2.
@@ -867,9 +869,13 @@ fn write_plot(file: &Path, rows: &[Row]) -> Result<(), String> {
 // --job: the snapshots as the ranks of one job
 // ------------------------------------------------------------------------------------------------
 
-/// The rank of each trace, from its file name; every problem on stderr and code 2 otherwise.
-fn job_ranks(traces: &[PathBuf]) -> Result<Vec<u32>, u8> {
-    replay::assign_ranks(traces).map_err(|errors| {
+/// With `--job`, the rank of each trace, from its file name; every problem on stderr and code
+/// 2 otherwise. Without, `None`.
+fn job_ranks(job: bool, traces: &[PathBuf]) -> Result<Option<Vec<u32>>, u8> {
+    if !job {
+        return Ok(None);
+    }
+    replay::assign_ranks(traces).map(Some).map_err(|errors| {
         for error in errors {
             complain!("error: --job: {error}");
         }
@@ -995,13 +1001,9 @@ fn tune_command(args: &TuneArgs) -> u8 {
         complain!("error: nothing to tune: give TRACE files");
         return USAGE_ERROR;
     }
-    let ranks = if args.job {
-        match job_ranks(&args.traces) {
-            Ok(ranks) => Some(ranks),
-            Err(code) => return code,
-        }
-    } else {
-        None
+    let ranks = match job_ranks(args.job, &args.traces) {
+        Ok(ranks) => ranks,
+        Err(code) => return code,
     };
     let start = if args.fresh {
         StartState::Fresh
@@ -1021,13 +1023,8 @@ fn tune_command(args: &TuneArgs) -> u8 {
     let mut failed = false;
     let mut read: Vec<String> = Vec::new();
     for (index, path) in args.traces.iter().enumerate() {
-        let snapshot = match replay::load(path) {
-            Ok(snapshot) => snapshot,
-            Err(err) => {
-                complain!("error: {err}");
-                failed = true;
-                continue;
-            }
+        let Some(snapshot) = load_or_complain(path, &mut failed) else {
+            continue;
         };
         let name = path.display().to_string();
         let workload = Workload::reconstruct(&snapshot);

@@ -5,10 +5,12 @@
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
+#[path = "common/command.rs"]
+mod command;
 #[path = "common/traces.rs"]
 mod traces;
+use command::{ferrocache, stderr, stdout};
 use traces::traces_dir;
 
 const SHARED_TRACES: [&str; 3] = [
@@ -25,21 +27,6 @@ fn oracle_recordings() -> Vec<PathBuf> {
         .iter()
         .map(|name| dir.join(format!("training_{name}.pickle")))
         .collect()
-}
-
-fn ferrocache(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ferrocache"))
-        .args(args)
-        .output()
-        .expect("the ferrocache binary runs")
-}
-
-fn stdout(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
 fn scratch(test: &str) -> PathBuf {
