@@ -43,15 +43,21 @@ fn search(c: &mut Criterion) {
         capacity_source: CapacitySource::Given,
         ..TuneOptions::default()
     };
+    let cpu_before = cpu_seconds();
     let first = tune::tune(&subjects, &options);
+    let cpu = cpu_seconds()
+        .zip(cpu_before)
+        .map(|(after, before)| after - before);
     eprintln!(
         "tune bench: {} candidates x {} events ({} replayed in all), {} threads; the first \
-         search took {:.2} s; recommended: {}",
+         search took {:.2} s wall, {} CPU (the machine is shared: CPU time / threads is the \
+         wall time it would take on idle cores); recommended: {}",
         first.ranked.len(),
         subjects[0].events(),
         first.ranked.len() as u64 * subjects[0].events(),
         first.threads,
         first.elapsed.as_secs_f64(),
+        cpu.map_or("n/a".to_string(), |c| format!("{c:.2} s")),
         first
             .recommendation()
             .map_or("none".to_string(), |b| b.candidate.label()),
@@ -66,10 +72,30 @@ fn search(c: &mut Criterion) {
     let mut group = c.benchmark_group("tune");
     group.sample_size(10);
     group.measurement_time(Duration::from_secs(40));
-    group.bench_function("search_demo_16_steps", |b| {
+    // The whole space, and the 500 simplest settings (the issue's figure).
+    group.bench_function("demo_16_steps_all", |b| {
         b.iter(|| tune::tune(&subjects, &options).ranked.len())
     });
+    let first_500 = TuneOptions {
+        max_candidates: Some(500),
+        ..options.clone()
+    };
+    group.bench_function("demo_16_steps_500", |b| {
+        b.iter(|| tune::tune(&subjects, &first_500).ranked.len())
+    });
     group.finish();
+}
+
+/// This process's user + system CPU time so far, from /proc/self/stat (Linux); `None`
+/// elsewhere.
+fn cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The fields after the command's closing parenthesis; utime and stime are the 14th and
+    // 15th fields of the whole line, in clock ticks (100 per second on Linux).
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
 }
 
 criterion_group!(benches, search);
