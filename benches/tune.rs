@@ -33,6 +33,7 @@ fn recording() -> Subject {
         rank: None,
         workload: demo::build(&spec),
         recorded: None,
+        served_oom: None,
     }
 }
 

@@ -104,6 +104,10 @@ struct ReplayArgs {
     /// (snapshot_rank3.pickle, rank3/snapshot.pickle, snapshot-3.pickle).
     #[arg(long)]
     job: bool,
+    /// A recording that ends in an out-of-memory (no allocation after its last one) replays
+    /// the request that failed as an allocation, as tune does.
+    #[arg(long)]
+    serve_final_oom: bool,
 }
 
 #[derive(Args)]
@@ -289,7 +293,23 @@ fn replay_command(args: &ReplayArgs) -> u8 {
         let Some(snapshot) = load_or_complain(path, &mut failed) else {
             continue;
         };
-        let workload = Workload::reconstruct(&snapshot);
+        let mut workload = Workload::reconstruct(&snapshot);
+        if args.serve_final_oom {
+            for device in &mut workload.devices {
+                if let Some((_, size, _)) = tune::final_oom(device)
+                    && let Some(served) = tune::with_last_oom_served(device)
+                {
+                    notes.push(format!(
+                        "{} (device {}): the request of {} it ended in running out of memory \
+                         for is replayed as an allocation (--serve-final-oom)",
+                        path.display(),
+                        device.device,
+                        bytes(size)
+                    ));
+                    *device = served;
+                }
+            }
+        }
         let several = workload.devices.len() > 1;
         for device in &workload.devices {
             let trace = if several {
@@ -1036,7 +1056,18 @@ fn tune_command(args: &TuneArgs) -> u8 {
         }
         let recorded = tune::recorded_setting(&snapshot, &workload);
         let rank = ranks.as_ref().map(|r| r[index]);
-        subjects.extend(Subject::from_workload(&name, rank, workload, recorded));
+        for mut subject in Subject::from_workload(&name, rank, workload, recorded) {
+            if subject.serve_final_oom() {
+                notes.push(format!(
+                    "{} ends in an out-of-memory (a request of {}): the search serves it, so \
+                     that the setting found would have gone on (replay --serve-final-oom \
+                     replays it the same way)",
+                    subject.name,
+                    bytes(subject.served_oom.unwrap_or(0))
+                ));
+            }
+            subjects.push(subject);
+        }
         read.push(name);
     }
     if subjects.is_empty() {

@@ -1201,6 +1201,9 @@ fn advise_on_snapshot(
         }
     }
     let mut subjects = tune::Subject::from_workload("snapshot", None, workload, recorded);
+    for subject in &mut subjects {
+        subject.serve_final_oom();
+    }
     if device >= 0 {
         subjects.retain(|s| s.workload.device == device as usize);
         if subjects.is_empty() {

@@ -499,6 +499,78 @@ fn the_plot_shows_defaults_recorded_and_recommended() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A recording that ends in an out-of-memory: PyTorch's defaults strand 40 MiB of a split
+/// cached block on a 200 MiB GPU, and the last 50 MiB request fails. Written by ferrocache's
+/// own allocator on the simulated GPU, as `ferrocache.dump_snapshot` writes it (JSON).
+fn recording_that_ran_out(dir: &Path) -> PathBuf {
+    use ferrocache::allocator::DeviceAllocator;
+    use ferrocache::config::Config;
+    use ferrocache::device::sim::SimDevice;
+    const MIB: usize = 1 << 20;
+    let mut device = SimDevice::new(200 * MIB);
+    device.set_complete_immediately(true);
+    let mut allocator = DeviceAllocator::new(device, 0, Config::default());
+    allocator.record_history(true, usize::MAX);
+    let first = allocator.malloc(100 * MIB, 0).unwrap();
+    allocator.free(first).unwrap();
+    allocator.malloc(60 * MIB, 0).unwrap();
+    allocator.malloc(60 * MIB, 0).unwrap();
+    assert!(
+        allocator.malloc(50 * MIB, 0).is_err(),
+        "the defaults run out"
+    );
+    let path = dir.join("ran_out.json");
+    let json = serde_json::to_string(&allocator.snapshot()).unwrap();
+    std::fs::write(&path, json).unwrap();
+    path
+}
+
+#[test]
+fn a_recording_that_ends_in_an_out_of_memory_gets_a_setting_that_serves_it() {
+    let dir = scratch("ran-out");
+    let trace = recording_that_ran_out(&dir).display().to_string();
+    let tuned = tune_json(&[&trace]);
+    // The GPU's memory from the oom entry: 40 MiB free + 160 MiB reserved then.
+    assert_eq!(tuned["capacity_source"], "recording");
+    assert_eq!(bytes(&tuned["capacity_bytes"]), 200 << 20);
+    assert_eq!(bytes(&tuned["traces"][0]["served_oom_bytes"]), 50 << 20);
+    let conf = tuned["recommended_conf"]
+        .as_str()
+        .expect("a setting serves it");
+    assert_ne!(conf, "", "the defaults ran out");
+    assert!(tuned["defaults_ooms"].as_u64().unwrap() > 0);
+    // replay --serve-final-oom reproduces it exactly; without the flag the request is skipped.
+    let rows = replay_rows(&[
+        &trace,
+        "--conf",
+        conf,
+        "--capacity-gib",
+        "0.1953125",
+        "--serve-final-oom",
+    ]);
+    assert_eq!(
+        bytes(&rows[0]["peak_reserved_bytes"]),
+        bytes(&tuned["peak_reserved_bytes"])
+    );
+    assert_eq!(rows[0]["ooms"], 0);
+    let defaults = replay_rows(&[&trace, "--capacity-gib", "0.1953125", "--serve-final-oom"]);
+    assert_eq!(defaults[0]["ooms"], 1);
+    let skipped = replay_rows(&[&trace, "--capacity-gib", "0.1953125"]);
+    assert_eq!(skipped[0]["ooms"], 0);
+    let output = ferrocache(&["tune", &trace]);
+    let text = stdout(&output);
+    assert!(
+        text.contains("ends in an out-of-memory (a request of 50.0 MiB)"),
+        "{text}"
+    );
+    assert!(text.contains("--serve-final-oom"), "{text}");
+    assert!(
+        text.contains("where PyTorch's defaults run out of memory"),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn help_lists_tune() {
     let output = ferrocache(&["--help"]);

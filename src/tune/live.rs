@@ -136,6 +136,8 @@ pub fn live_subject(
     let mut subject = subjects.swap_remove(index);
     subject.name = name;
     subject.recorded = Some(current_setting(config));
+    // After an out-of-memory, the request that failed is part of what to serve.
+    subject.serve_final_oom();
     Ok(subject)
 }
 
@@ -237,14 +239,15 @@ pub fn oom_advice(
     if live > capacity {
         return Ok(OomAdvice::LiveBytesExceed { live, capacity });
     }
-    let mut subject = live_subject(snapshot, config, device)?;
+    let subject = live_subject(snapshot, config, device)?;
+    // The request that failed was served by live_subject: it is not one of the recorded events.
     let events = subject
         .workload
         .ops
         .iter()
         .filter(|op| !matches!(op, crate::replay::Op::Oom { .. }))
-        .count() as u64;
-    subject.workload = super::with_last_oom_served(&subject.workload);
+        .count() as u64
+        - u64::from(subject.served_oom.is_some());
     let options = TuneOptions {
         capacity,
         capacity_source: CapacitySource::Device,

@@ -68,9 +68,26 @@ pub struct Subject {
     pub workload: DeviceWorkload,
     /// The setting it was recorded under, when the snapshot says.
     pub recorded: Option<Candidate>,
+    /// The size of the request it ended in running out of memory for, when
+    /// [`Subject::serve_final_oom`] made that request part of the workload.
+    pub served_oom: Option<u64>,
 }
 
 impl Subject {
+    /// When the recording ends in an out-of-memory ([`final_oom`]), makes the failed request
+    /// part of the workload, so that the search finds a setting that serves it; says whether it
+    /// did. A recording that ends so without this would make every setting look enough.
+    pub fn serve_final_oom(&mut self) -> bool {
+        let Some((_, size, _)) = final_oom(&self.workload) else {
+            return false;
+        };
+        if let Some(served) = with_last_oom_served(&self.workload) {
+            self.workload = served;
+            self.served_oom = Some(size);
+        }
+        self.served_oom.is_some()
+    }
+
     /// One subject per device of `snapshot`, named after `name`.
     pub fn from_snapshot(name: &str, rank: Option<u32>, snapshot: &Snapshot) -> Vec<Subject> {
         let workload = Workload::reconstruct(snapshot);
@@ -99,6 +116,7 @@ impl Subject {
                 rank,
                 recorded: recorded.clone(),
                 workload: device,
+                served_oom: None,
             })
             .collect()
     }
@@ -355,6 +373,8 @@ pub struct SubjectInfo {
     pub peak_requested: u64,
     /// Bytes live at the start of the recording (requested).
     pub live_at_start: u64,
+    /// The request the recording ran out of memory for, served in the search.
+    pub served_oom: Option<u64>,
 }
 
 /// Searches the settings space of `subjects` (see the module docs). `subjects` must not be
@@ -456,6 +476,7 @@ pub fn tune_candidates(
                     .count() as u64,
                 peak_requested: s.workload.figures.peak_requested,
                 live_at_start: s.workload.figures.live_at_start_requested,
+                served_oom: s.served_oom,
             })
             .collect(),
         ranked: evaluated,
@@ -545,25 +566,40 @@ pub fn short_trace(trace: &str) -> String {
     format!("{name}{device}")
 }
 
-/// `workload` with its last out-of-memory served: the request PyTorch (or ferrocache) could
-/// not satisfy becomes an allocation, so that a search looks for a setting under which the
-/// program would have gone on. Unchanged when the workload has no `Oom`.
-pub fn with_last_oom_served(workload: &DeviceWorkload) -> DeviceWorkload {
-    let mut out = workload.clone();
-    let Some(at) = out.ops.iter().rposition(|op| matches!(op, Op::Oom { .. })) else {
-        return out;
-    };
-    if let Op::Oom { size, stream } = out.ops[at] {
-        let id = out.allocations.len() as u32;
-        out.allocations.push(replay::Allocation {
-            address: 0,
-            requested_size: size,
-            stream,
-            live_at_start: false,
-        });
-        out.ops[at] = Op::Alloc { id, size, stream };
+/// The request of the out-of-memory a recording ends in: its last `Oom` when no allocation
+/// follows it (the program died of it, or dumped its snapshot there; frees of tensors released
+/// while the exception unwound may follow). `None` when the program carried on after its last
+/// out-of-memory, or never ran out.
+pub fn final_oom(workload: &DeviceWorkload) -> Option<(usize, u64, u64)> {
+    let at = workload
+        .ops
+        .iter()
+        .rposition(|op| matches!(op, Op::Oom { .. }))?;
+    let carried_on = workload.ops[at + 1..]
+        .iter()
+        .any(|op| matches!(op, Op::Alloc { .. }));
+    match workload.ops[at] {
+        Op::Oom { size, stream } if !carried_on => Some((at, size, stream)),
+        _ => None,
     }
-    out
+}
+
+/// `workload` with the out-of-memory it ends in ([`final_oom`]) served: the request PyTorch
+/// (or ferrocache) could not satisfy becomes an allocation of its (rounded) size, so that a
+/// search looks for a setting under which the program would have gone on. `None` when the
+/// workload does not end in an out-of-memory.
+pub fn with_last_oom_served(workload: &DeviceWorkload) -> Option<DeviceWorkload> {
+    let (at, size, stream) = final_oom(workload)?;
+    let mut out = workload.clone();
+    let id = out.allocations.len() as u32;
+    out.allocations.push(replay::Allocation {
+        address: 0,
+        requested_size: size,
+        stream,
+        live_at_start: false,
+    });
+    out.ops[at] = Op::Alloc { id, size, stream };
+    Some(out)
 }
 
 #[cfg(test)]
@@ -577,6 +613,7 @@ mod tests {
             rank: None,
             workload,
             recorded: None,
+            served_oom: None,
         }
     }
 

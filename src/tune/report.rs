@@ -424,6 +424,9 @@ fn answer(out: &mut String, tuning: &Tuning, options: &TextOptions) {
         if tuning.options.start == StartState::Fresh {
             command.push("--fresh".to_string());
         }
+        if tuning.subjects.iter().any(|s| s.served_oom.is_some()) {
+            command.push("--serve-final-oom".to_string());
+        }
         let _ = writeln!(out, "Check it: {}", command.join(" "));
     }
 }
@@ -496,6 +499,7 @@ pub fn json(tuning: &Tuning) -> Value {
                 "rank": s.rank,
                 "events": s.events,
                 "peak_requested_bytes": s.peak_requested,
+                "served_oom_bytes": s.served_oom,
             })
         })
         .collect();
