@@ -289,6 +289,8 @@ def run_tune(ctx: Context, snapshot: Path) -> dict[str, Any]:
     replay = [command, "replay", str(snapshot), "--json", "--conf", str(tuned["recommended_conf"]), *limit]
     if (tuned.get("recommended_env") or {}).get("FERROCACHE_CROSS_STREAM"):
         replay.append("--cross-stream")
+    if any(trace.get("served_oom_bytes") for trace in tuned.get("traces") or []):
+        replay.append("--serve-final-oom")
     process, why = _run_command(ctx, replay, "tune-confirm")
     outcome["confirm_rows"] = json_lines(process.stdout) if process is not None and process.returncode == 0 else None
     outcome["confirm_error"] = why or (process.stderr.strip()[-300:] if process is not None else "")
