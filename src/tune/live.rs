@@ -104,12 +104,21 @@ fn settings_of(config: &Config) -> AllocatorSettings {
 /// The process's setting as a candidate: its `PYTORCH_CUDA_ALLOC_CONF` as written where that
 /// reads the same, else the effective values written as one; cross-stream reuse as set.
 pub fn current_setting(config: &Config) -> Candidate {
+    let with_opt_ins = |mut candidate: Candidate| {
+        candidate.config.expandable_ignore_max_split = config.expandable_ignore_max_split;
+        candidate.config.tie_rule = config.tie_rule;
+        candidate
+    };
     let raw = config.source.as_ref().map(|(_, value)| value.as_str());
-    let from_raw = raw.and_then(|raw| Candidate::new(raw, config.cross_stream).ok());
+    let from_raw = raw
+        .and_then(|raw| Candidate::new(raw, config.cross_stream).ok())
+        .map(with_opt_ins);
     match from_raw {
         Some(candidate) if super::same_policy(&candidate.config, config) => candidate,
-        _ => Candidate::new(&super::conf_of(config), config.cross_stream)
-            .unwrap_or_else(|_| Candidate::defaults()),
+        _ => with_opt_ins(
+            Candidate::new(&super::conf_of(config), config.cross_stream)
+                .unwrap_or_else(|_| Candidate::defaults()),
+        ),
     }
 }
 
@@ -198,11 +207,11 @@ impl OomAdvice {
                         gib(*peak_reserved)
                     );
                 }
-                let env = if candidate.cross_stream {
-                    format!(" with {}=1", crate::config::CROSS_STREAM_VAR)
-                } else {
-                    String::new()
-                };
+                let env: String = candidate
+                    .env()
+                    .iter()
+                    .map(|(name, value)| format!(" with {name}={value}"))
+                    .collect();
                 let current = current_peak_reserved
                     .map(|c| format!(", where the current setting needs {}", gib(c)))
                     .unwrap_or_default();
@@ -252,6 +261,7 @@ pub fn oom_advice(
         capacity,
         capacity_source: CapacitySource::Device,
         event_budget: Some(OOM_EVENT_BUDGET),
+        tie_rule: config.tie_rule,
         ..TuneOptions::default()
     };
     let tuning = super::tune(std::slice::from_ref(&subject), &options);
@@ -287,6 +297,7 @@ pub fn advise_live(
         capacity: capacity.0,
         capacity_source: capacity.1,
         max_candidates,
+        tie_rule: config.tie_rule,
         ..TuneOptions::default()
     };
     Ok(super::tune(std::slice::from_ref(&subject), &options))

@@ -23,6 +23,7 @@ pub mod space;
 pub use space::{Candidate, SearchSpace, same_policy};
 
 use crate::config::Config;
+use crate::policy::TieRule;
 use crate::replay::{
     self, DeviceWorkload, MemoryPoint, Op, ReplayOptions, ReplayReport, Snapshot, StartState,
     Workload,
@@ -238,6 +239,9 @@ pub struct TuneOptions {
     pub event_budget: Option<u64>,
     /// Worker threads; `None`: rayon's default (`RAYON_NUM_THREADS`, else every core).
     pub threads: Option<usize>,
+    /// How every candidate breaks ties between equal cached blocks: the rule of the PyTorch
+    /// the recording's process ran (advice from a running process), else PyTorch 2.15's.
+    pub tie_rule: TieRule,
 }
 
 impl Default for TuneOptions {
@@ -250,6 +254,7 @@ impl Default for TuneOptions {
             max_candidates: None,
             event_budget: None,
             threads: None,
+            tie_rule: TieRule::default(),
         }
     }
 }
@@ -383,6 +388,9 @@ pub fn tune(subjects: &[Subject], options: &TuneOptions) -> Tuning {
     let workloads: Vec<&DeviceWorkload> = subjects.iter().map(|s| &s.workload).collect();
     let space = SearchSpace::of(&workloads, options.capacity_source == CapacitySource::Given);
     let mut candidates = space.candidates();
+    for candidate in &mut candidates {
+        candidate.config.tie_rule = options.tie_rule;
+    }
     let space_size = candidates.len();
     let events: u64 = subjects.iter().map(Subject::events).sum::<u64>().max(1);
     let mut keep = options.max_candidates.unwrap_or(usize::MAX);
@@ -415,6 +423,9 @@ pub fn tune_candidates(
         .any(|c| c.same_setting(&Candidate::defaults()))
     {
         candidates.insert(0, Candidate::defaults());
+    }
+    for candidate in &mut candidates {
+        candidate.config.tie_rule = options.tie_rule;
     }
     let replay_options = ReplayOptions {
         capacity: options.capacity,
@@ -452,7 +463,9 @@ pub fn tune_candidates(
             .iter()
             .position(|e| e.candidate.same_setting(wanted))
     };
-    let defaults = find(&Candidate::defaults()).unwrap_or(0);
+    let mut defaults = Candidate::defaults();
+    defaults.config.tie_rule = options.tie_rule;
+    let defaults = find(&defaults).unwrap_or(0);
     let recorded_settings: Vec<&Candidate> = subjects
         .iter()
         .filter_map(|s| s.recorded.as_ref())

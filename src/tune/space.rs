@@ -7,11 +7,10 @@
 //!
 //! The dimensions ([`SearchSpace::of`]):
 //! - `expandable_segments:True` or not;
-//! - without expandable segments, `max_split_size_mb` over a grid from the recording's own
-//!   large requests ([`max_split_grid`]), each alone and with two `max_non_split_rounding_mb`
-//!   values. With expandable segments ferrocache never applies `max_split_size_mb` to them (a
-//!   named departure from PyTorch, see the README), so those combinations would only differ
-//!   from the plain one under PyTorch's own allocator: they are left out;
+//! - `max_split_size_mb` over a grid from the recording's own large requests
+//!   ([`max_split_grid`]), each alone and with two `max_non_split_rounding_mb` values, with
+//!   and without expandable segments (ferrocache applies it inside them as PyTorch does; the
+//!   opt-in exemption `FERROCACHE_EXPANDABLE_IGNORE_MAX_SPLIT` is not searched);
 //! - `roundup_power2_divisions`: 2, 4, 8, 16, and three per-range lists;
 //! - with a capacity given, `garbage_collection_threshold` 0.5, 0.7 and 0.9, each with
 //!   `per_process_memory_fraction:1` (PyTorch collects garbage only under a memory fraction, and
@@ -82,11 +81,17 @@ impl Candidate {
         }
     }
 
-    /// The `FERROCACHE_*` variables to set with the conf.
+    /// The `FERROCACHE_*` variables to set with the conf (the opt-ins its config has on).
     pub fn env(&self) -> BTreeMap<String, String> {
         let mut env = BTreeMap::new();
-        if self.cross_stream {
+        if self.config.cross_stream {
             env.insert(crate::config::CROSS_STREAM_VAR.to_string(), "1".to_string());
+        }
+        if self.config.expandable_ignore_max_split {
+            env.insert(
+                crate::config::EXPANDABLE_IGNORE_MAX_SPLIT_VAR.to_string(),
+                "1".to_string(),
+            );
         }
         env
     }
@@ -119,11 +124,11 @@ impl Candidate {
         } else {
             &self.conf
         };
-        if self.cross_stream {
-            format!("{conf} +{}=1", crate::config::CROSS_STREAM_VAR)
-        } else {
-            conf.to_string()
+        let mut label = conf.to_string();
+        for (name, value) in self.env() {
+            label.push_str(&format!(" +{name}={value}"));
         }
+        label
     }
 
     /// Whether two candidates make the same decisions (the same conf text aside).
@@ -135,6 +140,8 @@ impl Candidate {
 /// Whether two settings make the same allocator decisions (the fields ferrocache acts on).
 pub fn same_policy(a: &Config, b: &Config) -> bool {
     a.cross_stream == b.cross_stream
+        && a.expandable_ignore_max_split == b.expandable_ignore_max_split
+        && a.tie_rule == b.tie_rule
         && a.max_split_size == b.max_split_size
         && a.max_non_split_rounding_size == b.max_non_split_rounding_size
         && a.garbage_collection_threshold == b.garbage_collection_threshold
@@ -222,9 +229,6 @@ impl SearchSpace {
         let mut out: Vec<(usize, Candidate)> = Vec::new();
         for expandable in [false, true] {
             for split in &splits {
-                if expandable && !split.is_empty() {
-                    continue;
-                }
                 for roundup in &roundups {
                     for collection in &collections {
                         for &cross_stream in cross {
@@ -297,8 +301,8 @@ mod tests {
             garbage_collection: true,
         };
         let candidates = space.candidates();
-        // (1 + 6 * 3 without expandable + 1 with) * 8 roundings * 4 collections * 2 streams.
-        assert_eq!(candidates.len(), 20 * 8 * 4 * 2);
+        // (1 + 6 * 3) splits * 2 expandable * 8 roundings * 4 collections * 2 streams.
+        assert_eq!(candidates.len(), 19 * 2 * 8 * 4 * 2);
         for c in &candidates {
             Config::parse(&c.conf).unwrap_or_else(|e| panic!("{:?}: {}", c.conf, e.message));
         }
