@@ -158,10 +158,17 @@ fn every_shared_trace_gets_a_recommendation_that_replay_confirms() {
             );
         }
     }
-    // Expandable segments are what helps on the two that allocate while recording (docs/tune.md).
+    // Expandable segments are what helps, except on bcrafton from its recorded start, where
+    // PyTorch's cache served everything and nothing does better (docs/tune.md).
     for (name, fresh, conf) in savings {
-        if name != "bcrafton_0c0e8a7.pickle" || fresh == 1 {
-            assert_eq!(conf, "expandable_segments:True", "{name} fresh={fresh}");
+        let conf = conf.as_str().unwrap();
+        if name == "bcrafton_0c0e8a7.pickle" && fresh == 0 {
+            assert_eq!(conf, "", "{name}");
+        } else {
+            assert!(
+                conf.starts_with("expandable_segments:True"),
+                "{name} fresh={fresh}: {conf}"
+            );
         }
     }
 }
