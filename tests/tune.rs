@@ -506,26 +506,12 @@ fn the_plot_shows_defaults_recorded_and_recommended() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A recording that ends in an out-of-memory: PyTorch's defaults strand 40 MiB of a split
-/// cached block on a 200 MiB GPU, and the last 50 MiB request fails. Written by ferrocache's
-/// own allocator on the simulated GPU, as `ferrocache.dump_snapshot` writes it (JSON).
+/// A recording that ends in an out-of-memory (`stranded_tail_example`: PyTorch's defaults
+/// strand 40 MiB of a split cached block on a 200 MiB GPU, and the last 50 MiB request fails),
+/// written by ferrocache's own allocator on the simulated GPU as `ferrocache.dump_snapshot`
+/// writes it (JSON).
 fn recording_that_ran_out(dir: &Path) -> PathBuf {
-    use ferrocache::allocator::DeviceAllocator;
-    use ferrocache::config::Config;
-    use ferrocache::device::sim::SimDevice;
-    const MIB: usize = 1 << 20;
-    let mut device = SimDevice::new(200 * MIB);
-    device.set_complete_immediately(true);
-    let mut allocator = DeviceAllocator::new(device, 0, Config::default());
-    allocator.record_history(true, usize::MAX);
-    let first = allocator.malloc(100 * MIB, 0).unwrap();
-    allocator.free(first).unwrap();
-    allocator.malloc(60 * MIB, 0).unwrap();
-    allocator.malloc(60 * MIB, 0).unwrap();
-    assert!(
-        allocator.malloc(50 * MIB, 0).is_err(),
-        "the defaults run out"
-    );
+    let (mut allocator, _) = ferrocache::tune::live::stranded_tail_example();
     let path = dir.join("ran_out.json");
     let json = serde_json::to_string(&allocator.snapshot()).unwrap();
     std::fs::write(&path, json).unwrap();

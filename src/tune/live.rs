@@ -5,7 +5,9 @@
 
 use super::{Candidate, CapacitySource, Subject, TuneOptions, Tuning, report};
 use crate::allocator::history::{MemorySnapshot, TraceAction};
+use crate::allocator::{AllocError, DeviceAllocator, OutOfMemoryError};
 use crate::config::Config;
+use crate::device::sim::SimDevice;
 use crate::replay::{
     Action, AllocatorSettings, BlockState, BlockStatus, Segment, Snapshot, TraceEvent,
 };
@@ -303,11 +305,31 @@ pub fn advise_live(
     Ok(super::tune(std::slice::from_ref(&subject), &options))
 }
 
+/// The example of docs/tune.md and the tests: on a 200 MiB simulated GPU under PyTorch's
+/// defaults, with history recorded, 100 MiB is allocated and freed, then two 60 MiB blocks are:
+/// the first is carved from the cached 100 MiB block, stranding its 40 MiB tail, so the next
+/// 50 MiB cannot be had although only 120 MiB are live. Returns the allocator and that
+/// out-of-memory.
+pub fn stranded_tail_example() -> (DeviceAllocator<SimDevice>, Box<OutOfMemoryError>) {
+    const MIB: usize = 1 << 20;
+    let mut device = SimDevice::new(200 * MIB);
+    device.set_complete_immediately(true);
+    let mut allocator = DeviceAllocator::new(device, 0, Config::default());
+    allocator.record_history(true, usize::MAX);
+    let first = allocator.malloc(100 * MIB, 0).expect("100 MiB of 200 MiB");
+    let _ = allocator.free(first);
+    for _ in 0..2 {
+        allocator.malloc(60 * MIB, 0).expect("60 MiB, twice");
+    }
+    match allocator.malloc(50 * MIB, 0) {
+        Err(AllocError::OutOfMemory(oom)) => (allocator, oom),
+        other => panic!("the defaults should run out of memory here, not {other:?}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::allocator::DeviceAllocator;
-    use crate::device::sim::SimDevice;
 
     const MIB: usize = 1 << 20;
 
@@ -384,20 +406,7 @@ mod tests {
 
     #[test]
     fn an_out_of_memory_names_a_setting_that_would_have_served() {
-        // A split cached block strands 40 MiB: on a 200 MiB GPU the defaults cannot serve the
-        // last 50 MiB although only 120 MiB are live.
-        let mut device = SimDevice::new(200 * MIB);
-        device.set_complete_immediately(true);
-        let mut allocator = DeviceAllocator::new(device, 0, Config::default());
-        allocator.record_history(true, usize::MAX);
-        let first = allocator.malloc(100 * MIB, 0).unwrap();
-        allocator.free(first).unwrap();
-        allocator.malloc(60 * MIB, 0).unwrap();
-        allocator.malloc(60 * MIB, 0).unwrap();
-        let Err(crate::allocator::AllocError::OutOfMemory(oom)) = allocator.malloc(50 * MIB, 0)
-        else {
-            panic!("the defaults should run out of memory here");
-        };
+        let (allocator, oom) = stranded_tail_example();
         let capacity = oom_capacity(
             oom.reserved as u64,
             oom.device_free as u64,
