@@ -180,15 +180,24 @@ fn out_of_memory_arrives_as_a_cpp_exception_with_pytorchs_message() {
         stdout.contains("caught std::exception: CUDA out of memory. Tried to allocate 40.00 MiB. GPU 0 has a total capacity of 64.00 MiB"),
         "{stdout}"
     );
-    // Logged at ERROR (the default level shows it), once per failed allocation.
+    // Logged at ERROR (the default level shows it), once per failed allocation; after the
+    // first, once per process, how to learn which setting would have served the program.
     let errors: Vec<String> = stderr_lines(&output);
-    assert_eq!(errors.len(), 2, "{}", describe(&output));
-    for line in errors {
+    assert_eq!(errors.len(), 3, "{}", describe(&output));
+    for line in [&errors[0], &errors[2]] {
         assert!(
             line.starts_with("[ERROR] Allocator: CUDA out of memory. Tried to allocate"),
             "{line}"
         );
     }
+    assert!(
+        errors[1].starts_with(
+            "[ERROR] Allocator: to learn which PYTORCH_CUDA_ALLOC_CONF would have served this \
+             program, record its allocation history"
+        ),
+        "{}",
+        errors[1]
+    );
 }
 
 #[test]
@@ -338,13 +347,17 @@ fn the_client_runs_clean_under_valgrind() {
     let env = [("FAKE_LIBCUDA_TOTAL_MEM", "67108864")];
     let output = run_client(&valgrind, Driver::Fake, &env, &["oom"]);
     assert_passed(&output);
-    // Only ferrocache's two ERROR lines; valgrind said nothing.
+    // Only ferrocache's ERROR lines (two out-of-memory, one advice hint); valgrind said
+    // nothing.
     let lines = stderr_lines(&output);
     assert!(
-        lines.len() == 2
+        lines.len() == 3
+            && lines.iter().all(|l| l.starts_with("[ERROR] Allocator: "))
             && lines
                 .iter()
-                .all(|l| l.starts_with("[ERROR] Allocator: CUDA out of memory.")),
+                .filter(|l| l.starts_with("[ERROR] Allocator: CUDA out of memory."))
+                .count()
+                == 2,
         "{}",
         describe(&output)
     );

@@ -1061,9 +1061,17 @@ impl<D: Device> DeviceAllocator<D> {
         let wanted = request.size.max(max_split_size);
         let pool = self.pools.get(None, request.pool);
         let arena = &self.arena;
+        // Only whole segments go back to the device. PyTorch never caches a split block this
+        // large (requests below max_split_size never get one, larger ones never split it), but
+        // a replay's imported start state can hold one (a segment laid out under another
+        // setting): it is passed over like an expandable one.
+        let releasable = |id: BlockId| {
+            let b = arena.get(id);
+            b.expandable.is_none() && !b.is_split()
+        };
         let covering = pool
             .best_fit(request.stream, wanted)
-            .filter(|&id| arena.get(id).expandable.is_none());
+            .filter(|&id| releasable(id));
         if let Some(id) = covering {
             self.release_block(id)?;
             return Ok(true);
@@ -1077,7 +1085,7 @@ impl<D: Device> DeviceAllocator<D> {
             if released >= wanted || size < max_split_size {
                 break;
             }
-            if arena.get(id).expandable.is_none() {
+            if releasable(id) {
                 to_release.push(id);
                 released += size;
             }
