@@ -24,6 +24,7 @@ pub mod engine;
 mod op_list;
 pub mod pickle;
 pub mod plot;
+pub mod program;
 pub mod snapshot;
 pub mod workload;
 
