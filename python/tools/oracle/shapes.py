@@ -17,7 +17,9 @@ A shaped program (:func:`shaped_program`):
   setting with a threshold), or none. A setting's own fraction (``harness.SETTINGS``) is
   replaced by one of the first two, since garbage collection acts only under a fraction.
 
-:func:`tie_programs` are the fixed cases of issue 20's ten-line program, in both address orders.
+:func:`fixed_programs` are short fixed cases of ties between equal free blocks: issue 20's
+ten-line program in both address orders, and a large-pool tie between an older and a younger
+segment (an allocation, and ``empty_cache()``'s order).
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ def shaped_program(seed: int, setting: tuple[str, str, Optional[float]]) -> Case
     return Case(seed, name, conf, capacity, streams, 0, b.ops, program=what, layout="changes")
 
 
-def tie_programs() -> list[Case]:
+def fixed_programs() -> list[Case]:
     """Issue 20's ten-line program under the defaults: 16 blocks of 128 KiB fill small segment
     B, then 720,896, 720,896, 262,144 and 262,144 bytes fill segment A but for a 128 KiB tail,
     B's last block is freed and 128 KiB asked for. Once as written (the fake's first fit puts A
@@ -153,4 +155,16 @@ def tie_programs() -> list[Case]:
         b.free(b_blocks[-1])
         b.alloc(128 * KIB)
         cases.append(Case(0, "defaults", "", GIB, 1, 0, b.ops, program=f"issue 20 tie, {order}"))
+    # Two free 12 MiB segments: the older one (made first) above the younger (made in the hole
+    # that empty_cache() left at the bottom).
+    for what, last in (("large tie", {"op": "alloc", "id": 3, "size": 12 * MIB, "stream": 0}), ("empty_cache order", {"op": "empty_cache"})):
+        b = Builder()
+        older, gone = b.alloc(12 * MIB), b.alloc(12 * MIB)
+        b.free(older)
+        b.ops.append({"op": "empty_cache"})
+        younger = b.alloc(12 * MIB)
+        b.free(gone)
+        b.free(younger)
+        b.ops.append(last)
+        cases.append(Case(0, "defaults", "", GIB, 1, 0, b.ops, program=what))
     return cases
