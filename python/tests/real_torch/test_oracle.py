@@ -29,19 +29,11 @@ from oracle import harness, shapes, traces  # noqa: E402
 
 #: The seeds CI runs, per setting (a random and a shaped program each).
 CI_SEEDS = (0,)
-#: Divergences found and not fixed yet, by test id: each is written up in issue 20's notes
-#: (/work/briefs/divergences-oracle.md while the issue is open). Strict: once fixed, the test
-#: passes and the mark must go.
-KNOWN = {
-    "issue-20-tie-A-below-B": "D1: PyTorch breaks ties between equal free blocks by age, not address",
-    "large-tie": "D2: PyTorch breaks ties between equal free blocks by age, not address",
-    "empty_cache-order": "D2: empty_cache() frees equal segments oldest first",
-    "shaped-max_split_64": "D2-like: the order in which cached segments are released",
-    "shaped-max_split_300_rounding_40": "D2-like: the order in which empty_cache() releases segments",
-    "shaped-fraction_0.5": "D2-like: a tie between two 20 MiB free blocks",
-    "training_defaults-gc_0.6_limit_1.1": "D2-like: a tie between two 58 MiB free blocks",
-    "training_defaults-limit_0.9": "D2-like: a tie between two 12 MiB free blocks",
-}
+#: Divergences found and not fixed yet, by test id (strict: once fixed, the test passes and the
+#: mark must go). Empty: the eight the oracle found (ties between equal free blocks, and the
+#: order in which equal segments are released) were one cause, PyTorch's tie rule
+#: (docs/oracle.md, "What the oracle found").
+KNOWN: dict[str, str] = {}
 
 
 def known(test_id: str) -> list:
