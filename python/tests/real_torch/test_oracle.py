@@ -176,6 +176,28 @@ def test_committed_recordings_drive_pytorch_and_ferrocache_alike(path: str, sett
     drive(path, setting)
 
 
+def replay_in_step(path: str, setting: tuple) -> None:
+    for program in traces.load(path):
+        row = traces.replay_in_step(program, setting)
+        assert row["native_segment_allocs"] > 0, row
+        assert traces.in_step(row), row
+
+
+@pytest.mark.parametrize("path,setting", shared_trace_params())
+def test_replays_of_the_shared_traces_runs_make_pytorchs_segment_decisions(path: str, setting: tuple) -> None:
+    # Issue 20, item 5: each shared trace driven through PyTorch's allocator under the setting,
+    # recorded, and that recording replayed by `ferrocache replay` under the same setting.
+    replay_in_step(path, setting)
+
+
+@pytest.mark.parametrize("path", [pytest.param(str(p), id=p.stem) for p in COMMITTED])
+@pytest.mark.parametrize("setting", [s for s in traces.TRACE_SETTINGS if s[2] is not None], ids=lambda s: s[0])
+def test_replays_of_the_committed_recordings_under_a_limit_stay_in_step(path: str, setting: tuple) -> None:
+    # Under a memory limit: PyTorch's retries, releases and out-of-memory errors are recorded
+    # and the replay must make the same segment decisions around them.
+    replay_in_step(path, setting)
+
+
 @pytest.fixture(scope="module")
 def fresh_recording() -> str:
     """A recording made now under PyTorch's allocator on the fake: a training program on three

@@ -504,6 +504,36 @@ def run_cases(cases: list[Case], keep_going: bool) -> tuple[int, int, int, int]:
     return runs, ops, failures, departures
 
 
+def replay_traces(paths: list[str], settings: list, keep_going: bool, started: float) -> int:
+    """``scripts/oracle --trace ... --replay``: the replay in step with PyTorch (issue 20, item 5)."""
+    import time
+
+    from . import traces
+
+    runs = failures = decisions = 0
+    for path in paths:
+        for program in traces.load(path):
+            for setting in settings:
+                row = traces.replay_in_step(program, setting)
+                runs += 1
+                decisions += row["native_segment_allocs"]
+                ok = traces.in_step(row)
+                failures += not ok
+                figures = (
+                    f"{row['matching_segment_allocs']}/{row['native_segment_allocs']} segment decisions "
+                    f"({row['segment_allocs']} made), peak reserved {row['peak_reserved_bytes']} "
+                    f"(PyTorch {row['native_peak_reserved_bytes']})"
+                )
+                print(f"{'ok  ' if ok else 'DIFF'} replay of trace {program.name}, setting {setting[0]}: {figures}", flush=True)
+                if not ok and not keep_going:
+                    return 1
+    print(
+        f"{runs} recordings x settings replayed, {decisions} segment decisions of PyTorch's, "
+        f"{failures} not in step, {time.monotonic() - started:.0f} s"
+    )
+    return 1 if failures else 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     import argparse
     import time
@@ -526,17 +556,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         "the end (default: every for programs, changes for traces)",
     )
     parser.add_argument("--keep-going", action="store_true", help="run every case, even after a divergence")
+    parser.add_argument(
+        "--replay", action="store_true",
+        help="with --trace: record each recording's run under PyTorch's allocator and replay that "
+        "recording with `ferrocache replay` under the same setting; every segment decision and "
+        "the peak reserved must be PyTorch's",
+    )
     parser.add_argument("--record", metavar="DIR", help="write the committed native recordings to DIR and stop")
     args = parser.parse_args(argv)
     if args.record:
         record(args.record)
         return 0
     started = time.monotonic()
+    if args.replay and not args.trace:
+        parser.error("--replay needs --trace")
     if args.trace:
         try:
             settings = traces.settings_named(args.setting)
         except ValueError as err:
             parser.error(str(err))
+        if args.replay:
+            return replay_traces(args.trace, settings, args.keep_going, started)
         cases = [
             traces.trace_case(program, setting, layout=args.layout or "changes")
             for path in args.trace

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -48,6 +49,8 @@ class TraceProgram:
     streams: int
     figures: dict[str, Any]
     consistent: bool
+    #: How many of the first ops allocate the blocks live when recording began.
+    start_allocations: int = 0
 
 
 def ferrocache_command() -> str:
@@ -66,7 +69,9 @@ def load(path: str) -> list[TraceProgram]:
         if exported["device"] != 0 or len(process.stdout.splitlines()) > 1:
             name += f" (device {exported['device']})"
         ops, streams = child_ops(exported["ops"])
-        programs.append(TraceProgram(name, ops, streams, exported["figures"], exported["consistent"]))
+        programs.append(
+            TraceProgram(name, ops, streams, exported["figures"], exported["consistent"], exported["start_allocations"])
+        )
     return programs
 
 
@@ -122,3 +127,46 @@ def settings_named(names: Optional[list[str]]) -> list[tuple[str, str, Optional[
     if missing:
         raise ValueError(f"no trace setting {missing}; the settings are {list(known)}")
     return [known[n] for n in names]
+
+
+def replay_in_step(program: TraceProgram, setting: tuple[str, str, Optional[float]]) -> dict[str, Any]:
+    """Issue 20, item 5: the replay stays in step with PyTorch on the recording's own shapes.
+    Drives ``program`` through PyTorch's allocator under ``setting``, recording history from the
+    end of its start allocations (so the recording begins with the blocks live at the start, as
+    a recording made mid-run does), then replays that recording with ``ferrocache replay --json``
+    under the same setting, memory fraction and GPU size. Returns the replay's row: its
+    ``matching_segment_allocs`` of ``native_segment_allocs`` and both peaks."""
+    from .harness import run_program
+
+    case = trace_case(program, setting)
+    start = program.start_allocations + (1 if case.ops and case.ops[0]["op"] == "fraction" else 0)
+    case.ops.insert(start, {"op": "history", "stacks": False})
+    conf = case.conf
+    if case.ops[0]["op"] == "fraction":
+        fraction = case.ops[0]["value"]
+        conf = ",".join(part for part in (conf, f"per_process_memory_fraction:{fraction!r}") if part)
+    with tempfile.TemporaryDirectory(prefix="oracle-replay-") as scratch:
+        recording = str(Path(scratch) / "native.pickle")
+        run_program(case, "native", history=recording)
+        command = [
+            ferrocache_command(),
+            "replay",
+            recording,
+            "--json",
+            "--conf",
+            conf,
+            "--capacity-gib",
+            str(case.capacity // GIB),
+        ]
+        process = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if process.returncode != 0:
+        raise RuntimeError(f"ferrocache replay failed:\n{process.stdout}\n{process.stderr}")
+    return json.loads(next(line for line in process.stdout.splitlines() if line.startswith("{")))
+
+
+def in_step(row: dict[str, Any]) -> bool:
+    """Every segment decision PyTorch made, and no other, at PyTorch's peak."""
+    return (
+        row["matching_segment_allocs"] == row["native_segment_allocs"] == row["segment_allocs"]
+        and row["peak_reserved_bytes"] == row["native_peak_reserved_bytes"]
+    )
