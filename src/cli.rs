@@ -12,7 +12,7 @@
 //! Exit codes: 0 success; 1 a trace or the plot file could not be read or written (the other
 //! traces are still replayed); 2 a usage error or a setting PyTorch would reject.
 
-use crate::config::Config;
+use crate::config::{self, Config};
 use crate::replay::{
     self, DeviceWorkload, JobSummary, NativeFigures, PlotPanel, PlotSeries, ReplayOptions,
     ReplayReport, SegmentMismatch, StartState, Workload, demo, demo_fsdp,
@@ -511,7 +511,10 @@ fn parse_settings(confs: &[String]) -> Result<Vec<Setting>, u8> {
         .map(|raw| match Config::parse(raw) {
             Ok(config) => Ok(Setting {
                 raw: raw.clone(),
-                config,
+                config: Config {
+                    tie_rule: config::tie_rule_from_env(),
+                    ..config
+                },
             }),
             Err(err) => {
                 complain!("error: --conf {raw:?}: PyTorch rejects it: {err}");
@@ -1126,6 +1129,7 @@ fn tune_command(args: &TuneArgs) -> u8 {
         capacity_source,
         start,
         job: args.job,
+        tie_rule: config::tie_rule_from_env(),
         ..TuneOptions::default()
     };
     let tuning = tune::tune(&subjects, &options);
