@@ -799,3 +799,213 @@ fn stream_order_after_a_capture_reproducer() {
     ];
     run(Config::default(), &ops).unwrap();
 }
+
+/// Issue 21, the program proptest shrank (also in the regressions file): with cross-stream
+/// reuse and expandable segments, stream 1 grew its free block through unmapped pages that
+/// carried stream 0, and was handed a block of stream 0. Fixed in
+/// `DeviceAllocator::grow_expandable_block` (the pages mapped take the grown block's stream);
+/// `pages_mapped_to_grow_a_block_take_its_stream_with_cross_stream_reuse` in tests/expandable.rs
+/// is the same bug in nine readable steps.
+#[test]
+fn cross_stream_growth_through_another_streams_unmapped_pages_reproducer() {
+    let ops = vec![
+        Op::Malloc {
+            size: 1048577,
+            stream: 1,
+        },
+        Op::Free { pick: 0 },
+        Op::Malloc {
+            size: 1588225,
+            stream: 0,
+        },
+        Op::Malloc {
+            size: 1048577,
+            stream: 1,
+        },
+        Op::Malloc {
+            size: 18333697,
+            stream: 0,
+        },
+        Op::Malloc {
+            size: 11739,
+            stream: 1,
+        },
+        Op::Free {
+            pick: 6369478840751353218,
+        },
+        Op::Malloc {
+            size: 1475784,
+            stream: 2,
+        },
+        Op::Free {
+            pick: 11703339130437439900,
+        },
+        Op::Malloc {
+            size: 171387663,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 9335487971943823819,
+        },
+        Op::Malloc {
+            size: 723890,
+            stream: 1,
+        },
+        Op::Malloc {
+            size: 861778,
+            stream: 2,
+        },
+        Op::Malloc {
+            size: 804887,
+            stream: 1,
+        },
+        Op::Malloc {
+            size: 1038351,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 5902553197788059370,
+        },
+        Op::Malloc {
+            size: 1588591,
+            stream: 1,
+        },
+        Op::RecordStream {
+            pick: 3855734932099120960,
+            stream: 0,
+        },
+        Op::Malloc {
+            size: 9638830,
+            stream: 2,
+        },
+        Op::Free {
+            pick: 14056998848447248805,
+        },
+        Op::Malloc {
+            size: 707362,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 12101226369599313747,
+        },
+        Op::Malloc {
+            size: 956711,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 8220077773237265013,
+        },
+        Op::Malloc {
+            size: 955129038,
+            stream: 1,
+        },
+        Op::Free {
+            pick: 14353655991047884649,
+        },
+        Op::Malloc {
+            size: 157940374,
+            stream: 2,
+        },
+        Op::BeginCapture { pool: 1, stream: 0 },
+        Op::Malloc {
+            size: 1031268,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 16433230155353663712,
+        },
+        Op::Malloc {
+            size: 34648,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 13438685720769340687,
+        },
+        Op::Free {
+            pick: 7153547822680176339,
+        },
+        Op::Malloc {
+            size: 466987,
+            stream: 2,
+        },
+        Op::Free {
+            pick: 1206352729197307142,
+        },
+        Op::Malloc {
+            size: 4838698,
+            stream: 0,
+        },
+        Op::Malloc {
+            size: 191003,
+            stream: 2,
+        },
+        Op::Free {
+            pick: 1925046282213282947,
+        },
+        Op::Malloc {
+            size: 824647,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 827865964501046099,
+        },
+        Op::Malloc {
+            size: 6686895,
+            stream: 1,
+        },
+        Op::Free {
+            pick: 11839323933998792767,
+        },
+        Op::Malloc {
+            size: 130402,
+            stream: 2,
+        },
+        Op::Malloc {
+            size: 6026710,
+            stream: 0,
+        },
+        Op::EndCapture {
+            pick: 2053361225588552690,
+        },
+        Op::FailNextMallocs { count: 1 },
+        Op::Free {
+            pick: 5215780865533415944,
+        },
+        Op::Free {
+            pick: 11904901516755346516,
+        },
+        Op::EmptyCache,
+        Op::Malloc {
+            size: 900098779,
+            stream: 1,
+        },
+        Op::Free {
+            pick: 15442837124902585152,
+        },
+        Op::Free {
+            pick: 6976661246958569202,
+        },
+        Op::BeginCapture { pool: 1, stream: 2 },
+        Op::Malloc {
+            size: 883814,
+            stream: 1,
+        },
+        Op::Malloc {
+            size: 9520951,
+            stream: 2,
+        },
+        Op::Free {
+            pick: 14581042663567380067,
+        },
+        Op::Malloc {
+            size: 207926422,
+            stream: 1,
+        },
+    ];
+    let config = Config {
+        cross_stream: true,
+        expandable_segments: true,
+        ..Config::default()
+    };
+    run(config, &ops).unwrap();
+}

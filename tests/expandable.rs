@@ -270,6 +270,65 @@ fn a_page_left_mapped_by_a_failed_rollback_is_released_later() {
     checked(&a);
 }
 
+/// An address range the device refuses to free (`cuMemAddressFree` failing once) is retried
+/// by the next `empty_cache`, as leftover pages are (issue 21: it stayed reserved until a new
+/// segment happened to reuse it).
+#[test]
+fn an_address_range_the_device_would_not_free_is_freed_by_the_next_empty_cache() {
+    let refused = DeviceError::Driver {
+        call: "cuMemAddressFree",
+        code: 1,
+        message: "injected".into(),
+    };
+    let mut a = expandable(16 * GIB);
+    let p = a.malloc(30 * MIB, 0).unwrap();
+    a.free(p).unwrap();
+    a.device_mut()
+        .fail_next(SimOp::FreeAddressRange, 1, refused.clone());
+    assert_eq!(a.empty_cache(), Err(refused));
+    // The pages went back; the segment is gone from the books; its range is still reserved.
+    assert_eq!(a.device().mapped_bytes(), 0);
+    assert_eq!(a.device().live_physical_handles(), 0);
+    assert!(a.expandable_segment_ranges().is_empty());
+    assert_eq!(a.device().reserved_ranges(), 1);
+    checked(&a);
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().reserved_ranges(), 0);
+    assert_eq!(a.device().counters().address_frees, 2);
+    // Nothing is left to retry: a third call frees nothing.
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().counters().address_frees, 2);
+    checked(&a);
+}
+
+/// The same for a private pool's segment.
+#[test]
+fn a_private_pools_address_range_the_device_would_not_free_is_freed_later() {
+    let refused = DeviceError::Driver {
+        call: "cuMemAddressFree",
+        code: 1,
+        message: "injected".into(),
+    };
+    let mut a = expandable(16 * GIB);
+    let pool = (1, 0);
+    a.begin_allocate_to_pool(pool, Box::new(|_| Ok(true)))
+        .unwrap();
+    let p = a.malloc(30 * MIB, 0).unwrap();
+    a.end_allocate_to_pool(pool).unwrap();
+    a.free(p).unwrap();
+    a.release_pool(pool).unwrap();
+    a.device_mut()
+        .fail_next(SimOp::FreeAddressRange, 1, refused.clone());
+    assert_eq!(a.empty_cache(), Err(refused));
+    assert_eq!(a.device().reserved_ranges(), 1);
+    assert_eq!(a.device().mapped_bytes(), 0);
+    checked(&a);
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().reserved_ranges(), 0);
+    assert!(a.private_pools().is_empty());
+    checked(&a);
+}
+
 #[test]
 fn a_request_larger_than_the_address_range_maps_nothing_and_gives_the_range_back() {
     // PyTorch reserves 9/8 of the device per segment; a larger request reserves a range, finds
@@ -340,4 +399,64 @@ fn an_imported_expandable_segment_grows_from_its_free_end() {
             .is_err()
     );
     assert_eq!(a.device().reserved_ranges(), 1);
+}
+
+/// With cross-stream reuse (issue 21): stream A grows its free block through unmapped pages
+/// of a segment whose unmapped space carries stream B. The pages mapped there used to keep
+/// B's stream, so they did not merge with A's block, and the request of A was handed a block
+/// of B (which B could then reuse, once freed, while A's work still ran on it), mapped anew
+/// past the 58.5 MiB A already had free. Shrunk by the property
+/// `cross_stream_reuse_with_expandable_segments_keeps_every_invariant`.
+#[test]
+fn pages_mapped_to_grow_a_block_take_its_stream_with_cross_stream_reuse() {
+    const A: u64 = 0;
+    const B: u64 = 0x1000;
+    let config = Config {
+        expandable_segments: true,
+        cross_stream: true,
+        ..Config::default()
+    };
+    let mut a = DeviceAllocator::new(SimDevice::new(4 * GIB), 0, config);
+    let page = 20 * MIB as u64;
+    // B's segment: page 0 holds x (1.5 MiB); A's first request takes B's free tail, grown
+    // into page 1, then B's own request maps page 2.
+    let x = a.malloc(3 * MIB / 2, B).unwrap();
+    let first = a.malloc(20 * MIB, A).unwrap();
+    assert_eq!(first, x + 3 * MIB as u64 / 2, "B's free tail, moved to A");
+    let y = a.malloc(20 * MIB, B).unwrap();
+    assert_eq!(y, x + 2 * page);
+    a.free(first).unwrap();
+    // Page 1 is wholly free: it is unmapped; [1.5 MiB, 20 MiB) stays mapped, free, of A.
+    a.empty_cache().unwrap();
+    a.free(y).unwrap();
+    // A takes y's page from B's cache, and frees it: A now has free memory on both sides of
+    // the unmapped page 1, and B's unmapped space starts at page 3.
+    let second = a.malloc(20 * MIB, A).unwrap();
+    assert_eq!(second, y);
+    a.free(second).unwrap();
+    checked(&a);
+    let reserved = a.stats().reserved_bytes.all.current;
+    // 60 MiB for A: its free 1.5..20 MiB, page 1 mapped again, its free page 2, and 1.5 MiB
+    // of page 3, all of them one block of A.
+    let wanted = a.malloc(60 * MIB, A).unwrap();
+    let info = a.allocation_info(wanted).unwrap();
+    assert_eq!(
+        info.stream, A,
+        "the block belongs to the stream that asked for it"
+    );
+    assert_eq!(wanted, first, "A's free memory is used, not mapped anew");
+    assert_eq!(
+        a.stats().reserved_bytes.all.current,
+        reserved + 2 * page as i64,
+        "pages 1 and 3"
+    );
+    checked(&a);
+    // Freed, the block is cached for A: B takes it only after waiting for A's work.
+    let waits = a.cross_stream_counts().waits;
+    a.free(wanted).unwrap();
+    let z = a.malloc(60 * MIB, B).unwrap();
+    assert_eq!(z, wanted);
+    assert_eq!(a.allocation_info(z).unwrap().stream, B);
+    assert_eq!(a.cross_stream_counts().waits, waits + 1);
+    checked(&a);
 }

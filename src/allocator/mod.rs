@@ -32,7 +32,7 @@ use crate::logging;
 use crate::policy::{self, PoolKind};
 use block::{Block, BlockArena, BlockId, ExpandableId};
 use cross_stream::CrossStreamCounts;
-use expandable::{ExpandableSegment, LeftoverPage};
+use expandable::{ExpandableSegment, LeftoverPage, PageRange};
 use history::{History, StackId, TraceAction};
 use private_pool::{BlockPools, Capture, MempoolId, PrivatePoolIndex};
 use rustc_hash::FxHashMap;
@@ -182,6 +182,9 @@ pub struct DeviceAllocator<D: Device> {
     expandable_segments: Vec<Option<ExpandableSegment>>,
     /// Pages whose unmap or release the device refused; retried by `release_cached_blocks`.
     leftover_pages: Vec<LeftoverPage>,
+    /// Address ranges of released expandable segments whose free the device refused; retried
+    /// by `release_cached_blocks`, after the leftover pages.
+    leftover_ranges: Vec<PageRange>,
     history: History,
     /// What cross-stream reuse (opt-in) did.
     cross_stream: CrossStreamCounts,
@@ -209,6 +212,7 @@ impl<D: Device> DeviceAllocator<D> {
             allowed_memory_maximum: None,
             expandable_segments: Vec::new(),
             leftover_pages: Vec::new(),
+            leftover_ranges: Vec::new(),
             history: History::default(),
             cross_stream: CrossStreamCounts::default(),
             merging_across_streams: false,
@@ -897,7 +901,7 @@ impl<D: Device> DeviceAllocator<D> {
     fn release_cached_blocks(&mut self) -> Result<(), DeviceError> {
         if self.captures.is_empty() {
             self.synchronize_and_free_events()?;
-            self.release_leftover_pages()?;
+            self.release_leftovers()?;
             self.coalesce_across_streams()?;
             self.release_blocks(None, PoolKind::Large)?;
             self.release_blocks(None, PoolKind::Small)?;
