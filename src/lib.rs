@@ -10,3 +10,8 @@ pub mod lock;
 pub mod logging;
 pub mod policy;
 pub mod replay;
+
+/// The property tests' configuration, shared with the integration tests.
+#[cfg(test)]
+#[path = "../tests/common/properties.rs"]
+mod test_properties;

@@ -15,6 +15,9 @@ use ferrocache::device::{DevicePtr, StreamId};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
+#[path = "common/properties.rs"]
+mod properties;
+
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
 const STREAMS: [StreamId; 3] = [0, 0x1000, 0x2000];
@@ -67,19 +70,69 @@ fn size_strategy() -> impl Strategy<Value = usize> {
     ]
 }
 
-fn op_strategy() -> impl Strategy<Value = Op> {
+/// How often each op is drawn, relative to the others.
+#[derive(Debug, Clone, Copy)]
+struct Mix {
+    malloc: u32,
+    free: u32,
+    record_stream: u32,
+    complete_stream: u32,
+    empty_cache: u32,
+    fail_next_mallocs: u32,
+    reset_peaks: u32,
+    begin_capture: u32,
+    end_capture: u32,
+    release_pool: u32,
+}
+
+/// Mostly allocations and frees, now and then the rest. The seeds in the regressions file
+/// draw their programs with these weights: changing them changes what those seeds replay.
+const EVERYDAY: Mix = Mix {
+    malloc: 10,
+    free: 8,
+    record_stream: 2,
+    complete_stream: 2,
+    empty_cache: 1,
+    fail_next_mallocs: 1,
+    reset_peaks: 1,
+    begin_capture: 2,
+    end_capture: 2,
+    release_pool: 1,
+};
+
+/// Captures begun, ended and released two to three times as often, more `record_stream`
+/// and more failed device allocations: the private-pool paths under stress.
+const CAPTURES_AND_FAILURES: Mix = Mix {
+    malloc: 10,
+    free: 8,
+    record_stream: 4,
+    complete_stream: 2,
+    empty_cache: 1,
+    fail_next_mallocs: 3,
+    reset_peaks: 1,
+    begin_capture: 5,
+    end_capture: 4,
+    release_pool: 3,
+};
+
+fn op_strategy(mix: Mix) -> impl Strategy<Value = Op> {
     prop_oneof![
-        10 => (size_strategy(), 0..STREAMS.len()).prop_map(|(size, stream)| Op::Malloc { size, stream }),
-        8 => any::<usize>().prop_map(|pick| Op::Free { pick }),
-        2 => (any::<usize>(), 0..STREAMS.len()).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
-        2 => (0..STREAMS.len()).prop_map(|stream| Op::CompleteStream { stream }),
-        1 => Just(Op::EmptyCache),
-        1 => (1..3usize).prop_map(|count| Op::FailNextMallocs { count }),
-        1 => Just(Op::ResetPeaks),
-        2 => (0..POOL_IDS.len(), 0..STREAMS.len()).prop_map(|(pool, stream)| Op::BeginCapture { pool, stream }),
-        2 => any::<usize>().prop_map(|pick| Op::EndCapture { pick }),
-        1 => (0..POOL_IDS.len()).prop_map(|pool| Op::ReleasePool { pool }),
+        mix.malloc => (size_strategy(), 0..STREAMS.len()).prop_map(|(size, stream)| Op::Malloc { size, stream }),
+        mix.free => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        mix.record_stream => (any::<usize>(), 0..STREAMS.len()).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
+        mix.complete_stream => (0..STREAMS.len()).prop_map(|stream| Op::CompleteStream { stream }),
+        mix.empty_cache => Just(Op::EmptyCache),
+        mix.fail_next_mallocs => (1..3usize).prop_map(|count| Op::FailNextMallocs { count }),
+        mix.reset_peaks => Just(Op::ResetPeaks),
+        mix.begin_capture => (0..POOL_IDS.len(), 0..STREAMS.len()).prop_map(|(pool, stream)| Op::BeginCapture { pool, stream }),
+        mix.end_capture => any::<usize>().prop_map(|pick| Op::EndCapture { pick }),
+        mix.release_pool => (0..POOL_IDS.len()).prop_map(|pool| Op::ReleasePool { pool }),
     ]
+}
+
+/// A random program: up to 159 ops drawn with `mix`.
+fn program(mix: Mix) -> impl Strategy<Value = Vec<Op>> {
+    prop::collection::vec(op_strategy(mix), 1..160)
 }
 
 /// A freed range that must not be handed out again until its streams have moved on.
@@ -610,56 +663,229 @@ fn run(config: Config, ops: &[Op]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+/// The cases each property runs in CI, from the fixed seed (see `common/properties.rs`);
+/// `PROPTEST_CASES` and `PROPTEST_RNG_SEED` ask for others.
+const CI_CASES: u32 = 96;
 
-    #[test]
-    fn default_settings_keep_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
-        run(Config::default(), &ops)?;
-    }
-
-    #[test]
-    fn max_split_size_keeps_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
-        let config = Config { max_split_size: 64 * MIB, ..Config::default() };
-        run(config, &ops)?;
-    }
-
-    #[test]
-    fn power2_rounding_keeps_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
-        let config = Config { roundup_power2_divisions: [4; 16], ..Config::default() };
-        run(config, &ops)?;
-    }
-
-    #[test]
-    fn expandable_segments_keep_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
-        let config = Config { expandable_segments: true, ..Config::default() };
-        run(config, &ops)?;
-    }
-
-    #[test]
-    fn cross_stream_reuse_keeps_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
-        let config = Config { cross_stream: true, ..Config::default() };
-        run(config, &ops)?;
-    }
-
-    #[test]
-    fn cross_stream_reuse_with_max_split_size_keeps_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
-        let config = Config { cross_stream: true, max_split_size: 64 * MIB, ..Config::default() };
-        run(config, &ops)?;
-    }
-
-    #[test]
-    fn cross_stream_reuse_with_expandable_segments_keeps_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
-        let config = Config { cross_stream: true, expandable_segments: true, ..Config::default() };
-        run(config, &ops)?;
-    }
-
-    #[test]
-    fn expandable_segments_with_max_split_size_keep_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
-        let config = Config { expandable_segments: true, max_split_size: 64 * MIB, ..Config::default() };
-        run(config, &ops)?;
-    }
+/// One property: random programs drawn with `mix`, run on an allocator with `config`.
+macro_rules! property {
+    ($name:ident, $mix:expr, $config:expr) => {
+        proptest! {
+            #![proptest_config(properties::config(CI_CASES))]
+            #[test]
+            fn $name(ops in program($mix)) {
+                run($config, &ops)?;
+            }
+        }
+    };
 }
+
+// PyTorch's settings, one at a time.
+property!(
+    default_settings_keep_every_invariant,
+    EVERYDAY,
+    Config::default()
+);
+property!(
+    max_split_size_keeps_every_invariant,
+    EVERYDAY,
+    Config {
+        max_split_size: 64 * MIB,
+        ..Config::default()
+    }
+);
+property!(
+    power2_rounding_keeps_every_invariant,
+    EVERYDAY,
+    Config {
+        roundup_power2_divisions: [4; 16],
+        ..Config::default()
+    }
+);
+property!(
+    expandable_segments_keep_every_invariant,
+    EVERYDAY,
+    Config {
+        expandable_segments: true,
+        ..Config::default()
+    }
+);
+property!(
+    memory_fraction_with_garbage_collection_keeps_every_invariant,
+    EVERYDAY,
+    Config {
+        per_process_memory_fraction: Some(0.5),
+        garbage_collection_threshold: 0.6,
+        ..Config::default()
+    }
+);
+
+// Combinations.
+property!(
+    expandable_segments_with_max_split_size_keep_every_invariant,
+    EVERYDAY,
+    Config {
+        expandable_segments: true,
+        max_split_size: 64 * MIB,
+        ..Config::default()
+    }
+);
+property!(
+    expandable_segments_with_power2_rounding_keep_every_invariant,
+    EVERYDAY,
+    Config {
+        expandable_segments: true,
+        roundup_power2_divisions: [4; 16],
+        ..Config::default()
+    }
+);
+
+// Cross-stream reuse (ferrocache's opt-in), alone and with each setting.
+property!(
+    cross_stream_reuse_keeps_every_invariant,
+    EVERYDAY,
+    Config {
+        cross_stream: true,
+        ..Config::default()
+    }
+);
+property!(
+    cross_stream_reuse_with_max_split_size_keeps_every_invariant,
+    EVERYDAY,
+    Config {
+        cross_stream: true,
+        max_split_size: 64 * MIB,
+        ..Config::default()
+    }
+);
+property!(
+    cross_stream_reuse_with_power2_rounding_keeps_every_invariant,
+    EVERYDAY,
+    Config {
+        cross_stream: true,
+        roundup_power2_divisions: [4; 16],
+        ..Config::default()
+    }
+);
+property!(
+    cross_stream_reuse_with_expandable_segments_keeps_every_invariant,
+    EVERYDAY,
+    Config {
+        cross_stream: true,
+        expandable_segments: true,
+        ..Config::default()
+    }
+);
+property!(
+    cross_stream_reuse_with_expandable_segments_and_max_split_size_keeps_every_invariant,
+    EVERYDAY,
+    Config {
+        cross_stream: true,
+        expandable_segments: true,
+        max_split_size: 64 * MIB,
+        ..Config::default()
+    }
+);
+property!(
+    cross_stream_reuse_with_expandable_segments_under_a_memory_fraction_keeps_every_invariant,
+    EVERYDAY,
+    Config {
+        cross_stream: true,
+        expandable_segments: true,
+        per_process_memory_fraction: Some(0.5),
+        garbage_collection_threshold: 0.6,
+        ..Config::default()
+    }
+);
+property!(
+    every_option_at_once_keeps_every_invariant,
+    EVERYDAY,
+    Config {
+        cross_stream: true,
+        expandable_segments: true,
+        max_split_size: 64 * MIB,
+        roundup_power2_divisions: [4; 16],
+        ..Config::default()
+    }
+);
+
+// Private pools, record_stream and failed device allocations under stress.
+property!(
+    captures_and_failures_keep_every_invariant,
+    CAPTURES_AND_FAILURES,
+    Config::default()
+);
+property!(
+    captures_and_failures_with_expandable_segments_keep_every_invariant,
+    CAPTURES_AND_FAILURES,
+    Config {
+        expandable_segments: true,
+        ..Config::default()
+    }
+);
+property!(
+    captures_and_failures_with_cross_stream_reuse_and_expandable_segments_keep_every_invariant,
+    CAPTURES_AND_FAILURES,
+    Config {
+        cross_stream: true,
+        expandable_segments: true,
+        max_split_size: 64 * MIB,
+        ..Config::default()
+    }
+);
+
+/// CI runs the same cases every time: two runners with the properties' configuration draw the
+/// same programs, and those are the programs drawn when this fingerprint was recorded (a
+/// change to the strategies, the seed or proptest's generator changes it: record the new one).
+#[test]
+fn ci_draws_the_same_programs_every_run() {
+    use proptest::test_runner::{RngSeed, TestRunner};
+    use std::sync::Mutex;
+
+    let draw = |seed: RngSeed| {
+        let config = ProptestConfig {
+            rng_seed: seed,
+            failure_persistence: None,
+            ..properties::config(CI_CASES)
+        };
+        let drawn = Mutex::new(Vec::new());
+        TestRunner::new(config)
+            .run(&program(EVERYDAY), |ops| {
+                drawn.lock().unwrap().push(format!("{ops:?}"));
+                Ok(())
+            })
+            .unwrap();
+        let drawn = drawn.into_inner().unwrap();
+        // FNV-1a over the programs as printed: stable across Rust versions and machines.
+        let fingerprint = drawn
+            .iter()
+            .flat_map(|p| p.bytes().chain([b'\n']))
+            .fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+                (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+            });
+        (drawn.len(), fingerprint)
+    };
+    let ci = draw(RngSeed::Fixed(properties::CI_SEED));
+    eprintln!(
+        "CI draws {} programs per property, fingerprint {:#018x}",
+        ci.0, ci.1
+    );
+    assert_eq!(ci.0, CI_CASES as usize);
+    assert_eq!(
+        draw(RngSeed::Fixed(properties::CI_SEED)),
+        ci,
+        "a second runner"
+    );
+    assert_ne!(
+        draw(RngSeed::Fixed(1)).1,
+        ci.1,
+        "another seed draws other programs"
+    );
+    assert_eq!(ci.1, CI_FINGERPRINT, "the programs CI draws changed");
+}
+
+/// See `ci_draws_the_same_programs_every_run`.
+const CI_FINGERPRINT: u64 = 0x0a68_55cf_376c_e000;
 
 /// Found by the stream-order invariant with 1500 cases, under the default settings too (so not
 /// cross-stream reuse): a block used on stream 1 during a capture and again after it, then freed
