@@ -10,8 +10,8 @@
 use ferrocache::allocator::private_pool::{MempoolId, PoolError};
 use ferrocache::allocator::{AllocError, DeviceAllocator};
 use ferrocache::config::Config;
-use ferrocache::device::sim::SimDevice;
-use ferrocache::device::{DevicePtr, StreamId};
+use ferrocache::device::sim::{SimDevice, SimOp};
+use ferrocache::device::{DeviceError, DevicePtr, StreamId};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
@@ -59,7 +59,32 @@ enum Op {
     ReleasePool {
         pool: usize,
     },
+    /// The next `count` calls of `FAULTABLE[call]` fail with a driver error (not out of
+    /// memory, not sticky).
+    FailNextDeviceCalls {
+        call: usize,
+        count: usize,
+    },
 }
+
+/// The device calls a program may make fail.
+const FAULTABLE: [SimOp; 15] = [
+    SimOp::Malloc,
+    SimOp::Free,
+    SimOp::MemGetInfo,
+    SimOp::RecordEvent,
+    SimOp::QueryEvent,
+    SimOp::SynchronizeEvent,
+    SimOp::SynchronizeStream,
+    SimOp::WaitEvent,
+    SimOp::ReserveAddressRange,
+    SimOp::FreeAddressRange,
+    SimOp::CreatePhysical,
+    SimOp::ReleasePhysical,
+    SimOp::Map,
+    SimOp::SetAccess,
+    SimOp::Unmap,
+];
 
 fn size_strategy() -> impl Strategy<Value = usize> {
     prop_oneof![
@@ -131,8 +156,16 @@ fn op_strategy(mix: Mix) -> impl Strategy<Value = Op> {
 }
 
 /// A random program: up to 159 ops drawn with `mix`.
-fn program(mix: Mix) -> impl Strategy<Value = Vec<Op>> {
-    prop::collection::vec(op_strategy(mix), 1..160)
+fn program(mix: Mix) -> BoxedStrategy<Vec<Op>> {
+    prop::collection::vec(op_strategy(mix), 1..160).boxed()
+}
+
+/// A random program drawn with `mix` in which, besides, about one op in ten makes device
+/// calls fail with driver errors.
+fn program_with_device_faults(mix: Mix) -> BoxedStrategy<Vec<Op>> {
+    let fault = (0..FAULTABLE.len(), 1..3usize)
+        .prop_map(|(call, count)| Op::FailNextDeviceCalls { call, count });
+    prop::collection::vec(prop_oneof![9 => op_strategy(mix), 1 => fault], 1..160).boxed()
 }
 
 /// A freed range that must not be handed out again until its streams have moved on.
@@ -181,6 +214,10 @@ struct Model {
     used_ranges: Vec<UsedRange>,
     /// The device's free count last seen: `cudaFree` synchronizes the device.
     frees_seen: u64,
+    /// Whether a device call was made to fail with a driver error: from then on, the device
+    /// may hold what the allocator's books no longer count (pages and ranges it refused to
+    /// take back, kept to be retried), and operations may fail.
+    faulted: bool,
 }
 
 impl Model {
@@ -200,6 +237,7 @@ impl Model {
             work: BTreeMap::new(),
             used_ranges: Vec::new(),
             frees_seen: 0,
+            faulted: false,
         }
     }
 
@@ -237,6 +275,7 @@ impl Model {
                     );
                     self.lift_synchronized_protections();
                 }
+                Err(AllocError::Device(_)) if self.faulted => self.lift_synchronized_protections(),
                 Err(other) => prop_assert!(false, "unexpected error {other}"),
             },
             Op::Free { pick } => {
@@ -286,9 +325,9 @@ impl Model {
             Op::FailNextMallocs { count } => {
                 if self.expandable {
                     self.allocator.device_mut().fail_next(
-                        ferrocache::device::sim::SimOp::CreatePhysical,
+                        SimOp::CreatePhysical,
                         count,
-                        ferrocache::device::DeviceError::OutOfMemory,
+                        DeviceError::OutOfMemory,
                     );
                 } else {
                     self.allocator.device_mut().fail_next_mallocs(count);
@@ -325,6 +364,17 @@ impl Model {
                         }
                     }
                 }
+            }
+            Op::FailNextDeviceCalls { call, count } => {
+                self.faulted = true;
+                let error = DeviceError::Driver {
+                    call: "an injected fault",
+                    code: 999,
+                    message: "unknown error".into(),
+                };
+                self.allocator
+                    .device_mut()
+                    .fail_next(FAULTABLE[call], count, error);
             }
             Op::ReleasePool { pool } => {
                 let id = POOL_IDS[pool];
@@ -474,8 +524,13 @@ impl Model {
             .filter(|s| live_in(s) || !self.may_release(s.segment_pool_id, &holding_live))
             .map(|s| s.address)
             .collect();
-        self.allocator.empty_cache().unwrap();
+        let result = self.allocator.empty_cache();
         self.lift_synchronized_protections();
+        if self.faulted && result.is_err() {
+            // Part of the cache may have gone back: the invariants of `check` still hold.
+            return Ok(());
+        }
+        prop_assert_eq!(result, Ok(()));
         let after = self.allocator.device().allocations();
         if self.expandable {
             // Every whole page without a live byte is unmapped.
@@ -545,19 +600,19 @@ impl Model {
         let stats = self.allocator.stats();
         prop_assert_eq!(stats.allocation.all.current as usize, live.len());
         let device = self.allocator.device();
-        if self.expandable {
-            prop_assert_eq!(
-                stats.reserved_bytes.all.current as usize,
-                device.mapped_bytes()
-            );
+        let reserved = stats.reserved_bytes.all.current as usize;
+        let held = if self.expandable {
+            device.mapped_bytes()
         } else {
-            let held: usize = device.allocations().values().sum();
-            prop_assert_eq!(stats.reserved_bytes.all.current as usize, held);
+            device.allocations().values().sum()
+        };
+        if self.faulted {
+            // Leftover pages are the device's but in no segment until a retry succeeds.
+            prop_assert!(held >= reserved && device.physical_in_use() >= reserved);
+        } else {
+            prop_assert_eq!(reserved, held);
+            prop_assert_eq!(device.physical_in_use(), reserved);
         }
-        prop_assert_eq!(
-            device.physical_in_use(),
-            stats.reserved_bytes.all.current as usize
-        );
         Ok(())
     }
 }
@@ -641,7 +696,8 @@ fn run(config: Config, ops: &[Op]) -> Result<(), TestCaseError> {
         model.step(op)?;
     }
     // Wind down: end the captures, free everything, release every graph, empty the cache:
-    // nothing may remain.
+    // nothing may remain, whatever device calls failed before.
+    model.allocator.device_mut().clear_faults();
     while let Some((id, _)) = model.captures.pop() {
         model.allocator.end_allocate_to_pool(id).unwrap();
     }
@@ -655,6 +711,7 @@ fn run(config: Config, ops: &[Op]) -> Result<(), TestCaseError> {
         *count = 0;
     }
     model.allocator.empty_cache().unwrap();
+    model.faulted = false;
     model.check()?;
     prop_assert!(model.allocator.private_pools().is_empty());
     prop_assert_eq!(model.allocator.stats().reserved_bytes.all.current, 0);
@@ -667,13 +724,13 @@ fn run(config: Config, ops: &[Op]) -> Result<(), TestCaseError> {
 /// `PROPTEST_CASES` and `PROPTEST_RNG_SEED` ask for others.
 const CI_CASES: u32 = 96;
 
-/// One property: random programs drawn with `mix`, run on an allocator with `config`.
+/// One property: random programs drawn from `programs`, run on an allocator with `config`.
 macro_rules! property {
-    ($name:ident, $mix:expr, $config:expr) => {
+    ($name:ident, $programs:expr, $config:expr) => {
         proptest! {
             #![proptest_config(properties::config(CI_CASES))]
             #[test]
-            fn $name(ops in program($mix)) {
+            fn $name(ops in $programs) {
                 run($config, &ops)?;
             }
         }
@@ -683,12 +740,12 @@ macro_rules! property {
 // PyTorch's settings, one at a time.
 property!(
     default_settings_keep_every_invariant,
-    EVERYDAY,
+    program(EVERYDAY),
     Config::default()
 );
 property!(
     max_split_size_keeps_every_invariant,
-    EVERYDAY,
+    program(EVERYDAY),
     Config {
         max_split_size: 64 * MIB,
         ..Config::default()
@@ -696,7 +753,7 @@ property!(
 );
 property!(
     power2_rounding_keeps_every_invariant,
-    EVERYDAY,
+    program(EVERYDAY),
     Config {
         roundup_power2_divisions: [4; 16],
         ..Config::default()
@@ -704,7 +761,7 @@ property!(
 );
 property!(
     expandable_segments_keep_every_invariant,
-    EVERYDAY,
+    program(EVERYDAY),
     Config {
         expandable_segments: true,
         ..Config::default()
@@ -712,7 +769,7 @@ property!(
 );
 property!(
     memory_fraction_with_garbage_collection_keeps_every_invariant,
-    EVERYDAY,
+    program(EVERYDAY),
     Config {
         per_process_memory_fraction: Some(0.5),
         garbage_collection_threshold: 0.6,
@@ -723,7 +780,7 @@ property!(
 // Combinations.
 property!(
     expandable_segments_with_max_split_size_keep_every_invariant,
-    EVERYDAY,
+    program(EVERYDAY),
     Config {
         expandable_segments: true,
         max_split_size: 64 * MIB,
@@ -732,7 +789,7 @@ property!(
 );
 property!(
     expandable_segments_with_power2_rounding_keep_every_invariant,
-    EVERYDAY,
+    program(EVERYDAY),
     Config {
         expandable_segments: true,
         roundup_power2_divisions: [4; 16],
@@ -743,7 +800,7 @@ property!(
 // Cross-stream reuse (ferrocache's opt-in), alone and with each setting.
 property!(
     cross_stream_reuse_keeps_every_invariant,
-    EVERYDAY,
+    program(EVERYDAY),
     Config {
         cross_stream: true,
         ..Config::default()
@@ -751,7 +808,7 @@ property!(
 );
 property!(
     cross_stream_reuse_with_max_split_size_keeps_every_invariant,
-    EVERYDAY,
+    program(EVERYDAY),
     Config {
         cross_stream: true,
         max_split_size: 64 * MIB,
@@ -760,7 +817,7 @@ property!(
 );
 property!(
     cross_stream_reuse_with_power2_rounding_keeps_every_invariant,
-    EVERYDAY,
+    program(EVERYDAY),
     Config {
         cross_stream: true,
         roundup_power2_divisions: [4; 16],
@@ -769,7 +826,7 @@ property!(
 );
 property!(
     cross_stream_reuse_with_expandable_segments_keeps_every_invariant,
-    EVERYDAY,
+    program(EVERYDAY),
     Config {
         cross_stream: true,
         expandable_segments: true,
@@ -778,7 +835,7 @@ property!(
 );
 property!(
     cross_stream_reuse_with_expandable_segments_and_max_split_size_keeps_every_invariant,
-    EVERYDAY,
+    program(EVERYDAY),
     Config {
         cross_stream: true,
         expandable_segments: true,
@@ -788,7 +845,7 @@ property!(
 );
 property!(
     cross_stream_reuse_with_expandable_segments_under_a_memory_fraction_keeps_every_invariant,
-    EVERYDAY,
+    program(EVERYDAY),
     Config {
         cross_stream: true,
         expandable_segments: true,
@@ -799,7 +856,7 @@ property!(
 );
 property!(
     every_option_at_once_keeps_every_invariant,
-    EVERYDAY,
+    program(EVERYDAY),
     Config {
         cross_stream: true,
         expandable_segments: true,
@@ -812,12 +869,12 @@ property!(
 // Private pools, record_stream and failed device allocations under stress.
 property!(
     captures_and_failures_keep_every_invariant,
-    CAPTURES_AND_FAILURES,
+    program(CAPTURES_AND_FAILURES),
     Config::default()
 );
 property!(
     captures_and_failures_with_expandable_segments_keep_every_invariant,
-    CAPTURES_AND_FAILURES,
+    program(CAPTURES_AND_FAILURES),
     Config {
         expandable_segments: true,
         ..Config::default()
@@ -825,7 +882,40 @@ property!(
 );
 property!(
     captures_and_failures_with_cross_stream_reuse_and_expandable_segments_keep_every_invariant,
-    CAPTURES_AND_FAILURES,
+    program(CAPTURES_AND_FAILURES),
+    Config {
+        cross_stream: true,
+        expandable_segments: true,
+        max_split_size: 64 * MIB,
+        ..Config::default()
+    }
+);
+
+// Device calls failing with driver errors, on top of everything else.
+property!(
+    device_faults_keep_every_invariant,
+    program_with_device_faults(CAPTURES_AND_FAILURES),
+    Config::default()
+);
+property!(
+    device_faults_with_expandable_segments_keep_every_invariant,
+    program_with_device_faults(CAPTURES_AND_FAILURES),
+    Config {
+        expandable_segments: true,
+        ..Config::default()
+    }
+);
+property!(
+    device_faults_with_cross_stream_reuse_keep_every_invariant,
+    program_with_device_faults(CAPTURES_AND_FAILURES),
+    Config {
+        cross_stream: true,
+        ..Config::default()
+    }
+);
+property!(
+    device_faults_with_cross_stream_reuse_and_expandable_segments_keep_every_invariant,
+    program_with_device_faults(CAPTURES_AND_FAILURES),
     Config {
         cross_stream: true,
         expandable_segments: true,

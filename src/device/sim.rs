@@ -177,6 +177,11 @@ impl SimDevice {
         queue.push_back(Some(error));
     }
 
+    /// Forgets every injected fault that has not fired yet.
+    pub fn clear_faults(&mut self) {
+        self.faults.clear();
+    }
+
     /// The next `count` `malloc`s report out of memory.
     pub fn fail_next_mallocs(&mut self, count: usize) {
         self.fail_next(SimOp::Malloc, count, DeviceError::OutOfMemory);
