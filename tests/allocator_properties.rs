@@ -556,7 +556,9 @@ impl Model {
             let everything_releasable = self.captures.is_empty()
                 && self.use_counts.values().all(|&c| c == 0)
                 && self.protected.is_empty();
-            if self.live.is_empty() && everything_releasable {
+            // (A block for whose streams the device would neither record an event nor
+            // synchronize keeps its pages, and empty_cache still succeeds.)
+            if self.live.is_empty() && everything_releasable && !self.faulted {
                 prop_assert_eq!(self.allocator.device().mapped_bytes(), 0);
                 prop_assert_eq!(self.allocator.device().live_physical_handles(), 0);
                 // Address ranges may stay reserved: one whose first growth failed keeps its
@@ -567,12 +569,23 @@ impl Model {
                 );
             }
         } else {
-            // Exactly the segments holding nothing went back.
+            // Exactly the segments holding nothing went back; after device faults, a segment
+            // may stay too (a freed block whose streams could not be waited for holds it).
             let expected: BTreeMap<DevicePtr, usize> = before
-                .into_iter()
+                .iter()
                 .filter(|(ptr, _)| holding.contains(ptr))
+                .map(|(&ptr, &size)| (ptr, size))
                 .collect();
-            prop_assert_eq!(after, expected);
+            if self.faulted {
+                for (ptr, size) in &expected {
+                    prop_assert_eq!(after.get(ptr), Some(size), "{:#x} went back", ptr);
+                }
+                for ptr in after.keys() {
+                    prop_assert!(before.contains_key(ptr), "{ptr:#x} appeared");
+                }
+            } else {
+                prop_assert_eq!(after, expected);
+            }
         }
         Ok(())
     }
