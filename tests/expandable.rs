@@ -28,6 +28,15 @@ fn checked(a: &DeviceAllocator<SimDevice>) {
     );
 }
 
+/// A driver error on `call`, as the simulated device injects it.
+fn injected(call: &'static str) -> DeviceError {
+    DeviceError::Driver {
+        call,
+        code: 1,
+        message: "injected".into(),
+    }
+}
+
 #[test]
 fn one_growing_segment_per_stream_and_pool() {
     let mut a = expandable(16 * GIB);
@@ -121,11 +130,7 @@ fn an_out_of_memory_retry_unmaps_other_streams_free_pages() {
 
 #[test]
 fn a_failure_while_growing_leaks_nothing() {
-    let failure = DeviceError::Driver {
-        call: "cuMemMap",
-        code: 1,
-        message: "injected".into(),
-    };
+    let failure = injected("cuMemMap");
     for (op, nth) in [
         (SimOp::CreatePhysical, 2),
         (SimOp::Map, 2),
@@ -218,11 +223,7 @@ fn max_split_size_with_expandable_segments_does_not_grow_without_bound() {
 /// back (found by the fault sweep: `cuMemRelease` failing once leaked the page for good).
 #[test]
 fn a_page_the_device_would_not_release_is_released_later() {
-    let refused = DeviceError::Driver {
-        call: "cuMemRelease",
-        code: 1,
-        message: "injected".into(),
-    };
+    let refused = injected("cuMemRelease");
     let mut a = expandable(16 * GIB);
     let p = a.malloc(30 * MIB, 0).unwrap();
     a.free(p).unwrap();
@@ -243,16 +244,11 @@ fn a_page_the_device_would_not_release_is_released_later() {
 /// kept and given back by the next `empty_cache`, before the address range.
 #[test]
 fn a_page_left_mapped_by_a_failed_rollback_is_released_later() {
-    let fault = |call| DeviceError::Driver {
-        call,
-        code: 1,
-        message: "injected".into(),
-    };
     let mut a = expandable(16 * GIB);
     a.device_mut()
-        .fail_next(SimOp::SetAccess, 1, fault("cuMemSetAccess"));
+        .fail_next(SimOp::SetAccess, 1, injected("cuMemSetAccess"));
     a.device_mut()
-        .fail_next(SimOp::Unmap, 1, fault("cuMemUnmap"));
+        .fail_next(SimOp::Unmap, 1, injected("cuMemUnmap"));
     assert!(a.malloc(30 * MIB, 0).is_err());
     // Not `checked`: the leftover page is mapped on the device but reserved by no segment.
     a.check_invariants().unwrap();
@@ -275,11 +271,7 @@ fn a_page_left_mapped_by_a_failed_rollback_is_released_later() {
 /// segment happened to reuse it).
 #[test]
 fn an_address_range_the_device_would_not_free_is_freed_by_the_next_empty_cache() {
-    let refused = DeviceError::Driver {
-        call: "cuMemAddressFree",
-        code: 1,
-        message: "injected".into(),
-    };
+    let refused = injected("cuMemAddressFree");
     let mut a = expandable(16 * GIB);
     let p = a.malloc(30 * MIB, 0).unwrap();
     a.free(p).unwrap();
@@ -304,11 +296,7 @@ fn an_address_range_the_device_would_not_free_is_freed_by_the_next_empty_cache()
 /// The same for a private pool's segment.
 #[test]
 fn a_private_pools_address_range_the_device_would_not_free_is_freed_later() {
-    let refused = DeviceError::Driver {
-        call: "cuMemAddressFree",
-        code: 1,
-        message: "injected".into(),
-    };
+    let refused = injected("cuMemAddressFree");
     let mut a = expandable(16 * GIB);
     let pool = (1, 0);
     a.begin_allocate_to_pool(pool, Box::new(|_| Ok(true)))
