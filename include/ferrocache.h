@@ -21,6 +21,11 @@ typedef struct CUstream_st *cudaStream_t;
 typedef uint64_t (*ferrocache_stack_gatherer)(int event);
 /* Throws the C++ exception for an out-of-memory message. See ferrocache_set_oom_thrower. */
 typedef void (*ferrocache_oom_thrower)(const char *message);
+/* Called at each out of memory, before the error: the device, the bytes that could not be
+   allocated, the device's total (or the memory-fraction limit) and free bytes. See
+   ferrocache_attach_oom_observer. */
+typedef void (*ferrocache_oom_observer)(int device, size_t alloc_size, size_t device_total,
+                                        size_t device_free);
 
 #ifdef __cplusplus
 extern "C" {
@@ -83,6 +88,19 @@ int ferrocache_set_stack_gatherer(ferrocache_stack_gatherer gatherer, int on_fre
 // it returns, `rust_malloc` throws `std::runtime_error`. It must stay callable for the life of
 // the process. Returns 0.
 int ferrocache_set_oom_thrower(ferrocache_oom_thrower thrower);
+
+// Attaches `observer`, PyTorch's out-of-memory observer
+// (`torch._C._cuda_attach_out_of_memory_observer`): at each out of memory, before the
+// exception reaches the caller, every attached observer is called on the allocating thread
+// with the device, the size that could not be allocated, the device's total memory (or the
+// limit `set_per_process_memory_fraction` set) and its free memory. No allocator lock is held
+// then, so it may call any `ferrocache_*` function (take a snapshot); an allocation it makes
+// can run out of memory again and call it again. It must stay callable for the life of the
+// process (or until detached) and never unwind. Returns 0; -1 for NULL (last error set).
+int ferrocache_attach_oom_observer(ferrocache_oom_observer observer);
+
+// Detaches every attachment of `observer`; an observer not attached is no error. Returns 0.
+int ferrocache_detach_oom_observer(ferrocache_oom_observer observer);
 
 // `CUDAPluggableAllocator`'s free function. NULL does nothing. A pointer ferrocache did not give
 // out, or one already freed, is logged at ERROR and nothing changes. A `size`, `device` or

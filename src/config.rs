@@ -21,7 +21,9 @@
 //!   says which key and which word.
 //! - Booleans are exactly `True` or `False`; the newest PyTorch does not take `true`.
 
-use crate::policy::{K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUNDUP_POWER_OF_TWO_INTERVALS};
+use crate::policy::{
+    self, K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUNDUP_POWER_OF_TWO_INTERVALS, TieRule,
+};
 use serde_json::{Map, Value, json};
 use std::fmt;
 
@@ -146,30 +148,75 @@ pub struct Config {
     /// `PYTORCH_CUDA_ALLOC_CONF`): a request that misses its stream's cache may take a block
     /// cached on another stream, after a device-side wait (see `allocator::cross_stream`).
     pub cross_stream: bool,
+    /// ferrocache's own opt-in (`FERROCACHE_EXPANDABLE_IGNORE_MAX_SPLIT`): `max_split_size_mb`
+    /// does not apply to blocks inside expandable segments, which always split anyway. PyTorch
+    /// applies it and then maps new pages beside a free block it refused, so reserved memory
+    /// can grow without bound (pytorch#123548).
+    pub expandable_ignore_max_split: bool,
+    /// How ties between equal cached blocks break: the rule of the PyTorch ferrocache runs
+    /// under (`FERROCACHE_PYTORCH_VERSION`, which `ferrocache.install()` sets from
+    /// `torch.__version__`); PyTorch 2.15's by default.
+    pub tie_rule: TieRule,
     /// Things PyTorch lets pass that look like mistakes (a `,` where a `:` belongs, `40MB`, a
     /// variable hidden by another), one sentence each, no duplicates; for the caller to log.
     pub warnings: Vec<String>,
+}
+
+/// The PyTorch version ferrocache decides like (`2.12`, `2.12.1+cu128`, ...): set by
+/// `ferrocache.install()` from `torch.__version__`; unset, PyTorch 2.15's rules.
+pub const PYTORCH_VERSION_VAR: &str = "FERROCACHE_PYTORCH_VERSION";
+
+/// Reads `FERROCACHE_PYTORCH_VERSION`: the rules that changed between PyTorch versions follow
+/// it; a value that is not a version is ignored with a warning.
+fn apply_pytorch_version_var(config: &mut Config, value: Option<String>) {
+    let Some(value) = value else { return };
+    match parse_major_minor(&value) {
+        Some((major, minor)) => config.tie_rule = policy::tie_rule_of_pytorch(major, minor),
+        None => push_unique(
+            &mut config.warnings,
+            format!(
+                "{PYTORCH_VERSION_VAR}={value:?} is not a PyTorch version (expected e.g. 2.15.0); \
+                 PyTorch 2.15's rules apply"
+            ),
+        ),
+    }
+}
+
+/// `major.minor` of a version string such as `2.12.1+cu128` or `2.16.0a0`.
+fn parse_major_minor(text: &str) -> Option<(u32, u32)> {
+    let mut parts = text.trim().split('.');
+    let major = parts.next()?.parse().ok()?;
+    let minor: String = parts
+        .next()?
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    Some((major, minor.parse().ok()?))
 }
 
 /// ferrocache's own variable for cross-stream reuse (PyTorch would reject a new key in
 /// `PYTORCH_CUDA_ALLOC_CONF`).
 pub const CROSS_STREAM_VAR: &str = "FERROCACHE_CROSS_STREAM";
 
-/// Reads `FERROCACHE_CROSS_STREAM`: `1`/`true`/`yes`/`on` turn the mode on, `0`/`false`/`no`/
-/// `off`/empty leave it off; anything else leaves it off with a warning (bad input never
-/// stops the allocator).
-fn apply_cross_stream_var(config: &mut Config, value: Option<String>) {
-    let Some(value) = value else { return };
+/// ferrocache's own variable that exempts blocks of expandable segments from
+/// `max_split_size_mb` ([`Config::expandable_ignore_max_split`]).
+pub const EXPANDABLE_IGNORE_MAX_SPLIT_VAR: &str = "FERROCACHE_EXPANDABLE_IGNORE_MAX_SPLIT";
+
+/// Reads one of ferrocache's on/off variables: `1`/`true`/`yes`/`on` turn it on, `0`/`false`/
+/// `no`/`off`/empty leave it off; anything else leaves it off with a warning that names
+/// `what` (bad input never stops the allocator).
+fn flag_var(config: &mut Config, name: &str, value: Option<String>, what: &str) -> bool {
+    let Some(value) = value else { return false };
     match value.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => config.cross_stream = true,
-        "" | "0" | "false" | "no" | "off" => config.cross_stream = false,
-        _ => push_unique(
-            &mut config.warnings,
-            format!(
-                "{CROSS_STREAM_VAR}={value:?} is not understood (expected 1 or 0); \
-                 cross-stream reuse stays off"
-            ),
-        ),
+        "1" | "true" | "yes" | "on" => true,
+        "" | "0" | "false" | "no" | "off" => false,
+        _ => {
+            push_unique(
+                &mut config.warnings,
+                format!("{name}={value:?} is not understood (expected 1 or 0); {what} stays off"),
+            );
+            false
+        }
     }
 }
 
@@ -191,6 +238,8 @@ impl Default for Config {
             pinned_use_cuda_host_register: false,
             graph_capture_record_stream_reuse: false,
             cross_stream: false,
+            expandable_ignore_max_split: false,
+            tie_rule: TieRule::default(),
             warnings: Vec::new(),
         }
     }
@@ -246,7 +295,19 @@ impl Config {
     /// [`Config::source`]; none set gives the defaults.
     pub fn from_vars(lookup: impl Fn(&str) -> Option<String>) -> Result<Config> {
         let mut config = Config::from_alloc_conf_vars(&lookup)?;
-        apply_cross_stream_var(&mut config, lookup(CROSS_STREAM_VAR));
+        config.cross_stream = flag_var(
+            &mut config,
+            CROSS_STREAM_VAR,
+            lookup(CROSS_STREAM_VAR),
+            "cross-stream reuse",
+        );
+        config.expandable_ignore_max_split = flag_var(
+            &mut config,
+            EXPANDABLE_IGNORE_MAX_SPLIT_VAR,
+            lookup(EXPANDABLE_IGNORE_MAX_SPLIT_VAR),
+            "the exemption of expandable segments from max_split_size_mb",
+        );
+        apply_pytorch_version_var(&mut config, lookup(PYTORCH_VERSION_VAR));
         Ok(config)
     }
 
@@ -311,6 +372,12 @@ impl Config {
             lines.push(format!(
                 "cross-stream reuse: on ({CROSS_STREAM_VAR}; a stream's miss may take another \
                  stream's cached block after one device-side event wait)"
+            ));
+        }
+        if self.expandable_ignore_max_split {
+            lines.push(format!(
+                "max_split_size_mb does not apply inside expandable segments: on \
+                 ({EXPANDABLE_IGNORE_MAX_SPLIT_VAR}; their blocks always split)"
             ));
         }
         if let Some(fraction) = self.per_process_memory_fraction {

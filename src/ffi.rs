@@ -29,7 +29,10 @@ use parking_lot::Mutex;
 
 use crate::allocator::history::{MemorySnapshot, StackId};
 use crate::allocator::private_pool::{MempoolId, StreamFilter};
-use crate::allocator::{AllocError, AllocationInfo, DeviceAllocator, PointerError};
+use crate::allocator::stats::DeviceStats;
+use crate::allocator::{
+    AllocError, AllocationInfo, DeviceAllocator, OutOfMemoryError, PointerError,
+};
 use crate::config::{ALLOC_CONF_VARS, Config, selected_alloc_conf};
 use crate::device::cuda::CudaDevice;
 use crate::device::{DeviceError, DevicePtr, StreamId};
@@ -329,8 +332,11 @@ fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_v
         .malloc_with_stack(size, stream_id(stream), stack);
     match result {
         Ok(ptr) => Ok(device_pointer(ptr)),
-        // The allocator has logged it, with the same message.
-        Err(AllocError::OutOfMemory(oom)) => Err(AllocFailure::OutOfMemory(oom.message)),
+        // The allocator has logged it, with the same message. The lock is released by now.
+        Err(AllocError::OutOfMemory(oom)) => {
+            notify_oom_observers(&oom);
+            Err(AllocFailure::OutOfMemory(oom.message))
+        }
         Err(err) => {
             let message = err.to_string();
             logging::call_failed("allocation", &message);
@@ -437,6 +443,64 @@ pub extern "C" fn ferrocache_set_oom_thrower(thrower: ferrocache_oom_thrower) ->
         let pointer = thrower.map_or(ptr::null_mut(), |f| f as *mut ());
         OOM_THROWER.store(pointer, Ordering::Release);
         0
+    })
+}
+
+/// Called at an out of memory, PyTorch's `OutOfMemoryObserver`: the device, the size that
+/// could not be had, the device's total memory (or the memory-fraction limit, when one is set)
+/// and its free memory. See [`ferrocache_attach_oom_observer`].
+pub type OomObserver =
+    extern "C" fn(device: c_int, alloc_size: usize, device_total: usize, device_free: usize);
+/// An [`OomObserver`] or NULL, as the C ABI takes it.
+#[allow(non_camel_case_types, reason = "a C type of the header")]
+pub type ferrocache_oom_observer = Option<OomObserver>;
+
+/// The attached observers, in the order attached.
+static OOM_OBSERVERS: Mutex<Vec<OomObserver>> = Mutex::new(Vec::new());
+
+/// PyTorch's rule (`DeviceCachingAllocator::malloc`): at an out of memory, with the device's
+/// lock released (an observer may take the GIL, which another thread waiting for that lock may
+/// hold, and may ask the allocator for a snapshot), each observer is called in turn, before
+/// the exception is thrown. Observers attached meanwhile are called from the next one on.
+fn notify_oom_observers(oom: &OutOfMemoryError) {
+    let observers = OOM_OBSERVERS.lock().clone();
+    if observers.is_empty() {
+        return;
+    }
+    let limit = oom.allowed.unwrap_or(oom.device_total);
+    for observer in observers {
+        observer(oom.device, oom.allocation_size, limit, oom.device_free);
+    }
+}
+
+/// Attaches `observer`, PyTorch's out-of-memory observer
+/// (`torch._C._cuda_attach_out_of_memory_observer`): at each out of memory, before the
+/// exception reaches the caller, every attached observer is called on the allocating thread
+/// with the device, the size that could not be allocated, the device's total memory (or the
+/// limit `set_per_process_memory_fraction` set) and its free memory. No allocator lock is held
+/// then, so it may call any `ferrocache_*` function (take a snapshot); an allocation it makes
+/// can run out of memory again and call it again. It must stay callable for the life of the
+/// process (or until detached) and never unwind. Returns 0; -1 for NULL (last error set).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_attach_oom_observer(observer: ferrocache_oom_observer) -> c_int {
+    reporting_errors("ferrocache_attach_oom_observer", -1, || {
+        let observer = observer
+            .ok_or_else(|| "ferrocache_attach_oom_observer: the observer is NULL".to_string())?;
+        OOM_OBSERVERS.lock().push(observer);
+        Ok(0)
+    })
+}
+
+/// Detaches every attachment of `observer`; an observer not attached is no error. Returns 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_detach_oom_observer(observer: ferrocache_oom_observer) -> c_int {
+    reporting_errors("ferrocache_detach_oom_observer", -1, || {
+        if let Some(observer) = observer {
+            OOM_OBSERVERS
+                .lock()
+                .retain(|attached| !std::ptr::fn_addr_eq(*attached, observer));
+        }
+        Ok(0)
     })
 }
 
@@ -991,9 +1055,30 @@ pub unsafe extern "C" fn ferrocache_string_free(text: *mut c_char) {
 #[unsafe(no_mangle)]
 pub extern "C" fn ferrocache_memory_stats(device: c_int) -> *mut c_char {
     with_last_error("ferrocache_memory_stats", ptr::null_mut(), || {
-        let json = allocator(device)?.lock().stats().to_json();
+        let json = match allocator_if_used(device)? {
+            Some(allocator) => allocator.lock().stats().to_json(),
+            None => DeviceStats::new(config()?.max_split_size).to_json(),
+        };
         Ok(into_c_string(json))
     })
+}
+
+/// The allocator of `device` for a question about its statistics, or `None` for a device that
+/// exists but that this process has not allocated on: its statistics are all zero, and asking
+/// must not open it. PyTorch keeps statistics for every device from the start, so asking about
+/// another GPU costs nothing there; opening the device would retain its primary context, which
+/// on a real GPU takes hundreds of MiB on it (under `torchrun`, every rank asking about every
+/// device would put a context of each rank on each GPU). The device count is PyTorch's (from
+/// `rust_init`); without it, the device is opened to learn whether it exists.
+fn allocator_if_used(device: c_int) -> Result<Option<&'static LockedAllocator>, String> {
+    let slot = device_slot(device).inspect_err(|why| logging::invalid_device(why))?;
+    if let Some(created) = slot.get() {
+        return created.as_ref().map(Some).map_err(String::clone);
+    }
+    if device < DEVICE_COUNT.load(Ordering::Relaxed) {
+        return Ok(None);
+    }
+    allocator(device).map(Some)
 }
 
 /// `torch.cuda.memory._snapshot()`: PyTorch's structure as JSON (`segments` of every device,
@@ -1052,7 +1137,9 @@ pub extern "C" fn ferrocache_record_history(enabled: c_int, max_entries: usize) 
 #[unsafe(no_mangle)]
 pub extern "C" fn ferrocache_reset_peak_stats(device: c_int) -> c_int {
     with_last_error("ferrocache_reset_peak_stats", -1, || {
-        allocator(device)?.lock().reset_peak_stats();
+        if let Some(allocator) = allocator_if_used(device)? {
+            allocator.lock().reset_peak_stats();
+        }
         Ok(0)
     })
 }
@@ -1061,7 +1148,9 @@ pub extern "C" fn ferrocache_reset_peak_stats(device: c_int) -> c_int {
 #[unsafe(no_mangle)]
 pub extern "C" fn ferrocache_reset_accumulated_stats(device: c_int) -> c_int {
     with_last_error("ferrocache_reset_accumulated_stats", -1, || {
-        allocator(device)?.lock().reset_accumulated_stats();
+        if let Some(allocator) = allocator_if_used(device)? {
+            allocator.lock().reset_accumulated_stats();
+        }
         Ok(0)
     })
 }

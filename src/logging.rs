@@ -6,6 +6,11 @@
 //!
 //! [`init`] installs the logger; the C ABI calls it on the library's first use (not when the
 //! library is loaded, so that loading it never writes anything or reads the environment early).
+//!
+//! One rank of a job of several (`WORLD_SIZE` > 1, as `torchrun` sets it) starts each line with
+//! `[rankN]:` ([`rank_prefix`]), PyTorch's own prefix for a rank's tracebacks and log lines, so
+//! that the ranks' lines, interleaved on one terminal, can be told apart, and one grep finds
+//! all of a rank's lines, PyTorch's and ferrocache's; a single process keeps the plain format.
 
 use crate::config::{Config, LOG_LEVEL_VAR, LogLevel};
 use crate::device::{DevicePtr, StreamId};
@@ -172,9 +177,27 @@ fn repeats_unusable(why: &str) -> bool {
         .is_some_and(|unusable| why.contains(unusable.as_str()))
 }
 
+/// The variable that gives the number of processes of a distributed job (`torchrun` sets it).
+pub const WORLD_SIZE_VAR: &str = "WORLD_SIZE";
+/// The variable that gives this process's rank in the job (`torchrun` sets it).
+pub const RANK_VAR: &str = "RANK";
+
+/// What starts each log line: `[rankN]:` for rank `N` of a job of more than one process
+/// (`WORLD_SIZE` > 1 and a `RANK`), nothing otherwise. It is the prefix `torch.distributed`
+/// puts on a rank's tracebacks and PyTorch's logging on its lines. Values that are not numbers
+/// count as unset: a line without the prefix is better than a wrong one.
+pub fn rank_prefix(world_size: Option<&str>, rank: Option<&str>) -> String {
+    let number = |text: Option<&str>| text.and_then(|t| t.trim().parse::<u64>().ok());
+    match (number(world_size), number(rank)) {
+        (Some(size), Some(rank)) if size > 1 => format!("[rank{rank}]:"),
+        _ => String::new(),
+    }
+}
+
 /// Installs the stderr logger at the level `TORCH_CUDA_ALLOC_LOG_LEVEL` names (WARN when unset),
 /// once per process; later calls do nothing. Lines are exactly `[LEVEL] message`: no timestamp,
-/// no module path, no colour. Only ferrocache's own target is shown.
+/// no module path, no colour; one rank of several puts `[rankN]:` before ([`rank_prefix`]).
+/// Only ferrocache's own target is shown.
 ///
 /// Another logger already installed in this copy of the `log` crate (a test harness, a program
 /// that links the rlib) is left alone.
@@ -185,10 +208,17 @@ pub fn init() {
             Ok(level) => (level, None),
             Err(err) => (LogLevel::default(), Some(err)),
         };
+        let variable = |name| std::env::var(name).ok();
+        let prefix = rank_prefix(
+            variable(WORLD_SIZE_VAR).as_deref(),
+            variable(RANK_VAR).as_deref(),
+        );
         let installed = env_logger::Builder::new()
             .filter_level(log::LevelFilter::Off)
             .filter_module(TARGET, level.to_level_filter())
-            .format(|out, record| writeln!(out, "[{}] {}", record.level(), record.args()))
+            .format(move |out, record| {
+                writeln!(out, "{prefix}[{}] {}", record.level(), record.args())
+            })
             .target(env_logger::Target::Stderr)
             .try_init();
         if let (Ok(()), Some(err)) = (installed, problem) {
@@ -288,6 +318,20 @@ mod tests {
         assert_eq!(HumanSize(1536).to_string(), "1.5 KB");
         assert_eq!(HumanSize(3 << 19).to_string(), "1.5 MB");
         assert_eq!(HumanSize(1000 * 1024 + 512).to_string(), "1000.5 KB");
+    }
+
+    #[test]
+    fn only_a_rank_of_several_prefixes_its_lines() {
+        assert_eq!(rank_prefix(Some("8"), Some("3")), "[rank3]:");
+        assert_eq!(rank_prefix(Some("2"), Some("0")), "[rank0]:");
+        // A single process, or no job at all: the seed's format.
+        assert_eq!(rank_prefix(Some("1"), Some("0")), "");
+        assert_eq!(rank_prefix(None, None), "");
+        assert_eq!(rank_prefix(None, Some("3")), "");
+        // Unreadable values: no prefix rather than a wrong one.
+        assert_eq!(rank_prefix(Some("2"), None), "");
+        assert_eq!(rank_prefix(Some("2"), Some("first")), "");
+        assert_eq!(rank_prefix(Some("many"), Some("1")), "");
     }
 
     #[test]

@@ -21,6 +21,35 @@ pub const K_ROUND_LARGE: usize = 2_097_152;
 /// `roundup_power2_divisions` has one entry per power of two from 1 MiB to 64 GiB.
 pub const K_ROUNDUP_POWER_OF_TWO_INTERVALS: usize = 16;
 
+/// How PyTorch orders the cached free blocks of one stream and size; its best fit takes the
+/// first. The rule changed twice, so ferrocache follows the PyTorch it runs under
+/// ([`tie_rule_of_pytorch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TieRule {
+    /// The lower address first (`BlockComparatorSize`, PyTorch up to 2.11).
+    Address,
+    /// The block made first, then the lower address: every new `Block` takes a process-wide
+    /// counter (a new segment, the front split off for a request, a piece left by mapping or
+    /// unmapping pages), merged blocks keep the freed block's (PyTorch 2.12, pytorch#178362).
+    BlockOrder,
+    /// The segment made first, then the lower address: the counter is taken when backing memory
+    /// is obtained (`cudaMalloc`, a new expandable segment) and inherited by every block carved
+    /// from it (PyTorch 2.13 and later, pytorch#183591). Best fit then picks the same block in
+    /// every process, whatever addresses the driver returned.
+    #[default]
+    SegmentOrder,
+}
+
+/// The tie rule of PyTorch `major.minor` (measured through each version's own allocator on the
+/// fake CUDA: python/tests/real_torch/test_oracle.py, the tie programs).
+pub fn tie_rule_of_pytorch(major: u32, minor: u32) -> TieRule {
+    match (major, minor) {
+        (0..=1, _) | (2, 0..=11) => TieRule::Address,
+        (2, 12) => TieRule::BlockOrder,
+        _ => TieRule::SegmentOrder,
+    }
+}
+
 /// Which of the two free-block pools a request belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum PoolKind {

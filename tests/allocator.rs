@@ -580,3 +580,148 @@ fn large_segment_size_sets_the_segments_of_medium_requests() {
     );
     checked(&a);
 }
+
+/// Issue 20, first shape: two free 128 KiB blocks, the tail of a newer segment (A) at the lower
+/// address and the freed last block of an older segment (B) at the higher one. PyTorch >= 2.12
+/// breaks ties between equal blocks by segment creation order, so it hands out B's block; the
+/// address order (ferrocache before the fix) handed out A's tail, and the small pool evolved
+/// differently from there (231 segments instead of PyTorch's 230 on a recording).
+#[test]
+fn equal_blocks_go_to_the_older_segment_even_at_a_higher_address() {
+    const KIB: usize = 1 << 10;
+    let mut a = allocator(GIB);
+    // A placeholder segment at the lowest addresses, given back once B is made, so that the
+    // newer segment A takes its place below B.
+    let placeholder = a.malloc(20 * MIB, 0).unwrap();
+    let b: Vec<u64> = (0..16).map(|_| a.malloc(128 * KIB, 0).unwrap()).collect();
+    a.free(placeholder).unwrap();
+    a.empty_cache().unwrap();
+    let segment_a: Vec<u64> = [720_896, 720_896, 262_144, 262_144]
+        .into_iter()
+        .map(|size| a.malloc(size, 0).unwrap())
+        .collect();
+    assert!(segment_a[0] < b[0], "A, the newer segment, lies below B");
+    let a_tail = segment_a[3] + 262_144;
+    a.free(b[15]).unwrap();
+    let chosen = a.malloc(128 * KIB, 0).unwrap();
+    assert_eq!(
+        chosen, b[15],
+        "B's freed block, not A's tail at {a_tail:#x}"
+    );
+    // Within one segment the lower address still wins.
+    a.free(b[3]).unwrap();
+    a.free(b[10]).unwrap();
+    assert_eq!(a.malloc(128 * KIB, 0).unwrap(), b[3]);
+    checked(&a);
+}
+
+/// Issue 20, second shape, reduced: activations that grow step by step leave equal free blocks
+/// in several large segments (two 128 MiB segments cut into 80, 20, 20 and 8 MiB). The next
+/// 20 MiB request goes to the older segment's free block, although the newer segment's lies at
+/// the lower address; with the address rule it went to the newer one, so the segments were cut
+/// differently from PyTorch's from there (`inactive_split` peaks one apart, and under a memory
+/// fraction with a garbage-collection threshold different segments released).
+#[test]
+fn equal_large_blocks_go_to_the_older_segment() {
+    let mut a = allocator(GIB);
+    // A 128 MiB segment carved into 80, 20, 20 and 8 MiB blocks.
+    let carved_segment = |a: &mut DeviceAllocator<SimDevice>| -> Vec<u64> {
+        let whole = a.malloc(128 * MIB, 0).unwrap();
+        a.free(whole).unwrap();
+        let blocks: Vec<u64> = [80, 20, 20, 8]
+            .into_iter()
+            .map(|m| a.malloc(m * MIB, 0).unwrap())
+            .collect();
+        assert_eq!(blocks[0], whole);
+        blocks
+    };
+    // A placeholder at the lowest addresses, given back once the older segment is made, so
+    // that the newer segment takes its place below the older one.
+    let placeholder = a.malloc(200 * MIB, 0).unwrap();
+    let older = carved_segment(&mut a);
+    a.free(placeholder).unwrap();
+    a.empty_cache().unwrap();
+    let newer = carved_segment(&mut a);
+    assert!(
+        newer[0] < older[0],
+        "the newer segment lies below the older one"
+    );
+    assert_eq!(a.stats().segment.large_pool.current, 2);
+    a.free(newer[1]).unwrap();
+    a.free(older[1]).unwrap();
+    assert_eq!(a.malloc(20 * MIB, 0).unwrap(), older[1]);
+    assert_eq!(a.malloc(20 * MIB, 0).unwrap(), newer[1]);
+    checked(&a);
+}
+
+/// The three tie rules PyTorch has had, on the programs that tell them apart, with the choices
+/// each PyTorch made through its own allocator on the fake CUDA (torch 2.11.0; 2.12.0 and
+/// 2.12.1; 2.13 to 2.15): which of two equal free 128 KiB blocks a request gets.
+#[test]
+fn each_tie_rule_picks_what_its_pytorch_picked() {
+    use ferrocache::policy::{TieRule, tie_rule_of_pytorch};
+    const KIB: usize = 1 << 10;
+    let pick = |rule: TieRule, program: &str| -> &'static str {
+        let config = Config {
+            tie_rule: rule,
+            ..Config::default()
+        };
+        let mut a = with_config(GIB, config);
+        let placeholder = a.malloc(20 * MIB, 0).unwrap();
+        let b: Vec<u64> = (0..16).map(|_| a.malloc(128 * KIB, 0).unwrap()).collect();
+        a.free(placeholder).unwrap();
+        a.empty_cache().unwrap();
+        // Only the first program has the newer segment A, below B, with its free tail.
+        let segment_a: Vec<u64> = if program == "older segment vs newer tail" {
+            [720_896, 720_896, 262_144, 262_144]
+                .into_iter()
+                .map(|size| a.malloc(size, 0).unwrap())
+                .collect()
+        } else {
+            vec![0; 4]
+        };
+        let freed: &[usize] = match program {
+            "older segment vs newer tail" => &[15],
+            "front 3 vs original 15" => &[3, 15],
+            "front 3 vs front 10" => &[3, 10],
+            _ => unreachable!(),
+        };
+        for &i in freed {
+            a.free(b[i]).unwrap();
+        }
+        let chosen = a.malloc(128 * KIB, 0).unwrap();
+        checked(&a);
+        match () {
+            _ if segment_a[0] != 0 && chosen == segment_a[3] + 262_144 => "A's tail",
+            _ if chosen == b[3] => "B3",
+            _ if chosen == b[15] => "B15",
+            _ => "other",
+        }
+    };
+    let expected = [
+        (TieRule::Address, ["A's tail", "B3", "B3"]),
+        (TieRule::BlockOrder, ["B15", "B15", "B3"]),
+        (TieRule::SegmentOrder, ["B15", "B3", "B3"]),
+    ];
+    for (rule, choices) in expected {
+        let got = [
+            pick(rule, "older segment vs newer tail"),
+            pick(rule, "front 3 vs original 15"),
+            pick(rule, "front 3 vs front 10"),
+        ];
+        assert_eq!(got, choices, "{rule:?}");
+    }
+    assert_eq!(tie_rule_of_pytorch(2, 11), TieRule::Address);
+    assert_eq!(tie_rule_of_pytorch(2, 12), TieRule::BlockOrder);
+    assert_eq!(tie_rule_of_pytorch(2, 15), TieRule::SegmentOrder);
+    assert_eq!(Config::default().tie_rule, TieRule::SegmentOrder);
+    let from = |version: &str| {
+        Config::from_vars(|name| (name == "FERROCACHE_PYTORCH_VERSION").then(|| version.into()))
+            .unwrap()
+    };
+    assert_eq!(from("2.12.1+cu128").tie_rule, TieRule::BlockOrder);
+    assert_eq!(from("2.9.0").tie_rule, TieRule::Address);
+    let bad = from("nightly");
+    assert_eq!(bad.tie_rule, TieRule::SegmentOrder);
+    assert_eq!(bad.warnings.len(), 1, "{:?}", bad.warnings);
+}

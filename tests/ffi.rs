@@ -466,6 +466,119 @@ fn out_of_memory_gives_null_and_pytorchs_message() {
     );
 }
 
+/// One call of an out-of-memory observer: device, size, total (or limit), free, and whether the
+/// allocator answered a snapshot from inside the observer.
+type ObservedCall = (c_int, usize, usize, usize, bool);
+type StringFreeFn = unsafe extern "C" fn(*mut c_char);
+
+/// What the observer of `oom_observers_are_called_before_the_error_with_pytorchs_figures` saw.
+static OBSERVED: std::sync::Mutex<Vec<ObservedCall>> = std::sync::Mutex::new(Vec::new());
+/// `ferrocache_snapshot` and `ferrocache_string_free`, for the observer.
+static SNAPSHOT_FUNCTIONS: std::sync::OnceLock<(OwnedStringFn, StringFreeFn)> =
+    std::sync::OnceLock::new();
+
+extern "C" fn record_out_of_memory(device: c_int, alloc_size: usize, total: usize, free: usize) {
+    let (snapshot, string_free) = SNAPSHOT_FUNCTIONS.get().expect("set before the allocation");
+    // Deadlocks if the device's lock were still held.
+    // SAFETY: no arguments; the string is the library's and goes back to it.
+    let answered = unsafe {
+        let text = snapshot();
+        let answered = !text.is_null();
+        string_free(text);
+        answered
+    };
+    OBSERVED
+        .lock()
+        .unwrap()
+        .push((device, alloc_size, total, free, answered));
+}
+
+#[test]
+fn oom_observers_are_called_before_the_error_with_pytorchs_figures() {
+    let total = (64 * MIB).to_string();
+    let env = [("FAKE_LIBCUDA_TOTAL_MEM", total.as_str())];
+    in_own_process(
+        "oom_observers_are_called_before_the_error_with_pytorchs_figures",
+        &env,
+        || {
+            type ObserverFn =
+                unsafe extern "C" fn(Option<extern "C" fn(c_int, usize, usize, usize)>) -> c_int;
+            let api = Api::open();
+            let _ = SNAPSHOT_FUNCTIONS.set((
+                api.library.function("ferrocache_snapshot"),
+                api.library.function("ferrocache_string_free"),
+            ));
+            let attach: ObserverFn = api.library.function("ferrocache_attach_oom_observer");
+            let detach: ObserverFn = api.library.function("ferrocache_detach_oom_observer");
+            // SAFETY: a NULL observer is refused; the observer stays callable for the process.
+            unsafe {
+                assert_eq!(attach(None), -1);
+                assert!(api.last_error().contains("NULL"), "{}", api.last_error());
+                assert_eq!(attach(Some(record_out_of_memory)), 0);
+            }
+            assert!(api.alloc(1 << 40, 0, 0).is_null());
+            assert!(
+                api.last_error().starts_with("CUDA out of memory."),
+                "the observer's own calls leave the error alone: {}",
+                api.last_error()
+            );
+            // With a memory fraction, PyTorch passes the limit in place of the total.
+            assert_eq!(api.set_memory_fraction(0.5, 0), 0);
+            assert!(api.alloc(40 * MIB, 0, 0).is_null());
+            // SAFETY: as above.
+            unsafe { assert_eq!(detach(Some(record_out_of_memory)), 0) };
+            assert!(api.alloc(1 << 40, 0, 0).is_null());
+            assert_eq!(
+                *OBSERVED.lock().unwrap(),
+                [
+                    (0, 1 << 40, 64 * MIB, 64 * MIB, true),
+                    (0, 40 * MIB, 32 * MIB, 64 * MIB, true),
+                ],
+                "called once per out of memory until detached"
+            );
+            assert_eq!(api.stat("num_ooms"), 3);
+        },
+    );
+}
+
+#[test]
+fn statistics_of_a_device_never_used_open_nothing_there() {
+    in_own_process(
+        "statistics_of_a_device_never_used_open_nothing_there",
+        &[("FAKE_LIBCUDA_DEVICE_COUNT", "2")],
+        || {
+            type InitFn = unsafe extern "C" fn(c_int);
+            let api = Api::open();
+            let fake = FakeCuda::open();
+            let init: InitFn = api.library.function("rust_init");
+            // SAFETY: a plain value, as PyTorch passes it at CUDA's lazy initialisation.
+            unsafe { init(2) };
+            let ptr = api.alloc(MIB, 0, 0);
+            assert!(!ptr.is_null());
+            let contexts = fake.stat("primary_context_refs");
+            let other = api.stats(1).expect("statistics of device 1");
+            assert_eq!(other["allocated_bytes.all.current"], 0);
+            assert_eq!(other["reserved_bytes.all.peak"], 0);
+            let reset: DeviceFn = api.library.function("ferrocache_reset_peak_stats");
+            // SAFETY: a plain value.
+            assert_eq!(unsafe { reset(1) }, 0);
+            assert_eq!(
+                fake.stat("primary_context_refs"),
+                contexts,
+                "asking about device 1 retained no context there"
+            );
+            assert_eq!(api.stat("allocated_bytes.all.current"), MIB as i64);
+            assert!(api.stats(2).is_none(), "there is no device 2");
+            assert!(
+                api.last_error().contains("no CUDA device 2"),
+                "{}",
+                api.last_error()
+            );
+            assert_eq!(api.free(ptr), 0);
+        },
+    );
+}
+
 #[test]
 fn a_driver_failure_is_reported_as_a_cuda_error() {
     in_own_process("a_driver_failure_is_reported_as_a_cuda_error", &[], || {

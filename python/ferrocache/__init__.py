@@ -18,6 +18,7 @@ from ._version import __version__
 from .config import check_config, describe_config
 from .errors import LibraryNotFoundError, LibraryVersionError, OutOfMemoryError
 from .install import install, is_installed
+from .oom import attach_out_of_memory_observer
 from .pools import MemPool, mem_pool
 from .memory import (
     caching_allocator_alloc,
@@ -52,6 +53,7 @@ __all__ = [
     "MemPool",
     "OutOfMemoryError",
     "__version__",
+    "attach_out_of_memory_observer",
     "caching_allocator_alloc",
     "caching_allocator_delete",
     "check_config",

@@ -16,6 +16,25 @@ pub struct BlockId(pub u32);
 /// The index of an expandable segment in the allocator's list of them.
 pub type ExpandableId = u32;
 
+/// How PyTorch orders cached blocks of the same stream and size: the block of the segment that
+/// was made first (its `cudaMalloc`, or the creation of its expandable segment) comes first,
+/// then the lower address. PyTorch 2.12 and later (`BlockComparatorSizeCounterAddress`, the
+/// allocation-order counter) so that best fit picks the same block in every process and rank
+/// whatever addresses the driver gave; before, ties went to the lower address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct TieKey {
+    pub segment_order: u64,
+    pub ptr: DevicePtr,
+}
+
+impl TieKey {
+    /// Below every block's key: where a search for a size starts.
+    pub const MIN: TieKey = TieKey {
+        segment_order: 0,
+        ptr: 0,
+    };
+}
+
 /// A piece of a segment: allocated, free (cached), or free but waiting for other streams.
 #[derive(Debug, Clone)]
 pub struct Block {
@@ -49,6 +68,9 @@ pub struct Block {
     pub expandable: Option<ExpandableId>,
     /// The stack of the allocation that last handed the block out (0: none recorded).
     pub stack_id: StackId,
+    /// When the block's segment was made, counted per allocator from 1: every block carved
+    /// from a segment inherits it (see [`TieKey`]).
+    pub segment_order: u64,
 }
 
 impl Block {
@@ -69,16 +91,27 @@ impl Block {
             gc_count_base: 0,
             expandable: None,
             stack_id: 0,
+            segment_order: 0,
         }
     }
 
-    /// A new free, mapped block at `ptr` in the same segment as `self` (same stream, pools and
-    /// expandable segment), not yet linked into the chain.
+    /// A new free, mapped block at `ptr` in the same segment as `self` (same stream, pools,
+    /// expandable segment and segment order), not yet linked into the chain.
     pub fn sibling(&self, ptr: DevicePtr, size: usize) -> Block {
         Block {
             private_pool: self.private_pool,
             expandable: self.expandable,
+            segment_order: self.segment_order,
             ..Block::new(ptr, size, self.stream, self.pool)
+        }
+    }
+
+    /// Where the block sorts among cached blocks of its stream and size.
+    #[inline]
+    pub fn tie_key(&self) -> TieKey {
+        TieKey {
+            segment_order: self.segment_order,
+            ptr: self.ptr,
         }
     }
 

@@ -367,6 +367,7 @@ impl<D: Device> DeviceAllocator<D> {
         let mut block = Block::new(segment.base(), segment.size(), stream, pool);
         block.mapped = false;
         block.private_pool = private_pool;
+        block.segment_order = self.order_of_new_segment();
         let segment_id = match self.expandable_segments.iter().position(Option::is_none) {
             Some(free) => {
                 self.expandable_segments[free] = Some(segment);
@@ -430,10 +431,7 @@ impl<D: Device> DeviceAllocator<D> {
         self.arena.get_mut(id).mapped = true;
         if range.size < block_size {
             // The rest stays unmapped, with the stream it had.
-            let mut rest = self
-                .arena
-                .get(id)
-                .sibling(ptr + range.size as u64, block_size - range.size);
+            let mut rest = self.piece_of(id, ptr + range.size as u64, block_size - range.size);
             rest.mapped = false;
             self.arena.get_mut(id).size = range.size;
             let rest_id = self.arena.insert_after(id, rest);
@@ -481,14 +479,11 @@ impl<D: Device> DeviceAllocator<D> {
         let after = size - before - range.size;
         let mut pieces = Vec::with_capacity(2);
         if before > 0 {
-            let piece = self.arena.get(id).sibling(ptr, before);
+            let piece = self.piece_of(id, ptr, before);
             pieces.push(self.arena.insert_before(id, piece));
         }
         if after > 0 {
-            let piece = self
-                .arena
-                .get(id)
-                .sibling(range.ptr + range.size as u64, after);
+            let piece = self.piece_of(id, range.ptr + range.size as u64, after);
             pieces.push(self.arena.insert_after(id, piece));
         }
         for piece in pieces {

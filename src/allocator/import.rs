@@ -1,6 +1,6 @@
 //! Replay support: placing the allocations a recorded trace starts with.
 
-use super::block::{Block, BlockId};
+use super::block::BlockId;
 use super::{AllocError, DeviceAllocator, ImportedBlock, Request};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::policy::PoolKind;
@@ -42,12 +42,8 @@ impl<D: Device> DeviceAllocator<D> {
                 b.size = piece_size;
                 head
             } else {
-                self.arena.insert(Block::new(
-                    base + piece_offset as u64,
-                    piece_size,
-                    stream,
-                    pool,
-                ))
+                let piece = self.piece_of(head, base + piece_offset as u64, piece_size);
+                self.arena.insert(piece)
             };
             ids.push((id, requested));
         }
@@ -130,7 +126,6 @@ impl<D: Device> DeviceAllocator<D> {
             .get_mut(None, pool)
             .remove(head, self.arena.get(head));
         let pieces = pieces(live, self.arena.get(head).size);
-        let segment = self.arena.get(head).expandable;
         let mut pointers = Vec::with_capacity(live.len());
         let mut previous: Option<BlockId> = None;
         for &(piece_offset, piece_size, requested) in &pieces {
@@ -140,10 +135,8 @@ impl<D: Device> DeviceAllocator<D> {
                     head
                 }
                 Some(previous) => {
-                    let mut block =
-                        Block::new(base + piece_offset as u64, piece_size, stream, pool);
-                    block.expandable = segment;
-                    self.arena.insert_after(previous, block)
+                    let piece = self.piece_of(head, base + piece_offset as u64, piece_size);
+                    self.arena.insert_after(previous, piece)
                 }
             };
             match requested {

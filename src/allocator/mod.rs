@@ -29,7 +29,7 @@ pub mod stats;
 use crate::config::Config;
 use crate::device::{Device, DeviceError, DevicePtr, EventHandle, StreamId};
 use crate::logging;
-use crate::policy::{self, PoolKind};
+use crate::policy::{self, PoolKind, TieRule};
 use block::{Block, BlockArena, BlockId, ExpandableId};
 use cross_stream::CrossStreamCounts;
 use expandable::{ExpandableSegment, LeftoverPage, PageRange};
@@ -193,6 +193,9 @@ pub struct DeviceAllocator<D: Device> {
     /// Set while the cache is emptied, after the streams were synchronized: free neighbours of
     /// different streams may merge.
     merging_across_streams: bool,
+    /// PyTorch's allocation-order counter: segments made so far (and, under the block rule,
+    /// blocks); the next one's [`Block::segment_order`] is this plus one.
+    blocks_made: u64,
 }
 
 impl<D: Device> DeviceAllocator<D> {
@@ -218,6 +221,7 @@ impl<D: Device> DeviceAllocator<D> {
             history: History::default(),
             cross_stream: CrossStreamCounts::default(),
             merging_across_streams: false,
+            blocks_made: 0,
             config,
         };
         if let Some(fraction) = allocator.config.per_process_memory_fraction
@@ -416,10 +420,11 @@ impl<D: Device> DeviceAllocator<D> {
             }
         }
         let block = arena.get(id);
-        // Expandable blocks are carved freely (they always split), so the oversize rules,
-        // which protect unsplittable blocks, do not apply to them.
-        if block.expandable.is_none() && !policy::may_serve(block.size, request.size, &self.config)
-        {
+        // PyTorch applies the oversize rules to expandable blocks too, though they always split
+        // (which grows reserved memory without bound, pytorch#123548); the opt-in
+        // FERROCACHE_EXPANDABLE_IGNORE_MAX_SPLIT leaves them out.
+        let exempt = block.expandable.is_some() && self.config.expandable_ignore_max_split;
+        if !exempt && !policy::may_serve(block.size, request.size, &self.config) {
             return None;
         }
         pool.remove(id, block);
@@ -441,7 +446,7 @@ impl<D: Device> DeviceAllocator<D> {
         };
         let id = if split {
             // The allocated part is a new block at the front; the original becomes the rest.
-            let front = self.arena.get(id).sibling(block_ptr, request.size);
+            let front = self.piece_of(id, block_ptr, request.size);
             let front_id = self.arena.insert_before(id, front);
             let rest = self.arena.get_mut(id);
             rest.ptr += request.size as u64;
@@ -545,7 +550,9 @@ impl<D: Device> DeviceAllocator<D> {
         pool: PoolKind,
     ) -> BlockId {
         self.total_allocated_memory += size;
-        let id = self.arena.insert(Block::new(ptr, size, stream, pool));
+        let mut block = Block::new(ptr, size, stream, pool);
+        block.segment_order = self.order_of_new_segment();
+        let id = self.arena.insert(block);
         self.stats.segment.increase(pool, 1);
         self.stats.reserved_bytes.increase(pool, size as u64);
         if policy::is_oversize(size, &self.config) {
@@ -556,6 +563,31 @@ impl<D: Device> DeviceAllocator<D> {
             .record(TraceAction::SegmentAlloc, ptr, size, stream);
         logging::segment_allocated(ptr, size, stream);
         id
+    }
+
+    /// The [`Block::segment_order`] of a segment made now: PyTorch's allocation-order counter,
+    /// taken when backing memory is obtained (0 for everything under the address rule).
+    fn order_of_new_segment(&mut self) -> u64 {
+        match self.config.tie_rule {
+            TieRule::Address => 0,
+            TieRule::BlockOrder | TieRule::SegmentOrder => {
+                self.blocks_made += 1;
+                self.blocks_made
+            }
+        }
+    }
+
+    /// A new free piece of the segment of block `of`, at `ptr` (a front split off for a
+    /// request, or what mapping or unmapping pages leaves), with the order PyTorch gives its
+    /// new `Block` there: the segment's under the segment rule, a fresh one under the block
+    /// rule (see [`TieRule`]).
+    pub(super) fn piece_of(&mut self, of: BlockId, ptr: DevicePtr, size: usize) -> Block {
+        let mut piece = self.arena.get(of).sibling(ptr, size);
+        if self.config.tie_rule == TieRule::BlockOrder {
+            self.blocks_made += 1;
+            piece.segment_order = self.blocks_made;
+        }
+        piece
     }
 
     /// The out-of-memory error, in PyTorch's words and figures.

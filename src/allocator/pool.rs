@@ -1,15 +1,16 @@
 //! The pools of cached free blocks.
 //!
-//! PyTorch keeps free blocks in a `std::set` ordered by (stream, size, address)
-//! (`BlockComparatorSize`); best fit is the first block at or after (stream, size, 0). This pool
-//! keeps exactly that order, but stored for speed: per stream, blocks of up to 2 MiB (every
-//! small-pool block, and the smallest large ones) sit in exact size classes of 512 bytes, each a
-//! min-heap by address, found through a two-level bitmap; larger blocks sit in an ordered map.
-//! A cache hit is then a bitmap scan and a heap pop instead of tree searches.
+//! PyTorch keeps free blocks in a `std::set` ordered by (stream, size, segment order, address)
+//! (`BlockComparatorSizeCounterAddress`, PyTorch 2.12 and later; see [`Block::tie_key`]); best
+//! fit is the first block at or after (stream, size, lowest). This pool keeps exactly that
+//! order, but stored for speed: per stream, blocks of up to 2 MiB (every small-pool block, and
+//! the smallest large ones) sit in exact size classes of 512 bytes, each a min-heap by tie key,
+//! found through a two-level bitmap; larger blocks sit in an ordered map. A cache hit is then a
+//! bitmap scan and a heap pop instead of tree searches.
 //!
 //! Unmapped blocks of expandable segments are kept apart, ordered by (stream, address).
 
-use super::block::{Block, BlockId};
+use super::block::{Block, BlockId, TieKey};
 use crate::device::{DevicePtr, StreamId};
 use crate::policy::{K_MIN_BLOCK_SIZE, PoolKind};
 use std::cell::Cell;
@@ -111,11 +112,11 @@ impl ClassBitmap {
 #[derive(Debug)]
 struct StreamBlocks {
     stream: StreamId,
-    /// Per exact class, a binary min-heap of (address, block).
-    classes: Vec<Vec<(DevicePtr, BlockId)>>,
+    /// Per exact class, a binary min-heap of (tie key, block).
+    classes: Vec<Vec<(TieKey, BlockId)>>,
     occupied: ClassBitmap,
-    /// Blocks above `EXACT_LIMIT`, by (size, address).
-    larger: BTreeMap<(usize, DevicePtr), BlockId>,
+    /// Blocks above `EXACT_LIMIT`, by (size, tie key).
+    larger: BTreeMap<(usize, TieKey), BlockId>,
 }
 
 impl StreamBlocks {
@@ -128,8 +129,8 @@ impl StreamBlocks {
         }
     }
 
-    /// The blocks of one class, lowest address first.
-    fn class_sorted(&self, class: usize) -> Vec<(DevicePtr, BlockId)> {
+    /// The blocks of one class, lowest tie key first.
+    fn class_sorted(&self, class: usize) -> Vec<(TieKey, BlockId)> {
         let mut blocks = self.classes[class].clone();
         blocks.sort_unstable();
         blocks
@@ -156,7 +157,7 @@ impl HeapSlots {
 }
 
 /// Restores the heap property upwards from `slot`.
-fn sift_up(heap: &mut [(DevicePtr, BlockId)], slots: &mut HeapSlots, mut slot: usize) {
+fn sift_up(heap: &mut [(TieKey, BlockId)], slots: &mut HeapSlots, mut slot: usize) {
     while slot > 0 {
         let parent = (slot - 1) / 2;
         if heap[parent].0 <= heap[slot].0 {
@@ -170,7 +171,7 @@ fn sift_up(heap: &mut [(DevicePtr, BlockId)], slots: &mut HeapSlots, mut slot: u
 }
 
 /// Restores the heap property downwards from `slot`.
-fn sift_down(heap: &mut [(DevicePtr, BlockId)], slots: &mut HeapSlots, mut slot: usize) {
+fn sift_down(heap: &mut [(TieKey, BlockId)], slots: &mut HeapSlots, mut slot: usize) {
     loop {
         let left = 2 * slot + 1;
         if left >= heap.len() {
@@ -255,12 +256,12 @@ impl BlockPool {
         if block.size <= EXACT_LIMIT {
             let class = class_of(block.size);
             let heap = &mut blocks.classes[class];
-            heap.push((block.ptr, id));
+            heap.push((block.tie_key(), id));
             let slot = heap.len() - 1;
             sift_up(heap, &mut self.heap_slots, slot);
             blocks.occupied.set(class);
         } else {
-            let previous = blocks.larger.insert((block.size, block.ptr), id);
+            let previous = blocks.larger.insert((block.size, block.tie_key()), id);
             debug_assert!(previous.is_none(), "block cached twice");
         }
         self.cached += 1;
@@ -291,7 +292,10 @@ impl BlockPool {
             }
             true
         } else {
-            blocks.larger.remove(&(block.size, block.ptr)).is_some()
+            blocks
+                .larger
+                .remove(&(block.size, block.tie_key()))
+                .is_some()
         };
         if removed {
             self.cached -= 1;
@@ -304,7 +308,7 @@ impl BlockPool {
         self.streams.iter().map(|s| s.stream)
     }
 
-    /// Best fit: the smallest cached block of `stream` of at least `size` bytes, lowest address
+    /// Best fit: the smallest cached block of `stream` of at least `size` bytes, lowest tie key
     /// first among equals (the first block of [`BlockPool::fitting`]).
     #[inline]
     pub fn best_fit(&self, stream: StreamId, size: usize) -> Option<BlockId> {
@@ -314,10 +318,14 @@ impl BlockPool {
         {
             return Some(blocks.classes[class][0].1);
         }
-        blocks.larger.range((size, 0)..).next().map(|(_, &id)| id)
+        blocks
+            .larger
+            .range((size, TieKey::MIN)..)
+            .next()
+            .map(|(_, &id)| id)
     }
 
-    /// The cached blocks of `stream` of at least `size` bytes, in (size, address) order.
+    /// The cached blocks of `stream` of at least `size` bytes, in (size, tie key) order.
     pub fn fitting(&self, stream: StreamId, size: usize) -> Fitting<'_> {
         Fitting {
             blocks: self.stream_blocks(stream),
@@ -339,7 +347,7 @@ impl BlockPool {
         };
         let mut out: Vec<(usize, BlockId)> = blocks
             .larger
-            .range(..(size, 0))
+            .range(..(size, TieKey::MIN))
             .rev()
             .map(|(&(s, _), &id)| (s, id))
             .collect();
@@ -361,7 +369,7 @@ impl BlockPool {
         out
     }
 
-    /// Every cached block, in (stream, size, address) order.
+    /// Every cached block, in (stream, size, tie key) order.
     pub fn cached(&self) -> Vec<BlockId> {
         let mut out = Vec::with_capacity(self.cached);
         for blocks in &self.streams {
@@ -407,14 +415,14 @@ impl BlockPool {
 }
 
 /// The iterator of [`BlockPool::fitting`]: exact classes from the request's up, each in
-/// address order, then the larger blocks.
+/// tie-key order, then the larger blocks.
 pub struct Fitting<'a> {
     blocks: Option<&'a StreamBlocks>,
     size: usize,
     next_class: usize,
-    /// The current class's blocks, highest address first (popped from the end).
-    buffer: Vec<(DevicePtr, BlockId)>,
-    larger: Option<std::collections::btree_map::Range<'a, (usize, DevicePtr), BlockId>>,
+    /// The current class's blocks, highest tie key first (popped from the end).
+    buffer: Vec<(TieKey, BlockId)>,
+    larger: Option<std::collections::btree_map::Range<'a, (usize, TieKey), BlockId>>,
 }
 
 impl Iterator for Fitting<'_> {
@@ -435,7 +443,7 @@ impl Iterator for Fitting<'_> {
         let size = self.size;
         let larger = self
             .larger
-            .get_or_insert_with(|| blocks.larger.range((size, 0)..));
+            .get_or_insert_with(|| blocks.larger.range((size, TieKey::MIN)..));
         larger.next().map(|(_, &id)| id)
     }
 }
@@ -509,6 +517,38 @@ mod tests {
         assert_eq!(pool.cached_len(), 4);
     }
 
+    /// Equal blocks of different segments: the segment made first wins, whatever the
+    /// addresses; within one segment the lower address wins (PyTorch >= 2.12).
+    #[test]
+    fn ties_go_to_the_older_segment_then_the_lower_address() {
+        let mut pool = BlockPool::new(PoolKind::Small);
+        let mut older_high = block(0x9_0000, 128 << 10, 0);
+        older_high.segment_order = 1;
+        let mut newer_low = block(0x1_0000, 128 << 10, 0);
+        newer_low.segment_order = 2;
+        let mut older_higher_still = block(0xa_0000, 128 << 10, 0);
+        older_higher_still.segment_order = 1;
+        let mut big_newer = block(0x2_0000, 4 * MIB, 0);
+        big_newer.segment_order = 3;
+        let mut big_older = block(0x8_0000, 4 * MIB, 0);
+        big_older.segment_order = 1;
+        for (i, b) in [
+            &mut older_high,
+            &mut newer_low,
+            &mut older_higher_still,
+            &mut big_newer,
+            &mut big_older,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            pool.insert(BlockId(i as u32), b);
+        }
+        let fitting: Vec<u32> = pool.fitting(0, 1).map(|id| id.0).collect();
+        assert_eq!(fitting, vec![0, 2, 1, 4, 3]);
+        assert_eq!(pool.best_fit(0, 2 * MIB + 1), Some(BlockId(4)));
+    }
+
     #[test]
     fn heaps_give_the_lowest_address_after_any_removal() {
         let mut pool = BlockPool::new(PoolKind::Small);
@@ -535,14 +575,14 @@ mod tests {
     proptest! {
         #![proptest_config(crate::test_properties::config(256))]
 
-        /// The pool answers every query exactly as an ordered set of (stream, size, address)
-        /// would: PyTorch's `std::set` with `BlockComparatorSize`.
+        /// The pool answers every query exactly as an ordered set of (stream, size, segment
+        /// order, address) would: PyTorch's `std::set` with `BlockComparatorSizeCounterAddress`.
         #[test]
         fn agrees_with_an_ordered_set(
             ops in prop::collection::vec((0u8..4, 0u64..3, 1usize..12_000, 0usize..400), 1..300)
         ) {
             let mut pool = BlockPool::new(PoolKind::Large);
-            let mut model: BTreeSet<(StreamId, usize, DevicePtr, u32)> = BTreeSet::new();
+            let mut model: BTreeSet<(StreamId, usize, TieKey, u32)> = BTreeSet::new();
             let mut blocks: Vec<Block> = Vec::new();
             for (kind, stream, units, pick) in ops {
                 // Sizes from 512 bytes to ~6 MiB, so both the classes and the map are used.
@@ -551,8 +591,10 @@ mod tests {
                     0 | 1 => {
                         let id = blocks.len() as u32;
                         let mut b = block(0x1_0000_0000 + (pick as u64) * 0x100_0000 + id as u64 * 512, size, stream);
+                        // A few segments, made in an order unrelated to their addresses.
+                        b.segment_order = (pick as u64 * 7) % 5;
                         pool.insert(BlockId(id), &mut b);
-                        model.insert((b.stream, b.size, b.ptr, id));
+                        model.insert((b.stream, b.size, b.tie_key(), id));
                         blocks.push(b);
                     }
                     2 => {
@@ -564,7 +606,7 @@ mod tests {
                     }
                     _ => {
                         let expected: Vec<u32> = model
-                            .range((stream, size, 0, 0)..)
+                            .range((stream, size, TieKey::MIN, 0)..)
                             .take_while(|e| e.0 == stream)
                             .map(|e| e.3)
                             .collect();
@@ -572,7 +614,7 @@ mod tests {
                         let fitting: Vec<u32> = pool.fitting(stream, size).map(|b| b.0).collect();
                         prop_assert_eq!(fitting, expected);
                         let smaller: Vec<u32> = model
-                            .range((stream, 0, 0, 0)..(stream, size, 0, 0))
+                            .range((stream, 0, TieKey::MIN, 0)..(stream, size, TieKey::MIN, 0))
                             .rev()
                             .map(|e| e.3)
                             .collect();
