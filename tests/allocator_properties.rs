@@ -12,6 +12,7 @@ use ferrocache::allocator::{AllocError, DeviceAllocator};
 use ferrocache::config::Config;
 use ferrocache::device::sim::{SimDevice, SimOp};
 use ferrocache::device::{DeviceError, DevicePtr, StreamId};
+use ferrocache::policy::TieRule;
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
@@ -875,6 +876,28 @@ property!(
         expandable_segments: true,
         max_split_size: 64 * MIB,
         roundup_power2_divisions: [4; 16],
+        ..Config::default()
+    }
+);
+
+// The tie rules of older PyTorch versions (best fit among equal blocks), with the opt-ins.
+property!(
+    address_ties_with_cross_stream_reuse_and_expandable_segments_keep_every_invariant,
+    program(EVERYDAY),
+    Config {
+        tie_rule: TieRule::Address,
+        cross_stream: true,
+        expandable_segments: true,
+        ..Config::default()
+    }
+);
+property!(
+    block_order_ties_with_cross_stream_reuse_and_expandable_segments_keep_every_invariant,
+    program(EVERYDAY),
+    Config {
+        tie_rule: TieRule::BlockOrder,
+        cross_stream: true,
+        expandable_segments: true,
         ..Config::default()
     }
 );
