@@ -532,6 +532,19 @@ impl Model {
             return Ok(());
         }
         prop_assert_eq!(result, Ok(()));
+        let mut holding_live = holding_live;
+        if self.faulted {
+            // A freed block whose streams could not be waited for is still pending: its
+            // private pool keeps all its memory, as for a live block.
+            holding_live.extend(
+                self.allocator
+                    .segments()
+                    .iter()
+                    .filter(|s| s.segment_pool_id != ORDINARY)
+                    .filter(|s| s.blocks.iter().any(|b| b.state == "active_pending_free"))
+                    .map(|s| s.segment_pool_id),
+            );
+        }
         let after = self.allocator.device().allocations();
         if self.expandable {
             // Every whole page without a live byte is unmapped.
