@@ -196,6 +196,25 @@ char *ferrocache_snapshot(void);
 // later; zero stops and clears. Returns 0.
 int ferrocache_record_history(int enabled, size_t max_entries);
 
+// Which `PYTORCH_CUDA_ALLOC_CONF` to set (`ferrocache.advise()`): the settings space searched
+// with the replay engine, as `ferrocache tune` does, on a snapshot or on this process's
+// recorded history. Returns one JSON object (`ferrocache tune --json`'s keys, plus `table`: the
+// text the command prints) to free with `ferrocache_string_free`, or NULL (last error set: no
+// history recorded, with how to record it; a snapshot that cannot be read).
+//
+// - `snapshot`, `length`: a snapshot's bytes (pickle or JSON, as `ferrocache tune` reads
+//   them); NULL for this process's recorded history.
+// - `device`: the device whose history to search (required for the history); for a snapshot,
+//   -1 searches every device in it.
+// - `capacity_bytes`: the GPU's memory to fit in; 0: for the history, the device's memory (or
+//   the memory fraction's limit), for a snapshot what its out-of-memory entries tell, else
+//   80 GiB. A capacity given also tries `garbage_collection_threshold`.
+// - `max_candidates`: try at most this many settings, the simplest first (0: all).
+//
+// # Safety
+// `snapshot` is NULL or points to `length` readable bytes.
+char *ferrocache_advise(const char *snapshot, size_t length, int device, unsigned long long capacity_bytes, size_t max_candidates);
+
 // `torch.cuda.reset_peak_memory_stats(device)`. Returns 0, or -1 (last error set).
 int ferrocache_reset_peak_stats(int device);
 

@@ -15,6 +15,7 @@
 use crate::config::{Config, LOG_LEVEL_VAR, LogLevel};
 use crate::device::{DevicePtr, StreamId};
 use log::{debug, error, info, warn};
+use std::cell::Cell;
 use std::fmt;
 use std::io::Write;
 use std::sync::{Once, OnceLock};
@@ -177,6 +178,49 @@ fn repeats_unusable(why: &str) -> bool {
         .is_some_and(|unusable| why.contains(unusable.as_str()))
 }
 
+thread_local! {
+    /// Set on threads that replay recordings on simulated GPUs (`ferrocache.advise()`, the
+    /// out-of-memory advice): their allocators' lines are not the process's.
+    static SILENCED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// From now on, nothing this thread logs is written (for threads that only run simulations).
+pub fn silence_this_thread() {
+    SILENCED.with(|s| s.set(true));
+}
+
+/// Runs `body` with this thread's log lines dropped, then restores what was before.
+pub fn silenced<R>(body: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SILENCED.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(SILENCED.with(|s| s.replace(true)));
+    body()
+}
+
+/// The stderr logger, less the lines of silenced threads. The check comes after the level
+/// check, so a disabled level still costs one atomic load.
+struct UnlessSilenced(env_logger::Logger);
+
+impl log::Log for UnlessSilenced {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        self.0.enabled(metadata) && !SILENCED.with(Cell::get)
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if !SILENCED.with(Cell::get) {
+            self.0.log(record);
+        }
+    }
+
+    fn flush(&self) {
+        self.0.flush();
+    }
+}
+
 /// The variable that gives the number of processes of a distributed job (`torchrun` sets it).
 pub const WORLD_SIZE_VAR: &str = "WORLD_SIZE";
 /// The variable that gives this process's rank in the job (`torchrun` sets it).
@@ -213,14 +257,17 @@ pub fn init() {
             variable(WORLD_SIZE_VAR).as_deref(),
             variable(RANK_VAR).as_deref(),
         );
-        let installed = env_logger::Builder::new()
+        let logger = env_logger::Builder::new()
             .filter_level(log::LevelFilter::Off)
             .filter_module(TARGET, level.to_level_filter())
             .format(move |out, record| {
                 writeln!(out, "{prefix}[{}] {}", record.level(), record.args())
             })
             .target(env_logger::Target::Stderr)
-            .try_init();
+            .build();
+        let filter = logger.filter();
+        let installed = log::set_boxed_logger(Box::new(UnlessSilenced(logger)))
+            .map(|()| log::set_max_level(filter));
         if let (Ok(()), Some(err)) = (installed, problem) {
             warn!(target: TARGET, "Allocator: {err}; using {} (the default)", LogLevel::default());
         }
@@ -299,6 +346,25 @@ pub fn free_argument_mismatch(
     recorded: &dyn fmt::Display,
 ) {
     warn!(target: TARGET, "Allocator: rust_free of block {ptr:#x} was given {argument} {given}, but the block was allocated with {argument} {recorded}; using the recorded one");
+}
+
+/// Whether ERROR lines are written (every level but `OFF`).
+pub fn errors_enabled() -> bool {
+    log::log_enabled!(target: TARGET, log::Level::Error)
+}
+
+/// The line after an out-of-memory that says which setting would have served the program
+/// (`tune::live`), or why none would.
+pub fn oom_advice(line: &str) {
+    error!(target: TARGET, "Allocator: {line}");
+}
+
+/// An out-of-memory without recorded history: once per process, how to get the advice.
+pub fn oom_advice_needs_history() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        error!(target: TARGET, "Allocator: to learn which PYTORCH_CUDA_ALLOC_CONF would have served this program, record its allocation history from the start (torch.cuda.memory._record_memory_history() with ferrocache installed, or ferrocache.record_memory_history()): the next out-of-memory then names the setting, and ferrocache.advise() shows the table");
+    });
 }
 
 /// A panic inside ferrocache was caught at the C ABI (a bug in ferrocache).

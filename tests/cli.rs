@@ -3,10 +3,13 @@
 
 use serde_json::Value;
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::Output;
 
+#[path = "common/command.rs"]
+mod command;
 #[path = "common/traces.rs"]
 mod traces;
+use command::{ferrocache, stderr, stdout};
 use traces::traces_dir;
 
 const JSON_KEYS: [&str; 16] = [
@@ -27,21 +30,6 @@ const JSON_KEYS: [&str; 16] = [
     "matching_segment_allocs",
     "events_per_second",
 ];
-
-fn ferrocache(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ferrocache"))
-        .args(args)
-        .output()
-        .expect("the ferrocache binary runs")
-}
-
-fn stdout(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
 
 /// A scratch directory of this test process.
 fn scratch(test: &str) -> PathBuf {
@@ -383,4 +371,50 @@ fn cross_stream_reuse_reserves_about_what_one_stream_does() {
         assert!(per_stream > 1.5 * one, "{conf}: {per_stream} vs {one}");
         assert!(shared <= 1.05 * one, "{conf}: {shared} vs {one}");
     }
+}
+
+#[test]
+fn ops_writes_a_recording_as_a_program_live_blocks_first() {
+    let recording = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/oracle/training_defaults.pickle"
+    );
+    let missing = scratch("ops").join("missing.pickle");
+    let output = ferrocache(&["ops", recording, missing.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(1), "a missing file is an error");
+    assert!(
+        stderr(&output).contains("missing.pickle"),
+        "{}",
+        stderr(&output)
+    );
+    let programs = json_rows(&output);
+    assert_eq!(
+        programs.len(),
+        1,
+        "one device, one line; the readable file still runs"
+    );
+    let program = &programs[0];
+    let live = program["start_allocations"].as_u64().unwrap() as usize;
+    assert_eq!(live, 12, "the weights the training program kept");
+    assert_eq!(program["consistent"], true);
+    let ops = program["ops"].as_array().unwrap();
+    let kinds = |op: &Value| op["op"].as_str().unwrap().to_string();
+    assert!(ops[..live].iter().all(|op| kinds(op) == "alloc"));
+    // Ids are dense: the live blocks 0..live, then one per alloc of the trace.
+    let ids: Vec<u64> = ops
+        .iter()
+        .filter(|op| kinds(op) == "alloc")
+        .map(|op| op["id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ids, (0..ids.len() as u64).collect::<Vec<_>>());
+    assert_eq!(
+        ops.iter().filter(|op| kinds(op) == "empty_cache").count(),
+        1,
+        "recording began with empty_cache()"
+    );
+    let figures = &program["figures"];
+    assert_eq!(
+        figures["allocs"].as_u64().unwrap() as usize,
+        ids.len() - live
+    );
 }

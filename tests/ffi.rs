@@ -135,6 +135,26 @@ impl Api {
         assert_eq!(unsafe { record(c_int::from(enabled), max_entries) }, 0);
     }
 
+    /// `ferrocache_advise`: the JSON, or the last error.
+    fn advise(
+        &self,
+        snapshot: Option<&[u8]>,
+        device: c_int,
+        capacity: u64,
+        max_candidates: usize,
+    ) -> Result<Value, String> {
+        let advise: unsafe extern "C" fn(*const c_char, usize, c_int, u64, usize) -> *mut c_char =
+            self.library.function("ferrocache_advise");
+        let (bytes, length) = snapshot.map_or((ptr::null(), 0), |b| (b.as_ptr().cast(), b.len()));
+        // SAFETY: NULL, or a live slice of `length` bytes.
+        let text =
+            self.take_string(unsafe { advise(bytes, length, device, capacity, max_candidates) });
+        match text {
+            Some(text) => Ok(serde_json::from_str(&text).expect("the advice is JSON")),
+            None => Err(self.last_error()),
+        }
+    }
+
     fn base_alloc(&self, ptr: *mut c_void) -> (*mut c_void, usize) {
         let base_alloc: unsafe extern "C" fn(*mut c_void, *mut usize) -> *mut c_void =
             self.library.function("rust_base_alloc");
@@ -332,6 +352,82 @@ fn history_and_snapshot_have_pytorchs_structure() {
         assert_eq!(snapshot["device_traces"][0], Value::Array(vec![]));
         assert_eq!(api.free(kept), 0);
     });
+}
+
+#[test]
+fn advise_searches_the_recorded_history_or_a_snapshot() {
+    let total = (200 * MIB).to_string();
+    let env = [("FAKE_LIBCUDA_TOTAL_MEM", total.as_str())];
+    in_own_process(
+        "advise_searches_the_recorded_history_or_a_snapshot",
+        &env,
+        || {
+            let api = Api::open();
+            // No history: an error that says how to record one, for an unused device or not.
+            let err = api.advise(None, 0, 0, 0).unwrap_err();
+            assert!(err.starts_with("device 0 has allocated nothing"), "{err}");
+            let small = api.alloc(4096, 0, 0);
+            let err = api.advise(None, 0, 0, 0).unwrap_err();
+            assert!(
+                err.contains("torch.cuda.memory._record_memory_history()"),
+                "{err}"
+            );
+            api.record_history(true, usize::MAX);
+            assert!(
+                api.advise(None, 0, 0, 0).is_err(),
+                "recording, but nothing recorded yet"
+            );
+            // A split cached block strands 40 MiB under the defaults.
+            let first = api.alloc(100 * MIB, 0, 0);
+            assert_eq!(api.free(first), 0);
+            let b = api.alloc(60 * MIB, 0, 0);
+            let c = api.alloc(60 * MIB, 0, 0);
+
+            let advice = api.advise(None, 0, 0, 0).expect("advice");
+            assert_eq!(advice["capacity_bytes"], 200 * MIB, "the device's memory");
+            assert_eq!(advice["capacity_source"], "device");
+            assert_eq!(advice["recorded_conf"], "");
+            assert_eq!(
+                advice["recorded_peak_reserved_bytes"],
+                api.stat("reserved_bytes.all.peak"),
+                "the replay under the process's setting is what it did"
+            );
+            assert!(advice["recommended_conf"].is_string(), "{advice}");
+            assert!(
+                advice["peak_reserved_bytes"].as_u64()
+                    < advice["recorded_peak_reserved_bytes"].as_u64(),
+                "{advice}"
+            );
+            let table = advice["table"].as_str().unwrap();
+            assert!(table.contains("this process (device 0)"), "{table}");
+            assert!(
+                table.contains("\n  export PYTORCH_CUDA_ALLOC_CONF="),
+                "{table}"
+            );
+            // A capacity given adds garbage collection; a bound keeps the simplest settings.
+            let bounded = api.advise(None, 0, (1 << 30) as u64, 5).expect("advice");
+            assert_eq!(bounded["capacity_source"], "given");
+            assert_eq!(bounded["candidates"].as_array().unwrap().len(), 5);
+
+            // A snapshot's bytes: the same as `ferrocache tune` on the file.
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/data/oracle/training_expandable.pickle");
+            let bytes = std::fs::read(path).unwrap();
+            let from_file = api.advise(Some(&bytes), -1, 0, 0).expect("advice");
+            assert_eq!(from_file["recorded_conf"], "expandable_segments:True");
+            assert_eq!(from_file["capacity_source"], "default");
+            let err = api.advise(Some(&bytes), 5, 0, 0).unwrap_err();
+            assert_eq!(err, "the snapshot holds nothing of device 5");
+            let err = api.advise(Some(b"\x80\x04garbage"), -1, 0, 0).unwrap_err();
+            assert!(err.starts_with("the snapshot: "), "{err}");
+            let err = api.advise(Some(b""), -1, 0, 0).unwrap_err();
+            assert!(err.contains("empty file"), "{err}");
+
+            for block in [small, b, c] {
+                assert_eq!(api.free(block), 0);
+            }
+        },
+    );
 }
 
 /// Calls made so far to every driver function ferrocache uses.

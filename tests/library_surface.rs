@@ -12,7 +12,7 @@ use regex::Regex;
 /// The C ABI: `rust_malloc` and the CUDA graph pool hooks (C++), `rust_free` and the other hooks
 /// PyTorch takes, the `ferrocache_*` functions of the Python package, and the command line the
 /// `ferrocache` binary runs.
-const EXPORTS: [&str; 35] = [
+const EXPORTS: [&str; 36] = [
     "ferrocache_alloc",
     "ferrocache_attach_oom_observer",
     "ferrocache_begin_allocate_current_thread_to_pool",
@@ -29,6 +29,7 @@ const EXPORTS: [&str; 35] = [
     "ferrocache_memory_stats",
     "ferrocache_pool_use_count",
     "ferrocache_record_history",
+    "ferrocache_advise",
     "ferrocache_release_pool",
     "ferrocache_reset_accumulated_stats",
     "ferrocache_reset_peak_stats",

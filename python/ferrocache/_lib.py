@@ -54,6 +54,8 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_memory_stats": (c_void_p, (c_int,)),
     "ferrocache_snapshot": (c_void_p, ()),
     "ferrocache_record_history": (c_int, (c_int, c_size_t)),
+    # Snapshot bytes (or NULL: the recorded history), length, device, capacity, max candidates.
+    "ferrocache_advise": (c_void_p, (c_char_p, c_size_t, c_int, c_ulonglong, c_size_t)),
     "ferrocache_reset_peak_stats": (c_int, (c_int,)),
     "ferrocache_reset_accumulated_stats": (c_int, (c_int,)),
     "ferrocache_empty_cache": (c_int, ()),

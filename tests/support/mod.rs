@@ -16,6 +16,17 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+/// Variables that would change what a C++ client or a benchmark sees (PyTorch's settings, the
+/// fake's size and device count): removed from the environment of the programs they run.
+pub const INHERITED_SETTINGS: [&str; 6] = [
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_HIP_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+    "TORCH_CUDA_ALLOC_LOG_LEVEL",
+    "FAKE_LIBCUDA_TOTAL_MEM",
+    "FAKE_LIBCUDA_DEVICE_COUNT",
+];
+
 /// Set in a child process to the name of the one test it runs.
 const CHILD_VARIABLE: &str = "FERROCACHE_TEST_CHILD";
 
@@ -66,6 +77,12 @@ fn run(test: &str, library_path: &str, env: &[(&str, &str)], body: impl FnOnce()
         "the child process for {test} failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
         output.status
     );
+}
+
+/// Whether this process is the child that runs `test` (see [`in_own_process`]): for a test
+/// that starts several children itself and compares what they wrote.
+pub fn is_child_for(test: &str) -> bool {
+    std::env::var(CHILD_VARIABLE).as_deref() == Ok(test)
 }
 
 /// Builds the fake libcuda once per test process; returns the directory that holds
@@ -194,6 +211,12 @@ impl FakeCuda {
             set(stream as usize as *mut c_void, c_int::from(capturing)),
             0
         );
+    }
+
+    /// The start of the fake's block of device addresses (`fake_cuda_address_base`).
+    pub fn address_base(&self) -> u64 {
+        let get: extern "C" fn() -> u64 = self.function("fake_cuda_address_base");
+        get()
     }
 
     /// The calling thread's stream capture mode (0 global, 1 thread-local, 2 relaxed).
