@@ -22,7 +22,7 @@
 //! - Booleans are exactly `True` or `False`; the newest PyTorch does not take `true`.
 
 use crate::policy::{
-    self, K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUNDUP_POWER_OF_TWO_INTERVALS, TieRule,
+    self, K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUNDUP_POWER_OF_TWO_INTERVALS, OomWording, TieRule,
 };
 use serde_json::{Map, Value, json};
 use std::fmt;
@@ -77,8 +77,11 @@ pub const CUDA_KEYS: [&str; 13] = [
 
 /// The keys that change what ferrocache does. Every other accepted key goes to
 /// [`Config::ignored_keys`]: pinned (host) memory is PyTorch's business, `backend` picks
-/// PyTorch's own allocator, and ferrocache never releases its lock around `cudaMalloc`.
-const HONOURED_KEYS: [&str; 7] = [
+/// PyTorch's own allocator, ferrocache never releases its lock around `cudaMalloc`, and
+/// `expandable_segments_reserve_by_class` applies only to streams tagged through PyTorch's C++
+/// API, which a plugged-in allocator is not told about (untagged streams, which is every stream
+/// PyTorch's Python API makes, use `expandable_segments_reserve` in PyTorch too).
+const HONOURED_KEYS: [&str; 9] = [
     "large_segment_size_mb",
     "max_split_size_mb",
     "max_non_split_rounding_mb",
@@ -86,11 +89,47 @@ const HONOURED_KEYS: [&str; 7] = [
     "roundup_power2_divisions",
     "expandable_segments",
     "per_process_memory_fraction",
+    "throw_on_cudamalloc_oom",
+    "expandable_segments_reserve",
 ];
 
 const MB: usize = 1 << 20;
 /// `CUDAAllocatorConfig::pinned_max_register_threads`.
 const PINNED_MAX_REGISTER_THREADS: usize = 128;
+
+/// An expandable segment's address-space reserve (`expandable_segments_reserve:0.5` or `:40G`):
+/// a fraction of the device's memory, or a number of GiB (PyTorch's
+/// `ExpandableSegmentReserveSpec`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExpandableReserve {
+    Fraction(f64),
+    GiB(f64),
+}
+
+impl ExpandableReserve {
+    /// `resolveBytes`: the reserve in bytes on a device of `device_total` bytes, computed in
+    /// doubles and truncated; what does not fit saturates.
+    pub fn resolve_bytes(self, device_total: usize) -> usize {
+        let bytes = match self {
+            ExpandableReserve::Fraction(value) => value * device_total as f64,
+            ExpandableReserve::GiB(value) => value * (1u64 << 30) as f64,
+        };
+        if bytes >= usize::MAX as f64 {
+            usize::MAX
+        } else {
+            bytes as usize
+        }
+    }
+}
+
+impl fmt::Display for ExpandableReserve {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExpandableReserve::Fraction(value) => write!(f, "{value} of the device's memory"),
+            ExpandableReserve::GiB(value) => write!(f, "{value} GiB"),
+        }
+    }
+}
 
 /// Which allocator PyTorch is told to use (`backend:`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -129,6 +168,17 @@ pub struct Config {
     pub release_lock_on_cudamalloc: bool,
     /// `per_process_memory_fraction`, when given.
     pub per_process_memory_fraction: Option<f64>,
+    /// `throw_on_cudamalloc_oom`: refuse a device allocation that would take the memory held
+    /// past `per_process_memory_fraction` at once, without releasing cached blocks
+    /// ([`policy::preemptive_rejection_limit`]).
+    pub throw_on_cudamalloc_oom: bool,
+    /// `expandable_segments_reserve`: the address range each expandable segment reserves
+    /// ([`policy::expandable_segment_reserve`]); `None`: 9/8 of the device's memory. A value
+    /// PyTorch would not take leaves the default, with a warning, as in PyTorch.
+    pub expandable_segments_reserve: Option<ExpandableReserve>,
+    /// `expandable_segments_reserve_by_class`, in order: reserves for streams that PyTorch's
+    /// C++ API tagged with a class; checked and kept, not used (see [`HONOURED_KEYS`]).
+    pub expandable_segments_reserve_by_class: Vec<(String, ExpandableReserve)>,
     /// `backend`.
     pub backend: Backend,
     /// Keys PyTorch accepts that change nothing in ferrocache (pinned memory, ...), in order.
@@ -157,6 +207,9 @@ pub struct Config {
     /// under (`FERROCACHE_PYTORCH_VERSION`, which `ferrocache.install()` sets from
     /// `torch.__version__`); PyTorch 2.15's by default.
     pub tie_rule: TieRule,
+    /// The wording of the out-of-memory message: that of the PyTorch ferrocache runs under
+    /// (`FERROCACHE_PYTORCH_VERSION`), PyTorch 2.15's by default.
+    pub oom_wording: OomWording,
     /// Things PyTorch lets pass that look like mistakes (a `,` where a `:` belongs, `40MB`, a
     /// variable hidden by another), one sentence each, no duplicates; for the caller to log.
     pub warnings: Vec<String>,
@@ -171,7 +224,10 @@ pub const PYTORCH_VERSION_VAR: &str = "FERROCACHE_PYTORCH_VERSION";
 fn apply_pytorch_version_var(config: &mut Config, value: Option<String>) {
     let Some(value) = value else { return };
     match parse_major_minor(&value) {
-        Some((major, minor)) => config.tie_rule = policy::tie_rule_of_pytorch(major, minor),
+        Some((major, minor)) => {
+            config.tie_rule = policy::tie_rule_of_pytorch(major, minor);
+            config.oom_wording = policy::oom_wording_of_pytorch(major, minor);
+        }
         None => push_unique(
             &mut config.warnings,
             format!(
@@ -230,6 +286,9 @@ impl Default for Config {
             expandable_segments: false,
             release_lock_on_cudamalloc: false,
             per_process_memory_fraction: None,
+            throw_on_cudamalloc_oom: false,
+            expandable_segments_reserve: None,
+            expandable_segments_reserve_by_class: Vec::new(),
             backend: Backend::Native,
             ignored_keys: Vec::new(),
             source: None,
@@ -240,6 +299,7 @@ impl Default for Config {
             cross_stream: false,
             expandable_ignore_max_split: false,
             tie_rule: TieRule::default(),
+            oom_wording: OomWording::default(),
             warnings: Vec::new(),
         }
     }
@@ -383,6 +443,32 @@ impl Config {
         if let Some(fraction) = self.per_process_memory_fraction {
             lines.push(format!(
                 "per_process_memory_fraction: {fraction} (of each device's memory)"
+            ));
+        }
+        if self.throw_on_cudamalloc_oom {
+            let fraction = self.per_process_memory_fraction.unwrap_or(1.0);
+            lines.push(format!(
+                "throw_on_cudamalloc_oom: True (a device allocation that would take the memory \
+                 held past {fraction} of the device is refused at once, without releasing \
+                 cached blocks)"
+            ));
+        }
+        if let Some(reserve) = self.expandable_segments_reserve {
+            lines.push(format!(
+                "expandable_segments_reserve: {reserve} (the address range of each expandable \
+                 segment, at most 9/8 of the device's memory)"
+            ));
+        }
+        if !self.expandable_segments_reserve_by_class.is_empty() {
+            let classes: Vec<String> = self
+                .expandable_segments_reserve_by_class
+                .iter()
+                .map(|(class, reserve)| format!("{class}: {reserve}"))
+                .collect();
+            lines.push(format!(
+                "expandable_segments_reserve_by_class: {} (for streams tagged through PyTorch's \
+                 C++ API; not used by ferrocache)",
+                classes.join(", ")
             ));
         }
         if self.release_lock_on_cudamalloc != default.release_lock_on_cudamalloc {
@@ -1052,9 +1138,8 @@ impl Parser {
                     self.parse_graph_capture_record_stream_reuse(i)?
                 }
                 "per_process_memory_fraction" => self.parse_per_process_memory_fraction(i)?,
-                "pinned_free_catch_all" | "throw_on_cudamalloc_oom" => {
-                    self.bool_setting(i, &key)?.1
-                }
+                "pinned_free_catch_all" => self.bool_setting(i, &key)?.1,
+                "throw_on_cudamalloc_oom" => self.parse_throw_on_cudamalloc_oom(i)?,
                 "expandable_segments_reserve" => self.parse_expandable_segments_reserve(i)?,
                 "expandable_segments_reserve_by_class" => {
                     self.parse_expandable_segments_reserve_by_class(i)?
@@ -1160,51 +1245,74 @@ impl Parser {
         Ok(i + 2)
     }
 
-    /// `expandable_segments_reserve:<fraction>|<n>G`. PyTorch keeps its default on a bad value
-    /// and only warns.
+    /// `throw_on_cudamalloc_oom:True|False` (PyTorch 2.12 and later).
+    fn parse_throw_on_cudamalloc_oom(&mut self, i: usize) -> Result<usize> {
+        let (value, i) = self.bool_setting(i, "throw_on_cudamalloc_oom")?;
+        self.config.throw_on_cudamalloc_oom = value;
+        Ok(i)
+    }
+
+    /// `expandable_segments_reserve:<fraction>|<n>G` (PyTorch 2.15). PyTorch keeps its default
+    /// on a bad value and only warns; a later good value replaces an earlier one.
     fn parse_expandable_segments_reserve(&mut self, i: usize) -> Result<usize> {
         const KEY: &str = "expandable_segments_reserve";
         self.expect(i + 1, ":", KEY)?;
         let i = i + 2;
         let word = self.tokens.get(i, KEY)?.to_string();
-        self.check_reserve_spec(&word);
+        if let Some(reserve) = self.parse_reserve_spec(&word) {
+            self.config.expandable_segments_reserve = Some(reserve);
+        }
         Ok(i)
     }
 
-    /// `expandable_segments_reserve_by_class:[<class>:<reserve>, ...]`; bad entries warn.
+    /// `expandable_segments_reserve_by_class:[<class>:<reserve>, ...]` (PyTorch 2.15); a bad
+    /// entry warns and is left out, the others apply; a later list replaces an earlier one.
     fn parse_expandable_segments_reserve_by_class(&mut self, i: usize) -> Result<usize> {
         const KEY: &str = "expandable_segments_reserve_by_class";
         self.expect(i + 1, ":", KEY)?;
         self.expect(i + 2, "[", KEY)?;
         let mut i = i + 2;
+        let mut classes: Vec<(String, ExpandableReserve)> = Vec::new();
         while !self.tokens.is(i + 1, "]", KEY)? {
-            self.tokens.get(i + 1, KEY)?; // the class name
+            let class = self.tokens.get(i + 1, KEY)?.to_string();
             self.expect(i + 2, ":", KEY)?;
             i += 3;
             let word = self.tokens.get(i, KEY)?.to_string();
-            self.check_reserve_spec(&word);
+            if let Some(reserve) = self.parse_reserve_spec(&word) {
+                // A class named twice keeps its last reserve (PyTorch's map).
+                classes.retain(|(name, _)| *name != class);
+                classes.push((class, reserve));
+            }
             if self.tokens.is(i + 1, ",", KEY)? {
                 i += 1;
             }
         }
+        self.config.expandable_segments_reserve_by_class = classes;
         Ok(i + 1)
     }
 
-    /// `parseReserveSpec`: a positive, finite fraction, or a number of GiB ending in `G`/`g`.
-    fn check_reserve_spec(&mut self, word: &str) {
-        let number = word
-            .strip_suffix('G')
-            .or_else(|| word.strip_suffix('g'))
-            .unwrap_or(word);
-        let valid = number
+    /// `parseReserveSpec`: a positive, finite fraction, or a number of GiB ending in `G`/`g`;
+    /// anything else warns (PyTorch's words) and gives `None`.
+    fn parse_reserve_spec(&mut self, word: &str) -> Option<ExpandableReserve> {
+        let (number, gib) = match word.strip_suffix(['G', 'g']) {
+            Some(number) => (number, true),
+            None => (word, false),
+        };
+        let value = number
             .parse::<f64>()
-            .is_ok_and(|value| value.is_finite() && value > 0.0);
-        if !valid {
-            self.warn(format!(
-                "Ignoring invalid expandable-segment reserve value '{word}' in \
-                 PYTORCH_CUDA_ALLOC_CONF (expected a positive, finite fraction like 0.5 or an \
-                 absolute size like 40G); using default."
-            ));
+            .ok()
+            .filter(|value| value.is_finite() && *value > 0.0);
+        match value {
+            Some(value) if gib => Some(ExpandableReserve::GiB(value)),
+            Some(value) => Some(ExpandableReserve::Fraction(value)),
+            None => {
+                self.warn(format!(
+                    "Ignoring invalid expandable-segment reserve value '{word}' in \
+                     PYTORCH_CUDA_ALLOC_CONF (expected a positive, finite fraction like 0.5 or \
+                     an absolute size like 40G); using default."
+                ));
+                None
+            }
         }
     }
 }
