@@ -1811,8 +1811,28 @@ mod tests {
                 "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'yes'",
                 "{key}"
             );
-            assert_eq!(ok(&format!("{key}:True")).ignored_keys, [key]);
+            if key != "throw_on_cudamalloc_oom" {
+                assert_eq!(ok(&format!("{key}:True")).ignored_keys, [key]);
+            }
         }
+    }
+
+    #[test]
+    fn throw_on_cudamalloc_oom_is_honoured() {
+        let c = ok("throw_on_cudamalloc_oom:True");
+        assert!(c.throw_on_cudamalloc_oom);
+        assert!(c.ignored_keys.is_empty());
+        assert!(!ok("throw_on_cudamalloc_oom:False").throw_on_cudamalloc_oom);
+        // PyTorch's toBool: `true` is refused (the comment in PyTorch's parser says otherwise).
+        assert_eq!(
+            err("throw_on_cudamalloc_oom:true"),
+            "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'true'"
+        );
+        assert!(
+            ok("throw_on_cudamalloc_oom:True,per_process_memory_fraction:0.5")
+                .describe()
+                .contains("past 0.5 of the device is refused at once")
+        );
     }
 
     #[test]
@@ -1895,7 +1915,30 @@ mod tests {
     fn expandable_segments_reserve_warns_on_bad_values() {
         let c = ok("expandable_segments_reserve:0.5,expandable_segments_reserve:40G");
         assert!(c.warnings.is_empty(), "{:?}", c.warnings);
-        assert_eq!(c.ignored_keys, ["expandable_segments_reserve"]);
+        assert!(c.ignored_keys.is_empty());
+        assert_eq!(
+            c.expandable_segments_reserve,
+            Some(ExpandableReserve::GiB(40.0))
+        );
+        assert_eq!(
+            ok("expandable_segments_reserve:0.25").expandable_segments_reserve,
+            Some(ExpandableReserve::Fraction(0.25))
+        );
+        // A bad value keeps what was there: the default, or an earlier good value.
+        let c = ok("expandable_segments_reserve:0.5,expandable_segments_reserve:abc");
+        assert_eq!(
+            c.expandable_segments_reserve,
+            Some(ExpandableReserve::Fraction(0.5))
+        );
+        for bad in ["0", "-0.5", "inf", "nan", "G", "1e", "0x10", "1GG"] {
+            let c = ok(&format!("expandable_segments_reserve:{bad}"));
+            assert_eq!(c.expandable_segments_reserve, None, "{bad}");
+            assert_eq!(c.warnings.len(), 1, "{bad}");
+        }
+        assert_eq!(ExpandableReserve::Fraction(0.5).resolve_bytes(1 << 30), 1 << 29);
+        assert_eq!(ExpandableReserve::GiB(1.5).resolve_bytes(0), 3 << 29);
+        assert_eq!(ExpandableReserve::GiB(1e20).resolve_bytes(0), usize::MAX);
+        assert_eq!(ExpandableReserve::Fraction(1e-300).resolve_bytes(1 << 30), 0);
         let c = ok("expandable_segments_reserve:-1");
         assert_eq!(
             c.warnings,
@@ -1908,8 +1951,20 @@ mod tests {
         let c = ok("expandable_segments_reserve_by_class:[a:0.5,b:8g],max_split_size_mb:40");
         assert!(c.warnings.is_empty(), "{:?}", c.warnings);
         assert_eq!(c.max_split_size, 40 * KMB);
-        let c = ok("expandable_segments_reserve_by_class:[a:x]");
+        assert_eq!(
+            c.expandable_segments_reserve_by_class,
+            [
+                ("a".to_string(), ExpandableReserve::Fraction(0.5)),
+                ("b".to_string(), ExpandableReserve::GiB(8.0))
+            ]
+        );
+        assert_eq!(c.ignored_keys, ["expandable_segments_reserve_by_class"]);
+        let c = ok("expandable_segments_reserve_by_class:[a:x,b:0.1,b:0.2]");
         assert_eq!(c.warnings.len(), 1);
+        assert_eq!(
+            c.expandable_segments_reserve_by_class,
+            [("b".to_string(), ExpandableReserve::Fraction(0.2))]
+        );
         ok("expandable_segments_reserve_by_class:[]");
         // The accelerator pass skips the list first and finds no `]`.
         assert_eq!(

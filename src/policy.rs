@@ -577,6 +577,69 @@ mod tests {
     }
 
     #[test]
+    fn the_oom_wording_follows_the_pytorch_version() {
+        assert_eq!(oom_wording_of_pytorch(2, 4), OomWording::EnvironmentVariablesLink);
+        assert_eq!(oom_wording_of_pytorch(2, 9), OomWording::EnvironmentVariablesLink);
+        assert_eq!(oom_wording_of_pytorch(2, 10), OomWording::AllocConfVariable);
+        assert_eq!(oom_wording_of_pytorch(2, 11), OomWording::AllocConfLink);
+        assert_eq!(oom_wording_of_pytorch(2, 14), OomWording::AllocConfLink);
+        assert_eq!(oom_wording_of_pytorch(2, 15), OomWording::ExpandableNote);
+        assert_eq!(oom_wording_of_pytorch(3, 0), OomWording::ExpandableNote);
+        assert_eq!(OomWording::default(), OomWording::ExpandableNote);
+    }
+
+    #[test]
+    fn cpp_doubles_print_like_ostream() {
+        for (value, text) in [
+            (50.0, "50"),
+            (100.0, "100"),
+            (0.7 * 100.0, "70"),
+            (100.0 / 3.0, "33.3333"),
+            (12.5, "12.5"),
+            (99.999_999, "100"),
+            (1e6, "1e+06"),
+            (123_456.0, "123456"),
+            (1_234_567.0, "1.23457e+06"),
+            (0.0001, "0.0001"),
+            (0.000_012_5, "1.25e-05"),
+            (0.0, "0"),
+        ] {
+            assert_eq!(format_cpp_double(value), text, "{value}");
+        }
+    }
+
+    #[test]
+    fn expandable_reserves_are_capped_at_nine_eighths() {
+        let reserve = |conf: &str| {
+            let config = Config::parse(conf).unwrap();
+            expandable_segment_reserve(&config, 1 << 30)
+        };
+        assert_eq!(reserve(""), (1_207_959_552, false));
+        assert_eq!(reserve("expandable_segments_reserve:0.5"), (1 << 29, true));
+        assert_eq!(reserve("expandable_segments_reserve:2.0"), (1_207_959_552, true));
+        assert_eq!(reserve("expandable_segments_reserve:0.05"), (53_687_091, true));
+        assert_eq!(reserve("expandable_segments_reserve:1e20G"), (1_207_959_552, true));
+    }
+
+    #[test]
+    fn preemptive_rejection_limit_is_the_configured_fraction_of_the_device() {
+        let limit = |conf: &str| preemptive_rejection_limit(&Config::parse(conf).unwrap(), 1 << 30);
+        assert_eq!(limit(""), None);
+        assert_eq!(limit("per_process_memory_fraction:0.5"), None);
+        assert_eq!(limit("throw_on_cudamalloc_oom:True"), Some(1 << 30));
+        assert_eq!(
+            limit("throw_on_cudamalloc_oom:True,per_process_memory_fraction:0.5"),
+            Some(1 << 29)
+        );
+        assert_eq!(
+            preemptive_rejection_warning(802 << 20, 300 << 20, 1 << 30, 1.0, 1 << 30),
+            "Preemptively rejecting allocation: requested 802.00 MiB but total_allocated_memory \
+             (300.00 MiB) + requested size would exceed memory limit (1024.00 MiB = 100% of \
+             1024.00 MiB). Set throw_on_cudamalloc_oom:false to disable."
+        );
+    }
+
+    #[test]
     fn format_size_matches_pytorch() {
         assert_eq!(format_size(1024), "1024 bytes");
         assert_eq!(format_size(1025), "1.00 KiB");
