@@ -1,0 +1,235 @@
+"""The user-visible texts and the newest PYTORCH_CUDA_ALLOC_CONF keys, through real PyTorch:
+each scenario runs under PyTorch's allocator and after ``ferrocache.install()``, each in a fresh
+process, and both must raise the same exceptions with the same messages and count the same
+statistics.
+
+- The out-of-memory message ends with the running PyTorch's advice (the link changed in 2.11,
+  2.10 named ``PYTORCH_ALLOC_CONF``, 2.15 says something else with expandable segments on);
+  ferrocache follows ``FERROCACHE_PYTORCH_VERSION``, which ``install()`` sets.
+- ``throw_on_cudamalloc_oom`` (PyTorch 2.12 and later) refuses a device allocation past the
+  configured ``per_process_memory_fraction`` (the whole device when none is given) at once,
+  with no release of cached blocks, and counts it in ``num_oom_rejections``.
+- ``expandable_segments_reserve`` (PyTorch 2.15) sets the address range each expandable segment
+  reserves; an allocation larger than it says so in the out-of-memory message.
+- ``memory_summary()`` is laid out as PyTorch lays it out.
+
+The oracle programs at the end compare the device calls and every ``memory_stats()`` key after
+every op (python/tools/oracle); the random programs of ``harness.SETTINGS`` use these keys too.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from torch_env import GIB, MIB, TORCH_VERSION, require_real_torch, run_torch, torch_env
+
+require_real_torch()
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from oracle import harness  # noqa: E402
+
+#: What each scenario's child records after every step: the outcome and these statistics.
+STEPS = r"""
+def E(n):
+    return torch.empty(n, dtype=torch.uint8, device="cuda")
+
+KEYS = ("num_oom_rejections", "num_ooms", "num_alloc_retries", "num_device_alloc",
+        "num_device_free", "reserved_bytes.all.current", "allocated_bytes.all.current")
+steps = []
+kept = []
+
+def step(label, action):
+    try:
+        value = action()
+        if value is not None:
+            kept.append(value)
+        outcome = ["ok"]
+    except RuntimeError as err:
+        outcome = ["OutOfMemoryError" if isinstance(err, torch.cuda.OutOfMemoryError) else type(err).__name__, str(err)]
+    stats = torch.cuda.memory_stats()
+    steps.append([label, outcome, {key: stats[key] for key in KEYS if key in stats}])
+"""
+
+#: (name, PYTORCH_CUDA_ALLOC_CONF, oldest torch that has it, the steps) on a 1 GiB GPU.
+SCENARIOS = (
+    (
+        "defaults",
+        "",
+        (2, 4),
+        """
+        step("2 GiB", lambda: E(2 * GIB))
+        step("300 MiB", lambda: E(300 * MIB))
+        step("fraction 0.5", lambda: torch.cuda.set_per_process_memory_fraction(0.5))
+        step("600 MiB under 0.5", lambda: E(600 * MIB))
+        """,
+    ),
+    (
+        "expandable",
+        "expandable_segments:True",
+        (2, 15),  # older torches' own expandable segments ask NVML, which the fake lacks
+        """
+        step("2 GiB", lambda: E(2 * GIB))
+        step("300 MiB", lambda: E(300 * MIB))
+        step("fraction 0.5", lambda: torch.cuda.set_per_process_memory_fraction(0.5))
+        step("600 MiB under 0.5", lambda: E(600 * MIB))
+        """,
+    ),
+    (
+        "reserve_0.05",
+        "expandable_segments:True,expandable_segments_reserve:0.05",
+        (2, 15),
+        """
+        step("200 MiB + 1", lambda: E(200 * MIB + 1))
+        step("5 MiB + 1", lambda: E(5 * MIB + 1))
+        step("60 MiB + 1", lambda: E(60 * MIB + 1))
+        step("1100 MiB", lambda: E(1100 * MIB))
+        """,
+    ),
+    (
+        "throw_on_cudamalloc_oom",
+        "throw_on_cudamalloc_oom:True",
+        (2, 12),
+        """
+        step("2 GiB", lambda: E(2 * GIB))
+        step("300 MiB", lambda: E(300 * MIB))
+        kept.clear()
+        step("800 MiB + 1 beside 300 MiB cached", lambda: E(800 * MIB + 1))
+        step("5000", lambda: E(5000))
+        step("700 MiB", lambda: E(700 * MIB))
+        """,
+    ),
+    (
+        "throw_on_cudamalloc_oom_fraction",
+        "per_process_memory_fraction:0.5,throw_on_cudamalloc_oom:True",
+        (2, 12),
+        """
+        step("300 MiB", lambda: E(300 * MIB))
+        kept.clear()
+        step("400 MiB (the fraction's retry)", lambda: E(400 * MIB))
+        step("600 MiB", lambda: E(600 * MIB))
+        step("fraction 0.9", lambda: torch.cuda.set_per_process_memory_fraction(0.9))
+        step("200 MiB (past the configured 0.5)", lambda: E(200 * MIB))
+        """,
+    ),
+)
+
+
+def run_scenario(allocator: str, conf: str, steps: str) -> list:
+    install = "ferrocache.install()\n" if allocator == "ferrocache" else ""
+    code = install + f"GIB, MIB = {GIB}, {MIB}\n" + STEPS + textwrap.dedent(steps) + "\nresult(steps)\n"
+    return run_torch(code, env=torch_env(GIB, PYTORCH_CUDA_ALLOC_CONF=conf))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s[0] for s in SCENARIOS])
+def test_out_of_memory_messages_and_counts_are_pytorchs(scenario: tuple) -> None:
+    name, conf, oldest, steps = scenario
+    if TORCH_VERSION < oldest:
+        pytest.skip(f"{conf} is PyTorch {oldest[0]}.{oldest[1]}'s")
+    native = run_scenario("native", conf, steps)
+    ours = run_scenario("ferrocache", conf, steps)
+    for a, b in zip(native, ours):
+        assert b == a, f"{name}: step {a[0]!r}:\npytorch    {a}\nferrocache {b}"
+    assert len(ours) == len(native)
+    # The scenarios show what they are meant to show (under PyTorch's own allocator).
+    outcomes = {label: outcome for label, outcome, _ in native}
+    assert any(outcome[0] == "OutOfMemoryError" for outcome in outcomes.values()), outcomes
+    if "throw_on_cudamalloc_oom" in conf:
+        assert native[-1][2]["num_oom_rejections"] > 0
+        assert any("preemptively rejected" in outcome[-1] for outcome in outcomes.values())
+    if "reserve" in conf:
+        assert "exceeds the expandable-segment reserve of 51.20 MiB" in outcomes["200 MiB + 1"][1]
+
+
+SUMMARY = r"""
+kept = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (3 << 20, 1000, 30 << 20, 700 << 10)]
+del kept[1]
+try:
+    torch.empty(8 << 30, dtype=torch.uint8, device="cuda")
+except RuntimeError:
+    pass
+result([torch.cuda.memory_summary(), torch.cuda.memory_summary(abbreviated=True)])
+"""
+
+
+def test_memory_summary_is_laid_out_as_pytorchs() -> None:
+    native = run_torch(SUMMARY, env=torch_env(GIB))
+    ours = run_torch("ferrocache.install()\n" + SUMMARY, env=torch_env(GIB))
+    assert "CUDA OOMs: 1" in native[0]
+    assert ours == native
+
+
+def oracle_case(name: str, conf: str, streams: int, ops: list[dict]) -> harness.Case:
+    return harness.Case(0, name, conf, GIB, streams, 0, ops)
+
+
+def alloc(i: int, size: int, stream: int = 0) -> dict:
+    return {"op": "alloc", "id": i, "size": size, "stream": stream}
+
+
+def free(i: int) -> dict:
+    return {"op": "free", "id": i}
+
+
+@pytest.mark.skipif(TORCH_VERSION < (2, 15), reason="the oracle is PyTorch >= 2.15's allocator")
+def test_throw_on_cudamalloc_oom_agrees_op_by_op() -> None:
+    """Rejections past the configured fraction (0.6) while set_per_process_memory_fraction allows
+    0.9, between allocations served from the cache, made on the device and released."""
+    case = oracle_case(
+        "throw_fraction",
+        "per_process_memory_fraction:0.6,throw_on_cudamalloc_oom:True",
+        2,
+        [
+            {"op": "fraction", "value": 0.9},
+            alloc(0, 300 * MIB),
+            alloc(1, 100 * MIB, 1),
+            free(0),
+            alloc(2, 400 * MIB),  # 400 MiB held + 400: rejected, the cache kept
+            alloc(3, 150 * MIB),  # from the cached 300 MiB block
+            alloc(4, 200 * MIB),  # 600 MiB held, within 0.6
+            alloc(5, 100 * MIB, 1),  # rejected
+            alloc(6, 5000, 1),  # a small segment fits
+            free(3),
+            {"op": "empty_cache"},
+            alloc(7, 300 * MIB),
+            {"op": "fraction", "value": 0.3},
+            alloc(8, 100 * MIB),  # the fraction's own limit: released and retried, no rejection
+            alloc(9, 50 * MIB, 1),
+        ],
+    )
+    native = harness.run_program(case, "native")
+    rejections = [step["stats"]["num_oom_rejections"] for step in native["steps"]]
+    assert rejections[4] == 1 and rejections[7] == 2, rejections
+    divergence = harness.first_divergence(case, native, harness.run_program(case, "ferrocache"))
+    assert divergence is None, str(divergence)
+
+
+@pytest.mark.skipif(TORCH_VERSION < (2, 15), reason="the oracle is PyTorch >= 2.15's allocator")
+def test_expandable_segments_reserve_agrees_op_by_op() -> None:
+    """Segments of 0.3 of the device on two streams, an allocation larger than that (a range
+    reserved and given back twice), growth, unmapping and release."""
+    case = oracle_case(
+        "expandable_reserve",
+        "expandable_segments:True,expandable_segments_reserve:0.3",
+        2,
+        [
+            alloc(0, 1000),
+            alloc(1, 3 * MIB),
+            alloc(2, 100 * MIB, 1),
+            alloc(3, 400 * MIB),  # larger than 0.3 GiB: out of memory
+            alloc(4, 250 * MIB),
+            free(1),
+            alloc(5, 290 * MIB, 1),  # too much for stream 1's segment: a second one
+            free(2),
+            {"op": "empty_cache"},
+            alloc(6, 64 * MIB, 1),
+        ],
+    )
+    native = harness.run_program(case, "native")
+    reserves = [call for step in native["steps"] for call in step["calls"] if call.startswith("cuMemAddressReserve")]
+    assert reserves[:2] == ["cuMemAddressReserve r0 322961408", "cuMemAddressReserve r1 335544320"], reserves
+    assert native["steps"][3]["oom"]
+    divergence = harness.first_divergence(case, native, harness.run_program(case, "ferrocache"))
+    assert divergence is None, str(divergence)
