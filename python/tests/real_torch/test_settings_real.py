@@ -233,3 +233,63 @@ def test_expandable_segments_reserve_agrees_op_by_op() -> None:
     assert native["steps"][3]["oom"]
     divergence = harness.first_divergence(case, native, harness.run_program(case, "ferrocache"))
     assert divergence is None, str(divergence)
+
+
+#: A good and a bad value for every key PyTorch 2.15's parser knows (the strings of its
+#: libc10.so and libc10_cuda.so; README "Configuration"), and a key it does not know although
+#: one of its messages names it. ``large_segment_size_mb`` comes last: PyTorch keeps it between
+#: parses, and the limits of two other keys depend on it.
+EVERY_KEY = [
+    "max_split_size_mb:40", "max_split_size_mb:10",
+    "max_non_split_rounding_mb:30", "max_non_split_rounding_mb:5",
+    "garbage_collection_threshold:0.5", "garbage_collection_threshold:1.5",
+    "roundup_power2_divisions:4", "roundup_power2_divisions:3",
+    "roundup_power2_divisions:[256:1,512:2,>:8]", "roundup_power2_divisions:[3:4]",
+    "expandable_segments:False", "expandable_segments:maybe",
+    "pinned_use_background_threads:True", "pinned_use_background_threads:1",
+    "pinned_max_round_threshold_mb:64", "pinned_max_round_threshold_mb:x",
+    "pinned_max_cached_size_mb:1024", "pinned_max_cached_size_mb:-",
+    "backend:native", "backend:malloc",
+    "release_lock_on_cudamalloc:True", "release_lock_on_cudamalloc:true",
+    "release_lock_on_hipmalloc:False", "release_lock_on_hipmalloc:0",
+    "pinned_use_cuda_host_register:True", "pinned_use_cuda_host_register:yes",
+    "pinned_use_hip_host_register:False", "pinned_use_hip_host_register:no",
+    "graph_capture_record_stream_reuse:True", "graph_capture_record_stream_reuse:on",
+    "pinned_reserve_segment_size_mb:16", "pinned_reserve_segment_size_mb:0",
+    "pinned_num_register_threads:8", "pinned_num_register_threads:3",
+    "pinned_num_register_threads:256",
+    "per_process_memory_fraction:0.9", "per_process_memory_fraction:1.5",
+    "pinned_free_catch_all:True", "pinned_free_catch_all:maybe",
+    "throw_on_cudamalloc_oom:False", "throw_on_cudamalloc_oom:true",
+    "expandable_segments_reserve:0.5", "expandable_segments_reserve:abc",
+    "expandable_segments_reserve_by_class:[a:0.5,b:8G]", "expandable_segments_reserve_by_class:[a:0.5",
+    "expandable_segments_handle_type:posix_fd",
+    "large_segment_size_mb:64", "large_segment_size_mb:10",
+]
+
+
+@pytest.mark.skipif(TORCH_VERSION < (2, 15), reason="the keys of PyTorch 2.15's parser")
+def test_every_key_is_accepted_or_refused_as_by_pytorch() -> None:
+    """PyTorch's parser, driven through torch.cuda.memory._set_allocator_settings in one
+    process, against ferrocache.check_config: the same settings accepted, the same refused,
+    with PyTorch's words (where PyTorch has words: a bare std::stoull failure says only
+    'stoull', and ferrocache says which key and value)."""
+    code = """
+    out = {}
+    for conf in %r:
+        try:
+            CHECK(conf)
+            out[conf] = None
+        except (ValueError, RuntimeError) as err:
+            out[conf] = str(err).split("\\n")[0]
+    result(out)
+    """ % (EVERY_KEY,)
+    native = run_torch(code.replace("CHECK", "torch.cuda.memory._set_allocator_settings"), env=torch_env(GIB))
+    ours = run_torch(code.replace("CHECK", "ferrocache.check_config"), env=torch_env(GIB))
+    for conf in EVERY_KEY:
+        accepted = native[conf] is None
+        assert (ours[conf] is None) == accepted, (conf, native[conf], ours[conf])
+        if not accepted and native[conf] not in ("stoull", "stod"):
+            assert ours[conf] in native[conf], (conf, native[conf], ours[conf])
+    refused = sum(message is not None for message in native.values())
+    assert refused >= len(EVERY_KEY) // 2, native
