@@ -190,6 +190,12 @@ pub struct Config {
     pub large_segment_size: usize,
     /// `pinned_num_register_threads` (default 1); shown in snapshots, not used by ferrocache.
     pub pinned_num_register_threads: usize,
+    /// `pinned_max_round_threshold_mb` in bytes, when given; shown in snapshots
+    /// (`max_round_threshold`, unlimited by default), not used by ferrocache.
+    pub pinned_max_round_threshold: Option<usize>,
+    /// `pinned_max_cached_size_mb` in bytes, when given; shown in snapshots (`max_cached_size`,
+    /// unlimited by default), not used by ferrocache.
+    pub pinned_max_cached_size: Option<usize>,
     /// `pinned_use_cuda_host_register`; shown in snapshots, not used by ferrocache.
     pub pinned_use_cuda_host_register: bool,
     /// `graph_capture_record_stream_reuse`; shown in snapshots, not used by ferrocache.
@@ -294,6 +300,8 @@ impl Default for Config {
             source: None,
             large_segment_size: K_LARGE_BUFFER,
             pinned_num_register_threads: 1,
+            pinned_max_round_threshold: None,
+            pinned_max_cached_size: None,
             pinned_use_cuda_host_register: false,
             graph_capture_record_stream_reuse: false,
             cross_stream: false,
@@ -517,6 +525,8 @@ impl Config {
             "garbage_collection_threshold": self.garbage_collection_threshold,
             "expandable_segments": self.expandable_segments,
             "pinned_num_register_threads": self.pinned_num_register_threads as u64 as i64,
+            "max_round_threshold": self.pinned_max_round_threshold.unwrap_or(usize::MAX) as u64 as i64,
+            "max_cached_size": self.pinned_max_cached_size.unwrap_or(usize::MAX) as u64 as i64,
             "release_lock_on_cudamalloc": self.release_lock_on_cudamalloc,
             "pinned_use_cuda_host_register": self.pinned_use_cuda_host_register,
             "graph_capture_record_stream_reuse": self.graph_capture_record_stream_reuse,
@@ -985,6 +995,7 @@ impl Parser {
             }
             i += 1;
         }
+        self.warn_of_pinned_limits();
         Ok(())
     }
 
@@ -1113,9 +1124,34 @@ impl Parser {
     }
 
     /// `pinned_max_round_threshold_mb`, `pinned_max_cached_size_mb`: any size (host memory;
-    /// checked, not used).
+    /// kept for snapshots, not used).
     fn parse_pinned_max_sizes(&mut self, i: usize, key: &str) -> Result<usize> {
-        Ok(self.mb_setting(i, key)?.1)
+        let (mb, i) = self.mb_setting(i, key)?;
+        let bytes = Some(mb_to_bytes(mb));
+        if key == "pinned_max_round_threshold_mb" {
+            self.config.pinned_max_round_threshold = bytes;
+        } else {
+            self.config.pinned_max_cached_size = bytes;
+        }
+        Ok(i)
+    }
+
+    /// PyTorch 2.15 warns when both pinned limits are given and the rounding threshold is the
+    /// larger (in MB, after the clamp to what fits in bytes).
+    fn warn_of_pinned_limits(&mut self) {
+        if let (Some(round), Some(cached)) = (
+            self.config.pinned_max_round_threshold,
+            self.config.pinned_max_cached_size,
+        ) && round > cached
+        {
+            self.warn(format!(
+                "pinned_max_round_threshold_mb ({}) > pinned_max_cached_size_mb ({}). The cache \
+                 size limit takes precedence: allocations above pinned_max_cached_size_mb are \
+                 never rounded up.",
+                round / MB,
+                cached / MB
+            ));
+        }
     }
 
     // --- pass 3: the CUDA settings (CUDAAllocatorConfig::parseArgs) -------------------------
@@ -2221,6 +2257,28 @@ mod tests {
         assert_eq!(v["release_lock_on_cudamalloc"], false);
         assert_eq!(v["pinned_use_cuda_host_register"], false);
         assert_eq!(v["graph_capture_record_stream_reuse"], false);
+        assert_eq!(v["max_round_threshold"], -1);
+        assert_eq!(v["max_cached_size"], -1);
+        // Both pinned limits given, the rounding threshold larger: PyTorch 2.15's warning, the
+        // clamped MB in it and the clamped bytes in the snapshot.
+        let c = ok("pinned_max_cached_size_mb:0,pinned_max_round_threshold_mb:100000000000000");
+        assert_eq!(
+            c.warnings,
+            [
+                "pinned_max_round_threshold_mb (17592186044415) > pinned_max_cached_size_mb (0). \
+                 The cache size limit takes precedence: allocations above \
+                 pinned_max_cached_size_mb are never rounded up."
+            ]
+        );
+        let v = c.to_pytorch_settings();
+        assert_eq!(v["max_cached_size"], 0);
+        assert_eq!(v["max_round_threshold"], -1_048_576);
+        assert!(ok("pinned_max_cached_size_mb:0").warnings.is_empty());
+        assert!(
+            ok("pinned_max_cached_size_mb:64,pinned_max_round_threshold_mb:64")
+                .warnings
+                .is_empty()
+        );
         let divisions = v["roundup_power2_divisions"]
             .as_object()
             .unwrap_or_else(|| panic!("not an object: {v}"));

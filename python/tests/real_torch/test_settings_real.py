@@ -293,3 +293,21 @@ def test_every_key_is_accepted_or_refused_as_by_pytorch() -> None:
             assert ours[conf] in native[conf], (conf, native[conf], ours[conf])
     refused = sum(message is not None for message in native.values())
     assert refused >= len(EVERY_KEY) // 2, native
+
+
+@pytest.mark.skipif(TORCH_VERSION < (2, 15), reason="the snapshot format of PyTorch 2.15")
+@pytest.mark.parametrize(
+    "conf",
+    [
+        "",
+        "max_split_size_mb:40,roundup_power2_divisions:[64:8,>:2],garbage_collection_threshold:0.7,"
+        "pinned_max_cached_size_mb:32,pinned_max_round_threshold_mb:64,pinned_num_register_threads:4,"
+        "pinned_use_cuda_host_register:True,graph_capture_record_stream_reuse:True,"
+        "release_lock_on_cudamalloc:True,throw_on_cudamalloc_oom:True,expandable_segments_reserve:0.5",
+    ],
+)
+def test_snapshot_allocator_settings_are_pytorchs(conf: str) -> None:
+    code = 'torch.empty(10, device="cuda")\nresult(torch.cuda.memory._snapshot()["allocator_settings"])\n'
+    env = torch_env(GIB, PYTORCH_CUDA_ALLOC_CONF=conf)
+    native = run_torch(code, env=env)
+    assert run_torch("ferrocache.install()\n" + code, env=env) == native
