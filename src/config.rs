@@ -1971,10 +1971,16 @@ mod tests {
             assert_eq!(c.expandable_segments_reserve, None, "{bad}");
             assert_eq!(c.warnings.len(), 1, "{bad}");
         }
-        assert_eq!(ExpandableReserve::Fraction(0.5).resolve_bytes(1 << 30), 1 << 29);
+        assert_eq!(
+            ExpandableReserve::Fraction(0.5).resolve_bytes(1 << 30),
+            1 << 29
+        );
         assert_eq!(ExpandableReserve::GiB(1.5).resolve_bytes(0), 3 << 29);
         assert_eq!(ExpandableReserve::GiB(1e20).resolve_bytes(0), usize::MAX);
-        assert_eq!(ExpandableReserve::Fraction(1e-300).resolve_bytes(1 << 30), 0);
+        assert_eq!(
+            ExpandableReserve::Fraction(1e-300).resolve_bytes(1 << 30),
+            0
+        );
         let c = ok("expandable_segments_reserve:-1");
         assert_eq!(
             c.warnings,

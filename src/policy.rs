@@ -259,7 +259,10 @@ pub fn format_cpp_double(value: f64) -> String {
     let exponent: i32 = exponent.parse().expect("`{:e}` writes an integer exponent");
     let trim = |digits: &str| -> String {
         if digits.contains('.') {
-            digits.trim_end_matches('0').trim_end_matches('.').to_string()
+            digits
+                .trim_end_matches('0')
+                .trim_end_matches('.')
+                .to_string()
         } else {
             digits.to_string()
         }
@@ -578,8 +581,14 @@ mod tests {
 
     #[test]
     fn the_oom_wording_follows_the_pytorch_version() {
-        assert_eq!(oom_wording_of_pytorch(2, 4), OomWording::EnvironmentVariablesLink);
-        assert_eq!(oom_wording_of_pytorch(2, 9), OomWording::EnvironmentVariablesLink);
+        assert_eq!(
+            oom_wording_of_pytorch(2, 4),
+            OomWording::EnvironmentVariablesLink
+        );
+        assert_eq!(
+            oom_wording_of_pytorch(2, 9),
+            OomWording::EnvironmentVariablesLink
+        );
         assert_eq!(oom_wording_of_pytorch(2, 10), OomWording::AllocConfVariable);
         assert_eq!(oom_wording_of_pytorch(2, 11), OomWording::AllocConfLink);
         assert_eq!(oom_wording_of_pytorch(2, 14), OomWording::AllocConfLink);
@@ -616,9 +625,18 @@ mod tests {
         };
         assert_eq!(reserve(""), (1_207_959_552, false));
         assert_eq!(reserve("expandable_segments_reserve:0.5"), (1 << 29, true));
-        assert_eq!(reserve("expandable_segments_reserve:2.0"), (1_207_959_552, true));
-        assert_eq!(reserve("expandable_segments_reserve:0.05"), (53_687_091, true));
-        assert_eq!(reserve("expandable_segments_reserve:1e20G"), (1_207_959_552, true));
+        assert_eq!(
+            reserve("expandable_segments_reserve:2.0"),
+            (1_207_959_552, true)
+        );
+        assert_eq!(
+            reserve("expandable_segments_reserve:0.05"),
+            (53_687_091, true)
+        );
+        assert_eq!(
+            reserve("expandable_segments_reserve:1e20G"),
+            (1_207_959_552, true)
+        );
     }
 
     #[test]

@@ -694,7 +694,8 @@ fn the_out_of_memory_advice_is_that_of_the_running_pytorch() {
     const SUGGESTION: &str = " If reserved but unallocated memory is large try setting";
     const FRAGMENTATION: &str = "=expandable_segments:True to avoid fragmentation.  See \
                                  documentation for Memory Management  ";
-    const OLD_LINK: &str = "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)";
+    const OLD_LINK: &str =
+        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)";
     const NEW_LINK: &str = "(https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)";
     const EXPANDABLE_NOTE: &str = " expandable_segments is enabled. If instead the process is \
         running out of virtual address space (VSZ), expandable segments may be over-reserving VA \

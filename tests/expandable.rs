@@ -402,7 +402,10 @@ fn expandable_segments_reserve_sets_each_segments_address_range() {
 /// says why in the out-of-memory message, naming the reserve and the allocation size.
 #[test]
 fn an_allocation_larger_than_the_configured_reserve_says_so() {
-    let mut a = expandable_with(GIB, "expandable_segments:True,expandable_segments_reserve:0.05");
+    let mut a = expandable_with(
+        GIB,
+        "expandable_segments:True,expandable_segments_reserve:0.05",
+    );
     let err = a.malloc(200 * MIB + 1, 0).unwrap_err();
     let AllocError::OutOfMemory(oom) = err else {
         panic!("expected OOM, got {err:?}")
@@ -428,12 +431,13 @@ fn an_allocation_larger_than_the_configured_reserve_says_so() {
         panic!("expected OOM")
     };
     assert!(
-        oom.message
-            .ends_with(" expandable_segments is enabled. If instead the process is running out \
+        oom.message.ends_with(
+            " expandable_segments is enabled. If instead the process is running out \
                         of virtual address space (VSZ), expandable segments may be \
                         over-reserving VA (each segment reserves ~9/8 of device memory, times \
                         the number of streams); reduce it via PYTORCH_CUDA_ALLOC_CONF \
-                        expandable_segments_reserve / expandable_segments_reserve_by_class."),
+                        expandable_segments_reserve / expandable_segments_reserve_by_class."
+        ),
         "{}",
         oom.message
     );
@@ -445,7 +449,10 @@ fn an_allocation_larger_than_the_configured_reserve_says_so() {
 /// argument").
 #[test]
 fn a_reserve_of_zero_bytes_is_a_driver_error() {
-    let mut a = expandable_with(GIB, "expandable_segments:True,expandable_segments_reserve:1e-300");
+    let mut a = expandable_with(
+        GIB,
+        "expandable_segments:True,expandable_segments_reserve:1e-300",
+    );
     let err = a.malloc(1000, 0).unwrap_err();
     assert!(matches!(err, AllocError::Device(_)), "{err:?}");
     assert_eq!(a.device().reserved_ranges(), 0);
