@@ -78,10 +78,8 @@ pub const CUDA_KEYS: [&str; 13] = [
 /// The keys that change what ferrocache does. Every other accepted key goes to
 /// [`Config::ignored_keys`]: pinned (host) memory is PyTorch's business, `backend` picks
 /// PyTorch's own allocator, ferrocache never releases its lock around `cudaMalloc`, and
-/// `expandable_segments_reserve_by_class` applies only to streams tagged through PyTorch's C++
-/// API, which a plugged-in allocator is not told about (untagged streams, which is every stream
-/// PyTorch's Python API makes, use `expandable_segments_reserve` in PyTorch too).
-const HONOURED_KEYS: [&str; 9] = [
+/// `graph_capture_record_stream_reuse` is not implemented.
+const HONOURED_KEYS: [&str; 10] = [
     "large_segment_size_mb",
     "max_split_size_mb",
     "max_non_split_rounding_mb",
@@ -91,6 +89,7 @@ const HONOURED_KEYS: [&str; 9] = [
     "per_process_memory_fraction",
     "throw_on_cudamalloc_oom",
     "expandable_segments_reserve",
+    "expandable_segments_reserve_by_class",
 ];
 
 const MB: usize = 1 << 20;
@@ -177,7 +176,8 @@ pub struct Config {
     /// PyTorch would not take leaves the default, with a warning, as in PyTorch.
     pub expandable_segments_reserve: Option<ExpandableReserve>,
     /// `expandable_segments_reserve_by_class`, in order: reserves for streams that PyTorch's
-    /// C++ API tagged with a class; checked and kept, not used (see [`HONOURED_KEYS`]).
+    /// C++ API tagged with a class (`setExpandableSegmentReserveClassForStream`, which the
+    /// allocator learns through `ferrocache_set_reserve_class_lookup`).
     pub expandable_segments_reserve_by_class: Vec<(String, ExpandableReserve)>,
     /// `backend`.
     pub backend: Backend,
@@ -474,8 +474,8 @@ impl Config {
                 .map(|(class, reserve)| format!("{class}: {reserve}"))
                 .collect();
             lines.push(format!(
-                "expandable_segments_reserve_by_class: {} (for streams tagged through PyTorch's \
-                 C++ API; not used by ferrocache)",
+                "expandable_segments_reserve_by_class: {} (for the streams tagged with these \
+                 classes through PyTorch's C++ API)",
                 classes.join(", ")
             ));
         }
@@ -2000,7 +2000,7 @@ mod tests {
                 ("b".to_string(), ExpandableReserve::GiB(8.0))
             ]
         );
-        assert_eq!(c.ignored_keys, ["expandable_segments_reserve_by_class"]);
+        assert!(c.ignored_keys.is_empty());
         let c = ok("expandable_segments_reserve_by_class:[a:x,b:0.1,b:0.2]");
         assert_eq!(c.warnings.len(), 1);
         assert_eq!(

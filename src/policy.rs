@@ -99,8 +99,11 @@ pub struct OomFigures {
     /// `expandable_segments:True`.
     pub expandable_segments: bool,
     /// The address range an expandable segment of the request's stream may reserve, when
-    /// `expandable_segments_reserve` sets one ([`expandable_segment_reserve`]).
+    /// `expandable_segments_reserve` or `expandable_segments_reserve_by_class` sets one
+    /// ([`expandable_segment_reserve`]).
     pub configured_reserve: Option<usize>,
+    /// The reserve class PyTorch's C++ API gave the request's stream; empty: none.
+    pub reserve_class: String,
 }
 
 /// `DeviceCachingAllocator::malloc`'s out-of-memory message, in the wording of the PyTorch
@@ -159,9 +162,14 @@ fn out_of_memory_advice(figures: &OomFigures, wording: OomWording) -> String {
                 && reserve < figures.alloc_size
                 && figures.alloc_size <= figures.device_total
             {
+                let stream = if figures.reserve_class.is_empty() {
+                    "this stream".to_string()
+                } else {
+                    format!("stream reserve class '{}'", figures.reserve_class)
+                };
                 return format!(
-                    " This allocation exceeds the expandable-segment reserve of {} for this \
-                     stream, and a single allocation cannot span expandable segments. Raise \
+                    " This allocation exceeds the expandable-segment reserve of {} for {stream}, \
+                     and a single allocation cannot span expandable segments. Raise \
                      PYTORCH_CUDA_ALLOC_CONF expandable_segments_reserve or \
                      expandable_segments_reserve_by_class (or unset it) so that a segment is at \
                      least {}.",
@@ -184,16 +192,49 @@ fn out_of_memory_advice(figures: &OomFigures, wording: OomWording) -> String {
     )
 }
 
-/// The address range each expandable segment reserves, in bytes, before rounding to whole
-/// pages: by default 9/8 of the device's memory (so pages unmapped early in the range can be
-/// mapped again at its end); `expandable_segments_reserve` (PyTorch 2.15) asks for less, capped
-/// at that. Returns the bytes and whether a reserve was configured.
-pub fn expandable_segment_reserve(config: &Config, device_total: usize) -> (usize, bool) {
+/// What PyTorch 2.15 decides about the address range of a new expandable segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReserveDecision {
+    /// The range in bytes, before rounding to whole pages.
+    pub bytes: usize,
+    /// Whether `expandable_segments_reserve` or the stream's class set it (else the default).
+    pub configured: bool,
+    /// Whether the stream's class has an entry in `expandable_segments_reserve_by_class`.
+    pub class_known: bool,
+}
+
+/// `growableReserveBytes`: the address range each expandable segment of a stream reserves. By
+/// default 9/8 of the device's memory (so pages unmapped early in the range can be mapped again
+/// at its end); PyTorch 2.15 asks for less when the stream's reserve class (given by PyTorch's
+/// C++ API, `setExpandableSegmentReserveClassForStream`; empty for untagged streams) has an
+/// entry in `expandable_segments_reserve_by_class`, or else when `expandable_segments_reserve`
+/// is set, capped at the default either way.
+pub fn expandable_segment_reserve(
+    config: &Config,
+    device_total: usize,
+    reserve_class: &str,
+) -> ReserveDecision {
     let full = device_total + device_total / 8;
-    match config.expandable_segments_reserve {
-        Some(reserve) => (reserve.resolve_bytes(device_total).min(full), true),
-        None => (full, false),
+    let by_class = config
+        .expandable_segments_reserve_by_class
+        .iter()
+        .find(|(class, _)| class == reserve_class)
+        .map(|(_, reserve)| *reserve);
+    let reserve = by_class.or(config.expandable_segments_reserve);
+    ReserveDecision {
+        bytes: reserve.map_or(full, |r| r.resolve_bytes(device_total).min(full)),
+        configured: reserve.is_some(),
+        class_known: by_class.is_some(),
     }
+}
+
+/// The warning PyTorch 2.15 gives (once per class) when a tagged stream's class has no entry in
+/// `expandable_segments_reserve_by_class`.
+pub fn unknown_reserve_class_warning(reserve_class: &str) -> String {
+    format!(
+        "expandable_segments reserve class '{reserve_class}' has no configured reserve in \
+         expandable_segments_reserve_by_class; using the default reserve."
+    )
 }
 
 /// `throw_on_cudamalloc_oom` (PyTorch 2.12 and later): the limit above which a device
@@ -619,9 +660,14 @@ mod tests {
 
     #[test]
     fn expandable_reserves_are_capped_at_nine_eighths() {
-        let reserve = |conf: &str| {
+        let reserve_of = |conf: &str, class: &str| {
             let config = Config::parse(conf).unwrap();
-            expandable_segment_reserve(&config, 1 << 30)
+            let d = expandable_segment_reserve(&config, 1 << 30, class);
+            (d.bytes, d.configured, d.class_known)
+        };
+        let reserve = |conf: &str| {
+            let (bytes, configured, _) = reserve_of(conf, "");
+            (bytes, configured)
         };
         assert_eq!(reserve(""), (1_207_959_552, false));
         assert_eq!(reserve("expandable_segments_reserve:0.5"), (1 << 29, true));
@@ -637,6 +683,15 @@ mod tests {
             reserve("expandable_segments_reserve:1e20G"),
             (1_207_959_552, true)
         );
+        // A tagged stream: its class's entry, else the global reserve, else the default.
+        let both =
+            "expandable_segments_reserve:0.5,expandable_segments_reserve_by_class:[a:0.25,b:2G]";
+        assert_eq!(reserve_of(both, "a"), (1 << 28, true, true));
+        assert_eq!(reserve_of(both, "b"), (1_207_959_552, true, true));
+        assert_eq!(reserve_of(both, "c"), (1 << 29, true, false));
+        assert_eq!(reserve_of(both, ""), (1 << 29, true, false));
+        let by_class = "expandable_segments_reserve_by_class:[a:0.25]";
+        assert_eq!(reserve_of(by_class, "c"), (1_207_959_552, false, false));
     }
 
     #[test]

@@ -458,3 +458,43 @@ fn a_reserve_of_zero_bytes_is_a_driver_error() {
     assert_eq!(a.device().reserved_ranges(), 0);
     checked(&a);
 }
+
+/// `expandable_segments_reserve_by_class` (PyTorch 2.15): a stream tagged through PyTorch's C++
+/// API gets its class's reserve; a class with no entry, and an untagged stream, get
+/// `expandable_segments_reserve` or the default; an allocation past the class's reserve names
+/// the class. The sizes are torch 2.15's on a 1 GiB fake CUDA (`test_settings_real.py`).
+#[test]
+fn a_tagged_stream_gets_its_reserve_class() {
+    let mut a = expandable_with(
+        GIB,
+        "expandable_segments:True,expandable_segments_reserve_by_class:[tiny:0.05,big:0.5]",
+    );
+    a.set_reserve_class_lookup(Box::new(|stream| {
+        match stream {
+            5 => "tiny",
+            6 => "other",
+            _ => "",
+        }
+        .to_string()
+    }));
+    a.malloc(1000, 5).unwrap();
+    a.malloc(3 * MIB, 5).unwrap();
+    let err = a.malloc(200 * MIB + 1, 5).unwrap_err();
+    let AllocError::OutOfMemory(oom) = err else {
+        panic!("expected OOM, got {err:?}")
+    };
+    assert!(
+        oom.message.contains(
+            "exceeds the expandable-segment reserve of 51.20 MiB for stream reserve class 'tiny'"
+        ),
+        "{}",
+        oom.message
+    );
+    a.malloc(3 * MIB, 6).unwrap();
+    a.malloc(3 * MIB, 0).unwrap();
+    assert_eq!(
+        reserved_sizes(&a),
+        [54_525_952, 62_914_560, 1_216_348_160, 1_216_348_160]
+    );
+    checked(&a);
+}

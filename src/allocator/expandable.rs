@@ -358,10 +358,17 @@ impl<D: Device> DeviceAllocator<D> {
         private_pool: Option<PrivatePoolIndex>,
     ) -> Result<BlockId, AllocError> {
         let total = self.device.mem_get_info()?.total;
-        let (reserve, _) = policy::expandable_segment_reserve(&self.config, total);
+        let reserve_class = self.reserve_class_of(stream);
+        let reserve = policy::expandable_segment_reserve(&self.config, total, &reserve_class);
+        if !reserve_class.is_empty()
+            && !reserve.class_known
+            && self.warned_reserve_classes.insert(reserve_class.clone())
+        {
+            logging::warning(&policy::unknown_reserve_class_warning(&reserve_class));
+        }
         let page_size = pool.expandable_page_size(&self.config);
         let segment =
-            ExpandableSegment::reserve(&mut self.device, stream, pool, page_size, reserve)?;
+            ExpandableSegment::reserve(&mut self.device, stream, pool, page_size, reserve.bytes)?;
         let mut block = Block::new(segment.base(), segment.size(), stream, pool);
         block.mapped = false;
         block.private_pool = private_pool;
@@ -551,7 +558,7 @@ mod tests {
     #[test]
     pub(super) fn reservation_is_nine_eighths_of_memory_in_whole_pages() {
         let config = crate::config::Config::default();
-        let nine_eighths = |total| policy::expandable_segment_reserve(&config, total).0;
+        let nine_eighths = |total| policy::expandable_segment_reserve(&config, total, "").bytes;
         assert_eq!(
             reservation_size(nine_eighths(80 << 30), 20 * MIB),
             4608 * 20 * MIB

@@ -37,7 +37,7 @@ use history::{History, StackId, TraceAction};
 use private_pool::{BlockPools, Capture, MempoolId, PrivatePoolIndex};
 use rustc_hash::FxHashMap;
 use stats::DeviceStats;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::fmt;
 
 /// PyTorch's out-of-memory error, with the figures its message quotes.
@@ -196,7 +196,16 @@ pub struct DeviceAllocator<D: Device> {
     /// Set when `throw_on_cudamalloc_oom` refused a device allocation during the current
     /// `malloc` (PyTorch's `AllocParams` flag): the malloc then fails with the rejection.
     preemptively_rejected: bool,
+    /// Where the reserve class of a stream comes from (PyTorch's C++ API, through the C ABI);
+    /// `None`: every stream is untagged.
+    reserve_classes: Option<ReserveClassLookup>,
+    /// The reserve classes warned of as having no entry in
+    /// `expandable_segments_reserve_by_class` (PyTorch warns once per class).
+    warned_reserve_classes: HashSet<String>,
 }
+
+/// Answers the reserve class PyTorch's C++ API gave a stream (empty: none).
+pub type ReserveClassLookup = Box<dyn Fn(StreamId) -> String + Send>;
 
 impl<D: Device> DeviceAllocator<D> {
     /// An allocator for device number `device_index`, with nothing reserved yet.
@@ -223,6 +232,8 @@ impl<D: Device> DeviceAllocator<D> {
             blocks_made: 0,
             device_total: None,
             preemptively_rejected: false,
+            reserve_classes: None,
+            warned_reserve_classes: HashSet::new(),
             config,
         };
         if let Some(fraction) = allocator.config.per_process_memory_fraction
@@ -235,6 +246,19 @@ impl<D: Device> DeviceAllocator<D> {
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// Tells the allocator where to ask for the reserve class of a stream
+    /// (`expandable_segments_reserve_by_class`); without it every stream is untagged.
+    pub fn set_reserve_class_lookup(&mut self, lookup: ReserveClassLookup) {
+        self.reserve_classes = Some(lookup);
+    }
+
+    /// The reserve class of `stream`; empty when it has none.
+    pub(crate) fn reserve_class_of(&self, stream: StreamId) -> String {
+        self.reserve_classes
+            .as_ref()
+            .map_or_else(String::new, |lookup| lookup(stream))
     }
 
     pub fn device(&self) -> &D {
@@ -676,7 +700,8 @@ impl<D: Device> DeviceAllocator<D> {
         // PyTorch counts the free blocks cached in private pools as allocated: they are the
         // graphs' memory, which no other allocation can use.
         let in_private_pools = self.private_pool_cached_bytes();
-        let (reserve, configured) = policy::expandable_segment_reserve(&self.config, info.total);
+        let reserve_class = self.reserve_class_of(request.stream);
+        let reserve = policy::expandable_segment_reserve(&self.config, info.total, &reserve_class);
         let message = policy::out_of_memory_message(
             &policy::OomFigures {
                 alloc_size: request.alloc_size,
@@ -688,7 +713,8 @@ impl<D: Device> DeviceAllocator<D> {
                 in_private_pools,
                 reserved,
                 expandable_segments: self.config.expandable_segments,
-                configured_reserve: configured.then_some(reserve),
+                configured_reserve: reserve.configured.then_some(reserve.bytes),
+                reserve_class,
             },
             self.config.oom_wording,
         );

@@ -311,3 +311,81 @@ def test_snapshot_allocator_settings_are_pytorchs(conf: str) -> None:
     env = torch_env(GIB, PYTORCH_CUDA_ALLOC_CONF=conf)
     native = run_torch(code, env=env)
     assert run_torch("ferrocache.install()\n" + code, env=env) == native
+
+
+#: Tags streams through PyTorch 2.15's C++ API (a caller ferrocache does not see), for
+#: expandable_segments_reserve_by_class. Declared here: c10/cuda's headers need CUDA's.
+TAGGER = r"""
+#include <string>
+struct CUstream_st;
+namespace c10::cuda::CUDACachingAllocator {
+void setExpandableSegmentReserveClassForStream(CUstream_st* stream, const std::string& name);
+}
+extern "C" void tag_stream(CUstream_st* stream, const char* name) {
+    c10::cuda::CUDACachingAllocator::setExpandableSegmentReserveClassForStream(stream, name);
+}
+"""
+
+TAGGED_STREAMS = r"""
+import ctypes
+tagger = ctypes.CDLL(os.environ["TAGGER"])
+log = open(os.environ["FAKE_CUDA_CALL_LOG"])
+torch.cuda.init()
+log.read()
+tiny, other = torch.cuda.Stream(), torch.cuda.Stream()
+tagger.tag_stream(ctypes.c_void_p(tiny.cuda_stream), b"tiny")
+tagger.tag_stream(ctypes.c_void_p(other.cuda_stream), b"other")
+kept, steps = [], []
+for label, stream, size in [
+    ("tiny 1000", tiny, 1000), ("tiny 3 MiB", tiny, 3 << 20), ("tiny 200 MiB + 1", tiny, (200 << 20) + 1),
+    ("other 3 MiB", other, 3 << 20), ("untagged 3 MiB", torch.cuda.current_stream(), 3 << 20),
+]:
+    try:
+        with torch.cuda.stream(stream):
+            kept.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+        outcome = "ok"
+    except RuntimeError as err:
+        outcome = str(err)
+    steps.append([label, outcome, [c for c in log.read().splitlines() if "Address" in c]])
+result(steps)
+"""
+
+
+@pytest.mark.skipif(TORCH_VERSION < (2, 15), reason="reserve classes are PyTorch 2.15's")
+def test_reserve_classes_given_through_pytorchs_cpp_api_apply(tmp_path: Path) -> None:
+    """expandable_segments_reserve_by_class: streams that C++ code tagged get their class's
+    reserve under ferrocache too (the shim install() builds asks PyTorch for the tag); a class
+    with no entry gets the default; an allocation past the class's reserve names the class."""
+    import importlib.util
+    import shutil
+    import subprocess
+
+    compiler = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    if compiler is None:
+        pytest.skip("no C++ compiler to build the stream tagger")
+    lib = Path(importlib.util.find_spec("torch").origin).parent / "lib"
+    source, tagger = tmp_path / "tagger.cpp", tmp_path / "tagger.so"
+    source.write_text(TAGGER)
+    subprocess.run(
+        [compiler, "-std=c++17", "-shared", "-fPIC", "-D_GLIBCXX_USE_CXX11_ABI=1", str(source), "-o", str(tagger),
+         f"-L{lib}", "-lc10_cuda", f"-Wl,-rpath,{lib}"],
+        check=True,
+    )  # fmt: skip
+    runs = {}
+    for allocator in ("native", "ferrocache"):
+        calls = tmp_path / f"{allocator}.log"
+        calls.touch()
+        env = torch_env(
+            GIB,
+            PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True,expandable_segments_reserve_by_class:[tiny:0.05,big:0.5]",
+            FAKE_CUDA_CALL_LOG=str(calls),
+            TAGGER=str(tagger),
+        )
+        install = "ferrocache.install()\n" if allocator == "ferrocache" else ""
+        runs[allocator] = run_torch(install + TAGGED_STREAMS, env=env)
+    assert runs["ferrocache"] == runs["native"]
+    steps = {label: (outcome, calls) for label, outcome, calls in runs["native"]}
+    assert steps["tiny 1000"][1] == ["cuMemAddressReserve r0 54525952"]
+    assert steps["tiny 3 MiB"][1] == ["cuMemAddressReserve r1 62914560"]
+    assert "reserve of 51.20 MiB for stream reserve class 'tiny'" in steps["tiny 200 MiB + 1"][0]
+    assert steps["other 3 MiB"][1] == ["cuMemAddressReserve r4 1216348160"]
