@@ -684,7 +684,7 @@ fn oom_message(err: AllocError) -> String {
 }
 
 /// The end of the out-of-memory message of each PyTorch, read from its libc10_cuda.so and
-/// checked by running it on the fake CUDA (2.10, 2.13, 2.15; see docs/torch-versions.md).
+/// checked by running it on the fake CUDA (README, "Out of memory").
 #[test]
 fn the_out_of_memory_advice_is_that_of_the_running_pytorch() {
     const BODY: &str = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total \
