@@ -668,18 +668,7 @@ impl<D: Device> DeviceAllocator<D> {
             .mem_get_info()
             .unwrap_or(crate::device::MemInfo { free: 0, total: 0 });
         let message = policy::preemptive_rejection_message(orig_size);
-        logging::out_of_memory(&message);
-        AllocError::OutOfMemory(Box::new(OutOfMemoryError {
-            device: self.device_index,
-            requested: orig_size,
-            allocation_size: request.alloc_size,
-            device_free: info.free,
-            device_total: info.total,
-            allowed: self.allowed_memory_maximum,
-            allocated: self.stats.allocated_bytes.all.current as usize,
-            reserved: self.stats.reserved_bytes.all.current as usize,
-            message,
-        }))
+        self.out_of_memory_error(request, orig_size, info, message)
     }
 
     /// The out-of-memory error, in PyTorch's words and figures.
@@ -718,6 +707,17 @@ impl<D: Device> DeviceAllocator<D> {
             },
             self.config.oom_wording,
         );
+        self.out_of_memory_error(request, orig_size, info, message)
+    }
+
+    /// An out-of-memory error with `message`, logged, and the figures it is about.
+    fn out_of_memory_error(
+        &self,
+        request: &Request,
+        orig_size: usize,
+        info: crate::device::MemInfo,
+        message: String,
+    ) -> AllocError {
         logging::out_of_memory(&message);
         AllocError::OutOfMemory(Box::new(OutOfMemoryError {
             device: self.device_index,
@@ -726,8 +726,8 @@ impl<D: Device> DeviceAllocator<D> {
             device_free: info.free,
             device_total: info.total,
             allowed: self.allowed_memory_maximum,
-            allocated,
-            reserved,
+            allocated: self.stats.allocated_bytes.all.current as usize,
+            reserved: self.stats.reserved_bytes.all.current as usize,
             message,
         }))
     }

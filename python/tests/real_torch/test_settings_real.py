@@ -53,29 +53,26 @@ def step(label, action):
     steps.append([label, outcome, {key: stats[key] for key in KEYS if key in stats}])
 """
 
+TOO_LARGE_THEN_A_FRACTION = """
+step("2 GiB", lambda: E(2 * GIB))
+step("300 MiB", lambda: E(300 * MIB))
+step("fraction 0.5", lambda: torch.cuda.set_per_process_memory_fraction(0.5))
+step("600 MiB under 0.5", lambda: E(600 * MIB))
+"""
+
 #: (name, PYTORCH_CUDA_ALLOC_CONF, oldest torch that has it, the steps) on a 1 GiB GPU.
 SCENARIOS = (
     (
         "defaults",
         "",
         (2, 4),
-        """
-        step("2 GiB", lambda: E(2 * GIB))
-        step("300 MiB", lambda: E(300 * MIB))
-        step("fraction 0.5", lambda: torch.cuda.set_per_process_memory_fraction(0.5))
-        step("600 MiB under 0.5", lambda: E(600 * MIB))
-        """,
+        TOO_LARGE_THEN_A_FRACTION,
     ),
     (
         "expandable",
         "expandable_segments:True",
         (2, 15),  # older torches' own expandable segments ask NVML, which the fake lacks
-        """
-        step("2 GiB", lambda: E(2 * GIB))
-        step("300 MiB", lambda: E(300 * MIB))
-        step("fraction 0.5", lambda: torch.cuda.set_per_process_memory_fraction(0.5))
-        step("600 MiB under 0.5", lambda: E(600 * MIB))
-        """,
+        TOO_LARGE_THEN_A_FRACTION,
     ),
     (
         "reserve_0.05",
