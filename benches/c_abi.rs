@@ -38,14 +38,6 @@ const SMALL: usize = 4 << 10;
 const LARGE: usize = 64 << 20;
 /// Set in the rerun process, whose libcuda is the fake.
 const CHILD_VARIABLE: &str = "FERROCACHE_BENCH_CHILD";
-/// Settings that would change what is measured; the figures are for PyTorch's defaults.
-const INHERITED_SETTINGS: [&str; 5] = [
-    "PYTORCH_CUDA_ALLOC_CONF",
-    "PYTORCH_HIP_ALLOC_CONF",
-    "PYTORCH_ALLOC_CONF",
-    "TORCH_CUDA_ALLOC_LOG_LEVEL",
-    "FAKE_LIBCUDA_TOTAL_MEM",
-];
 
 type Stream = *mut c_void;
 type MallocFn = unsafe extern "C" fn(usize, c_int, Stream) -> *mut c_void;
@@ -441,7 +433,7 @@ fn main() {
     if std::env::var_os(CHILD_VARIABLE).is_none() {
         let fake = fake_libcuda_for_this_run();
         let mut command = Command::new(std::env::current_exe().expect("this program's path"));
-        for variable in INHERITED_SETTINGS {
+        for variable in support::INHERITED_SETTINGS {
             command.env_remove(variable);
         }
         let error = command

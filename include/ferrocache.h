@@ -24,6 +24,11 @@ typedef void (*ferrocache_oom_thrower)(const char *message);
 /* Returns the reserve class PyTorch's C++ API gave a stream, valid until the next call on the
    thread (NULL or empty: none). See ferrocache_set_reserve_class_lookup. */
 typedef const char *(*ferrocache_reserve_class_lookup)(cudaStream_t stream);
+/* Called at each out of memory, before the error: the device, the bytes that could not be
+   allocated, the device's total (or the memory-fraction limit) and free bytes. See
+   ferrocache_attach_oom_observer. */
+typedef void (*ferrocache_oom_observer)(int device, size_t alloc_size, size_t device_total,
+                                        size_t device_free);
 
 #ifdef __cplusplus
 extern "C" {
@@ -94,6 +99,19 @@ int ferrocache_set_oom_thrower(ferrocache_oom_thrower thrower);
 // called with an allocator lock held: it must not call ferrocache, must stay callable for the
 // life of the process and never unwind. Returns 0.
 int ferrocache_set_reserve_class_lookup(ferrocache_reserve_class_lookup lookup);
+
+// Attaches `observer`, PyTorch's out-of-memory observer
+// (`torch._C._cuda_attach_out_of_memory_observer`): at each out of memory, before the
+// exception reaches the caller, every attached observer is called on the allocating thread
+// with the device, the size that could not be allocated, the device's total memory (or the
+// limit `set_per_process_memory_fraction` set) and its free memory. No allocator lock is held
+// then, so it may call any `ferrocache_*` function (take a snapshot); an allocation it makes
+// can run out of memory again and call it again. It must stay callable for the life of the
+// process (or until detached) and never unwind. Returns 0; -1 for NULL (last error set).
+int ferrocache_attach_oom_observer(ferrocache_oom_observer observer);
+
+// Detaches every attachment of `observer`; an observer not attached is no error. Returns 0.
+int ferrocache_detach_oom_observer(ferrocache_oom_observer observer);
 
 // `CUDAPluggableAllocator`'s free function. NULL does nothing. A pointer ferrocache did not give
 // out, or one already freed, is logged at ERROR and nothing changes. A `size`, `device` or
@@ -188,6 +206,25 @@ char *ferrocache_snapshot(void);
 // events (at most `max_entries`, the newest kept) on every device, including devices used
 // later; zero stops and clears. Returns 0.
 int ferrocache_record_history(int enabled, size_t max_entries);
+
+// Which `PYTORCH_CUDA_ALLOC_CONF` to set (`ferrocache.advise()`): the settings space searched
+// with the replay engine, as `ferrocache tune` does, on a snapshot or on this process's
+// recorded history. Returns one JSON object (`ferrocache tune --json`'s keys, plus `table`: the
+// text the command prints) to free with `ferrocache_string_free`, or NULL (last error set: no
+// history recorded, with how to record it; a snapshot that cannot be read).
+//
+// - `snapshot`, `length`: a snapshot's bytes (pickle or JSON, as `ferrocache tune` reads
+//   them); NULL for this process's recorded history.
+// - `device`: the device whose history to search (required for the history); for a snapshot,
+//   -1 searches every device in it.
+// - `capacity_bytes`: the GPU's memory to fit in; 0: for the history, the device's memory (or
+//   the memory fraction's limit), for a snapshot what its out-of-memory entries tell, else
+//   80 GiB. A capacity given also tries `garbage_collection_threshold`.
+// - `max_candidates`: try at most this many settings, the simplest first (0: all).
+//
+// # Safety
+// `snapshot` is NULL or points to `length` readable bytes.
+char *ferrocache_advise(const char *snapshot, size_t length, int device, unsigned long long capacity_bytes, size_t max_candidates);
 
 // `torch.cuda.reset_peak_memory_stats(device)`. Returns 0, or -1 (last error set).
 int ferrocache_reset_peak_stats(int device);

@@ -1,6 +1,7 @@
 //! The `ferrocache` command: `replay` PyTorch memory snapshots (or a built-in demo) through
-//! ferrocache on a simulated GPU under several settings, and `check-config` a
-//! `PYTORCH_CUDA_ALLOC_CONF` value.
+//! ferrocache on a simulated GPU under several settings, `tune` (search the settings on them and
+//! say what to set), and `check-config` a `PYTORCH_CUDA_ALLOC_CONF` value. `--job` reads the
+//! snapshots as the ranks of one job (`replay::job`).
 //!
 //! The program lives here, in the library, so that there is one of it: the `ferrocache` binary
 //! (`src/bin/ferrocache.rs`, which cargo runs and the wheel ships) calls it through the C
@@ -12,11 +13,14 @@
 
 use crate::config::Config;
 use crate::replay::{
-    self, DeviceWorkload, NativeFigures, PlotPanel, PlotSeries, ReplayOptions, ReplayReport,
-    SegmentMismatch, StartState, Workload, demo, demo_fsdp,
+    self, DeviceWorkload, JobSummary, NativeFigures, PlotPanel, PlotSeries, ReplayOptions,
+    ReplayReport, SegmentMismatch, StartState, Workload, demo, demo_fsdp,
 };
+use crate::tune::report::{bytes, grouped, wrap};
+use crate::tune::{self, CapacitySource, Subject, TuneOptions, same_policy, short_trace};
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
+use std::collections::BTreeSet;
 use std::ffi::OsString;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -42,7 +46,8 @@ macro_rules! complain {
 #[command(
     name = "ferrocache",
     version,
-    about = "PyTorch's CUDA caching allocator in Rust: replay memory snapshots, check settings"
+    about = "PyTorch's CUDA caching allocator in Rust: replay memory snapshots, tune the \
+             settings on them, check settings"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -54,6 +59,9 @@ enum Command {
     /// Replay PyTorch memory snapshots (or the built-in demo) through ferrocache on a simulated
     /// GPU, one row per trace and configuration, beside PyTorch's own figures.
     Replay(ReplayArgs),
+    /// Search the PYTORCH_CUDA_ALLOC_CONF settings on recorded snapshots with the replay engine
+    /// and say which to set: the lowest peak reserved with no out-of-memory.
+    Tune(TuneArgs),
     /// Say whether PyTorch and ferrocache accept a PYTORCH_CUDA_ALLOC_CONF value, and what it
     /// means.
     CheckConfig {
@@ -91,6 +99,45 @@ struct ReplayArgs {
     /// Memory of the simulated GPU, in GiB.
     #[arg(long, value_name = "N", default_value_t = 80.0, value_parser = parse_capacity)]
     capacity_gib: f64,
+    /// The snapshots are the ranks of one job (torchrun): a row per rank, then the job's row
+    /// (the worst rank, the spread, the sum). The rank comes from each file's name
+    /// (snapshot_rank3.pickle, rank3/snapshot.pickle, snapshot-3.pickle).
+    #[arg(long)]
+    job: bool,
+    /// A recording that ends in an out-of-memory (no allocation after its last one) replays
+    /// the request that failed as an allocation, as tune does.
+    #[arg(long)]
+    serve_final_oom: bool,
+}
+
+#[derive(Args)]
+struct TuneArgs {
+    /// Snapshots from torch.cuda.memory._dump_snapshot() (pickle) or the same data as JSON;
+    /// several get one setting, judged by the worst of them.
+    #[arg(value_name = "TRACE")]
+    traces: Vec<PathBuf>,
+    /// Memory of the simulated GPU, in GiB (default: the recording's GPU where its
+    /// out-of-memory entries tell, else 80). Also tries garbage_collection_threshold.
+    #[arg(long, value_name = "N", value_parser = parse_capacity)]
+    capacity_gib: Option<f64>,
+    /// One JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Draw reserved and requested bytes over the events under PyTorch's defaults, the
+    /// recording's setting and the recommendation into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// The snapshots are the ranks of one job: the setting that minimizes the worst rank, ties
+    /// broken by the sum over ranks. Ranks come from the file names, as for replay --job.
+    #[arg(long)]
+    job: bool,
+    /// Start every replay from an empty GPU instead of the reconstructed start (as replay
+    /// --fresh).
+    #[arg(long)]
+    fresh: bool,
+    /// Candidates shown in the table (the defaults and the recorded setting are always shown).
+    #[arg(long, value_name = "N", default_value_t = tune::report::TOP)]
+    top: usize,
 }
 
 fn parse_capacity(text: &str) -> Result<f64, String> {
@@ -118,7 +165,6 @@ const FSDP_ONE_STREAM_NAME: &str = "demo-fsdp (1 stream)";
 /// How a row with cross-stream reuse names its setting.
 const CROSS_STREAM_SUFFIX: &str = "+FERROCACHE_CROSS_STREAM=1";
 const GIB: f64 = (1u64 << 30) as f64;
-const MIB: f64 = (1u64 << 20) as f64;
 
 /// The exit status of success.
 pub const SUCCESS: u8 = 0;
@@ -144,6 +190,7 @@ where
     };
     match cli.command {
         Command::Replay(args) => replay_command(&args),
+        Command::Tune(args) => tune_command(&args),
         Command::CheckConfig { conf } => check_config(&conf),
     }
 }
@@ -177,6 +224,8 @@ fn check_config(conf: &str) -> u8 {
 struct Row {
     /// The trace as given (with the device when a snapshot has several), or `demo`.
     trace: String,
+    /// Its rank, with `--job`.
+    rank: Option<u32>,
     conf: String,
     report: ReplayReport,
     native: Option<NativeFigures>,
@@ -194,6 +243,16 @@ fn replay_command(args: &ReplayArgs) -> u8 {
         complain!("error: nothing to replay: give TRACE files, or --demo");
         return USAGE_ERROR;
     }
+    if args.job && args.demo {
+        complain!(
+            "error: --job reads TRACE files as the ranks of one job; it does not apply to --demo"
+        );
+        return USAGE_ERROR;
+    }
+    let ranks = match job_ranks(args.job, &args.traces) {
+        Ok(ranks) => ranks,
+        Err(code) => return code,
+    };
     let mut given = match parse_settings(&args.confs) {
         Ok(settings) => settings,
         Err(code) => return code,
@@ -229,16 +288,28 @@ fn replay_command(args: &ReplayArgs) -> u8 {
     let mut rows: Vec<Row> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
     let mut failed = false;
-    for path in &args.traces {
-        let snapshot = match replay::load(path) {
-            Ok(snapshot) => snapshot,
-            Err(err) => {
-                complain!("error: {err}");
-                failed = true;
-                continue;
-            }
+    for (index, path) in args.traces.iter().enumerate() {
+        let rank = ranks.as_ref().map(|r| r[index]);
+        let Some(snapshot) = load_or_complain(path, &mut failed) else {
+            continue;
         };
-        let workload = Workload::reconstruct(&snapshot);
+        let mut workload = Workload::reconstruct(&snapshot);
+        if args.serve_final_oom {
+            for device in &mut workload.devices {
+                if let Some((_, size, _)) = tune::final_oom(device)
+                    && let Some(served) = tune::with_last_oom_served(device)
+                {
+                    notes.push(format!(
+                        "{} (device {}): the request of {} it ended in running out of memory \
+                         for is replayed as an allocation (--serve-final-oom)",
+                        path.display(),
+                        device.device,
+                        bytes(size)
+                    ));
+                    *device = served;
+                }
+            }
+        }
         let several = workload.devices.len() > 1;
         for device in &workload.devices {
             let trace = if several {
@@ -251,6 +322,7 @@ fn replay_command(args: &ReplayArgs) -> u8 {
                 let report = replay::replay(device, &setting.config, &options);
                 let row = Row {
                     trace: trace.clone(),
+                    rank,
                     conf: setting.raw.clone(),
                     native: Some(NativeFigures::of(device)),
                     report,
@@ -279,6 +351,7 @@ fn replay_command(args: &ReplayArgs) -> u8 {
             let report = replay::replay(&workload, &setting.config, &options);
             let row = Row {
                 trace: DEMO_NAME.to_string(),
+                rank: None,
                 conf: setting.raw.clone(),
                 report,
                 native: None,
@@ -315,6 +388,7 @@ fn replay_command(args: &ReplayArgs) -> u8 {
                 let report = replay::replay(workload, &setting.config, &options);
                 let row = Row {
                     trace: trace.to_string(),
+                    rank: None,
                     conf: setting.raw.clone(),
                     report,
                     native: None,
@@ -327,14 +401,44 @@ fn replay_command(args: &ReplayArgs) -> u8 {
     if rows.is_empty() && failed {
         // Nothing was replayed, and each unreadable trace has had its line on stderr: a table
         // without rows, its column key or an empty plot would only bury the errors.
+        if args.job {
+            complain!(
+                "error: none of the {} snapshots of the job could be read",
+                args.traces.len()
+            );
+        }
         return FILE_ERROR;
     }
+    let jobs = if args.job {
+        job_rows(&rows, &trace_settings)
+    } else {
+        Vec::new()
+    };
+    if args.job && failed {
+        let read: BTreeSet<u32> = rows.iter().filter_map(|r| r.rank).collect();
+        notes.push(format!(
+            "the job rows cover the {} rank(s) that could be read ({}) of the {} given",
+            read.len(),
+            read.iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            args.traces.len()
+        ));
+    }
     if args.json {
+        for job in &jobs {
+            say!("{}", job.to_json());
+        }
         for note in &notes {
             complain!("note: {note}");
         }
     } else {
         print_table(&rows);
+        if !jobs.is_empty() {
+            say!();
+            print_job_table(&jobs);
+        }
         for note in &notes {
             say!("note: {note}");
         }
@@ -357,6 +461,17 @@ fn replay_command(args: &ReplayArgs) -> u8 {
         failed = true;
     }
     if failed { FILE_ERROR } else { SUCCESS }
+}
+
+/// Reads a snapshot, or says on stderr why it cannot (one line naming the file) and notes the
+/// failure.
+fn load_or_complain(path: &Path, failed: &mut bool) -> Option<replay::Snapshot> {
+    replay::load(path)
+        .inspect_err(|err| {
+            complain!("error: {err}");
+            *failed = true;
+        })
+        .ok()
 }
 
 /// Parses every `--conf`; a rejected one ends the command with PyTorch's message and code 2.
@@ -392,22 +507,11 @@ fn with_cross_stream(setting: Setting) -> Setting {
     }
 }
 
-/// Whether two settings make the same allocator decisions (the fields ferrocache acts on).
-fn same_policy(a: &Config, b: &Config) -> bool {
-    a.cross_stream == b.cross_stream
-        && a.max_split_size == b.max_split_size
-        && a.max_non_split_rounding_size == b.max_non_split_rounding_size
-        && a.garbage_collection_threshold == b.garbage_collection_threshold
-        && a.roundup_power2_divisions == b.roundup_power2_divisions
-        && a.expandable_segments == b.expandable_segments
-        && a.per_process_memory_fraction == b.per_process_memory_fraction
-}
-
 /// Prints a JSON row at once (so long runs stream), or keeps it for the table.
 fn emit(json: bool, row: Row, rows: &mut Vec<Row>) {
     if json {
         let native = row.native.as_ref();
-        let value = json!({
+        let mut value = json!({
             "trace": row.trace,
             "conf": row.conf,
             "events": row.report.events,
@@ -425,6 +529,9 @@ fn emit(json: bool, row: Row, rows: &mut Vec<Row>) {
             "matching_segment_allocs": native.map(|_| row.report.matching_segment_allocs),
             "events_per_second": row.report.events_per_second(),
         });
+        if let (Some(rank), Some(object)) = (row.rank, value.as_object_mut()) {
+            object.insert("rank".to_string(), json!(rank));
+        }
         let mut out = std::io::stdout().lock();
         // A closed pipe (`| head`) is not worth a panic.
         let _ = writeln!(out, "{value}");
@@ -548,44 +655,8 @@ fn conf_name(conf: &str) -> String {
     }
 }
 
-/// Bytes as GiB from 1 GiB up, else as MiB.
-fn bytes(value: u64) -> String {
-    let v = value as f64;
-    if v >= GIB {
-        format!("{:.2} GiB", v / GIB)
-    } else {
-        format!("{:.1} MiB", v / MIB)
-    }
-}
-
 fn percent(ratio: f64) -> String {
     format!("{:.1}%", 100.0 * ratio)
-}
-
-/// 12345 as "12,345".
-fn grouped(value: u64) -> String {
-    let digits = value.to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
-}
-
-/// The trace's file name (the table is for reading; JSON keeps the path).
-fn short_trace(trace: &str) -> String {
-    let (path, device) = match trace.find(" (device ") {
-        Some(at) => trace.split_at(at),
-        None => (trace, ""),
-    };
-    let name = Path::new(path)
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| path.to_string());
-    format!("{name}{device}")
 }
 
 fn print_table(rows: &[Row]) {
@@ -614,7 +685,10 @@ fn print_table(rows: &[Row]) {
         let native = row.native.as_ref();
         let na = || "-".to_string();
         table.push(vec![
-            short_trace(&row.trace),
+            match row.rank {
+                Some(rank) => format!("rank {rank}: {}", short_trace(&row.trace)),
+                None => short_trace(&row.trace),
+            },
             conf_name(&row.conf),
             grouped(r.events),
             bytes(r.peak_requested),
@@ -772,25 +846,6 @@ fn trim_float(value: f64) -> String {
     text.trim_end_matches('0').trim_end_matches('.').to_string()
 }
 
-/// Wraps a paragraph at `width` characters.
-fn wrap(text: &str, width: usize) -> String {
-    let mut lines = Vec::new();
-    let mut line = String::new();
-    for word in text.split_whitespace() {
-        if !line.is_empty() && line.len() + 1 + word.len() > width {
-            lines.push(std::mem::take(&mut line));
-        }
-        if !line.is_empty() {
-            line.push(' ');
-        }
-        line.push_str(word);
-    }
-    if !line.is_empty() {
-        lines.push(line);
-    }
-    lines.join("\n")
-}
-
 /// One panel per workload (trace, device or demo), one line pair per configuration.
 fn write_plot(file: &Path, rows: &[Row]) -> Result<(), String> {
     let mut order: Vec<&str> = Vec::new();
@@ -822,6 +877,293 @@ fn write_plot(file: &Path, rows: &[Row]) -> Result<(), String> {
                 .map(|(r, label)| PlotSeries {
                     label,
                     timeline: &r.report.timeline,
+                })
+                .collect(),
+        })
+        .collect();
+    std::fs::write(file, replay::render_svg(&panels))
+        .map_err(|err| format!("{}: cannot write the plot: {err}", file.display()))
+}
+
+// ------------------------------------------------------------------------------------------------
+// --job: the snapshots as the ranks of one job
+// ------------------------------------------------------------------------------------------------
+
+/// With `--job`, the rank of each trace, from its file name; every problem on stderr and code
+/// 2 otherwise. Without, `None`.
+fn job_ranks(job: bool, traces: &[PathBuf]) -> Result<Option<Vec<u32>>, u8> {
+    if !job {
+        return Ok(None);
+    }
+    replay::assign_ranks(traces).map(Some).map_err(|errors| {
+        for error in errors {
+            complain!("error: --job: {error}");
+        }
+        USAGE_ERROR
+    })
+}
+
+/// The job's row under one setting.
+struct JobRow {
+    conf: String,
+    summary: JobSummary,
+    ooms: u64,
+}
+
+impl JobRow {
+    fn to_json(&self) -> serde_json::Value {
+        let s = &self.summary;
+        json!({
+            "job": true,
+            "conf": self.conf,
+            "ranks": s.ranks,
+            "worst_rank": s.worst_rank,
+            "worst_peak_reserved_bytes": s.worst_peak_reserved,
+            "spread": s.spread,
+            "sum_peak_reserved_bytes": s.sum_peak_reserved,
+            "ooms": self.ooms,
+        })
+    }
+}
+
+/// One job row per setting, from the per-rank rows.
+fn job_rows(rows: &[Row], settings: &[Setting]) -> Vec<JobRow> {
+    settings
+        .iter()
+        .filter_map(|setting| {
+            let ranked: Vec<&Row> = rows
+                .iter()
+                .filter(|r| r.rank.is_some() && r.conf == setting.raw)
+                .collect();
+            let peaks: Vec<(u32, u64)> = ranked
+                .iter()
+                .filter_map(|r| Some((r.rank?, r.report.peak_reserved)))
+                .collect();
+            Some(JobRow {
+                conf: setting.raw.clone(),
+                summary: JobSummary::of(&peaks)?,
+                ooms: ranked.iter().map(|r| r.report.ooms).sum(),
+            })
+        })
+        .collect()
+}
+
+fn print_job_table(jobs: &[JobRow]) {
+    let ranks = jobs.first().map_or(0, |j| j.summary.ranks);
+    let mut table: Vec<Vec<String>> = vec![
+        [
+            &format!("job ({ranks} ranks)") as &str,
+            "worst peak reserved",
+            "worst rank",
+            "spread (max/min)",
+            "sum of peaks",
+            "OOMs",
+        ]
+        .iter()
+        .map(|h| h.to_string())
+        .collect(),
+    ];
+    for job in jobs {
+        let s = &job.summary;
+        table.push(vec![
+            conf_name(&job.conf),
+            bytes(s.worst_peak_reserved),
+            s.worst_rank.to_string(),
+            if s.spread.is_finite() {
+                format!("{:.2}x", s.spread)
+            } else {
+                "-".to_string()
+            },
+            bytes(s.sum_peak_reserved),
+            grouped(job.ooms),
+        ]);
+    }
+    let widths: Vec<usize> = (0..table[0].len())
+        .map(|c| {
+            table
+                .iter()
+                .map(|r| r[c].chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for row in &table {
+        let cells: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(c, cell)| {
+                if c == 0 {
+                    format!("{cell:<width$}", width = widths[c])
+                } else {
+                    format!("{cell:>width$}", width = widths[c])
+                }
+            })
+            .collect();
+        say!("{}", cells.join("  ").trim_end());
+    }
+    say!(
+        "{}",
+        wrap(
+            "The job row: the rank with the highest peak reserved (it decides whether the job \
+             runs out of memory), the spread = highest / lowest peak over the ranks, and the sum \
+             of the ranks' peaks.",
+            100
+        )
+    );
+}
+
+// ------------------------------------------------------------------------------------------------
+// tune
+// ------------------------------------------------------------------------------------------------
+
+fn tune_command(args: &TuneArgs) -> u8 {
+    if args.traces.is_empty() {
+        complain!("error: nothing to tune: give TRACE files");
+        return USAGE_ERROR;
+    }
+    let ranks = match job_ranks(args.job, &args.traces) {
+        Ok(ranks) => ranks,
+        Err(code) => return code,
+    };
+    let start = if args.fresh {
+        StartState::Fresh
+    } else {
+        StartState::Reconstructed
+    };
+    let probe = ReplayOptions {
+        capacity: args
+            .capacity_gib
+            .map_or(tune::DEFAULT_CAPACITY, |gib| (gib * GIB) as u64),
+        start,
+        record_timeline: false,
+    };
+    let mut subjects: Vec<Subject> = Vec::new();
+    let mut recorded_capacity: Option<u64> = None;
+    let mut notes: Vec<String> = Vec::new();
+    let mut failed = false;
+    let mut read: Vec<String> = Vec::new();
+    for (index, path) in args.traces.iter().enumerate() {
+        let Some(snapshot) = load_or_complain(path, &mut failed) else {
+            continue;
+        };
+        let name = path.display().to_string();
+        let workload = Workload::reconstruct(&snapshot);
+        for device in &workload.devices {
+            notes.extend(workload_notes(&name, &workload, device, &probe));
+            if let Some(capacity) = tune::recorded_capacity(&snapshot, device) {
+                recorded_capacity = Some(recorded_capacity.map_or(capacity, |c| c.min(capacity)));
+            }
+        }
+        let recorded = tune::recorded_setting(&snapshot, &workload);
+        let rank = ranks.as_ref().map(|r| r[index]);
+        for mut subject in Subject::from_workload(&name, rank, workload, recorded) {
+            if subject.serve_final_oom() {
+                notes.push(format!(
+                    "{} ends in an out-of-memory (a request of {}): the search serves it, so \
+                     that the setting found would have gone on (replay --serve-final-oom \
+                     replays it the same way)",
+                    subject.name,
+                    bytes(subject.served_oom.unwrap_or(0))
+                ));
+            }
+            subjects.push(subject);
+        }
+        read.push(name);
+    }
+    if subjects.is_empty() {
+        if args.traces.len() > 1 {
+            complain!(
+                "error: none of the {} snapshots could be read",
+                args.traces.len()
+            );
+        }
+        return FILE_ERROR;
+    }
+    if failed {
+        notes.push(format!(
+            "tuned on the {} snapshot(s) that could be read, of the {} given",
+            read.len(),
+            args.traces.len()
+        ));
+    }
+    let (capacity, capacity_source) = match (args.capacity_gib, recorded_capacity) {
+        (Some(gib), _) => ((gib * GIB) as u64, CapacitySource::Given),
+        (None, Some(bytes)) => (bytes, CapacitySource::Recording),
+        (None, None) => (tune::DEFAULT_CAPACITY, CapacitySource::Default),
+    };
+    let options = TuneOptions {
+        capacity,
+        capacity_source,
+        start,
+        job: args.job,
+        ..TuneOptions::default()
+    };
+    let tuning = tune::tune(&subjects, &options);
+    if args.json {
+        say!(
+            "{}",
+            serde_json::to_string_pretty(&tune::report::json(&tuning)).unwrap_or_default()
+        );
+        for note in &notes {
+            complain!("note: {note}");
+        }
+    } else {
+        let text = tune::report::text(
+            &tuning,
+            &tune::report::TextOptions {
+                check_traces: Some(read),
+                top: Some(args.top),
+            },
+        );
+        say!("{}", text.trim_end());
+        for note in &notes {
+            say!("note: {note}");
+        }
+    }
+    if let Some(file) = &args.plot
+        && let Err(message) = write_tune_plot(file, &subjects, &tuning)
+    {
+        complain!("error: {message}");
+        failed = true;
+    }
+    if failed { FILE_ERROR } else { SUCCESS }
+}
+
+/// One panel per recording: PyTorch's defaults, the recording's setting and the
+/// recommendation (each once, where they are the same setting).
+fn write_tune_plot(file: &Path, subjects: &[Subject], tuning: &tune::Tuning) -> Result<(), String> {
+    let mut chosen: Vec<(String, &tune::Candidate)> = Vec::new();
+    let roles = [
+        ("defaults", Some(tuning.defaults())),
+        ("recorded", tuning.recorded()),
+        ("recommended", tuning.recommendation()),
+    ];
+    for (role, evaluated) in roles {
+        let Some(candidate) = evaluated.map(|e| &e.candidate) else {
+            continue;
+        };
+        if let Some((label, _)) = chosen.iter_mut().find(|(_, c)| c.same_setting(candidate)) {
+            label.push_str(&format!(" = {role}"));
+        } else {
+            chosen.push((format!("{role}: {}", candidate.label()), candidate));
+        }
+    }
+    let timelines: Vec<Vec<Vec<replay::MemoryPoint>>> = chosen
+        .iter()
+        .map(|(_, candidate)| tune::timelines(subjects, candidate, &tuning.options))
+        .collect();
+    let titles: Vec<String> = subjects.iter().map(Subject::short_name).collect();
+    let panels: Vec<PlotPanel<'_>> = titles
+        .iter()
+        .enumerate()
+        .map(|(index, title)| PlotPanel {
+            title,
+            series: chosen
+                .iter()
+                .zip(&timelines)
+                .map(|((label, _), lines)| PlotSeries {
+                    label,
+                    timeline: &lines[index],
                 })
                 .collect(),
         })

@@ -29,12 +29,16 @@ use parking_lot::Mutex;
 
 use crate::allocator::history::{MemorySnapshot, StackId};
 use crate::allocator::private_pool::{MempoolId, StreamFilter};
-use crate::allocator::{AllocError, AllocationInfo, DeviceAllocator, PointerError};
+use crate::allocator::stats::DeviceStats;
+use crate::allocator::{
+    AllocError, AllocationInfo, DeviceAllocator, OutOfMemoryError, PointerError,
+};
 use crate::config::{ALLOC_CONF_VARS, Config, selected_alloc_conf};
 use crate::device::cuda::CudaDevice;
-use crate::device::{DeviceError, DevicePtr, StreamId};
+use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::lock::SpinNapMutex;
 use crate::logging;
+use crate::tune;
 
 /// A CUDA stream handle as PyTorch passes it; 0 is the legacy default stream.
 #[allow(
@@ -128,6 +132,9 @@ fn allocator(device: c_int) -> Result<&'static LockedAllocator, String> {
 #[cold]
 #[inline(never)]
 fn first_use_of(device: c_int) -> Result<&'static LockedAllocator, String> {
+    // The settings (and logging) are read on the library's first use, before anything is
+    // logged; a created allocator implies they were.
+    settings();
     let slot = device_slot(device).inspect_err(|why| logging::invalid_device(why))?;
     if let Some(created) = slot.get() {
         return created.as_ref().map_err(String::clone);
@@ -253,11 +260,7 @@ fn guarded<R>(function: &str, on_panic: R, body: impl FnOnce() -> R) -> R {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(result) => result,
         Err(payload) => {
-            let why = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic without a message".to_string());
+            let why = panic_message(&*payload);
             // Even reporting must not unwind into C.
             let _ = catch_unwind(|| {
                 logging::internal_error(function, &why);
@@ -266,6 +269,15 @@ fn guarded<R>(function: &str, on_panic: R, body: impl FnOnce() -> R) -> R {
             on_panic
         }
     }
+}
+
+/// What a caught panic said.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string())
 }
 
 /// [`guarded`] for the `ferrocache_*` functions that report through the last error: clears it,
@@ -311,7 +323,7 @@ fn device_pointer(ptr: DevicePtr) -> *mut c_void {
 }
 
 /// Allocates, or says why not (the message the C++ exception or the last error carries).
-#[inline]
+#[inline(always)]
 fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_void, AllocFailure> {
     if size == 0 {
         return Ok(ptr::null_mut());
@@ -330,13 +342,61 @@ fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_v
         .malloc_with_stack(size, stream_id(stream), stack);
     match result {
         Ok(ptr) => Ok(device_pointer(ptr)),
-        // The allocator has logged it, with the same message.
-        Err(AllocError::OutOfMemory(oom)) => Err(AllocFailure::OutOfMemory(oom.message)),
+        // A preemptive rejection (throw_on_cudamalloc_oom) is the user's own limit: PyTorch calls
+        // no out-of-memory observer for it, and no setting would have served it better.
+        Err(AllocError::OutOfMemory(oom)) if oom.preemptively_rejected => {
+            Err(AllocFailure::OutOfMemory(oom.message))
+        }
+        // The allocator has logged it, with the same message. The lock is released by now:
+        // PyTorch's observers first (they may dump a snapshot), then the advice line.
+        Err(AllocError::OutOfMemory(oom)) => {
+            notify_oom_observers(&oom);
+            advise_after_out_of_memory(device, allocator, &oom);
+            Err(AllocFailure::OutOfMemory(oom.message))
+        }
         Err(err) => {
             let message = err.to_string();
             logging::call_failed("allocation", &message);
             Err(AllocFailure::Other(message))
         }
+    }
+}
+
+/// After an out-of-memory (with the allocator's lock released): one ERROR line naming the
+/// setting that would have served the program so far within the memory it could use, from the
+/// recorded history (`tune::live`); without history, once per process, how to get that line.
+/// The search runs only here, never on the allocation path, and never fails the allocation
+/// further: an error in it is logged and dropped.
+#[cold]
+#[inline(never)]
+fn advise_after_out_of_memory(device: c_int, allocator: &LockedAllocator, oom: &OutOfMemoryError) {
+    if !logging::errors_enabled() {
+        // TORCH_CUDA_ALLOC_LOG_LEVEL=OFF: nobody would read the line.
+        return;
+    }
+    let capacity = tune::live::oom_capacity(
+        oom.reserved as u64,
+        oom.device_free as u64,
+        oom.allowed.map(|a| a as u64),
+    );
+    let live = (oom.allocated as u64).saturating_add(oom.allocation_size as u64);
+    let recorded = {
+        let allocator = allocator.lock();
+        allocator
+            .is_recording_history()
+            .then(|| (allocator.history_snapshot(), allocator.config().clone()))
+    };
+    let Some((snapshot, config)) = recorded else {
+        logging::oom_advice_needs_history();
+        return;
+    };
+    let advice = catch_unwind(AssertUnwindSafe(|| {
+        tune::live::oom_advice(&snapshot, &config, device, capacity, live)
+    }));
+    match advice {
+        Ok(Ok(advice)) => logging::oom_advice(&advice.line(device)),
+        Ok(Err(why)) => logging::oom_advice(&format!("advice: none ({why})")),
+        Err(panic) => logging::internal_error("the out-of-memory advice", &panic_message(&*panic)),
     }
 }
 
@@ -489,6 +549,64 @@ fn reserve_class_of(stream: StreamId) -> String {
         .into_owned()
 }
 
+/// Called at an out of memory, PyTorch's `OutOfMemoryObserver`: the device, the size that
+/// could not be had, the device's total memory (or the memory-fraction limit, when one is set)
+/// and its free memory. See [`ferrocache_attach_oom_observer`].
+pub type OomObserver =
+    extern "C" fn(device: c_int, alloc_size: usize, device_total: usize, device_free: usize);
+/// An [`OomObserver`] or NULL, as the C ABI takes it.
+#[allow(non_camel_case_types, reason = "a C type of the header")]
+pub type ferrocache_oom_observer = Option<OomObserver>;
+
+/// The attached observers, in the order attached.
+static OOM_OBSERVERS: Mutex<Vec<OomObserver>> = Mutex::new(Vec::new());
+
+/// PyTorch's rule (`DeviceCachingAllocator::malloc`): at an out of memory, with the device's
+/// lock released (an observer may take the GIL, which another thread waiting for that lock may
+/// hold, and may ask the allocator for a snapshot), each observer is called in turn, before
+/// the exception is thrown. Observers attached meanwhile are called from the next one on.
+fn notify_oom_observers(oom: &OutOfMemoryError) {
+    let observers = OOM_OBSERVERS.lock().clone();
+    if observers.is_empty() {
+        return;
+    }
+    let limit = oom.allowed.unwrap_or(oom.device_total);
+    for observer in observers {
+        observer(oom.device, oom.allocation_size, limit, oom.device_free);
+    }
+}
+
+/// Attaches `observer`, PyTorch's out-of-memory observer
+/// (`torch._C._cuda_attach_out_of_memory_observer`): at each out of memory, before the
+/// exception reaches the caller, every attached observer is called on the allocating thread
+/// with the device, the size that could not be allocated, the device's total memory (or the
+/// limit `set_per_process_memory_fraction` set) and its free memory. No allocator lock is held
+/// then, so it may call any `ferrocache_*` function (take a snapshot); an allocation it makes
+/// can run out of memory again and call it again. It must stay callable for the life of the
+/// process (or until detached) and never unwind. Returns 0; -1 for NULL (last error set).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_attach_oom_observer(observer: ferrocache_oom_observer) -> c_int {
+    reporting_errors("ferrocache_attach_oom_observer", -1, || {
+        let observer = observer
+            .ok_or_else(|| "ferrocache_attach_oom_observer: the observer is NULL".to_string())?;
+        OOM_OBSERVERS.lock().push(observer);
+        Ok(0)
+    })
+}
+
+/// Detaches every attachment of `observer`; an observer not attached is no error. Returns 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_detach_oom_observer(observer: ferrocache_oom_observer) -> c_int {
+    reporting_errors("ferrocache_detach_oom_observer", -1, || {
+        if let Some(observer) = observer {
+            OOM_OBSERVERS
+                .lock()
+                .retain(|attached| !std::ptr::fn_addr_eq(*attached, observer));
+        }
+        Ok(0)
+    })
+}
+
 fn oom_thrower() -> Option<OomThrower> {
     let thrower = OOM_THROWER.load(Ordering::Acquire);
     if thrower.is_null() {
@@ -514,11 +632,29 @@ struct FreeClaims {
 fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
     // Before any lock, as in `allocate`.
     let stack = gather_stack(StackEvent::Free);
+    if let Some(device) = claims.device
+        && let Some(allocator) = created_allocator(device)
+    {
+        // The guard goes at the end of this statement: a warning never holds up other threads.
+        let freed = allocator.lock().free_with_stack(ptr, stack);
+        if let Ok(recorded) = freed {
+            report_wrong_claims(claims, device, &recorded);
+            return Ok(());
+        }
+    }
+    release_elsewhere(ptr, claims, stack)
+}
+
+/// [`release`] when the device the caller named (if any) did not hand `ptr` out: every device
+/// is asked (the named one again, which costs only on this rare path).
+#[cold]
+#[inline(never)]
+fn release_elsewhere(ptr: DevicePtr, claims: &FreeClaims, stack: StackId) -> Result<(), String> {
+    settings();
     match with_owner(claims.device, |allocator| {
         allocator.free_with_stack(ptr, stack)
     }) {
         Some((device, recorded)) => {
-            // Logged after the lock is released: a warning never holds up other threads.
             report_wrong_claims(claims, device, &recorded);
             Ok(())
         }
@@ -527,7 +663,23 @@ fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
 }
 
 /// Logs at WARN each claim of a free that differs from what the allocation recorded.
+#[inline(always)]
 fn report_wrong_claims(claims: &FreeClaims, device: c_int, recorded: &AllocationInfo) {
+    let all_right = claims.device.is_none_or(|claimed| claimed == device)
+        && claims
+            .size
+            .is_none_or(|size| size == recorded.requested_size)
+        && claims.stream.is_none_or(|stream| stream == recorded.stream);
+    if !all_right {
+        log_wrong_claims(claims, device, recorded);
+    }
+}
+
+/// [`report_wrong_claims`] once a claim differs (out of line: PyTorch's wrapper always passes
+/// what the allocation recorded).
+#[cold]
+#[inline(never)]
+fn log_wrong_claims(claims: &FreeClaims, device: c_int, recorded: &AllocationInfo) {
     let ptr = recorded.ptr;
     if let Some(claimed) = claims.device
         && claimed != device
@@ -569,7 +721,6 @@ pub unsafe extern "C" fn ferrocache_internal_malloc(
     thrower: *mut ferrocache_oom_thrower,
 ) -> *mut c_void {
     let failure = guarded("rust_malloc", Err(None), || {
-        settings();
         allocate(size, device, stream).map_err(|failure| {
             let throw_with = match &failure {
                 AllocFailure::OutOfMemory(_) => oom_thrower(),
@@ -604,7 +755,6 @@ pub extern "C" fn rust_free(ptr: *mut c_void, size: usize, device: c_int, stream
         return;
     }
     guarded("rust_free", (), || {
-        settings();
         let claims = FreeClaims {
             size: Some(size),
             device: Some(device),
@@ -1040,9 +1190,30 @@ pub unsafe extern "C" fn ferrocache_string_free(text: *mut c_char) {
 #[unsafe(no_mangle)]
 pub extern "C" fn ferrocache_memory_stats(device: c_int) -> *mut c_char {
     with_last_error("ferrocache_memory_stats", ptr::null_mut(), || {
-        let json = allocator(device)?.lock().stats().to_json();
+        let json = match allocator_if_used(device)? {
+            Some(allocator) => allocator.lock().stats().to_json(),
+            None => DeviceStats::new(config()?.max_split_size).to_json(),
+        };
         Ok(into_c_string(json))
     })
+}
+
+/// The allocator of `device` for a question about its statistics, or `None` for a device that
+/// exists but that this process has not allocated on: its statistics are all zero, and asking
+/// must not open it. PyTorch keeps statistics for every device from the start, so asking about
+/// another GPU costs nothing there; opening the device would retain its primary context, which
+/// on a real GPU takes hundreds of MiB on it (under `torchrun`, every rank asking about every
+/// device would put a context of each rank on each GPU). The device count is PyTorch's (from
+/// `rust_init`); without it, the device is opened to learn whether it exists.
+fn allocator_if_used(device: c_int) -> Result<Option<&'static LockedAllocator>, String> {
+    let slot = device_slot(device).inspect_err(|why| logging::invalid_device(why))?;
+    if let Some(created) = slot.get() {
+        return created.as_ref().map(Some).map_err(String::clone);
+    }
+    if device < DEVICE_COUNT.load(Ordering::Relaxed) {
+        return Ok(None);
+    }
+    allocator(device).map(Some)
 }
 
 /// `torch.cuda.memory._snapshot()`: PyTorch's structure as JSON (`segments` of every device,
@@ -1097,11 +1268,138 @@ pub extern "C" fn ferrocache_record_history(enabled: c_int, max_entries: usize) 
     })
 }
 
+/// Which `PYTORCH_CUDA_ALLOC_CONF` to set (`ferrocache.advise()`): the settings space searched
+/// with the replay engine, as `ferrocache tune` does, on a snapshot or on this process's
+/// recorded history. Returns one JSON object (`ferrocache tune --json`'s keys, plus `table`: the
+/// text the command prints) to free with `ferrocache_string_free`, or NULL (last error set: no
+/// history recorded, with how to record it; a snapshot that cannot be read).
+///
+/// - `snapshot`, `length`: a snapshot's bytes (pickle or JSON, as `ferrocache tune` reads
+///   them); NULL for this process's recorded history.
+/// - `device`: the device whose history to search (required for the history); for a snapshot,
+///   -1 searches every device in it.
+/// - `capacity_bytes`: the GPU's memory to fit in; 0: for the history, the device's memory (or
+///   the memory fraction's limit), for a snapshot what its out-of-memory entries tell, else
+///   80 GiB. A capacity given also tries `garbage_collection_threshold`.
+/// - `max_candidates`: try at most this many settings, the simplest first (0: all).
+///
+/// # Safety
+/// `snapshot` is NULL or points to `length` readable bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_advise(
+    snapshot: *const c_char,
+    length: usize,
+    device: c_int,
+    capacity_bytes: c_ulonglong,
+    max_candidates: usize,
+) -> *mut c_char {
+    with_last_error("ferrocache_advise", ptr::null_mut(), || {
+        let limit = (max_candidates > 0).then_some(max_candidates);
+        let given = (capacity_bytes > 0).then_some(capacity_bytes);
+        let tuning = if snapshot.is_null() {
+            advise_on_history(device, given, limit)?
+        } else {
+            // SAFETY: non-NULL, and the caller promises `length` readable bytes.
+            let bytes = unsafe { std::slice::from_raw_parts(snapshot.cast::<u8>(), length) };
+            advise_on_snapshot(bytes, device, given, limit)?
+        };
+        let mut value = tune::report::json(&tuning);
+        let table = tune::report::text(&tuning, &tune::report::TextOptions::default());
+        if let Some(object) = value.as_object_mut() {
+            object.insert("table".to_string(), serde_json::Value::String(table));
+        }
+        Ok(into_c_string(value.to_string()))
+    })
+}
+
+/// The search on `device`'s recorded history (its lock held only to copy the history).
+fn advise_on_history(
+    device: c_int,
+    capacity: Option<u64>,
+    max_candidates: Option<usize>,
+) -> Result<tune::Tuning, String> {
+    let allocator = created_allocator(device).ok_or_else(|| {
+        format!(
+            "device {device} has allocated nothing through ferrocache in this process: {}",
+            tune::live::HOW_TO_RECORD
+        )
+    })?;
+    let (snapshot, config, device_memory) = {
+        let mut allocator = allocator.lock();
+        if !allocator.is_recording_history() {
+            return Err(tune::live::HOW_TO_RECORD.to_string());
+        }
+        let device_memory = match allocator.allowed_memory_maximum() {
+            Some(allowed) => allowed as u64,
+            None => {
+                allocator
+                    .device_mut()
+                    .mem_get_info()
+                    .map_err(|err| format!("cudaMemGetInfo failed: {err}"))?
+                    .total as u64
+            }
+        };
+        (
+            allocator.history_snapshot(),
+            allocator.config().clone(),
+            device_memory,
+        )
+    };
+    let capacity = match capacity {
+        Some(bytes) => (bytes, tune::CapacitySource::Given),
+        None => (device_memory, tune::CapacitySource::Device),
+    };
+    tune::live::advise_live(&snapshot, &config, device, capacity, max_candidates)
+}
+
+/// The search on a snapshot's bytes, as `ferrocache tune` does on a file.
+fn advise_on_snapshot(
+    bytes: &[u8],
+    device: c_int,
+    capacity: Option<u64>,
+    max_candidates: Option<usize>,
+) -> Result<tune::Tuning, String> {
+    let snapshot =
+        crate::replay::parse_snapshot(bytes, "the snapshot").map_err(|e| e.to_string())?;
+    let workload = crate::replay::Workload::reconstruct(&snapshot);
+    let recorded = tune::recorded_setting(&snapshot, &workload);
+    let mut recorded_capacity: Option<u64> = None;
+    for d in &workload.devices {
+        if let Some(c) = tune::recorded_capacity(&snapshot, d) {
+            recorded_capacity = Some(recorded_capacity.map_or(c, |r| r.min(c)));
+        }
+    }
+    let mut subjects = tune::Subject::from_workload("snapshot", None, workload, recorded);
+    for subject in &mut subjects {
+        subject.serve_final_oom();
+    }
+    if device >= 0 {
+        subjects.retain(|s| s.workload.device == device as usize);
+        if subjects.is_empty() {
+            return Err(format!("the snapshot holds nothing of device {device}"));
+        }
+    }
+    let (capacity, capacity_source) = match (capacity, recorded_capacity) {
+        (Some(bytes), _) => (bytes, tune::CapacitySource::Given),
+        (None, Some(bytes)) => (bytes, tune::CapacitySource::Recording),
+        (None, None) => (tune::DEFAULT_CAPACITY, tune::CapacitySource::Default),
+    };
+    let options = tune::TuneOptions {
+        capacity,
+        capacity_source,
+        max_candidates,
+        ..tune::TuneOptions::default()
+    };
+    Ok(tune::tune(&subjects, &options))
+}
+
 /// `torch.cuda.reset_peak_memory_stats(device)`. Returns 0, or -1 (last error set).
 #[unsafe(no_mangle)]
 pub extern "C" fn ferrocache_reset_peak_stats(device: c_int) -> c_int {
     with_last_error("ferrocache_reset_peak_stats", -1, || {
-        allocator(device)?.lock().reset_peak_stats();
+        if let Some(allocator) = allocator_if_used(device)? {
+            allocator.lock().reset_peak_stats();
+        }
         Ok(0)
     })
 }
@@ -1110,7 +1408,9 @@ pub extern "C" fn ferrocache_reset_peak_stats(device: c_int) -> c_int {
 #[unsafe(no_mangle)]
 pub extern "C" fn ferrocache_reset_accumulated_stats(device: c_int) -> c_int {
     with_last_error("ferrocache_reset_accumulated_stats", -1, || {
-        allocator(device)?.lock().reset_accumulated_stats();
+        if let Some(allocator) = allocator_if_used(device)? {
+            allocator.lock().reset_accumulated_stats();
+        }
         Ok(0)
     })
 }

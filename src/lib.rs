@@ -10,3 +10,4 @@ pub mod lock;
 pub mod logging;
 pub mod policy;
 pub mod replay;
+pub mod tune;

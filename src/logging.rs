@@ -6,10 +6,16 @@
 //!
 //! [`init`] installs the logger; the C ABI calls it on the library's first use (not when the
 //! library is loaded, so that loading it never writes anything or reads the environment early).
+//!
+//! One rank of a job of several (`WORLD_SIZE` > 1, as `torchrun` sets it) starts each line with
+//! `[rankN]:` ([`rank_prefix`]), PyTorch's own prefix for a rank's tracebacks and log lines, so
+//! that the ranks' lines, interleaved on one terminal, can be told apart, and one grep finds
+//! all of a rank's lines, PyTorch's and ferrocache's; a single process keeps the plain format.
 
 use crate::config::{Config, LOG_LEVEL_VAR, LogLevel};
 use crate::device::{DevicePtr, StreamId};
 use log::{debug, error, info, warn};
+use std::cell::Cell;
 use std::fmt;
 use std::io::Write;
 use std::sync::{Once, OnceLock};
@@ -184,9 +190,70 @@ fn repeats_unusable(why: &str) -> bool {
         .is_some_and(|unusable| why.contains(unusable.as_str()))
 }
 
+thread_local! {
+    /// Set on threads that replay recordings on simulated GPUs (`ferrocache.advise()`, the
+    /// out-of-memory advice): their allocators' lines are not the process's.
+    static SILENCED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// From now on, nothing this thread logs is written (for threads that only run simulations).
+pub fn silence_this_thread() {
+    SILENCED.with(|s| s.set(true));
+}
+
+/// Runs `body` with this thread's log lines dropped, then restores what was before.
+pub fn silenced<R>(body: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SILENCED.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(SILENCED.with(|s| s.replace(true)));
+    body()
+}
+
+/// The stderr logger, less the lines of silenced threads. The check comes after the level
+/// check, so a disabled level still costs one atomic load.
+struct UnlessSilenced(env_logger::Logger);
+
+impl log::Log for UnlessSilenced {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        self.0.enabled(metadata) && !SILENCED.with(Cell::get)
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if !SILENCED.with(Cell::get) {
+            self.0.log(record);
+        }
+    }
+
+    fn flush(&self) {
+        self.0.flush();
+    }
+}
+
+/// The variable that gives the number of processes of a distributed job (`torchrun` sets it).
+pub const WORLD_SIZE_VAR: &str = "WORLD_SIZE";
+/// The variable that gives this process's rank in the job (`torchrun` sets it).
+pub const RANK_VAR: &str = "RANK";
+
+/// What starts each log line: `[rankN]:` for rank `N` of a job of more than one process
+/// (`WORLD_SIZE` > 1 and a `RANK`), nothing otherwise. It is the prefix `torch.distributed`
+/// puts on a rank's tracebacks and PyTorch's logging on its lines. Values that are not numbers
+/// count as unset: a line without the prefix is better than a wrong one.
+pub fn rank_prefix(world_size: Option<&str>, rank: Option<&str>) -> String {
+    let number = |text: Option<&str>| text.and_then(|t| t.trim().parse::<u64>().ok());
+    match (number(world_size), number(rank)) {
+        (Some(size), Some(rank)) if size > 1 => format!("[rank{rank}]:"),
+        _ => String::new(),
+    }
+}
+
 /// Installs the stderr logger at the level `TORCH_CUDA_ALLOC_LOG_LEVEL` names (WARN when unset),
 /// once per process; later calls do nothing. Lines are exactly `[LEVEL] message`: no timestamp,
-/// no module path, no colour. Only ferrocache's own target is shown.
+/// no module path, no colour; one rank of several puts `[rankN]:` before ([`rank_prefix`]).
+/// Only ferrocache's own target is shown.
 ///
 /// Another logger already installed in this copy of the `log` crate (a test harness, a program
 /// that links the rlib) is left alone.
@@ -197,12 +264,22 @@ pub fn init() {
             Ok(level) => (level, None),
             Err(err) => (LogLevel::default(), Some(err)),
         };
-        let installed = env_logger::Builder::new()
+        let variable = |name| std::env::var(name).ok();
+        let prefix = rank_prefix(
+            variable(WORLD_SIZE_VAR).as_deref(),
+            variable(RANK_VAR).as_deref(),
+        );
+        let logger = env_logger::Builder::new()
             .filter_level(log::LevelFilter::Off)
             .filter_module(TARGET, level.to_level_filter())
-            .format(|out, record| writeln!(out, "[{}] {}", record.level(), record.args()))
+            .format(move |out, record| {
+                writeln!(out, "{prefix}[{}] {}", record.level(), record.args())
+            })
             .target(env_logger::Target::Stderr)
-            .try_init();
+            .build();
+        let filter = logger.filter();
+        let installed = log::set_boxed_logger(Box::new(UnlessSilenced(logger)))
+            .map(|()| log::set_max_level(filter));
         if let (Ok(()), Some(err)) = (installed, problem) {
             warn!(target: TARGET, "Allocator: {err}; using {} (the default)", LogLevel::default());
         }
@@ -283,6 +360,25 @@ pub fn free_argument_mismatch(
     warn!(target: TARGET, "Allocator: rust_free of block {ptr:#x} was given {argument} {given}, but the block was allocated with {argument} {recorded}; using the recorded one");
 }
 
+/// Whether ERROR lines are written (every level but `OFF`).
+pub fn errors_enabled() -> bool {
+    log::log_enabled!(target: TARGET, log::Level::Error)
+}
+
+/// The line after an out-of-memory that says which setting would have served the program
+/// (`tune::live`), or why none would.
+pub fn oom_advice(line: &str) {
+    error!(target: TARGET, "Allocator: {line}");
+}
+
+/// An out-of-memory without recorded history: once per process, how to get the advice.
+pub fn oom_advice_needs_history() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        error!(target: TARGET, "Allocator: to learn which PYTORCH_CUDA_ALLOC_CONF would have served this program, record its allocation history from the start (torch.cuda.memory._record_memory_history() with ferrocache installed, or ferrocache.record_memory_history()): the next out-of-memory then names the setting, and ferrocache.advise() shows the table");
+    });
+}
+
 /// A panic inside ferrocache was caught at the C ABI (a bug in ferrocache).
 pub fn internal_error(function: &str, why: &str) {
     error!(target: TARGET, "Allocator: internal error in {function}: {why}");
@@ -300,6 +396,20 @@ mod tests {
         assert_eq!(HumanSize(1536).to_string(), "1.5 KB");
         assert_eq!(HumanSize(3 << 19).to_string(), "1.5 MB");
         assert_eq!(HumanSize(1000 * 1024 + 512).to_string(), "1000.5 KB");
+    }
+
+    #[test]
+    fn only_a_rank_of_several_prefixes_its_lines() {
+        assert_eq!(rank_prefix(Some("8"), Some("3")), "[rank3]:");
+        assert_eq!(rank_prefix(Some("2"), Some("0")), "[rank0]:");
+        // A single process, or no job at all: the seed's format.
+        assert_eq!(rank_prefix(Some("1"), Some("0")), "");
+        assert_eq!(rank_prefix(None, None), "");
+        assert_eq!(rank_prefix(None, Some("3")), "");
+        // Unreadable values: no prefix rather than a wrong one.
+        assert_eq!(rank_prefix(Some("2"), None), "");
+        assert_eq!(rank_prefix(Some("2"), Some("first")), "");
+        assert_eq!(rank_prefix(Some("many"), Some("1")), "");
     }
 
     #[test]

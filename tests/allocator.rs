@@ -447,6 +447,40 @@ fn imported_segments_hold_live_blocks_at_their_offsets() {
     assert_eq!(a.stats().inactive_split.all.current, 0);
 }
 
+/// Regression (found by `ferrocache tune` on tests/data/oracle/training_expandable.pickle
+/// under `max_split_size_mb:64,roundup_power2_divisions:2` on 0.75 GiB): a segment imported
+/// with a live block holds a free split block larger than max_split_size, which PyTorch never
+/// caches; releasing oversize blocks after a failed device allocation must pass it over, not
+/// give part of a live segment back to the device.
+#[test]
+fn oversize_release_passes_over_split_blocks_of_imported_segments() {
+    let mut a = with_config(300 * MIB, Config::parse("max_split_size_mb:64").unwrap());
+    let live = [ImportedBlock {
+        offset: 0,
+        size: 20 * MIB,
+        requested_size: 20 * MIB,
+    }];
+    let (base, ptrs) = a
+        .import_segment(200 * MIB, 0, PoolKind::Large, &live)
+        .unwrap();
+    assert_eq!(ptrs, vec![base]);
+    // 180 MiB free in the segment, too large to serve 150 MiB (more than 20 MiB over), and
+    // only 100 MiB left on the device: an out-of-memory, with the segment untouched.
+    let failed = a.malloc(150 * MIB, 0);
+    assert!(
+        matches!(failed, Err(AllocError::OutOfMemory(_))),
+        "{failed:?}"
+    );
+    checked(&a);
+    assert_eq!(a.device().counters().frees, 0);
+    assert_eq!(a.stats().reserved_bytes.all.current, 200 * MIB as i64);
+    a.free(base).unwrap();
+    checked(&a);
+    // Now the segment is whole: it is released and the request served.
+    a.malloc(150 * MIB, 0).unwrap();
+    checked(&a);
+}
+
 #[test]
 fn snapshot_lists_segments_and_blocks_like_pytorch() {
     let mut a = allocator(GIB);

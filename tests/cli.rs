@@ -3,10 +3,13 @@
 
 use serde_json::Value;
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::Output;
 
+#[path = "common/command.rs"]
+mod command;
 #[path = "common/traces.rs"]
 mod traces;
+use command::{ferrocache, stderr, stdout};
 use traces::traces_dir;
 
 const JSON_KEYS: [&str; 16] = [
@@ -27,21 +30,6 @@ const JSON_KEYS: [&str; 16] = [
     "matching_segment_allocs",
     "events_per_second",
 ];
-
-fn ferrocache(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ferrocache"))
-        .args(args)
-        .output()
-        .expect("the ferrocache binary runs")
-}
-
-fn stdout(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
 
 /// A scratch directory of this test process.
 fn scratch(test: &str) -> PathBuf {

@@ -14,16 +14,6 @@ use regex::Regex;
 
 const CLIENT_SOURCE: &str = "tests/cpp/pytorch_like_client.cpp";
 
-/// Variables that would change what the client sees, removed unless a test sets them.
-const INHERITED_SETTINGS: [&str; 6] = [
-    "PYTORCH_CUDA_ALLOC_CONF",
-    "PYTORCH_HIP_ALLOC_CONF",
-    "PYTORCH_ALLOC_CONF",
-    "TORCH_CUDA_ALLOC_LOG_LEVEL",
-    "FAKE_LIBCUDA_TOTAL_MEM",
-    "FAKE_LIBCUDA_DEVICE_COUNT",
-];
-
 /// Builds the client once per test process.
 fn client() -> &'static Path {
     static CLIENT: OnceLock<PathBuf> = OnceLock::new();
@@ -49,7 +39,7 @@ fn run_client(wrapper: &[&str], driver: Driver, env: &[(&str, &str)], args: &[&s
         }
         None => Command::new(client()),
     };
-    for variable in INHERITED_SETTINGS {
+    for variable in support::INHERITED_SETTINGS {
         command.env_remove(variable);
     }
     command
@@ -190,15 +180,24 @@ fn out_of_memory_arrives_as_a_cpp_exception_with_pytorchs_message() {
         stdout.contains("caught std::exception: CUDA out of memory. Tried to allocate 40.00 MiB. GPU 0 has a total capacity of 64.00 MiB"),
         "{stdout}"
     );
-    // Logged at ERROR (the default level shows it), once per failed allocation.
+    // Logged at ERROR (the default level shows it), once per failed allocation; after the
+    // first, once per process, how to learn which setting would have served the program.
     let errors: Vec<String> = stderr_lines(&output);
-    assert_eq!(errors.len(), 2, "{}", describe(&output));
-    for line in errors {
+    assert_eq!(errors.len(), 3, "{}", describe(&output));
+    for line in [&errors[0], &errors[2]] {
         assert!(
             line.starts_with("[ERROR] Allocator: CUDA out of memory. Tried to allocate"),
             "{line}"
         );
     }
+    assert!(
+        errors[1].starts_with(
+            "[ERROR] Allocator: to learn which PYTORCH_CUDA_ALLOC_CONF would have served this \
+             program, record its allocation history"
+        ),
+        "{}",
+        errors[1]
+    );
 }
 
 #[test]
@@ -348,13 +347,17 @@ fn the_client_runs_clean_under_valgrind() {
     let env = [("FAKE_LIBCUDA_TOTAL_MEM", "67108864")];
     let output = run_client(&valgrind, Driver::Fake, &env, &["oom"]);
     assert_passed(&output);
-    // Only ferrocache's two ERROR lines; valgrind said nothing.
+    // Only ferrocache's ERROR lines (two out-of-memory, one advice hint); valgrind said
+    // nothing.
     let lines = stderr_lines(&output);
     assert!(
-        lines.len() == 2
+        lines.len() == 3
+            && lines.iter().all(|l| l.starts_with("[ERROR] Allocator: "))
             && lines
                 .iter()
-                .all(|l| l.starts_with("[ERROR] Allocator: CUDA out of memory.")),
+                .filter(|l| l.starts_with("[ERROR] Allocator: CUDA out of memory."))
+                .count()
+                == 2,
         "{}",
         describe(&output)
     );

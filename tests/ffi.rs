@@ -135,6 +135,26 @@ impl Api {
         assert_eq!(unsafe { record(c_int::from(enabled), max_entries) }, 0);
     }
 
+    /// `ferrocache_advise`: the JSON, or the last error.
+    fn advise(
+        &self,
+        snapshot: Option<&[u8]>,
+        device: c_int,
+        capacity: u64,
+        max_candidates: usize,
+    ) -> Result<Value, String> {
+        let advise: unsafe extern "C" fn(*const c_char, usize, c_int, u64, usize) -> *mut c_char =
+            self.library.function("ferrocache_advise");
+        let (bytes, length) = snapshot.map_or((ptr::null(), 0), |b| (b.as_ptr().cast(), b.len()));
+        // SAFETY: NULL, or a live slice of `length` bytes.
+        let text =
+            self.take_string(unsafe { advise(bytes, length, device, capacity, max_candidates) });
+        match text {
+            Some(text) => Ok(serde_json::from_str(&text).expect("the advice is JSON")),
+            None => Err(self.last_error()),
+        }
+    }
+
     fn base_alloc(&self, ptr: *mut c_void) -> (*mut c_void, usize) {
         let base_alloc: unsafe extern "C" fn(*mut c_void, *mut usize) -> *mut c_void =
             self.library.function("rust_base_alloc");
@@ -334,6 +354,82 @@ fn history_and_snapshot_have_pytorchs_structure() {
     });
 }
 
+#[test]
+fn advise_searches_the_recorded_history_or_a_snapshot() {
+    let total = (200 * MIB).to_string();
+    let env = [("FAKE_LIBCUDA_TOTAL_MEM", total.as_str())];
+    in_own_process(
+        "advise_searches_the_recorded_history_or_a_snapshot",
+        &env,
+        || {
+            let api = Api::open();
+            // No history: an error that says how to record one, for an unused device or not.
+            let err = api.advise(None, 0, 0, 0).unwrap_err();
+            assert!(err.starts_with("device 0 has allocated nothing"), "{err}");
+            let small = api.alloc(4096, 0, 0);
+            let err = api.advise(None, 0, 0, 0).unwrap_err();
+            assert!(
+                err.contains("torch.cuda.memory._record_memory_history()"),
+                "{err}"
+            );
+            api.record_history(true, usize::MAX);
+            assert!(
+                api.advise(None, 0, 0, 0).is_err(),
+                "recording, but nothing recorded yet"
+            );
+            // A split cached block strands 40 MiB under the defaults.
+            let first = api.alloc(100 * MIB, 0, 0);
+            assert_eq!(api.free(first), 0);
+            let b = api.alloc(60 * MIB, 0, 0);
+            let c = api.alloc(60 * MIB, 0, 0);
+
+            let advice = api.advise(None, 0, 0, 0).expect("advice");
+            assert_eq!(advice["capacity_bytes"], 200 * MIB, "the device's memory");
+            assert_eq!(advice["capacity_source"], "device");
+            assert_eq!(advice["recorded_conf"], "");
+            assert_eq!(
+                advice["recorded_peak_reserved_bytes"],
+                api.stat("reserved_bytes.all.peak"),
+                "the replay under the process's setting is what it did"
+            );
+            assert!(advice["recommended_conf"].is_string(), "{advice}");
+            assert!(
+                advice["peak_reserved_bytes"].as_u64()
+                    < advice["recorded_peak_reserved_bytes"].as_u64(),
+                "{advice}"
+            );
+            let table = advice["table"].as_str().unwrap();
+            assert!(table.contains("this process (device 0)"), "{table}");
+            assert!(
+                table.contains("\n  export PYTORCH_CUDA_ALLOC_CONF="),
+                "{table}"
+            );
+            // A capacity given adds garbage collection; a bound keeps the simplest settings.
+            let bounded = api.advise(None, 0, (1 << 30) as u64, 5).expect("advice");
+            assert_eq!(bounded["capacity_source"], "given");
+            assert_eq!(bounded["candidates"].as_array().unwrap().len(), 5);
+
+            // A snapshot's bytes: the same as `ferrocache tune` on the file.
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/data/oracle/training_expandable.pickle");
+            let bytes = std::fs::read(path).unwrap();
+            let from_file = api.advise(Some(&bytes), -1, 0, 0).expect("advice");
+            assert_eq!(from_file["recorded_conf"], "expandable_segments:True");
+            assert_eq!(from_file["capacity_source"], "default");
+            let err = api.advise(Some(&bytes), 5, 0, 0).unwrap_err();
+            assert_eq!(err, "the snapshot holds nothing of device 5");
+            let err = api.advise(Some(b"\x80\x04garbage"), -1, 0, 0).unwrap_err();
+            assert!(err.starts_with("the snapshot: "), "{err}");
+            let err = api.advise(Some(b""), -1, 0, 0).unwrap_err();
+            assert!(err.contains("empty file"), "{err}");
+
+            for block in [small, b, c] {
+                assert_eq!(api.free(block), 0);
+            }
+        },
+    );
+}
+
 /// Calls made so far to every driver function ferrocache uses.
 fn driver_calls(fake: &FakeCuda) -> Vec<(&'static str, i64)> {
     ferrocache::device::cuda::REQUIRED_SYMBOLS
@@ -462,6 +558,119 @@ fn out_of_memory_gives_null_and_pytorchs_message() {
             "{message}"
         );
             assert_eq!(api.stat("num_ooms"), 1);
+        },
+    );
+}
+
+/// One call of an out-of-memory observer: device, size, total (or limit), free, and whether the
+/// allocator answered a snapshot from inside the observer.
+type ObservedCall = (c_int, usize, usize, usize, bool);
+type StringFreeFn = unsafe extern "C" fn(*mut c_char);
+
+/// What the observer of `oom_observers_are_called_before_the_error_with_pytorchs_figures` saw.
+static OBSERVED: std::sync::Mutex<Vec<ObservedCall>> = std::sync::Mutex::new(Vec::new());
+/// `ferrocache_snapshot` and `ferrocache_string_free`, for the observer.
+static SNAPSHOT_FUNCTIONS: std::sync::OnceLock<(OwnedStringFn, StringFreeFn)> =
+    std::sync::OnceLock::new();
+
+extern "C" fn record_out_of_memory(device: c_int, alloc_size: usize, total: usize, free: usize) {
+    let (snapshot, string_free) = SNAPSHOT_FUNCTIONS.get().expect("set before the allocation");
+    // Deadlocks if the device's lock were still held.
+    // SAFETY: no arguments; the string is the library's and goes back to it.
+    let answered = unsafe {
+        let text = snapshot();
+        let answered = !text.is_null();
+        string_free(text);
+        answered
+    };
+    OBSERVED
+        .lock()
+        .unwrap()
+        .push((device, alloc_size, total, free, answered));
+}
+
+#[test]
+fn oom_observers_are_called_before_the_error_with_pytorchs_figures() {
+    let total = (64 * MIB).to_string();
+    let env = [("FAKE_LIBCUDA_TOTAL_MEM", total.as_str())];
+    in_own_process(
+        "oom_observers_are_called_before_the_error_with_pytorchs_figures",
+        &env,
+        || {
+            type ObserverFn =
+                unsafe extern "C" fn(Option<extern "C" fn(c_int, usize, usize, usize)>) -> c_int;
+            let api = Api::open();
+            let _ = SNAPSHOT_FUNCTIONS.set((
+                api.library.function("ferrocache_snapshot"),
+                api.library.function("ferrocache_string_free"),
+            ));
+            let attach: ObserverFn = api.library.function("ferrocache_attach_oom_observer");
+            let detach: ObserverFn = api.library.function("ferrocache_detach_oom_observer");
+            // SAFETY: a NULL observer is refused; the observer stays callable for the process.
+            unsafe {
+                assert_eq!(attach(None), -1);
+                assert!(api.last_error().contains("NULL"), "{}", api.last_error());
+                assert_eq!(attach(Some(record_out_of_memory)), 0);
+            }
+            assert!(api.alloc(1 << 40, 0, 0).is_null());
+            assert!(
+                api.last_error().starts_with("CUDA out of memory."),
+                "the observer's own calls leave the error alone: {}",
+                api.last_error()
+            );
+            // With a memory fraction, PyTorch passes the limit in place of the total.
+            assert_eq!(api.set_memory_fraction(0.5, 0), 0);
+            assert!(api.alloc(40 * MIB, 0, 0).is_null());
+            // SAFETY: as above.
+            unsafe { assert_eq!(detach(Some(record_out_of_memory)), 0) };
+            assert!(api.alloc(1 << 40, 0, 0).is_null());
+            assert_eq!(
+                *OBSERVED.lock().unwrap(),
+                [
+                    (0, 1 << 40, 64 * MIB, 64 * MIB, true),
+                    (0, 40 * MIB, 32 * MIB, 64 * MIB, true),
+                ],
+                "called once per out of memory until detached"
+            );
+            assert_eq!(api.stat("num_ooms"), 3);
+        },
+    );
+}
+
+#[test]
+fn statistics_of_a_device_never_used_open_nothing_there() {
+    in_own_process(
+        "statistics_of_a_device_never_used_open_nothing_there",
+        &[("FAKE_LIBCUDA_DEVICE_COUNT", "2")],
+        || {
+            type InitFn = unsafe extern "C" fn(c_int);
+            let api = Api::open();
+            let fake = FakeCuda::open();
+            let init: InitFn = api.library.function("rust_init");
+            // SAFETY: a plain value, as PyTorch passes it at CUDA's lazy initialisation.
+            unsafe { init(2) };
+            let ptr = api.alloc(MIB, 0, 0);
+            assert!(!ptr.is_null());
+            let contexts = fake.stat("primary_context_refs");
+            let other = api.stats(1).expect("statistics of device 1");
+            assert_eq!(other["allocated_bytes.all.current"], 0);
+            assert_eq!(other["reserved_bytes.all.peak"], 0);
+            let reset: DeviceFn = api.library.function("ferrocache_reset_peak_stats");
+            // SAFETY: a plain value.
+            assert_eq!(unsafe { reset(1) }, 0);
+            assert_eq!(
+                fake.stat("primary_context_refs"),
+                contexts,
+                "asking about device 1 retained no context there"
+            );
+            assert_eq!(api.stat("allocated_bytes.all.current"), MIB as i64);
+            assert!(api.stats(2).is_none(), "there is no device 2");
+            assert!(
+                api.last_error().contains("no CUDA device 2"),
+                "{}",
+                api.last_error()
+            );
+            assert_eq!(api.free(ptr), 0);
         },
     );
 }

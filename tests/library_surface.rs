@@ -12,14 +12,16 @@ use regex::Regex;
 /// The C ABI: `rust_malloc` and the CUDA graph pool hooks (C++), `rust_free` and the other hooks
 /// PyTorch takes, the `ferrocache_*` functions of the Python package, and the command line the
 /// `ferrocache` binary runs.
-const EXPORTS: [&str; 34] = [
+const EXPORTS: [&str; 37] = [
     "ferrocache_alloc",
+    "ferrocache_attach_oom_observer",
     "ferrocache_begin_allocate_current_thread_to_pool",
     "ferrocache_check_config",
     "ferrocache_cli_main",
     "ferrocache_create_or_incref_pool",
     "ferrocache_check_invariants",
     "ferrocache_describe_config",
+    "ferrocache_detach_oom_observer",
     "ferrocache_empty_cache",
     "ferrocache_end_allocate_to_pool",
     "ferrocache_free",
@@ -27,6 +29,7 @@ const EXPORTS: [&str; 34] = [
     "ferrocache_memory_stats",
     "ferrocache_pool_use_count",
     "ferrocache_record_history",
+    "ferrocache_advise",
     "ferrocache_release_pool",
     "ferrocache_reset_accumulated_stats",
     "ferrocache_reset_peak_stats",

@@ -14,10 +14,12 @@ PyTorch; see docs/python.md.
 """
 
 from ._lib import LIBRARY_ENV, library_path
+from .advise import Advice, NoHistoryError, advise
 from ._version import __version__
 from .config import check_config, describe_config
 from .errors import LibraryNotFoundError, LibraryVersionError, OutOfMemoryError
 from .install import install, is_installed
+from .oom import attach_out_of_memory_observer
 from .pools import MemPool, mem_pool
 from .memory import (
     caching_allocator_alloc,
@@ -46,12 +48,16 @@ def library_version() -> str:
 
 
 __all__ = [
+    "Advice",
     "LIBRARY_ENV",
     "LibraryNotFoundError",
     "LibraryVersionError",
     "MemPool",
+    "NoHistoryError",
     "OutOfMemoryError",
     "__version__",
+    "advise",
+    "attach_out_of_memory_observer",
     "caching_allocator_alloc",
     "caching_allocator_delete",
     "check_config",

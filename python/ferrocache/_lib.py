@@ -54,6 +54,8 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_memory_stats": (c_void_p, (c_int,)),
     "ferrocache_snapshot": (c_void_p, ()),
     "ferrocache_record_history": (c_int, (c_int, c_size_t)),
+    # Snapshot bytes (or NULL: the recorded history), length, device, capacity, max candidates.
+    "ferrocache_advise": (c_void_p, (c_char_p, c_size_t, c_int, c_ulonglong, c_size_t)),
     "ferrocache_reset_peak_stats": (c_int, (c_int,)),
     "ferrocache_reset_accumulated_stats": (c_int, (c_int,)),
     "ferrocache_empty_cache": (c_int, ()),
@@ -62,6 +64,8 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_set_stack_gatherer": (c_int, (c_void_p, c_int)),
     "ferrocache_set_oom_thrower": (c_int, (c_void_p,)),
     "ferrocache_set_reserve_class_lookup": (c_int, (c_void_p,)),
+    "ferrocache_attach_oom_observer": (c_int, (c_void_p,)),
+    "ferrocache_detach_oom_observer": (c_int, (c_void_p,)),
     "ferrocache_check_invariants": (c_int, ()),
     "ferrocache_check_config": (c_int, (c_char_p,)),
     "ferrocache_describe_config": (c_void_p, (c_char_p,)),
@@ -96,6 +100,8 @@ _SETTINGS_FREE = frozenset(
         "ferrocache_set_stack_gatherer",
         "ferrocache_set_oom_thrower",
         "ferrocache_set_reserve_class_lookup",
+        "ferrocache_attach_oom_observer",
+        "ferrocache_detach_oom_observer",
     }
 )
 

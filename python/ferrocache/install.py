@@ -15,9 +15,9 @@ import threading
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
-from . import _lib, config, torch_api
+from . import _lib, _ranks, config, oom, torch_api
 
 #: PyTorch's hook setters, the library function each one gets, and what is lost without it.
 HOOKS = (
@@ -51,6 +51,7 @@ class _Installed:
     allocator: Any  # torch.cuda.memory.CUDAPluggableAllocator
     conf: Optional[str]
     log_level: Optional[str]
+    snapshot_on_oom: Optional[str]
 
 
 _lock = threading.Lock()
@@ -83,6 +84,7 @@ def install(
     conf: Optional[str] = None,
     log_level: Optional[str] = None,
     cross_stream: Optional[bool] = None,
+    snapshot_on_oom: Optional[Union[str, "os.PathLike[str]"]] = None,
 ) -> Any:
     """Makes ferrocache PyTorch's CUDA caching allocator; call it before the first CUDA tensor.
 
@@ -97,6 +99,12 @@ def install(
     after one device-side event wait (docs/cross-stream.md). It is ferrocache's own variable,
     never a ``PYTORCH_CUDA_ALLOC_CONF`` key, which PyTorch would reject.
 
+    ``snapshot_on_oom=path`` (or ``FERROCACHE_SNAPSHOT_ON_OOM=path``; the argument wins)
+    records the allocation history from now on, with Python stacks, and writes the snapshot to
+    ``path`` at the first out of memory, before the exception reaches Python
+    (:func:`ferrocache.oom.snapshot_on_oom`). ``{rank}``, ``{local_rank}`` and ``{pid}`` in it
+    are replaced; without them, one rank of a job of several writes ``<stem>_rank<N><ext>``.
+
     Returns the ``torch.cuda.memory.CUDAPluggableAllocator``. Raises ``ValueError`` with
     PyTorch's wording for an invalid setting, ``RuntimeError`` when CUDA is already initialised
     (too late to change PyTorch's allocator) and ``ImportError`` without PyTorch. A second call
@@ -107,13 +115,20 @@ def install(
     ferrocache, ``torch.cuda.graph`` captures allocate from private pools (docs/cuda-graphs.md),
     and ``torch.cuda``'s statistics, summary, history and snapshot functions are
     ferrocache's (the table in :mod:`ferrocache.torch_api`); an out of memory raises
-    ``torch.OutOfMemoryError`` where a C++ compiler can build the shim (see torch_api).
+    ``torch.OutOfMemoryError`` where a C++ compiler can build the shim (see torch_api), after
+    the observers attached with ``torch._C._cuda_attach_out_of_memory_observer`` ran.
     """
     global _installed
     torch = _import_torch()
+    snapshot_on_oom = _snapshot_on_oom_path(snapshot_on_oom)  # refused before anything changes
     with _lock:
         if _installed is not None:
             _check_same_settings(_installed, conf, log_level)
+            if snapshot_on_oom is not None and snapshot_on_oom != _installed.snapshot_on_oom:
+                warnings.warn(
+                    f"ferrocache is already installed; snapshot_on_oom={snapshot_on_oom!r} is ignored",
+                    stacklevel=2,
+                )
             if cross_stream is not None and os.environ.get(CROSS_STREAM_VAR) != _flag(cross_stream):
                 warnings.warn(
                     f"ferrocache is already installed; cross_stream={cross_stream!r} is ignored",
@@ -160,8 +175,55 @@ def install(
             ) from err
         torch_api.patch_torch_cuda(torch)
         torch_api.connect_oom_error(torch)
-        _installed = _Installed(allocator, conf, log_level)
+        _replace_oom_observer_attachment(torch)
+        _warn_of_nccl_register_hook()
+        if snapshot_on_oom is not None:
+            oom.snapshot_on_oom(snapshot_on_oom)
+        _installed = _Installed(allocator, conf, log_level, snapshot_on_oom)
         return allocator
+
+
+def _snapshot_on_oom_path(given: Optional[Union[str, "os.PathLike[str]"]]) -> Optional[str]:
+    """The snapshot path ``install()`` was given, else ``FERROCACHE_SNAPSHOT_ON_OOM``'s, checked
+    (``ValueError`` for a placeholder other than ``{rank}``, ``{local_rank}``, ``{pid}``)."""
+    if given is not None:
+        return _ranks.check_path(given)
+    from_environment = oom.snapshot_on_oom_from_environment()
+    if from_environment is None:
+        return None
+    try:
+        return _ranks.check_path(from_environment)
+    except ValueError as err:
+        raise ValueError(f"{oom.SNAPSHOT_ON_OOM_VAR}: {err}") from None
+
+
+#: PyTorch's way to attach an out-of-memory observer, which it refuses for a plugged-in
+#: allocator; install() puts ferrocache's in its place.
+TORCH_OOM_OBSERVER_ATTACHMENT = "_cuda_attach_out_of_memory_observer"
+
+
+def _replace_oom_observer_attachment(torch: ModuleType) -> None:
+    native = getattr(torch, "_C", None)
+    if native is not None and hasattr(native, TORCH_OOM_OBSERVER_ATTACHMENT):
+        # Listed by torch_api.replaced_names() with the rest.
+        torch_api._replace(native, TORCH_OOM_OBSERVER_ATTACHMENT, oom.attach_out_of_memory_observer)
+
+
+#: PyTorch's switch that registers the caching allocator's segments with NCCL through an
+#: allocator trace tracker, which PyTorch refuses for a plugged-in allocator.
+NCCL_REGISTER_HOOK_VAR = "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"
+
+
+def _warn_of_nccl_register_hook() -> None:
+    """With the hook on, PyTorch's NCCL process group aborts the process at its creation
+    (docs/distributed.md): said once, at install(), while it can still be changed."""
+    if os.environ.get(NCCL_REGISTER_HOOK_VAR, "").strip().lower() in ("1", "true", "yes", "on", "y"):
+        _ranks.log(
+            "WARN",
+            f"{NCCL_REGISTER_HOOK_VAR}=1 needs PyTorch's own allocator: with a plugged-in allocator "
+            "PyTorch's NCCL process group aborts the process when it is created; unset it "
+            "(see docs/distributed.md)",
+        )
 
 
 def _flag(on: bool) -> str:

@@ -24,7 +24,7 @@ import threading
 from types import CodeType, FrameType
 from typing import Any, Iterable, Optional, Union
 
-from . import _lib
+from . import _lib, _ranks
 from ._torch import Device
 
 #: The trace actions PyTorch's allocator records (``skip_actions`` takes these).
@@ -357,15 +357,50 @@ def allocation_traceback(data_ptr: int) -> Optional[list[dict[str, Any]]]:
     return None
 
 
+def _write_snapshot(path: str) -> None:
+    """Pickles :func:`snapshot` to ``path`` through a temporary file beside it, so that a
+    process killed while it writes leaves no half-written snapshot."""
+    data = snapshot()
+    folder = os.path.dirname(path) or "."
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as f:
+            pickle.dump(data, f, protocol=PICKLE_PROTOCOL)
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+
+
 def dump_snapshot(
     filename: Union[str, "os.PathLike[str]"] = "dump_snapshot.pickle",
     augment_with_fx_traces: bool = False,
+) -> str:
+    """Pickles :func:`snapshot` for https://pytorch.org/memory_viz or
+    ``python -m torch.cuda._memory_viz``, as ``torch.cuda.memory._dump_snapshot`` does, with
+    one file per rank: ``{rank}``, ``{local_rank}`` and ``{pid}`` in ``filename`` are replaced
+    by this process's; with none of them, in a job of several ranks (``WORLD_SIZE`` > 1), the
+    rank goes before the extension (``run.pickle`` -> ``run_rank3.pickle``). Missing folders
+    are made. Returns the path written. (``torch.cuda.memory._dump_snapshot``, once installed,
+    writes ``filename`` exactly, as PyTorch's does.)"""
+    path = _ranks.per_rank_path(filename)
+    folder = os.path.dirname(path)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    _write_snapshot(path)
+    return path
+
+
+def torch_dump_snapshot(
+    filename: Union[str, "os.PathLike[str]"] = "dump_snapshot.pickle",
+    augment_with_fx_traces: bool = False,
 ) -> None:
-    """``torch.cuda.memory._dump_snapshot(filename)``: pickles :func:`snapshot` to ``filename``,
-    for https://pytorch.org/memory_viz or ``python -m torch.cuda._memory_viz``."""
-    data = snapshot()
-    with open(filename, "wb") as f:
-        pickle.dump(data, f, protocol=PICKLE_PROTOCOL)
+    """``torch.cuda.memory._dump_snapshot(filename)``: pickles :func:`snapshot` to exactly
+    ``filename``, as PyTorch's does (no placeholders, no rank added)."""
+    _write_snapshot(os.fspath(filename))
 
 
 __all__ = [
@@ -374,4 +409,5 @@ __all__ = [
     "memory_snapshot",
     "record_memory_history",
     "snapshot",
+    "torch_dump_snapshot",
 ]

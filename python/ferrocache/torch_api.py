@@ -28,14 +28,13 @@ import hashlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Optional
 
-from . import _lib, _torch, memory, snapshot
+from . import _lib, _ranks, _torch, memory, snapshot
 from ._torch import Device
 
 # ------------------------------------------------------------------------------------------------
@@ -118,7 +117,7 @@ TORCH_CUDA_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "_record_memory_history_impl": snapshot._record_memory_history_impl,
     "_record_memory_history_legacy": snapshot._record_memory_history_legacy,
     "_snapshot": snapshot.snapshot,
-    "_dump_snapshot": snapshot.dump_snapshot,
+    "_dump_snapshot": snapshot.torch_dump_snapshot,
     "_allocation_traceback": snapshot.allocation_traceback,
 }
 
@@ -209,10 +208,7 @@ _oom_shim: Any = None  # the loaded shim, kept for the life of the process
 
 def _warn(message: str) -> None:
     """One WARN line on stderr in the library's format, unless the log level hides warnings."""
-    level = os.environ.get("TORCH_CUDA_ALLOC_LOG_LEVEL", "WARN").strip().upper()
-    if level in ("OFF", "ERROR"):
-        return
-    print(f"[WARN] Allocator: {message}", file=sys.stderr, flush=True)
+    _ranks.log("WARN", message)
 
 
 def _cache_dir() -> Path:

@@ -108,8 +108,10 @@ def test_the_whole_run_with_a_pytorch_that_only_claims_a_gpu(tmp_path: Path) -> 
     assert report["environment"]["ferrocache"].startswith("0.")  # imported from the new venv
     assert str(out / "venv") in report["environment"]["ferrocache"]
     statuses = {c["key"]: c["status"] for c in report["checks"]}
-    assert list(statuses) == ["losses", "peaks", "streams", "oom", "empty_cache", "host_cost", "example", "replay"]
-    for key in ("losses", "streams", "oom", "empty_cache", "host_cost", "replay"):
+    assert list(statuses) == [
+        "losses", "peaks", "streams", "oom", "empty_cache", "host_cost", "example", "replay", "tune",
+    ]  # fmt: skip
+    for key in ("losses", "streams", "oom", "empty_cache", "host_cost", "replay", "tune"):
         assert statuses[key] == ERROR, (key, report["checks"])
     assert statuses["example"] == FAIL
     markdown = (out / "report.md").read_text()
@@ -171,7 +173,7 @@ def test_verdicts_on_streams_oom_and_empty_cache() -> None:
 
 
 def test_verdict_on_the_replay() -> None:
-    assert checks.replay({"skipped": "cargo not found"}, {}).status == SKIPPED
+    assert checks.replay({"skipped": "no ferrocache command"}, {}).status == SKIPPED
     missing = checks.replay({"returncode": 2, "stderr_tail": "unrecognized subcommand 'replay'"}, {})
     assert missing.status == SKIPPED and "unrecognized subcommand" in missing.summary
     assert checks.replay({"returncode": 0, "rows": None}, {}).status == ERROR
@@ -193,24 +195,84 @@ def test_verdict_on_the_replay() -> None:
     ]
 
 
-def test_the_replay_step_calls_cargo_and_tolerates_its_absence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_verdict_on_tune() -> None:
+    assert checks.tune({"skipped": "no ferrocache command"}).status == SKIPPED
+    assert checks.tune({"returncode": 2, "stderr_tail": "unrecognized subcommand 'tune'"}).status == ERROR
+    tuned = {"recommended_conf": "expandable_segments:True", "recommended_env": {},
+             "peak_reserved_bytes": 4 << 20, "defaults_peak_reserved_bytes": 8 << 20, "candidates": [{}] * 88}  # fmt: skip
+    confirmed = checks.tune({"returncode": 0, "tuned": tuned, "confirm_rows": [{"peak_reserved_bytes": 4 << 20}]})
+    assert confirmed.status == PASS
+    assert confirmed.summary == (
+        "recommended 'expandable_segments:True': 4.0 MiB at the peak, 4.0 MiB (50.0%) less than the "
+        "defaults; replay agrees"
+    )
+    assert confirmed.tables[0].rows == [
+        ["'expandable_segments:True'", "4.0 MiB", "8.0 MiB", "4.0 MiB (50.0%)", "4.0 MiB", "88"]
+    ]
+    differs = checks.tune({"returncode": 0, "tuned": tuned, "confirm_rows": [{"peak_reserved_bytes": 5 << 20}]})
+    assert differs.status == FAIL
+    failed = checks.tune({"returncode": 0, "tuned": tuned, "confirm_rows": None, "confirm_error": "boom"})
+    assert failed.status == ERROR and "boom" in failed.summary
+    none = checks.tune({"returncode": 0, "tuned": dict(tuned, recommended_conf=None)})
+    assert none.status == MEASURED and "no setting fits" in none.summary
+
+
+def test_the_replay_step_runs_the_ferrocache_command_and_tolerates_its_absence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     snapshot = tmp_path / "native.pickle"
     snapshot.write_bytes(b"x")
     ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path)
     ctx.logs.mkdir()
-    cargo = tmp_path / "cargo"
-    cargo.write_text('#!/bin/sh\necho "$@" >&2\necho \'{"conf": ""}\'\necho \'{"conf": "x"}\'\n')
-    cargo.chmod(0o755)
-    monkeypatch.setenv("CARGO", str(cargo))
+    command = tmp_path / "ferrocache"
+    command.write_text('#!/bin/sh\necho "$@" >&2\necho \'{"conf": ""}\'\necho \'{"conf": "x"}\'\n')
+    command.chmod(0o755)
+    monkeypatch.setenv(cli.COMMAND_ENV, str(command))
     outcome = cli.run_replay(ctx, snapshot)
     assert outcome["returncode"] == 0 and outcome["rows"] == [{"conf": ""}, {"conf": "x"}]
     assert (ctx.logs / "replay.log").read_text() == (
-        f"run --quiet --release -- replay {snapshot} --json --conf  --conf expandable_segments:True\n"
+        f"$ {command} replay {snapshot} --json --conf  --conf expandable_segments:True\n"
+        f"replay {snapshot} --json --conf  --conf expandable_segments:True\n"
     )
-    cargo.write_text("#!/bin/sh\necho \"error: unrecognized subcommand 'replay'\" >&2\nexit 2\n")
+    command.write_text("#!/bin/sh\necho \"error: unrecognized subcommand 'replay'\" >&2\nexit 2\n")
     outcome = cli.run_replay(ctx, snapshot)
     assert checks.replay(outcome, {}).status == SKIPPED
     assert cli.run_replay(ctx, tmp_path / "none.pickle") == {"skipped": f"no native snapshot at {tmp_path / 'none.pickle'}"}
+    monkeypatch.setenv(cli.COMMAND_ENV, str(tmp_path / "missing"))
+    assert "no ferrocache command" in cli.run_replay(ctx, snapshot)["skipped"]
+    assert "no ferrocache command" in cli.run_tune(ctx, snapshot)["skipped"]
+
+
+#: The command the package installed beside this interpreter (scripts/python-tests).
+INSTALLED_COMMAND = Path(sys.executable).parent / "ferrocache"
+
+
+def test_the_replay_and_tune_steps_with_the_installed_command_on_a_pytorch_recording(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What runs on the GPU machine, on one of PyTorch's own recordings (tests/data/oracle) as
+    the native snapshot, with the command the package installed (no cargo)."""
+    if not INSTALLED_COMMAND.is_file():
+        pytest.skip(f"no installed ferrocache command at {INSTALLED_COMMAND} (scripts/python-tests)")
+    monkeypatch.delenv(cli.COMMAND_ENV, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))  # no cargo, no other ferrocache
+    snapshot = REPO / "tests" / "data" / "oracle" / "training_defaults.pickle"
+    report = Report(started="now")
+    report.environment["total_memory"] = 8 * 2**30
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), report, tmp_path, python=sys.executable)
+    ctx.logs.mkdir()
+    assert cli.ferrocache_command(ctx) == str(INSTALLED_COMMAND)
+    replayed = checks.replay(cli.run_replay(ctx, snapshot), {})
+    assert replayed.status == MEASURED, replayed.summary
+    assert replayed.summary.startswith("PyTorch's segment decisions reproduced: ")
+    outcome = cli.run_tune(ctx, snapshot)
+    assert outcome["tuned"]["capacity_bytes"] == 8 * 2**30
+    assert outcome["tuned"]["capacity_source"] == "given"
+    result = checks.tune(outcome)
+    assert result.status == PASS, (result.summary, outcome)
+    assert "replay agrees" in result.summary
+    assert (tmp_path / "tune.json").is_file() and (tmp_path / "logs" / "tune-confirm.log").is_file()
+    assert cli.capacity_gib(8 * 2**30) == "8.0" and cli.capacity_gib(None) is None
 
 
 def test_the_report() -> None:

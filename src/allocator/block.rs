@@ -138,25 +138,32 @@ pub struct BlockArena {
 }
 
 impl BlockArena {
+    #[inline(always)]
     pub fn insert(&mut self, block: Block) -> BlockId {
         match self.vacant.pop() {
             Some(index) => {
                 self.slots[index as usize] = Some(block);
                 BlockId(index)
             }
-            None => {
-                self.slots.push(Some(block));
-                BlockId((self.slots.len() - 1) as u32)
-            }
+            None => self.push(block),
         }
     }
 
+    /// [`BlockArena::insert`] when no slot is vacant (out of line: it may grow the arena).
+    #[inline(never)]
+    fn push(&mut self, block: Block) -> BlockId {
+        self.slots.push(Some(block));
+        BlockId((self.slots.len() - 1) as u32)
+    }
+
     /// Adds `block` to the chain just below `at` (it takes `at`'s place after `at.prev`).
+    #[inline(always)]
     pub fn insert_before(&mut self, at: BlockId, mut block: Block) -> BlockId {
-        block.prev = self.get(at).prev;
+        let prev = self.get(at).prev;
+        block.prev = prev;
         block.next = Some(at);
         let id = self.insert(block);
-        if let Some(prev) = self.get(id).prev {
+        if let Some(prev) = prev {
             self.get_mut(prev).next = Some(id);
         }
         self.get_mut(at).prev = Some(id);
@@ -175,6 +182,7 @@ impl BlockArena {
         id
     }
 
+    #[inline(always)]
     pub fn remove(&mut self, id: BlockId) -> Block {
         let block = self.slots[id.0 as usize]
             .take()
@@ -183,14 +191,24 @@ impl BlockArena {
         block
     }
 
-    #[inline]
+    /// Removes a block whose fields the caller no longer needs (cheaper than
+    /// [`BlockArena::remove`], which moves it out).
+    #[inline(always)]
+    pub fn discard(&mut self, id: BlockId) {
+        let slot = &mut self.slots[id.0 as usize];
+        assert!(slot.is_some(), "arena slot of a live block");
+        *slot = None;
+        self.vacant.push(id.0);
+    }
+
+    #[inline(always)]
     pub fn get(&self, id: BlockId) -> &Block {
         self.slots[id.0 as usize]
             .as_ref()
             .expect("arena slot of a live block")
     }
 
-    #[inline]
+    #[inline(always)]
     pub fn get_mut(&mut self, id: BlockId) -> &mut Block {
         self.slots[id.0 as usize]
             .as_mut()

@@ -249,14 +249,19 @@ impl<D: Device> DeviceAllocator<D> {
     /// `torch.cuda.memory._snapshot()` for this device.
     pub fn snapshot(&mut self) -> MemorySnapshot {
         // As PyTorch does, the trace is read before the snapshot marks itself in it.
-        let trace = self.history.entries();
-        let segments = self.segments();
-        let total_active: u64 = segments.iter().map(|s| s.active_size).sum();
+        let snapshot = self.history_snapshot();
+        let total_active: u64 = snapshot.segments.iter().map(|s| s.active_size).sum();
         self.history
             .record(TraceAction::Snapshot, 0, total_active as usize, 0);
+        snapshot
+    }
+
+    /// The same as [`DeviceAllocator::snapshot`] without marking the trace: for advice that
+    /// reads the history without the program asking for a snapshot.
+    pub fn history_snapshot(&self) -> MemorySnapshot {
         MemorySnapshot {
-            segments,
-            device_traces: vec![trace],
+            segments: self.segments(),
+            device_traces: vec![self.history.entries()],
             allocator_settings: self.config.to_pytorch_settings(),
         }
     }

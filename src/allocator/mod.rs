@@ -22,6 +22,7 @@ pub mod cross_stream;
 pub mod expandable;
 pub mod history;
 mod import;
+mod live;
 pub mod pool;
 pub mod private_pool;
 pub mod stats;
@@ -54,8 +55,12 @@ pub struct OutOfMemoryError {
     pub allowed: Option<usize>,
     pub allocated: usize,
     pub reserved: usize,
-    /// The full message, starting `CUDA out of memory. Tried to allocate`.
+    /// The full message, starting `CUDA out of memory.`.
     pub message: String,
+    /// `throw_on_cudamalloc_oom` refused the allocation before the device was asked. PyTorch
+    /// then calls no out-of-memory observer (it has rejection observers instead, which no
+    /// Python API reaches).
+    pub preemptively_rejected: bool,
 }
 
 /// Why `malloc` failed.
@@ -169,7 +174,7 @@ pub struct DeviceAllocator<D: Device> {
     /// Streams a block was used on (`record_stream`) while a capture was under way.
     capture_stream_uses: FxHashMap<BlockId, Vec<StreamId>>,
     /// Blocks handed out to the program, by address.
-    allocated: FxHashMap<DevicePtr, BlockId>,
+    allocated: live::LiveTable,
     /// Per stream, events recorded when a block used on it was freed, oldest first.
     pending_events: BTreeMap<StreamId, VecDeque<(EventHandle, BlockId)>>,
     pending_event_count: usize,
@@ -219,7 +224,7 @@ impl<D: Device> DeviceAllocator<D> {
             captures: Vec::new(),
             events_deferred_until_no_capture: Vec::new(),
             capture_stream_uses: FxHashMap::default(),
-            allocated: FxHashMap::default(),
+            allocated: live::LiveTable::default(),
             pending_events: BTreeMap::new(),
             pending_event_count: 0,
             total_allocated_memory: 0,
@@ -324,6 +329,7 @@ impl<D: Device> DeviceAllocator<D> {
     // ----------------------------------------------------------------------------------------
 
     /// Allocates `size` bytes (0 is served as 512) for use on `stream`.
+    #[inline(always)]
     pub fn malloc(&mut self, size: usize, stream: StreamId) -> Result<DevicePtr, AllocError> {
         let private_pool = if self.captures.is_empty() {
             // Event queries are illegal during a capture, so completed frees wait until after.
@@ -357,6 +363,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// [`malloc`](Self::malloc) on behalf of the caller's stack `stack` (an id the caller hands
     /// out; 0: none): the block keeps it for snapshots, and every trace entry the allocation
     /// records (`segment_alloc`, `alloc`, `oom`) carries it.
+    #[inline(always)]
     pub fn malloc_with_stack(
         &mut self,
         size: usize,
@@ -371,6 +378,7 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// [`free_returning_info`](Self::free_returning_info) on behalf of the caller's stack
     /// `stack`: the `free_requested` and `free_completed` entries it records carry it.
+    #[inline(always)]
     pub fn free_with_stack(
         &mut self,
         ptr: DevicePtr,
@@ -421,6 +429,7 @@ impl<D: Device> DeviceAllocator<D> {
     }
 
     /// `get_free_block`: the best-fitting cached block of the request's stream, if one may serve.
+    #[inline(always)]
     fn get_free_block(&mut self, request: &Request) -> Option<BlockId> {
         let pool = self.pools.get_mut(request.private_pool, request.pool);
         if self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0 {
@@ -465,6 +474,7 @@ impl<D: Device> DeviceAllocator<D> {
     }
 
     /// `alloc_found_block`: hands out the block, splitting off the rest when `split`.
+    #[inline(always)]
     fn alloc_found_block(
         &mut self,
         id: BlockId,
@@ -523,6 +533,7 @@ impl<D: Device> DeviceAllocator<D> {
     }
 
     /// Marks a block allocated to the program, with its statistics and trace entry.
+    #[inline(always)]
     fn hand_out(&mut self, id: BlockId, requested_size: usize) -> DevicePtr {
         let block = self.arena.get_mut(id);
         block.allocated = true;
@@ -729,6 +740,7 @@ impl<D: Device> DeviceAllocator<D> {
             allocated: self.stats.allocated_bytes.all.current as usize,
             reserved: self.stats.reserved_bytes.all.current as usize,
             message,
+            preemptively_rejected: self.preemptively_rejected,
         }))
     }
 
@@ -745,24 +757,36 @@ impl<D: Device> DeviceAllocator<D> {
     /// [`DeviceAllocator::free`], returning what the allocation had recorded, so that a caller
     /// can check what it was told about the pointer without a second look-up. A pointer this
     /// allocator did not hand out changes nothing.
+    #[inline(always)]
     pub fn free_returning_info(&mut self, ptr: DevicePtr) -> Result<AllocationInfo, PointerError> {
         let id = self
             .allocated
             .remove(&ptr)
             .ok_or(PointerError::Unknown(ptr))?;
-        let info = self.info_of(ptr, id);
         let block = self.arena.get_mut(id);
         block.allocated = false;
-        let (pool, size, requested, stream) =
-            (block.pool, block.size, block.requested_size, block.stream);
+        let waits_for_streams = !block.stream_uses.is_empty();
+        let info = AllocationInfo {
+            ptr,
+            size: block.size,
+            requested_size: block.requested_size,
+            stream: block.stream,
+            pool: block.pool,
+            private_pool: block.private_pool.map(|index| self.pools.private(index).id),
+        };
+        let (pool, size) = (info.pool, info.size);
         self.stats.allocation.decrease(pool, 1);
         self.stats.allocated_bytes.decrease(pool, size as u64);
         if policy::is_oversize(size, &self.config) {
             self.stats.oversize_allocations.decrease(1);
         }
-        self.history
-            .record(TraceAction::FreeRequested, ptr, requested, stream);
-        if self.arena.get(id).stream_uses.is_empty() {
+        self.history.record(
+            TraceAction::FreeRequested,
+            ptr,
+            info.requested_size,
+            info.stream,
+        );
+        if !waits_for_streams {
             logging::block_freed(ptr);
             self.free_block(id);
         } else if !self.captures.is_empty() {
@@ -780,29 +804,25 @@ impl<D: Device> DeviceAllocator<D> {
     }
 
     /// `free_block`: returns an available block to its pool, merged with free neighbours.
+    #[inline(always)]
     fn free_block(&mut self, id: BlockId) {
-        let (ptr, original_size, requested, stream, pool, expandable) = {
-            let b = self.arena.get(id);
-            debug_assert!(b.is_available());
-            (
-                b.ptr,
-                b.size,
-                b.requested_size,
-                b.stream,
-                b.pool,
-                b.expandable.is_some(),
-            )
-        };
+        let b = self.arena.get(id);
+        debug_assert!(b.is_available());
+        let (ptr, original_size, requested, stream, pool, expandable) = (
+            b.ptr,
+            b.size,
+            b.requested_size,
+            b.stream,
+            b.pool,
+            b.expandable.is_some(),
+        );
+        let (prev, next) = (b.prev, b.next);
         self.history
             .record(TraceAction::FreeCompleted, ptr, requested, stream);
         let mut inactive_split_blocks: i64 = 0;
         let mut inactive_split_bytes: i64 = 0;
-        let (prev, next) = {
-            let b = self.arena.get(id);
-            (b.prev, b.next)
-        };
-        for candidate in [prev, next] {
-            let subsumed = self.try_merge_blocks(id, candidate);
+        for candidate in [prev, next].into_iter().flatten() {
+            let subsumed = self.merge_if_available(id, candidate);
             if subsumed > 0 {
                 inactive_split_blocks -= 1;
                 inactive_split_bytes -= subsumed as i64;
@@ -833,45 +853,63 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// `try_merge_blocks`: absorbs `candidate` into `dst` if it is an available block in the same
     /// state of mapping. Returns the bytes absorbed (0 = no merge).
+    #[inline(always)]
     fn try_merge_blocks(&mut self, dst: BlockId, candidate: Option<BlockId>) -> usize {
-        let Some(src) = candidate else { return 0 };
-        {
-            let (s, d) = (self.arena.get(src), self.arena.get(dst));
-            let allowed = cross_stream::may_merge(s, d)
-                || (self.merging_across_streams && s.mapped == d.mapped);
-            if !s.is_available() || !allowed {
-                return 0;
-            }
+        match candidate {
+            Some(src) => self.merge_if_available(dst, src),
+            None => 0,
         }
-        let src_block = self.arena.remove(src);
-        let pool = self.pools.of_block_mut(&src_block);
-        let removed = if src_block.mapped {
-            pool.remove(src, &src_block)
+    }
+
+    /// [`try_merge_blocks`](Self::try_merge_blocks) of `dst`'s neighbour `src`.
+    #[inline(always)]
+    fn merge_if_available(&mut self, dst: BlockId, src: BlockId) -> usize {
+        let s = self.arena.get(src);
+        if !s.is_available() {
+            return 0;
+        }
+        let d = self.arena.get(dst);
+        let allowed =
+            cross_stream::may_merge(s, d) || (self.merging_across_streams && s.mapped == d.mapped);
+        if !allowed {
+            return 0;
+        }
+        let (src_ptr, src_size, src_prev, src_next, src_mapped) =
+            (s.ptr, s.size, s.prev, s.next, s.mapped);
+        let pool = self.pools.of_block_mut(s);
+        let removed = if src_mapped {
+            pool.remove(src, s)
         } else {
-            pool.remove_unmapped(&src_block)
+            pool.remove_unmapped(s)
         };
         debug_assert!(removed, "an available block is in its pool");
+        self.arena.discard(src);
         let dst_block = self.arena.get_mut(dst);
-        if dst_block.prev == Some(src) {
+        dst_block.size += src_size;
+        let merged_ptr = if src_next == Some(dst) {
+            src_ptr
+        } else {
+            dst_block.ptr
+        };
+        if src_next == Some(dst) {
             // [src dst]
-            dst_block.ptr = src_block.ptr;
-            dst_block.prev = src_block.prev;
-            if let Some(p) = src_block.prev {
+            dst_block.ptr = src_ptr;
+            dst_block.prev = src_prev;
+            if let Some(p) = src_prev {
                 self.arena.get_mut(p).next = Some(dst);
             }
         } else {
             // [dst src]
-            dst_block.next = src_block.next;
-            if let Some(n) = src_block.next {
+            dst_block.next = src_next;
+            if let Some(n) = src_next {
                 self.arena.get_mut(n).prev = Some(dst);
             }
         }
-        self.arena.get_mut(dst).size += src_block.size;
         self.stats.num_merges += 1;
-        if src_block.mapped {
-            logging::block_merged(self.arena.get(dst).ptr);
+        if src_mapped {
+            logging::block_merged(merged_ptr);
         }
-        src_block.size
+        src_size
     }
 
     // ----------------------------------------------------------------------------------------
@@ -1118,9 +1156,17 @@ impl<D: Device> DeviceAllocator<D> {
         let wanted = request.size.max(max_split_size);
         let pool = self.pools.get(None, request.pool);
         let arena = &self.arena;
+        // Only whole segments go back to the device. PyTorch never caches a split block this
+        // large (requests below max_split_size never get one, larger ones never split it), but
+        // a replay's imported start state can hold one (a segment laid out under another
+        // setting): it is passed over like an expandable one.
+        let releasable = |id: BlockId| {
+            let b = arena.get(id);
+            b.expandable.is_none() && !b.is_split()
+        };
         let covering = pool
             .best_fit(request.stream, wanted)
-            .filter(|&id| arena.get(id).expandable.is_none());
+            .filter(|&id| releasable(id));
         if let Some(id) = covering {
             self.release_block(id)?;
             return Ok(true);
@@ -1134,7 +1180,7 @@ impl<D: Device> DeviceAllocator<D> {
             if released >= wanted || size < max_split_size {
                 break;
             }
-            if arena.get(id).expandable.is_none() {
+            if releasable(id) {
                 to_release.push(id);
                 released += size;
             }

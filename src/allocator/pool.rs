@@ -24,6 +24,7 @@ const BITMAP_WORDS: usize = EXACT_CLASSES / 64;
 
 /// The class of the blocks of `size` bytes, or for a request of `size`, the first class that
 /// can hold it (sizes are rounded up to a multiple of 512).
+#[inline(always)]
 fn class_of(size: usize) -> usize {
     size.div_ceil(K_MIN_BLOCK_SIZE).max(1) - 1
 }
@@ -52,11 +53,13 @@ impl ClassBitmap {
         }
     }
 
+    #[inline(always)]
     fn set(&mut self, class: usize) {
         self.words[class / 64] |= 1 << (class % 64);
         self.summary |= 1 << (class / 64);
     }
 
+    #[inline(always)]
     fn clear(&mut self, class: usize) {
         let word = &mut self.words[class / 64];
         *word &= !(1 << (class % 64));
@@ -66,6 +69,7 @@ impl ClassBitmap {
     }
 
     /// The first occupied class at or after `class`.
+    #[inline(always)]
     fn first_from(&self, class: usize) -> Option<usize> {
         if class >= EXACT_CLASSES {
             return None;
@@ -112,18 +116,24 @@ impl ClassBitmap {
 #[derive(Debug)]
 struct StreamBlocks {
     stream: StreamId,
-    /// Per exact class, a binary min-heap of (tie key, block).
-    classes: Vec<Vec<(TieKey, BlockId)>>,
+    /// Per exact class, a binary min-heap of (tie key, block). A fixed-size array, so that an
+    /// index below `EXACT_CLASSES` needs no bounds check.
+    classes: Box<[Vec<(TieKey, BlockId)>; EXACT_CLASSES]>,
     occupied: ClassBitmap,
     /// Blocks above `EXACT_LIMIT`, by (size, tie key).
     larger: BTreeMap<(usize, TieKey), BlockId>,
 }
 
 impl StreamBlocks {
+    /// Out of line, and the classes made on the heap: an array of them built on the stack
+    /// first (`Box::new([...])`) gave every caller a 96 KiB frame to probe, page by page, on
+    /// each call.
+    #[inline(never)]
     fn new(stream: StreamId) -> StreamBlocks {
+        let classes: Box<[Vec<(TieKey, BlockId)>]> = vec![Vec::new(); EXACT_CLASSES].into();
         StreamBlocks {
             stream,
-            classes: vec![Vec::new(); EXACT_CLASSES],
+            classes: classes.try_into().expect("EXACT_CLASSES classes were made"),
             occupied: ClassBitmap::new(),
             larger: BTreeMap::new(),
         }
@@ -143,6 +153,7 @@ impl StreamBlocks {
 struct HeapSlots(Vec<u32>);
 
 impl HeapSlots {
+    #[inline(always)]
     fn set(&mut self, id: BlockId, slot: usize) {
         let i = id.0 as usize;
         if i >= self.0.len() {
@@ -151,6 +162,7 @@ impl HeapSlots {
         self.0[i] = slot as u32;
     }
 
+    #[inline(always)]
     fn get(&self, id: BlockId) -> usize {
         self.0[id.0 as usize] as usize
     }
@@ -225,11 +237,18 @@ impl BlockPool {
         }
     }
 
+    #[inline(always)]
     fn stream_index(&self, stream: StreamId) -> Result<usize, usize> {
         let last = self.last_stream.get();
         if self.streams.get(last).is_some_and(|s| s.stream == stream) {
             return Ok(last);
         }
+        self.search_stream(stream)
+    }
+
+    /// [`BlockPool::stream_index`] when the stream is not the one looked up last.
+    #[inline(never)]
+    fn search_stream(&self, stream: StreamId) -> Result<usize, usize> {
         let found = self.streams.binary_search_by_key(&stream, |s| s.stream);
         if let Ok(index) = found {
             self.last_stream.set(index);
@@ -242,9 +261,35 @@ impl BlockPool {
     }
 
     /// `insert_into_blocks`: caches a free mapped block and starts its garbage-collection age.
+    #[inline(always)]
     pub fn insert(&mut self, id: BlockId, block: &mut Block) {
         debug_assert!(block.mapped);
         block.gc_count_base = self.get_free_blocks_call_count;
+        // The usual case, inlined into every cache hit: a block of an exact class of a stream
+        // already here. The rest (a new stream, a block above the classes) is out of line.
+        if block.size <= EXACT_LIMIT
+            && let Ok(index) = self.stream_index(block.stream)
+        {
+            let blocks = &mut self.streams[index];
+            let class = class_of(block.size);
+            let heap = &mut blocks.classes[class];
+            let slot = heap.len();
+            heap.push((block.tie_key(), id));
+            if slot == 0 {
+                blocks.occupied.set(class);
+                self.heap_slots.set(id, 0);
+            } else {
+                sift_up(heap, &mut self.heap_slots, slot);
+            }
+            self.cached += 1;
+        } else {
+            self.insert_uncommon(id, block);
+        }
+    }
+
+    /// [`BlockPool::insert`] of a block above the classes, or of a stream new to this pool.
+    #[inline(never)]
+    fn insert_uncommon(&mut self, id: BlockId, block: &Block) {
         let index = match self.stream_index(block.stream) {
             Ok(i) => i,
             Err(i) => {
@@ -268,35 +313,48 @@ impl BlockPool {
     }
 
     /// Removes a cached block; true if it was there.
+    #[inline(always)]
     pub fn remove(&mut self, id: BlockId, block: &Block) -> bool {
+        if block.size > EXACT_LIMIT {
+            return self.remove_larger(block);
+        }
         let Ok(index) = self.stream_index(block.stream) else {
             return false;
         };
         let blocks = &mut self.streams[index];
-        let removed = if block.size <= EXACT_LIMIT {
-            let class = class_of(block.size);
-            let heap = &mut blocks.classes[class];
-            let slot = self.heap_slots.get(id);
-            if heap.get(slot).is_none_or(|e| e.1 != id) {
-                return false;
-            }
-            let last = heap.len() - 1;
+        let class = class_of(block.size);
+        let heap = &mut blocks.classes[class];
+        let slot = self.heap_slots.get(id);
+        if heap.get(slot).is_none_or(|e| e.1 != id) {
+            return false;
+        }
+        let last = heap.len() - 1;
+        if slot == last {
+            // The usual case on a cache hit: the class holds this block alone.
+            heap.pop();
+        } else {
             heap.swap(slot, last);
             heap.pop();
-            if slot < heap.len() {
-                sift_down(heap, &mut self.heap_slots, slot);
-                sift_up(heap, &mut self.heap_slots, slot);
-            }
-            if heap.is_empty() {
-                blocks.occupied.clear(class);
-            }
-            true
-        } else {
-            blocks
-                .larger
-                .remove(&(block.size, block.tie_key()))
-                .is_some()
+            sift_down(heap, &mut self.heap_slots, slot);
+            sift_up(heap, &mut self.heap_slots, slot);
+        }
+        if heap.is_empty() {
+            blocks.occupied.clear(class);
+        }
+        self.cached -= 1;
+        true
+    }
+
+    /// [`BlockPool::remove`] of a block above the classes.
+    #[inline(never)]
+    fn remove_larger(&mut self, block: &Block) -> bool {
+        let Ok(index) = self.stream_index(block.stream) else {
+            return false;
         };
+        let removed = self.streams[index]
+            .larger
+            .remove(&(block.size, block.tie_key()))
+            .is_some();
         if removed {
             self.cached -= 1;
         }
@@ -310,7 +368,7 @@ impl BlockPool {
 
     /// Best fit: the smallest cached block of `stream` of at least `size` bytes, lowest tie key
     /// first among equals (the first block of [`BlockPool::fitting`]).
-    #[inline]
+    #[inline(always)]
     pub fn best_fit(&self, stream: StreamId, size: usize) -> Option<BlockId> {
         let blocks = self.stream_blocks(stream)?;
         if size <= EXACT_LIMIT

@@ -21,6 +21,7 @@
 pub mod demo;
 pub mod demo_fsdp;
 pub mod engine;
+pub mod job;
 mod op_list;
 pub mod pickle;
 pub mod plot;
@@ -31,6 +32,7 @@ pub use engine::{
     DEFAULT_CAPACITY, MemoryPoint, NativeFigures, ReplayOptions, ReplayReport, SegmentMismatch,
     StartReport, StartState, replay,
 };
+pub use job::{JobSummary, RankError, assign_ranks, rank_of_path};
 pub use pickle::{Document, PickleError, PickleErrorKind, PickleValue, ValueRef};
 pub use plot::{PlotPanel, PlotSeries, render_svg};
 pub use snapshot::{

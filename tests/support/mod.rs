@@ -16,6 +16,17 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+/// Variables that would change what a C++ client or a benchmark sees (PyTorch's settings, the
+/// fake's size and device count): removed from the environment of the programs they run.
+pub const INHERITED_SETTINGS: [&str; 6] = [
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_HIP_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+    "TORCH_CUDA_ALLOC_LOG_LEVEL",
+    "FAKE_LIBCUDA_TOTAL_MEM",
+    "FAKE_LIBCUDA_DEVICE_COUNT",
+];
+
 /// Set in a child process to the name of the one test it runs.
 const CHILD_VARIABLE: &str = "FERROCACHE_TEST_CHILD";
 

@@ -22,7 +22,8 @@ TITLES = {
     "oom": "Out of memory: an exception with PyTorch's message, then carry on",
     "empty_cache": "torch.cuda.empty_cache() gives memory back",
     "example": "examples/train.py runs and prints the summary",
-    "replay": "Replay of the native run's snapshot (cargo run --release -- replay)",
+    "replay": "Replay of the native run's snapshot (ferrocache replay)",
+    "tune": "ferrocache tune on the native run's snapshot, its answer replayed",
 }
 
 
@@ -299,3 +300,45 @@ def replay(outcome: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) ->
     ]  # fmt: skip
     summary = "; ".join(notes) or f"{len(rows)} setting(s) replayed"
     return CheckResult(key, title, MEASURED, summary, [Table("", headers, rows)], data={"rows": list(rows_in)})
+
+
+def tune(outcome: Mapping[str, Any]) -> CheckResult:
+    """``ferrocache tune`` on the native run's snapshot (within the GPU's memory): what it
+    recommends and saves; PASS when ``ferrocache replay`` of the recommendation reaches exactly
+    the peak tune reported, FAIL when not."""
+    key, title = "tune", TITLES["tune"]
+    if outcome.get("skipped"):
+        return CheckResult(key, title, SKIPPED, str(outcome["skipped"]))
+    tuned = outcome.get("tuned")
+    if outcome.get("returncode") != 0 or not isinstance(tuned, dict):
+        return CheckResult(
+            key, title, ERROR,
+            f"ferrocache tune failed (exit {outcome.get('returncode')}): {outcome.get('stderr_tail', '')}",
+            data=dict(outcome),
+        )  # fmt: skip
+    conf = tuned.get("recommended_conf")
+    defaults = tuned.get("defaults_peak_reserved_bytes")
+    if conf is None:
+        return CheckResult(key, title, MEASURED, "no setting fits in the GPU's memory", data={"tuned": tuned})
+    peak = tuned.get("peak_reserved_bytes")
+    env = tuned.get("recommended_env") or {}
+    setting = (repr(conf) if conf else '"" (defaults)') + "".join(f" +{k}={v}" for k, v in env.items())
+    saved = (defaults - peak) if isinstance(defaults, int) and isinstance(peak, int) else None
+    percent = f"{100.0 * saved / defaults:.1f}%" if saved is not None and defaults else "-"
+    rows_in = outcome.get("confirm_rows") or []
+    replayed = rows_in[0].get("peak_reserved_bytes") if rows_in and isinstance(rows_in[0], dict) else None
+    rows = [[setting, mib(peak), mib(defaults), f"{mib(saved)} ({percent})", mib(replayed),
+             str(len(tuned.get("candidates") or []))]]  # fmt: skip
+    headers = ["recommended", "peak reserved", "PyTorch's defaults", "saving", "replayed", "settings tried"]
+    table = [Table("", headers, rows)]
+    data = {"tuned": {k: v for k, v in tuned.items() if k != "candidates"}, "replayed": replayed}
+    if replayed is None:
+        why = outcome.get("confirm_error") or "no JSON row"
+        return CheckResult(key, title, ERROR, f"the replay of the recommendation failed: {why}", table, data=data)
+    if replayed != peak:
+        return CheckResult(
+            key, title, FAIL,
+            f"the replay of {setting} reserves {mib(replayed)} at the peak, tune said {mib(peak)}", table, data=data,
+        )  # fmt: skip
+    summary = f"recommended {setting}: {mib(peak)} at the peak, {mib(saved)} ({percent}) less than the defaults; replay agrees"
+    return CheckResult(key, title, PASS, summary, table, data=data)

@@ -9,7 +9,9 @@ control of the loss comparison, and a snapshot): losses, peak reserved memory, s
 (3) two streams with ``record_stream``, ``empty_cache`` against ``mem_get_info``, an
 out-of-memory error, per allocator; (4) host cost of ``torch.empty`` + free, two worker
 processes measured in turns; (5) ``examples/train.py`` as a user runs it; (6) the native
-snapshot replayed with ``cargo run --release -- replay``.
+snapshot replayed with the installed ``ferrocache`` command (``ferrocache replay``; the GPU
+machine has no cargo); (7) ``ferrocache tune`` on it within the GPU's memory, and the replay of
+its recommendation giving the peak tune reported.
 
 Exit status: 0 all checks passed, 1 something failed, 2 no usable GPU or PyTorch.
 """
@@ -205,25 +207,93 @@ def guarded(ctx: Context, key: str, step: Callable[[], CheckResult]) -> None:
     ctx.report.checks.append(result)
 
 
+#: Set it to a ``ferrocache`` command to use that one (tests).
+COMMAND_ENV = "FERROCACHE_COMMAND"
+
+
+def ferrocache_command(ctx: Context) -> Optional[str]:
+    """The ``ferrocache`` command the install put beside ``ctx.python`` (the venv's bin), else
+    the one on the PATH; None where there is none. ``$FERROCACHE_COMMAND`` overrides."""
+    override = os.environ.get(COMMAND_ENV)
+    if override:
+        return override if Path(override).is_file() else None
+    beside = Path(ctx.python or sys.executable).parent / "ferrocache"
+    if beside.is_file():
+        return str(beside)
+    return shutil.which("ferrocache")
+
+
+def _run_command(ctx: Context, command: Sequence[str], name: str) -> tuple[Optional[subprocess.CompletedProcess[str]], str]:
+    """Runs the ``ferrocache`` command, its stdout in ``<name>.json`` and stderr in the logs;
+    the process, or None and why."""
+    timeout = max(min(ctx.remaining(), 300.0), MINIMUM_STEP_SECONDS)
+    try:
+        process = subprocess.run(list(command), cwd=ctx.out, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:.0f} s"
+    except OSError as err:
+        return None, f"{command[0]} could not be run: {err}"
+    (ctx.out / f"{name}.json").write_text(process.stdout)
+    ctx.logs.mkdir(parents=True, exist_ok=True)
+    (ctx.logs / f"{name}.log").write_text("$ " + " ".join(command) + "\n" + process.stderr)
+    return process, ""
+
+
 def run_replay(ctx: Context, snapshot: Path) -> dict[str, Any]:
-    cargo = os.environ.get("CARGO") or shutil.which("cargo") or str(Path.home() / ".cargo" / "bin" / "cargo")
-    if not Path(cargo).is_file():
-        return {"skipped": "cargo not found"}
+    command = ferrocache_command(ctx)
+    if command is None:
+        return {"skipped": "no ferrocache command (the package installs one beside its Python)"}
     if not snapshot.is_file():
         return {"skipped": f"no native snapshot at {snapshot}"}
     # Both settings the GPU runs used, so that each replayed row has a measured counterpart.
-    command = [cargo, "run", "--quiet", "--release", "--", "replay", str(snapshot), "--json",
-               "--conf", "", "--conf", REPLAY_EXPANDABLE]  # fmt: skip
-    log("replay of the native snapshot (cargo run --release -- replay) ...")
-    timeout = max(min(ctx.remaining(), 300.0), MINIMUM_STEP_SECONDS)
-    try:
-        process = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"returncode": None, "stderr_tail": f"timed out after {timeout:.0f} s"}
-    (ctx.out / "replay.json").write_text(process.stdout)
-    (ctx.logs / "replay.log").write_text(process.stderr)
+    log("replay of the native snapshot (ferrocache replay) ...")
+    process, why = _run_command(
+        ctx, [command, "replay", str(snapshot), "--json", "--conf", "", "--conf", REPLAY_EXPANDABLE], "replay"
+    )
+    if process is None:
+        return {"returncode": None, "stderr_tail": why}
     outcome: dict[str, Any] = {"returncode": process.returncode, "stderr_tail": process.stderr.strip()[-300:]}
     outcome["rows"] = json_lines(process.stdout)
+    return outcome
+
+
+def capacity_gib(total_memory: Any) -> Optional[str]:
+    """The GPU's memory as ``--capacity-gib`` takes it, exactly (None when unknown)."""
+    if not isinstance(total_memory, int) or total_memory <= 0:
+        return None
+    return repr(total_memory / 2**30)
+
+
+def run_tune(ctx: Context, snapshot: Path) -> dict[str, Any]:
+    """``ferrocache tune`` on the native snapshot within this GPU's memory, then ``ferrocache
+    replay`` of its recommendation (with the same capacity), which must reach the same peak."""
+    command = ferrocache_command(ctx)
+    if command is None:
+        return {"skipped": "no ferrocache command (the package installs one beside its Python)"}
+    if not snapshot.is_file():
+        return {"skipped": f"no native snapshot at {snapshot}"}
+    capacity = capacity_gib(ctx.report.environment.get("total_memory"))
+    limit = ["--capacity-gib", capacity] if capacity else []
+    log("ferrocache tune on the native snapshot ...")
+    process, why = _run_command(ctx, [command, "tune", str(snapshot), "--json", *limit], "tune")
+    if process is None:
+        return {"returncode": None, "stderr_tail": why}
+    outcome: dict[str, Any] = {"returncode": process.returncode, "stderr_tail": process.stderr.strip()[-300:]}
+    try:
+        tuned = json.loads(process.stdout)
+    except json.JSONDecodeError:
+        tuned = None
+    outcome["tuned"] = tuned
+    if process.returncode != 0 or not isinstance(tuned, dict) or tuned.get("recommended_conf") is None:
+        return outcome
+    replay = [command, "replay", str(snapshot), "--json", "--conf", str(tuned["recommended_conf"]), *limit]
+    if (tuned.get("recommended_env") or {}).get("FERROCACHE_CROSS_STREAM"):
+        replay.append("--cross-stream")
+    if any(trace.get("served_oom_bytes") for trace in tuned.get("traces") or []):
+        replay.append("--serve-final-oom")
+    process, why = _run_command(ctx, replay, "tune-confirm")
+    outcome["confirm_rows"] = json_lines(process.stdout) if process is not None and process.returncode == 0 else None
+    outcome["confirm_error"] = why or (process.stderr.strip()[-300:] if process is not None else "")
     return outcome
 
 
@@ -316,6 +386,14 @@ def run_checks(ctx: Context) -> None:
         return checks.replay(run_replay(ctx, native_snapshot), runs)
 
     guarded(ctx, "replay", replay)
+
+    def tune() -> CheckResult:
+        history = runs.get(checks.CONTROL, {"error": "the native run with history did not run"})
+        if "error" in history:
+            return CheckResult("tune", checks.TITLES["tune"], ERROR, history["error"])
+        return checks.tune(run_tune(ctx, native_snapshot))
+
+    guarded(ctx, "tune", tune)
 
 
 def run(ctx: Context) -> int:

@@ -1,0 +1,292 @@
+"""ferrocache under ``torchrun``: real ``torch.distributed`` (gloo) on the fake CUDA, one fake GPU
+per rank. The ranks' scripts are in ``torchrun_workers/``; each job runs in a process group of
+its own, killed whole if it outlives the test's limit, so that no rank outlives a failed test.
+
+gloo runs on the fake because it moves CUDA tensors through pinned host memory with copies,
+on streams of its own, and reduces on the host: no kernel runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from torch_env import GIB, require_real_torch, run_torch, run_torch_process, torch_env
+
+require_real_torch()
+
+WORKERS = Path(__file__).resolve().parent / "torchrun_workers"
+#: A job's limit: torch's import costs seconds per rank on two shared cores.
+JOB_LIMIT_S = 300
+
+
+def torchrun(
+    script: str,
+    ranks: int,
+    out: Path,
+    *args: str,
+    env: Optional[dict[str, str]] = None,
+    torchrun_args: tuple[str, ...] = (),
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Runs ``torchrun --standalone --nproc-per-node RANKS WORKERS/script OUT args...`` with one
+    fake GPU per rank; returns the finished launcher and when it finished (``time.time()``).
+    ``--standalone`` picks a free port: other test runs may share the machine."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={ranks}", *torchrun_args, str(WORKERS / script), str(out), *args,
+    ]  # fmt: skip
+    full_env = dict(os.environ)
+    full_env.pop("FERROCACHE_LIBRARY", None)
+    full_env.update(torch_env(FAKE_LIBCUDA_DEVICE_COUNT=str(ranks), OMP_NUM_THREADS="1"))
+    full_env.update(env or {})
+    launcher = subprocess.Popen(
+        command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = launcher.communicate(timeout=JOB_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        stdout, stderr = launcher.communicate()
+        pytest.fail(f"the job ran past {JOB_LIMIT_S} s\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+    finished = time.time()
+    return subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr), finished
+
+
+def still_running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie has ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def rank_pids(out: Path, ranks: int) -> list[int]:
+    return [int((out / f"pid_rank{rank}").read_text()) for rank in range(ranks)]
+
+
+def explain(job: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {job.returncode}\n--- stdout\n{job.stdout}\n--- stderr\n{job.stderr}"
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_ranks_own_their_devices_and_collectives_are_right(tmp_path: Path, ranks: int) -> None:
+    logs = tmp_path / "logs"
+    job, _ = torchrun(
+        "collectives.py", ranks, tmp_path,
+        env={"FAKE_LIBCUDA_EVENT_DELAY": "1000", "TORCH_CUDA_ALLOC_LOG_LEVEL": "INFO"},
+        torchrun_args=("--tee=3", f"--log-dir={logs}"),
+    )  # fmt: skip
+    assert job.returncode == 0, explain(job)
+    reports = [json.loads((tmp_path / f"report_rank{rank}.json").read_text()) for rank in range(ranks)]
+    for rank, report in enumerate(reports):
+        assert report["world"] == ranks and report["device_count"] == ranks
+        assert report["device_of_tensors"] == [rank], "each rank on its own device"
+        assert report["segments_devices"] == [rank]
+        assert report["all_reduce"] == [ranks * (ranks + 1) / 2]
+        assert report["broadcast"] == [float(i) for i in range(8)]
+        assert report["all_gather"] == [[float(r)] * 4 for r in range(ranks)]
+        assert report["bucket_sum"] == sum(range(ranks))
+        assert not report["reused_while_comm_busy"], "record_stream kept the bucket from reuse"
+        assert report["other_devices_allocated"] == [0] * (ranks - 1)
+        assert report["contexts_opened_by_asking"] == 0, "asking about other GPUs opened them"
+        # Each snapshot is its rank's, in its own file.
+        assert report["snapshot"] == str(tmp_path / f"job_rank{rank}.pickle")
+        with open(report["snapshot"], "rb") as f:
+            snapshot = pickle.load(f)
+        assert {segment["device"] for segment in snapshot["segments"]} == {rank}
+        assert any(entry["action"] == "alloc" for entry in snapshot["device_traces"][rank])
+        pid = rank_pids(tmp_path, ranks)[rank]
+        assert report["snapshot_with_placeholders"] == str(
+            tmp_path / f"local{rank}" / f"pid{pid}-rank{rank}.pickle"
+        )
+        assert Path(report["snapshot_with_placeholders"]).is_file()
+    # The ranks allocate different amounts; each one's statistics count its own.
+    kept = [report["kept_bytes"] for report in reports]
+    assert len(set(kept)) == ranks
+    assert [report["allocated_for_kept"] for report in reports] == kept
+    # Logs: every ferrocache line says its rank; torchrun's --tee adds its own prefix, and its
+    # --log-dir keeps each rank's lines apart.
+    ours = [line for line in job.stderr.splitlines() if "Allocator:" in line]
+    assert ours, explain(job)
+    for rank in range(ranks):
+        assert f"[default{rank}]:[rank{rank}]:[INFO] Allocator: ferrocache " in job.stderr
+    assert all(line.startswith("[default") and "]:[rank" in line for line in ours), ours[:20]
+    for rank in range(ranks):
+        (own,) = logs.glob(f"*/attempt_0/{rank}/stderr.log")
+        lines = [line for line in own.read_text().splitlines() if "Allocator:" in line]
+        assert lines and all(line.startswith(f"[rank{rank}]:[") for line in lines), lines[:5]
+
+
+def test_an_oom_on_one_rank_ends_the_job_as_torch_distributed_does(tmp_path: Path) -> None:
+    group_timeout_s = 30
+    job, finished = torchrun(
+        "oom.py", 2, tmp_path, str(group_timeout_s),
+        env={"FERROCACHE_SNAPSHOT_ON_OOM": str(tmp_path / "oom.pickle"),
+             "FAKE_LIBCUDA_TOTAL_MEM": str(GIB)},
+    )  # fmt: skip
+    assert job.returncode != 0, explain(job)
+    # Rank 1 raised PyTorch's error with PyTorch's message; rank 0 never got its sum.
+    # PyTorch puts the same prefix on the traceback: one grep finds all of a rank's lines.
+    raised = "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1024.00 GiB"
+    assert raised in job.stderr, explain(job)
+    assert "[rank1]:[ERROR] Allocator: CUDA out of memory. Tried to allocate 1024.00 GiB" in job.stderr
+    assert "[rank0]:[ERROR] Allocator" not in job.stderr
+    assert "finished its all-reduce" not in job.stdout
+    # torchrun names the failed rank, and ended the job well within the group's timeout.
+    root_cause = job.stderr[job.stderr.find("Root Cause") :]
+    assert "ChildFailedError" in job.stderr, explain(job)
+    assert "rank      : 1 (local_rank: 1)" in root_cause, explain(job)
+    ended_after = finished - float((tmp_path / "oom_at").read_text())
+    assert ended_after < group_timeout_s, f"the job hung {ended_after:.0f} s after the OOM"
+    # No rank is left running.
+    assert not [pid for pid in rank_pids(tmp_path, 2) if still_running(pid)]
+    # The failed rank left its snapshot, written before the exception; the other none.
+    assert not (tmp_path / "oom_rank0.pickle").exists()
+    written = tmp_path / "oom_rank1.pickle"
+    note = f"[rank1]:[ERROR] Allocator: out of memory on device 1: snapshot written to {written}"
+    assert note in job.stderr
+    with open(written, "rb") as f:
+        snapshot = pickle.load(f)
+    (oom,) = [entry for entry in snapshot["device_traces"][1] if entry["action"] == "oom"]
+    assert oom["size"] == 1 << 40
+    assert "grow_activations" in [frame["name"] for frame in oom["frames"]]
+
+
+def test_the_ddp_example_reports_every_rank(tmp_path: Path) -> None:
+    """examples/ddp_memory.py as docs/distributed.md runs it (``--out`` aside)."""
+    example = WORKERS.parents[3] / "examples" / "ddp_memory.py"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        str(example), "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    env = dict(os.environ, **torch_env(FAKE_LIBCUDA_DEVICE_COUNT="2", OMP_NUM_THREADS="1"))
+    job = subprocess.run(command, env=env, capture_output=True, text=True, timeout=JOB_LIMIT_S)
+    assert job.returncode == 0, explain(job)
+    rows = [line.split() for line in job.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert [row[:2] for row in rows] == [["0", "cuda:0"], ["1", "cuda:1"]], job.stdout
+    assert "job: worst rank 1 (" in job.stdout, "the rank with the bigger batch"
+    snapshots = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert snapshots == ["ddp_memory_rank0.pickle", "ddp_memory_rank1.pickle"]
+    assert "$ ferrocache replay --job " in job.stdout
+    # Each rank's snapshot replayed (by --job, or one by one where this ferrocache lacks it).
+    assert "ddp_memory_rank0.pickle" in job.stdout.split("$ ferrocache replay")[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# What needs PyTorch's own allocator (docs/distributed.md)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_ipc_and_pytorchs_mempool_are_refused_with_pytorchs_messages() -> None:
+    out = run_torch(
+        """
+        import torch.multiprocessing
+        from multiprocessing.reduction import ForkingPickler
+        ferrocache.install()
+        x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        out = {}
+        try:
+            torch.cuda.MemPool()
+        except RuntimeError as err:
+            out["mempool"] = str(err).split(". ")[0]
+        try:
+            # NCCL's buffers come from such a pool, with NCCL's allocator (a pluggable one).
+            other = torch.cuda.memory.CUDAPluggableAllocator(
+                str(ferrocache.library_path()), "rust_malloc", "rust_free"
+            )
+            torch.cuda.MemPool(other.allocator())
+        except RuntimeError as err:
+            out["mempool_with_its_own_allocator"] = str(err).split(". ")[0]
+        try:
+            ForkingPickler.dumps(x)  # what torch.multiprocessing does to send a CUDA tensor
+        except RuntimeError as err:
+            out["ipc"] = str(err).split(". ")[0]
+        pool = ferrocache.MemPool()
+        with ferrocache.mem_pool(pool):
+            y = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        out["ferrocache_pool"] = len(pool.snapshot())
+        result(out)
+        """
+    )
+    assert out == {
+        "mempool": "pluggable does not yet support createOrIncrefPool",
+        "mempool_with_its_own_allocator": "pluggable does not yet support createOrIncrefPool",
+        "ipc": "CUDAPluggableAllocator does not yet support shareIPcHandle",
+        "ferrocache_pool": 1,
+    }
+
+
+#: A child's helper: a TCP port free now, for a process group's store.
+FREE_PORT = """
+def free_port():
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+"""
+
+
+def test_nccl_process_groups_with_a_plugged_in_allocator() -> None:
+    """On the fake, NCCL itself cannot start (its library is a stub), but creating and destroying
+    process groups shows what PyTorch does around a plugged-in allocator."""
+    nccl = run_torch_process(
+        FREE_PORT
+        + textwrap.dedent(
+            """
+        import torch.distributed as dist
+        os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1")
+        ferrocache.install()
+        torch.empty(1, device="cuda")
+        # The stock ProcessGroupNCCL creates its communicator lazily: creating and destroying
+        # the group works.
+        os.environ["MASTER_PORT"] = free_port()
+        dist.init_process_group("nccl-legacy")
+        dist.destroy_process_group()
+        print("nccl-legacy: created and destroyed", flush=True)
+        # torch 2.15's default NCCL group (nccl2) starts NCCL at once; when that fails, its
+        # clean-up asks the allocator for a snapshot, which a plugged-in allocator refuses,
+        # from a destructor: the process aborts.
+        os.environ["MASTER_PORT"] = free_port()
+        dist.init_process_group("nccl")
+        """
+        ),
+        check=False,
+    )
+    assert "nccl-legacy: created and destroyed" in nccl.stdout, nccl.stderr
+    assert nccl.returncode == -signal.SIGABRT
+    assert "CUDAPluggableAllocator does not yet support snapshot" in nccl.stderr
+
+    hook = run_torch_process(
+        FREE_PORT
+        + textwrap.dedent(
+            """
+        import torch.distributed as dist
+        os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1")
+        os.environ["MASTER_PORT"] = free_port()
+        ferrocache.install()
+        torch.empty(1, device="cuda")
+        print("installed", flush=True)
+        dist.init_process_group("nccl-legacy")
+        """
+        ),
+        env=torch_env(TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK="1"),
+        check=False,
+    )
+    assert "installed" in hook.stdout, hook.stderr
+    assert hook.returncode == -signal.SIGABRT, hook.stderr
+    assert (
+        "[WARN] Allocator: TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 needs PyTorch's own "
+        "allocator" in hook.stderr
+    )
