@@ -40,6 +40,8 @@ KEYS = ("num_oom_rejections", "num_ooms", "num_alloc_retries", "num_device_alloc
         "num_device_free", "reserved_bytes.all.current", "allocated_bytes.all.current")
 steps = []
 kept = []
+observed = []  # out-of-memory observer calls (PyTorch calls none for a preemptive rejection)
+torch._C._cuda_attach_out_of_memory_observer(lambda *args: observed.append(args[1]))
 
 def step(label, action):
     try:
@@ -50,7 +52,7 @@ def step(label, action):
     except RuntimeError as err:
         outcome = ["OutOfMemoryError" if isinstance(err, torch.cuda.OutOfMemoryError) else type(err).__name__, str(err)]
     stats = torch.cuda.memory_stats()
-    steps.append([label, outcome, {key: stats[key] for key in KEYS if key in stats}])
+    steps.append([label, outcome, {key: stats[key] for key in KEYS if key in stats}, len(observed)])
 """
 
 TOO_LARGE_THEN_A_FRACTION = """
@@ -131,10 +133,12 @@ def test_out_of_memory_messages_and_counts_are_pytorchs(scenario: tuple) -> None
         assert b == a, f"{name}: step {a[0]!r}:\npytorch    {a}\nferrocache {b}"
     assert len(ours) == len(native)
     # The scenarios show what they are meant to show (under PyTorch's own allocator).
-    outcomes = {label: outcome for label, outcome, _ in native}
+    outcomes = {label: outcome for label, outcome, _, _ in native}
     assert any(outcome[0] == "OutOfMemoryError" for outcome in outcomes.values()), outcomes
     if "throw_on_cudamalloc_oom" in conf:
         assert native[-1][2]["num_oom_rejections"] > 0
+    if name == "throw_on_cudamalloc_oom":
+        assert native[-1][2]["num_ooms"] == 0 and native[-1][3] == 0, "rejections only, unobserved"
         assert any("preemptively rejected" in outcome[-1] for outcome in outcomes.values())
     if "reserve" in conf:
         assert "exceeds the expandable-segment reserve of 51.20 MiB" in outcomes["200 MiB + 1"][1]
