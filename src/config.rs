@@ -454,11 +454,13 @@ impl Config {
             ));
         }
         if self.throw_on_cudamalloc_oom {
-            let fraction = self.per_process_memory_fraction.unwrap_or(1.0);
+            let limit = match self.per_process_memory_fraction {
+                Some(fraction) if fraction < 1.0 => format!("{fraction} of the device"),
+                _ => "the device's memory".to_string(),
+            };
             lines.push(format!(
                 "throw_on_cudamalloc_oom: True (a device allocation that would take the memory \
-                 held past {fraction} of the device is refused at once, without releasing \
-                 cached blocks)"
+                 held past {limit} is refused at once, without releasing cached blocks)"
             ));
         }
         if let Some(reserve) = self.expandable_segments_reserve {
