@@ -1,7 +1,8 @@
 //! The `ferrocache` command: `replay` PyTorch memory snapshots (or a built-in demo) through
 //! ferrocache on a simulated GPU under several settings, `tune` (search the settings on them and
-//! say what to set), and `check-config` a `PYTORCH_CUDA_ALLOC_CONF` value. `--job` reads the
-//! snapshots as the ranks of one job (`replay::job`).
+//! say what to set), `check-config` a `PYTORCH_CUDA_ALLOC_CONF` value, and write a recording's
+//! `ops` as JSON (for the oracle). `--job` reads the snapshots as the ranks of one job
+//! (`replay::job`).
 //!
 //! The program lives here, in the library, so that there is one of it: the `ferrocache` binary
 //! (`src/bin/ferrocache.rs`, which cargo runs and the wheel ships) calls it through the C
@@ -11,7 +12,7 @@
 //! Exit codes: 0 success; 1 a trace or the plot file could not be read or written (the other
 //! traces are still replayed); 2 a usage error or a setting PyTorch would reject.
 
-use crate::config::Config;
+use crate::config::{self, Config};
 use crate::replay::{
     self, DeviceWorkload, JobSummary, NativeFigures, PlotPanel, PlotSeries, ReplayOptions,
     ReplayReport, SegmentMismatch, StartState, Workload, demo, demo_fsdp,
@@ -67,6 +68,14 @@ enum Command {
     CheckConfig {
         /// The value, e.g. "expandable_segments:True,max_split_size_mb:128".
         conf: String,
+    },
+    /// Write the program a recording replays as, one JSON document per line and device: the
+    /// allocations live when recording began (in address order), then every alloc, free,
+    /// empty_cache and out-of-memory of the trace. The oracle drives it through PyTorch.
+    Ops {
+        /// Snapshots from torch.cuda.memory._dump_snapshot() (pickle) or the same data as JSON.
+        #[arg(value_name = "TRACE", required = true)]
+        traces: Vec<PathBuf>,
     },
 }
 
@@ -192,7 +201,28 @@ where
         Command::Replay(args) => replay_command(&args),
         Command::Tune(args) => tune_command(&args),
         Command::CheckConfig { conf } => check_config(&conf),
+        Command::Ops { traces } => ops_command(&traces),
     }
+}
+
+fn ops_command(traces: &[PathBuf]) -> u8 {
+    let mut status = SUCCESS;
+    for path in traces {
+        let snapshot = match replay::load(path) {
+            Ok(snapshot) => snapshot,
+            Err(err) => {
+                complain!("error: {err}");
+                status = FILE_ERROR;
+                continue;
+            }
+        };
+        let workload = Workload::reconstruct(&snapshot);
+        for device in &workload.devices {
+            let program = replay::program::program_json(&path.display().to_string(), device);
+            say!("{program}");
+        }
+    }
+    status
 }
 
 fn check_config(conf: &str) -> u8 {
@@ -481,7 +511,10 @@ fn parse_settings(confs: &[String]) -> Result<Vec<Setting>, u8> {
         .map(|raw| match Config::parse(raw) {
             Ok(config) => Ok(Setting {
                 raw: raw.clone(),
-                config,
+                config: Config {
+                    tie_rule: config::tie_rule_from_env(),
+                    ..config
+                },
             }),
             Err(err) => {
                 complain!("error: --conf {raw:?}: PyTorch rejects it: {err}");
@@ -1096,6 +1129,7 @@ fn tune_command(args: &TuneArgs) -> u8 {
         capacity_source,
         start,
         job: args.job,
+        tie_rule: config::tie_rule_from_env(),
         ..TuneOptions::default()
     };
     let tuning = tune::tune(&subjects, &options);

@@ -244,6 +244,14 @@ fn apply_pytorch_version_var(config: &mut Config, value: Option<String>) {
     }
 }
 
+/// The tie rule `FERROCACHE_PYTORCH_VERSION` asks for (PyTorch 2.15's when it is unset or not
+/// a version): what the replayer and `tune` judge a recording by, as the library does.
+pub fn tie_rule_from_env() -> TieRule {
+    let mut config = Config::default();
+    apply_pytorch_version_var(&mut config, std::env::var(PYTORCH_VERSION_VAR).ok());
+    config.tie_rule
+}
+
 /// `major.minor` of a version string such as `2.12.1+cu128` or `2.16.0a0`.
 fn parse_major_minor(text: &str) -> Option<(u32, u32)> {
     let mut parts = text.trim().split('.');

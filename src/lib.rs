@@ -11,3 +11,8 @@ pub mod logging;
 pub mod policy;
 pub mod replay;
 pub mod tune;
+
+/// The property tests' configuration, shared with the integration tests.
+#[cfg(test)]
+#[path = "../tests/common/properties.rs"]
+mod test_properties;

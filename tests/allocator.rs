@@ -162,6 +162,69 @@ fn record_stream_delays_reuse_until_the_other_stream_finishes() {
     checked(&a);
 }
 
+fn injected(call: &'static str) -> DeviceError {
+    DeviceError::Driver {
+        call,
+        code: 999,
+        message: "unknown error".into(),
+    }
+}
+
+/// A freed block for whose other stream the device would neither record an event nor
+/// synchronize stays out of circulation, and its event is recorded by a later call. Found by
+/// `device_faults_keep_every_invariant`: the block stayed out for good, and its segment with it.
+#[test]
+fn a_block_whose_stream_could_not_be_waited_for_is_cached_after_a_retry() {
+    let mut a = allocator(GIB);
+    let p = a.malloc(4096, 0).unwrap();
+    a.record_stream(p, 7).unwrap();
+    a.device_mut()
+        .fail_next(SimOp::RecordEvent, 1, injected("cuEventRecord"));
+    a.device_mut()
+        .fail_next(SimOp::SynchronizeStream, 1, injected("cuStreamSynchronize"));
+    a.free(p).unwrap();
+    checked(&a);
+    // This malloc records the event for stream 7 that could not be recorded at the free.
+    let q = a.malloc(4096, 0).unwrap();
+    assert_ne!(q, p, "not reused while stream 7 may still use it");
+    assert_eq!(a.device().live_events(), 1);
+    a.device_mut().complete_stream(7);
+    a.free(q).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(
+        a.stats().reserved_bytes.all.current,
+        0,
+        "the segment went back"
+    );
+    checked(&a);
+}
+
+/// Two other streams, an event recorded on the first, neither an event nor a synchronization
+/// possible on the second: the first's event completing does not cache the block while the
+/// second may still use it (before, it did).
+#[test]
+fn a_block_is_not_cached_while_a_stream_it_could_not_wait_for_may_still_use_it() {
+    let mut a = allocator(GIB);
+    let p = a.malloc(4096, 0).unwrap();
+    a.record_stream(p, 7).unwrap();
+    a.record_stream(p, 9).unwrap();
+    a.device_mut()
+        .fail_nth(SimOp::RecordEvent, 2, injected("cuEventRecord"));
+    a.device_mut()
+        .fail_next(SimOp::SynchronizeStream, 1, injected("cuStreamSynchronize"));
+    a.free(p).unwrap();
+    a.device_mut().complete_stream(7);
+    let q = a.malloc(4096, 0).unwrap();
+    assert_ne!(q, p, "not reused while stream 9 may still use it");
+    checked(&a);
+    a.device_mut().complete_stream(9);
+    a.free(q).unwrap();
+    let r = a.malloc(4096, 0).unwrap();
+    assert_eq!(r, p, "reused once stream 9 completed");
+    assert_eq!(a.device().live_events(), 0);
+    checked(&a);
+}
+
 #[test]
 fn empty_cache_waits_for_pending_frees_and_releases_whole_segments() {
     let mut a = allocator(GIB);

@@ -10,10 +10,14 @@
 use ferrocache::allocator::private_pool::{MempoolId, PoolError};
 use ferrocache::allocator::{AllocError, DeviceAllocator};
 use ferrocache::config::Config;
-use ferrocache::device::sim::SimDevice;
-use ferrocache::device::{DevicePtr, StreamId};
+use ferrocache::device::sim::{SimDevice, SimOp};
+use ferrocache::device::{DeviceError, DevicePtr, StreamId};
+use ferrocache::policy::TieRule;
 use proptest::prelude::*;
 use std::collections::BTreeMap;
+
+#[path = "common/properties.rs"]
+mod properties;
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
@@ -56,7 +60,32 @@ enum Op {
     ReleasePool {
         pool: usize,
     },
+    /// The next `count` calls of `FAULTABLE[call]` fail with a driver error (not out of
+    /// memory, not sticky).
+    FailNextDeviceCalls {
+        call: usize,
+        count: usize,
+    },
 }
+
+/// The device calls a program may make fail.
+const FAULTABLE: [SimOp; 15] = [
+    SimOp::Malloc,
+    SimOp::Free,
+    SimOp::MemGetInfo,
+    SimOp::RecordEvent,
+    SimOp::QueryEvent,
+    SimOp::SynchronizeEvent,
+    SimOp::SynchronizeStream,
+    SimOp::WaitEvent,
+    SimOp::ReserveAddressRange,
+    SimOp::FreeAddressRange,
+    SimOp::CreatePhysical,
+    SimOp::ReleasePhysical,
+    SimOp::Map,
+    SimOp::SetAccess,
+    SimOp::Unmap,
+];
 
 fn size_strategy() -> impl Strategy<Value = usize> {
     prop_oneof![
@@ -67,19 +96,77 @@ fn size_strategy() -> impl Strategy<Value = usize> {
     ]
 }
 
-fn op_strategy() -> impl Strategy<Value = Op> {
+/// How often each op is drawn, relative to the others.
+#[derive(Debug, Clone, Copy)]
+struct Mix {
+    malloc: u32,
+    free: u32,
+    record_stream: u32,
+    complete_stream: u32,
+    empty_cache: u32,
+    fail_next_mallocs: u32,
+    reset_peaks: u32,
+    begin_capture: u32,
+    end_capture: u32,
+    release_pool: u32,
+}
+
+/// Mostly allocations and frees, now and then the rest. The seeds in the regressions file
+/// draw their programs with these weights: changing them changes what those seeds replay.
+const EVERYDAY: Mix = Mix {
+    malloc: 10,
+    free: 8,
+    record_stream: 2,
+    complete_stream: 2,
+    empty_cache: 1,
+    fail_next_mallocs: 1,
+    reset_peaks: 1,
+    begin_capture: 2,
+    end_capture: 2,
+    release_pool: 1,
+};
+
+/// Captures begun, ended and released two to three times as often, more `record_stream`
+/// and more failed device allocations: the private-pool paths under stress.
+const CAPTURES_AND_FAILURES: Mix = Mix {
+    malloc: 10,
+    free: 8,
+    record_stream: 4,
+    complete_stream: 2,
+    empty_cache: 1,
+    fail_next_mallocs: 3,
+    reset_peaks: 1,
+    begin_capture: 5,
+    end_capture: 4,
+    release_pool: 3,
+};
+
+fn op_strategy(mix: Mix) -> impl Strategy<Value = Op> {
     prop_oneof![
-        10 => (size_strategy(), 0..STREAMS.len()).prop_map(|(size, stream)| Op::Malloc { size, stream }),
-        8 => any::<usize>().prop_map(|pick| Op::Free { pick }),
-        2 => (any::<usize>(), 0..STREAMS.len()).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
-        2 => (0..STREAMS.len()).prop_map(|stream| Op::CompleteStream { stream }),
-        1 => Just(Op::EmptyCache),
-        1 => (1..3usize).prop_map(|count| Op::FailNextMallocs { count }),
-        1 => Just(Op::ResetPeaks),
-        2 => (0..POOL_IDS.len(), 0..STREAMS.len()).prop_map(|(pool, stream)| Op::BeginCapture { pool, stream }),
-        2 => any::<usize>().prop_map(|pick| Op::EndCapture { pick }),
-        1 => (0..POOL_IDS.len()).prop_map(|pool| Op::ReleasePool { pool }),
+        mix.malloc => (size_strategy(), 0..STREAMS.len()).prop_map(|(size, stream)| Op::Malloc { size, stream }),
+        mix.free => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        mix.record_stream => (any::<usize>(), 0..STREAMS.len()).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
+        mix.complete_stream => (0..STREAMS.len()).prop_map(|stream| Op::CompleteStream { stream }),
+        mix.empty_cache => Just(Op::EmptyCache),
+        mix.fail_next_mallocs => (1..3usize).prop_map(|count| Op::FailNextMallocs { count }),
+        mix.reset_peaks => Just(Op::ResetPeaks),
+        mix.begin_capture => (0..POOL_IDS.len(), 0..STREAMS.len()).prop_map(|(pool, stream)| Op::BeginCapture { pool, stream }),
+        mix.end_capture => any::<usize>().prop_map(|pick| Op::EndCapture { pick }),
+        mix.release_pool => (0..POOL_IDS.len()).prop_map(|pool| Op::ReleasePool { pool }),
     ]
+}
+
+/// A random program: up to 159 ops drawn with `mix`.
+fn program(mix: Mix) -> BoxedStrategy<Vec<Op>> {
+    prop::collection::vec(op_strategy(mix), 1..160).boxed()
+}
+
+/// A random program drawn with `mix` in which, besides, about one op in ten makes device
+/// calls fail with driver errors.
+fn program_with_device_faults(mix: Mix) -> BoxedStrategy<Vec<Op>> {
+    let fault = (0..FAULTABLE.len(), 1..3usize)
+        .prop_map(|(call, count)| Op::FailNextDeviceCalls { call, count });
+    prop::collection::vec(prop_oneof![9 => op_strategy(mix), 1 => fault], 1..160).boxed()
 }
 
 /// A freed range that must not be handed out again until its streams have moved on.
@@ -128,6 +215,10 @@ struct Model {
     used_ranges: Vec<UsedRange>,
     /// The device's free count last seen: `cudaFree` synchronizes the device.
     frees_seen: u64,
+    /// Whether a device call was made to fail with a driver error: from then on, the device
+    /// may hold what the allocator's books no longer count (pages and ranges it refused to
+    /// take back, kept to be retried), and operations may fail.
+    faulted: bool,
 }
 
 impl Model {
@@ -147,6 +238,7 @@ impl Model {
             work: BTreeMap::new(),
             used_ranges: Vec::new(),
             frees_seen: 0,
+            faulted: false,
         }
     }
 
@@ -184,6 +276,7 @@ impl Model {
                     );
                     self.lift_synchronized_protections();
                 }
+                Err(AllocError::Device(_)) if self.faulted => self.lift_synchronized_protections(),
                 Err(other) => prop_assert!(false, "unexpected error {other}"),
             },
             Op::Free { pick } => {
@@ -233,9 +326,9 @@ impl Model {
             Op::FailNextMallocs { count } => {
                 if self.expandable {
                     self.allocator.device_mut().fail_next(
-                        ferrocache::device::sim::SimOp::CreatePhysical,
+                        SimOp::CreatePhysical,
                         count,
-                        ferrocache::device::DeviceError::OutOfMemory,
+                        DeviceError::OutOfMemory,
                     );
                 } else {
                     self.allocator.device_mut().fail_next_mallocs(count);
@@ -272,6 +365,17 @@ impl Model {
                         }
                     }
                 }
+            }
+            Op::FailNextDeviceCalls { call, count } => {
+                self.faulted = true;
+                let error = DeviceError::Driver {
+                    call: "an injected fault",
+                    code: 999,
+                    message: "unknown error".into(),
+                };
+                self.allocator
+                    .device_mut()
+                    .fail_next(FAULTABLE[call], count, error);
             }
             Op::ReleasePool { pool } => {
                 let id = POOL_IDS[pool];
@@ -421,8 +525,26 @@ impl Model {
             .filter(|s| live_in(s) || !self.may_release(s.segment_pool_id, &holding_live))
             .map(|s| s.address)
             .collect();
-        self.allocator.empty_cache().unwrap();
+        let result = self.allocator.empty_cache();
         self.lift_synchronized_protections();
+        if self.faulted && result.is_err() {
+            // Part of the cache may have gone back: the invariants of `check` still hold.
+            return Ok(());
+        }
+        prop_assert_eq!(result, Ok(()));
+        let mut holding_live = holding_live;
+        if self.faulted {
+            // A freed block whose streams could not be waited for is still pending: its
+            // private pool keeps all its memory, as for a live block.
+            holding_live.extend(
+                self.allocator
+                    .segments()
+                    .iter()
+                    .filter(|s| s.segment_pool_id != ORDINARY)
+                    .filter(|s| s.blocks.iter().any(|b| b.state == "active_pending_free"))
+                    .map(|s| s.segment_pool_id),
+            );
+        }
         let after = self.allocator.device().allocations();
         if self.expandable {
             // Every whole page without a live byte is unmapped.
@@ -448,7 +570,9 @@ impl Model {
             let everything_releasable = self.captures.is_empty()
                 && self.use_counts.values().all(|&c| c == 0)
                 && self.protected.is_empty();
-            if self.live.is_empty() && everything_releasable {
+            // (A block for whose streams the device would neither record an event nor
+            // synchronize keeps its pages, and empty_cache still succeeds.)
+            if self.live.is_empty() && everything_releasable && !self.faulted {
                 prop_assert_eq!(self.allocator.device().mapped_bytes(), 0);
                 prop_assert_eq!(self.allocator.device().live_physical_handles(), 0);
                 // Address ranges may stay reserved: one whose first growth failed keeps its
@@ -459,12 +583,23 @@ impl Model {
                 );
             }
         } else {
-            // Exactly the segments holding nothing went back.
+            // Exactly the segments holding nothing went back; after device faults, a segment
+            // may stay too (a freed block whose streams could not be waited for holds it).
             let expected: BTreeMap<DevicePtr, usize> = before
-                .into_iter()
+                .iter()
                 .filter(|(ptr, _)| holding.contains(ptr))
+                .map(|(&ptr, &size)| (ptr, size))
                 .collect();
-            prop_assert_eq!(after, expected);
+            if self.faulted {
+                for (ptr, size) in &expected {
+                    prop_assert_eq!(after.get(ptr), Some(size), "{:#x} went back", ptr);
+                }
+                for ptr in after.keys() {
+                    prop_assert!(before.contains_key(ptr), "{ptr:#x} appeared");
+                }
+            } else {
+                prop_assert_eq!(after, expected);
+            }
         }
         Ok(())
     }
@@ -492,19 +627,19 @@ impl Model {
         let stats = self.allocator.stats();
         prop_assert_eq!(stats.allocation.all.current as usize, live.len());
         let device = self.allocator.device();
-        if self.expandable {
-            prop_assert_eq!(
-                stats.reserved_bytes.all.current as usize,
-                device.mapped_bytes()
-            );
+        let reserved = stats.reserved_bytes.all.current as usize;
+        let held = if self.expandable {
+            device.mapped_bytes()
         } else {
-            let held: usize = device.allocations().values().sum();
-            prop_assert_eq!(stats.reserved_bytes.all.current as usize, held);
+            device.allocations().values().sum()
+        };
+        if self.faulted {
+            // Leftover pages are the device's but in no segment until a retry succeeds.
+            prop_assert!(held >= reserved && device.physical_in_use() >= reserved);
+        } else {
+            prop_assert_eq!(reserved, held);
+            prop_assert_eq!(device.physical_in_use(), reserved);
         }
-        prop_assert_eq!(
-            device.physical_in_use(),
-            stats.reserved_bytes.all.current as usize
-        );
         Ok(())
     }
 }
@@ -588,7 +723,8 @@ fn run(config: Config, ops: &[Op]) -> Result<(), TestCaseError> {
         model.step(op)?;
     }
     // Wind down: end the captures, free everything, release every graph, empty the cache:
-    // nothing may remain.
+    // nothing may remain, whatever device calls failed before.
+    model.allocator.device_mut().clear_faults();
     while let Some((id, _)) = model.captures.pop() {
         model.allocator.end_allocate_to_pool(id).unwrap();
     }
@@ -602,6 +738,7 @@ fn run(config: Config, ops: &[Op]) -> Result<(), TestCaseError> {
         *count = 0;
     }
     model.allocator.empty_cache().unwrap();
+    model.faulted = false;
     model.check()?;
     prop_assert!(model.allocator.private_pools().is_empty());
     prop_assert_eq!(model.allocator.stats().reserved_bytes.all.current, 0);
@@ -610,56 +747,284 @@ fn run(config: Config, ops: &[Op]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+/// The cases each property runs in CI, from the fixed seed (see `common/properties.rs`);
+/// `PROPTEST_CASES` and `PROPTEST_RNG_SEED` ask for others.
+const CI_CASES: u32 = 96;
 
-    #[test]
-    fn default_settings_keep_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
-        run(Config::default(), &ops)?;
-    }
-
-    #[test]
-    fn max_split_size_keeps_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
-        let config = Config { max_split_size: 64 * MIB, ..Config::default() };
-        run(config, &ops)?;
-    }
-
-    #[test]
-    fn power2_rounding_keeps_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
-        let config = Config { roundup_power2_divisions: [4; 16], ..Config::default() };
-        run(config, &ops)?;
-    }
-
-    #[test]
-    fn expandable_segments_keep_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
-        let config = Config { expandable_segments: true, ..Config::default() };
-        run(config, &ops)?;
-    }
-
-    #[test]
-    fn cross_stream_reuse_keeps_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
-        let config = Config { cross_stream: true, ..Config::default() };
-        run(config, &ops)?;
-    }
-
-    #[test]
-    fn cross_stream_reuse_with_max_split_size_keeps_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
-        let config = Config { cross_stream: true, max_split_size: 64 * MIB, ..Config::default() };
-        run(config, &ops)?;
-    }
-
-    #[test]
-    fn cross_stream_reuse_with_expandable_segments_keeps_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
-        let config = Config { cross_stream: true, expandable_segments: true, ..Config::default() };
-        run(config, &ops)?;
-    }
-
-    #[test]
-    fn expandable_segments_with_max_split_size_keep_every_invariant(ops in prop::collection::vec(op_strategy(), 1..160)) {
-        let config = Config { expandable_segments: true, max_split_size: 64 * MIB, ..Config::default() };
-        run(config, &ops)?;
-    }
+/// One property: random programs drawn from `programs`, run on an allocator with `config`.
+macro_rules! property {
+    ($name:ident, $programs:expr, $config:expr) => {
+        proptest! {
+            #![proptest_config(properties::config(CI_CASES))]
+            #[test]
+            fn $name(ops in $programs) {
+                run($config, &ops)?;
+            }
+        }
+    };
 }
+
+// PyTorch's settings, one at a time.
+property!(
+    default_settings_keep_every_invariant,
+    program(EVERYDAY),
+    Config::default()
+);
+property!(
+    max_split_size_keeps_every_invariant,
+    program(EVERYDAY),
+    Config {
+        max_split_size: 64 * MIB,
+        ..Config::default()
+    }
+);
+property!(
+    power2_rounding_keeps_every_invariant,
+    program(EVERYDAY),
+    Config {
+        roundup_power2_divisions: [4; 16],
+        ..Config::default()
+    }
+);
+property!(
+    expandable_segments_keep_every_invariant,
+    program(EVERYDAY),
+    Config {
+        expandable_segments: true,
+        ..Config::default()
+    }
+);
+property!(
+    memory_fraction_with_garbage_collection_keeps_every_invariant,
+    program(EVERYDAY),
+    Config {
+        per_process_memory_fraction: Some(0.5),
+        garbage_collection_threshold: 0.6,
+        ..Config::default()
+    }
+);
+
+// Combinations.
+property!(
+    expandable_segments_with_max_split_size_keep_every_invariant,
+    program(EVERYDAY),
+    Config {
+        expandable_segments: true,
+        max_split_size: 64 * MIB,
+        ..Config::default()
+    }
+);
+property!(
+    expandable_segments_with_power2_rounding_keep_every_invariant,
+    program(EVERYDAY),
+    Config {
+        expandable_segments: true,
+        roundup_power2_divisions: [4; 16],
+        ..Config::default()
+    }
+);
+
+// Cross-stream reuse (ferrocache's opt-in), alone and with each setting.
+property!(
+    cross_stream_reuse_keeps_every_invariant,
+    program(EVERYDAY),
+    Config {
+        cross_stream: true,
+        ..Config::default()
+    }
+);
+property!(
+    cross_stream_reuse_with_max_split_size_keeps_every_invariant,
+    program(EVERYDAY),
+    Config {
+        cross_stream: true,
+        max_split_size: 64 * MIB,
+        ..Config::default()
+    }
+);
+property!(
+    cross_stream_reuse_with_power2_rounding_keeps_every_invariant,
+    program(EVERYDAY),
+    Config {
+        cross_stream: true,
+        roundup_power2_divisions: [4; 16],
+        ..Config::default()
+    }
+);
+property!(
+    cross_stream_reuse_with_expandable_segments_keeps_every_invariant,
+    program(EVERYDAY),
+    Config {
+        cross_stream: true,
+        expandable_segments: true,
+        ..Config::default()
+    }
+);
+property!(
+    cross_stream_reuse_with_expandable_segments_and_max_split_size_keeps_every_invariant,
+    program(EVERYDAY),
+    Config {
+        cross_stream: true,
+        expandable_segments: true,
+        max_split_size: 64 * MIB,
+        ..Config::default()
+    }
+);
+property!(
+    cross_stream_reuse_with_expandable_segments_under_a_memory_fraction_keeps_every_invariant,
+    program(EVERYDAY),
+    Config {
+        cross_stream: true,
+        expandable_segments: true,
+        per_process_memory_fraction: Some(0.5),
+        garbage_collection_threshold: 0.6,
+        ..Config::default()
+    }
+);
+property!(
+    every_option_at_once_keeps_every_invariant,
+    program(EVERYDAY),
+    Config {
+        cross_stream: true,
+        expandable_segments: true,
+        max_split_size: 64 * MIB,
+        roundup_power2_divisions: [4; 16],
+        ..Config::default()
+    }
+);
+
+// The tie rules of older PyTorch versions (best fit among equal blocks), with the opt-ins.
+property!(
+    address_ties_with_cross_stream_reuse_and_expandable_segments_keep_every_invariant,
+    program(EVERYDAY),
+    Config {
+        tie_rule: TieRule::Address,
+        cross_stream: true,
+        expandable_segments: true,
+        ..Config::default()
+    }
+);
+property!(
+    block_order_ties_with_cross_stream_reuse_and_expandable_segments_keep_every_invariant,
+    program(EVERYDAY),
+    Config {
+        tie_rule: TieRule::BlockOrder,
+        cross_stream: true,
+        expandable_segments: true,
+        ..Config::default()
+    }
+);
+
+// Private pools, record_stream and failed device allocations under stress.
+property!(
+    captures_and_failures_keep_every_invariant,
+    program(CAPTURES_AND_FAILURES),
+    Config::default()
+);
+property!(
+    captures_and_failures_with_expandable_segments_keep_every_invariant,
+    program(CAPTURES_AND_FAILURES),
+    Config {
+        expandable_segments: true,
+        ..Config::default()
+    }
+);
+property!(
+    captures_and_failures_with_cross_stream_reuse_and_expandable_segments_keep_every_invariant,
+    program(CAPTURES_AND_FAILURES),
+    Config {
+        cross_stream: true,
+        expandable_segments: true,
+        max_split_size: 64 * MIB,
+        ..Config::default()
+    }
+);
+
+// Device calls failing with driver errors, on top of everything else.
+property!(
+    device_faults_keep_every_invariant,
+    program_with_device_faults(CAPTURES_AND_FAILURES),
+    Config::default()
+);
+property!(
+    device_faults_with_expandable_segments_keep_every_invariant,
+    program_with_device_faults(CAPTURES_AND_FAILURES),
+    Config {
+        expandable_segments: true,
+        ..Config::default()
+    }
+);
+property!(
+    device_faults_with_cross_stream_reuse_keep_every_invariant,
+    program_with_device_faults(CAPTURES_AND_FAILURES),
+    Config {
+        cross_stream: true,
+        ..Config::default()
+    }
+);
+property!(
+    device_faults_with_cross_stream_reuse_and_expandable_segments_keep_every_invariant,
+    program_with_device_faults(CAPTURES_AND_FAILURES),
+    Config {
+        cross_stream: true,
+        expandable_segments: true,
+        max_split_size: 64 * MIB,
+        ..Config::default()
+    }
+);
+
+/// CI runs the same cases every time: two runners with the properties' configuration draw the
+/// same programs, and those are the programs drawn when this fingerprint was recorded (a
+/// change to the strategies, the seed or proptest's generator changes it: record the new one).
+#[test]
+fn ci_draws_the_same_programs_every_run() {
+    use proptest::test_runner::{RngSeed, TestRunner};
+    use std::sync::Mutex;
+
+    let draw = |seed: RngSeed| {
+        let config = ProptestConfig {
+            rng_seed: seed,
+            failure_persistence: None,
+            ..properties::config(CI_CASES)
+        };
+        let drawn = Mutex::new(Vec::new());
+        TestRunner::new(config)
+            .run(&program(EVERYDAY), |ops| {
+                drawn.lock().unwrap().push(format!("{ops:?}"));
+                Ok(())
+            })
+            .unwrap();
+        let drawn = drawn.into_inner().unwrap();
+        // FNV-1a over the programs as printed: stable across Rust versions and machines.
+        let fingerprint = drawn
+            .iter()
+            .flat_map(|p| p.bytes().chain([b'\n']))
+            .fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+                (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+            });
+        (drawn.len(), fingerprint)
+    };
+    let ci = draw(RngSeed::Fixed(properties::CI_SEED));
+    eprintln!(
+        "CI draws {} programs per property, fingerprint {:#018x}",
+        ci.0, ci.1
+    );
+    assert_eq!(ci.0, CI_CASES as usize);
+    assert_eq!(
+        draw(RngSeed::Fixed(properties::CI_SEED)),
+        ci,
+        "a second runner"
+    );
+    assert_ne!(
+        draw(RngSeed::Fixed(1)).1,
+        ci.1,
+        "another seed draws other programs"
+    );
+    assert_eq!(ci.1, CI_FINGERPRINT, "the programs CI draws changed");
+}
+
+/// See `ci_draws_the_same_programs_every_run`.
+const CI_FINGERPRINT: u64 = 0x0a68_55cf_376c_e000;
 
 /// Found by the stream-order invariant with 1500 cases, under the default settings too (so not
 /// cross-stream reuse): a block used on stream 1 during a capture and again after it, then freed
@@ -798,4 +1163,214 @@ fn stream_order_after_a_capture_reproducer() {
         Op::Malloc { size: 1, stream: 2 },
     ];
     run(Config::default(), &ops).unwrap();
+}
+
+/// Issue 21, the program proptest shrank (also in the regressions file): with cross-stream
+/// reuse and expandable segments, stream 1 grew its free block through unmapped pages that
+/// carried stream 0, and was handed a block of stream 0. Fixed in
+/// `DeviceAllocator::grow_expandable_block` (the pages mapped take the grown block's stream);
+/// `pages_mapped_to_grow_a_block_take_its_stream_with_cross_stream_reuse` in tests/expandable.rs
+/// is the same bug in nine readable steps.
+#[test]
+fn cross_stream_growth_through_another_streams_unmapped_pages_reproducer() {
+    let ops = vec![
+        Op::Malloc {
+            size: 1048577,
+            stream: 1,
+        },
+        Op::Free { pick: 0 },
+        Op::Malloc {
+            size: 1588225,
+            stream: 0,
+        },
+        Op::Malloc {
+            size: 1048577,
+            stream: 1,
+        },
+        Op::Malloc {
+            size: 18333697,
+            stream: 0,
+        },
+        Op::Malloc {
+            size: 11739,
+            stream: 1,
+        },
+        Op::Free {
+            pick: 6369478840751353218,
+        },
+        Op::Malloc {
+            size: 1475784,
+            stream: 2,
+        },
+        Op::Free {
+            pick: 11703339130437439900,
+        },
+        Op::Malloc {
+            size: 171387663,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 9335487971943823819,
+        },
+        Op::Malloc {
+            size: 723890,
+            stream: 1,
+        },
+        Op::Malloc {
+            size: 861778,
+            stream: 2,
+        },
+        Op::Malloc {
+            size: 804887,
+            stream: 1,
+        },
+        Op::Malloc {
+            size: 1038351,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 5902553197788059370,
+        },
+        Op::Malloc {
+            size: 1588591,
+            stream: 1,
+        },
+        Op::RecordStream {
+            pick: 3855734932099120960,
+            stream: 0,
+        },
+        Op::Malloc {
+            size: 9638830,
+            stream: 2,
+        },
+        Op::Free {
+            pick: 14056998848447248805,
+        },
+        Op::Malloc {
+            size: 707362,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 12101226369599313747,
+        },
+        Op::Malloc {
+            size: 956711,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 8220077773237265013,
+        },
+        Op::Malloc {
+            size: 955129038,
+            stream: 1,
+        },
+        Op::Free {
+            pick: 14353655991047884649,
+        },
+        Op::Malloc {
+            size: 157940374,
+            stream: 2,
+        },
+        Op::BeginCapture { pool: 1, stream: 0 },
+        Op::Malloc {
+            size: 1031268,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 16433230155353663712,
+        },
+        Op::Malloc {
+            size: 34648,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 13438685720769340687,
+        },
+        Op::Free {
+            pick: 7153547822680176339,
+        },
+        Op::Malloc {
+            size: 466987,
+            stream: 2,
+        },
+        Op::Free {
+            pick: 1206352729197307142,
+        },
+        Op::Malloc {
+            size: 4838698,
+            stream: 0,
+        },
+        Op::Malloc {
+            size: 191003,
+            stream: 2,
+        },
+        Op::Free {
+            pick: 1925046282213282947,
+        },
+        Op::Malloc {
+            size: 824647,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 827865964501046099,
+        },
+        Op::Malloc {
+            size: 6686895,
+            stream: 1,
+        },
+        Op::Free {
+            pick: 11839323933998792767,
+        },
+        Op::Malloc {
+            size: 130402,
+            stream: 2,
+        },
+        Op::Malloc {
+            size: 6026710,
+            stream: 0,
+        },
+        Op::EndCapture {
+            pick: 2053361225588552690,
+        },
+        Op::FailNextMallocs { count: 1 },
+        Op::Free {
+            pick: 5215780865533415944,
+        },
+        Op::Free {
+            pick: 11904901516755346516,
+        },
+        Op::EmptyCache,
+        Op::Malloc {
+            size: 900098779,
+            stream: 1,
+        },
+        Op::Free {
+            pick: 15442837124902585152,
+        },
+        Op::Free {
+            pick: 6976661246958569202,
+        },
+        Op::BeginCapture { pool: 1, stream: 2 },
+        Op::Malloc {
+            size: 883814,
+            stream: 1,
+        },
+        Op::Malloc {
+            size: 9520951,
+            stream: 2,
+        },
+        Op::Free {
+            pick: 14581042663567380067,
+        },
+        Op::Malloc {
+            size: 207926422,
+            stream: 1,
+        },
+    ];
+    let config = Config {
+        cross_stream: true,
+        expandable_segments: true,
+        ..Config::default()
+    };
+    run(config, &ops).unwrap();
 }

@@ -372,3 +372,49 @@ fn cross_stream_reuse_reserves_about_what_one_stream_does() {
         assert!(shared <= 1.05 * one, "{conf}: {shared} vs {one}");
     }
 }
+
+#[test]
+fn ops_writes_a_recording_as_a_program_live_blocks_first() {
+    let recording = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/oracle/training_defaults.pickle"
+    );
+    let missing = scratch("ops").join("missing.pickle");
+    let output = ferrocache(&["ops", recording, missing.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(1), "a missing file is an error");
+    assert!(
+        stderr(&output).contains("missing.pickle"),
+        "{}",
+        stderr(&output)
+    );
+    let programs = json_rows(&output);
+    assert_eq!(
+        programs.len(),
+        1,
+        "one device, one line; the readable file still runs"
+    );
+    let program = &programs[0];
+    let live = program["start_allocations"].as_u64().unwrap() as usize;
+    assert_eq!(live, 12, "the weights the training program kept");
+    assert_eq!(program["consistent"], true);
+    let ops = program["ops"].as_array().unwrap();
+    let kinds = |op: &Value| op["op"].as_str().unwrap().to_string();
+    assert!(ops[..live].iter().all(|op| kinds(op) == "alloc"));
+    // Ids are dense: the live blocks 0..live, then one per alloc of the trace.
+    let ids: Vec<u64> = ops
+        .iter()
+        .filter(|op| kinds(op) == "alloc")
+        .map(|op| op["id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ids, (0..ids.len() as u64).collect::<Vec<_>>());
+    assert_eq!(
+        ops.iter().filter(|op| kinds(op) == "empty_cache").count(),
+        1,
+        "recording began with empty_cache()"
+    );
+    let figures = &program["figures"];
+    assert_eq!(
+        figures["allocs"].as_u64().unwrap() as usize,
+        ids.len() - live
+    );
+}

@@ -239,6 +239,173 @@ fn expandable_segment_pages_map_and_read_back() {
     });
 }
 
+/// Stirs the host heap from `seed`: blocks of 1 KiB to 48 MiB (the large ones `mmap`ed by
+/// glibc), half of them freed again, the rest kept until the process ends.
+fn stir_the_host_heap(seed: u64) {
+    let mut state = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+    let mut next = move || {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        state >> 33
+    };
+    let mut kept = Vec::new();
+    for _ in 0..(seed % 97) {
+        let size = 1024usize << (next() % 16);
+        let mut block = vec![0u8; size + (next() % 4096) as usize];
+        block[0] = 1;
+        if next() % 2 == 0 {
+            kept.push(block);
+        }
+    }
+    std::mem::forget(kept);
+}
+
+/// The same driver calls, after `stir_the_host_heap(FAKE_TEST_HEAP_SEED)`: writes the fake's
+/// base address and every address the calls got, less that base, to `FAKE_TEST_ADDRESSES`.
+fn record_device_addresses() {
+    let seed = std::env::var("FAKE_TEST_HEAP_SEED").expect("a heap seed");
+    stir_the_host_heap(seed.parse().expect("a number"));
+    let fake = FakeCuda::open();
+    let mut device = open_device();
+    let base = fake.address_base();
+    assert_ne!(base, 0, "the fake reserved its device addresses");
+    let mut addresses = Vec::new();
+    let mut sizes = Vec::new();
+    // Small blocks (512-byte aligned, several to a host page), then segments (2 MiB aligned).
+    for size in [
+        512,
+        700,
+        4096,
+        1000,
+        2 * MIB,
+        20 * MIB,
+        3 * MIB + 5,
+        128 * 1024,
+    ] {
+        addresses.push(device.malloc(size, 0).expect("malloc"));
+        sizes.push(size);
+    }
+    // Frees make holes that first fit fills again, lowest address first.
+    for index in [1, 4, 6] {
+        device.free(addresses[index]).expect("free");
+    }
+    for size in [600, 2 * MIB, MIB, 40 * MIB] {
+        addresses.push(device.malloc(size, 0).expect("malloc"));
+    }
+    assert_eq!(
+        addresses[8], addresses[1],
+        "the 600 bytes go into the 700-byte hole"
+    );
+    assert_eq!(addresses[9], addresses[4], "2 MiB into the freed 2 MiB");
+    // Device memory is host memory: the bytes written are read back.
+    // SAFETY: live allocations of these sizes that only this test touches.
+    unsafe {
+        device_bytes(addresses[0], 512).fill(7);
+        device_bytes(addresses[2], 4096).fill(9);
+        assert!(device_bytes(addresses[0], 512).iter().all(|&b| b == 7));
+    }
+    // VMM reservations come from their own arena, placed the same way.
+    let first = device.reserve_address_range(64 * MIB).expect("reserve");
+    let second = device.reserve_address_range(32 * MIB).expect("reserve");
+    device
+        .free_address_range(first, 64 * MIB)
+        .expect("free range");
+    let third = device.reserve_address_range(8 * MIB).expect("reserve");
+    assert_eq!(third, first, "the lowest free range again");
+    addresses.extend([first, second, third]);
+    let lines: Vec<String> = std::iter::once(format!("base {base:#x}"))
+        .chain(addresses.iter().map(|a| format!("{:#x}", a - base)))
+        .collect();
+    let out = std::env::var("FAKE_TEST_ADDRESSES").expect("an output path");
+    std::fs::write(out, lines.join("\n")).expect("write the addresses");
+}
+
+#[test]
+fn device_addresses_do_not_depend_on_the_host_heap() {
+    const TEST: &str = "device_addresses_do_not_depend_on_the_host_heap";
+    if support::is_child_for(TEST) {
+        in_own_process(TEST, &[], record_device_addresses);
+        return;
+    }
+    let scratch = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(TEST);
+    std::fs::create_dir_all(&scratch).expect("a scratch directory");
+    // Three processes whose host heaps differ; the last lets the kernel choose the base.
+    let runs = [("0", None), ("61", None), ("95", Some("0"))];
+    let mut outputs = Vec::new();
+    for (seed, hint) in runs {
+        let out = scratch.join(format!("addresses-{seed}"));
+        let out_text = out.display().to_string();
+        let mut env = vec![
+            ("FAKE_TEST_HEAP_SEED", seed),
+            ("FAKE_TEST_ADDRESSES", out_text.as_str()),
+        ];
+        if let Some(hint) = hint {
+            env.push(("FAKE_LIBCUDA_ADDRESS_HINT", hint));
+        }
+        in_own_process(TEST, &env, || {});
+        outputs.push(std::fs::read_to_string(&out).expect("the child's addresses"));
+    }
+    let (bases, offsets): (Vec<&str>, Vec<&str>) = outputs
+        .iter()
+        .map(|text| text.split_once('\n').expect("a base, then addresses"))
+        .unzip();
+    assert_eq!(offsets[0], offsets[1], "the same calls, the same offsets");
+    assert_eq!(offsets[0], offsets[2], "wherever the base lies");
+    // At the fixed hint, absolute addresses agree too.
+    assert_eq!(bases[0], "base 0x200000000000");
+    assert_eq!(bases[1], bases[0]);
+}
+
+#[test]
+fn device_memory_is_committed_when_written_and_given_back_when_freed() {
+    let capacity = (80u64 << 30).to_string();
+    let env = [("FAKE_LIBCUDA_TOTAL_MEM", capacity.as_str())];
+    let test = "device_memory_is_committed_when_written_and_given_back_when_freed";
+    in_own_process(test, &env, || {
+        fn resident_mib() -> u64 {
+            let status = std::fs::read_to_string("/proc/self/status").expect("status");
+            let line = status
+                .lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .expect("VmRSS");
+            let kib: u64 = line
+                .split_whitespace()
+                .nth(1)
+                .expect("a number")
+                .parse()
+                .expect("kB");
+            kib >> 10
+        }
+        let mut device = open_device();
+        let before = resident_mib();
+        // 60 GiB of an 80 GiB fake GPU, touched at both ends: two host pages.
+        let huge = device.malloc(60 << 30, 0).expect("60 GiB");
+        // SAFETY: a live allocation of 60 GiB that only this test touches.
+        unsafe {
+            device_bytes(huge, 1)[0] = 1;
+            device_bytes(huge + (60 << 30) - 1, 1)[0] = 1;
+        }
+        assert!(
+            resident_mib() < before + 16,
+            "only the written pages are committed"
+        );
+        let written = device.malloc(256 * MIB, 0).expect("256 MiB");
+        // SAFETY: a live allocation of 256 MiB that only this test touches.
+        unsafe { device_bytes(written, 256 * MIB).fill(0x5a) };
+        assert!(
+            resident_mib() >= before + 250,
+            "written pages are committed"
+        );
+        device.free(written).expect("free");
+        device.free(huge).expect("free");
+        assert!(
+            resident_mib() < before + 16,
+            "freed device memory gives its host pages back"
+        );
+    });
+}
+
 #[test]
 fn events_are_not_ready_then_ready() {
     in_own_process("events_are_not_ready_then_ready", &[], || {

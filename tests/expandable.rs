@@ -28,6 +28,15 @@ fn checked(a: &DeviceAllocator<SimDevice>) {
     );
 }
 
+/// A driver error on `call`, as the simulated device injects it.
+fn injected(call: &'static str) -> DeviceError {
+    DeviceError::Driver {
+        call,
+        code: 1,
+        message: "injected".into(),
+    }
+}
+
 #[test]
 fn one_growing_segment_per_stream_and_pool() {
     let mut a = expandable(16 * GIB);
@@ -121,11 +130,7 @@ fn an_out_of_memory_retry_unmaps_other_streams_free_pages() {
 
 #[test]
 fn a_failure_while_growing_leaks_nothing() {
-    let failure = DeviceError::Driver {
-        call: "cuMemMap",
-        code: 1,
-        message: "injected".into(),
-    };
+    let failure = injected("cuMemMap");
     for (op, nth) in [
         (SimOp::CreatePhysical, 2),
         (SimOp::Map, 2),
@@ -231,11 +236,7 @@ fn max_split_size_with_expandable_segments_grows_as_in_pytorch_unless_exempted()
 /// back (found by the fault sweep: `cuMemRelease` failing once leaked the page for good).
 #[test]
 fn a_page_the_device_would_not_release_is_released_later() {
-    let refused = DeviceError::Driver {
-        call: "cuMemRelease",
-        code: 1,
-        message: "injected".into(),
-    };
+    let refused = injected("cuMemRelease");
     let mut a = expandable(16 * GIB);
     let p = a.malloc(30 * MIB, 0).unwrap();
     a.free(p).unwrap();
@@ -256,16 +257,11 @@ fn a_page_the_device_would_not_release_is_released_later() {
 /// kept and given back by the next `empty_cache`, before the address range.
 #[test]
 fn a_page_left_mapped_by_a_failed_rollback_is_released_later() {
-    let fault = |call| DeviceError::Driver {
-        call,
-        code: 1,
-        message: "injected".into(),
-    };
     let mut a = expandable(16 * GIB);
     a.device_mut()
-        .fail_next(SimOp::SetAccess, 1, fault("cuMemSetAccess"));
+        .fail_next(SimOp::SetAccess, 1, injected("cuMemSetAccess"));
     a.device_mut()
-        .fail_next(SimOp::Unmap, 1, fault("cuMemUnmap"));
+        .fail_next(SimOp::Unmap, 1, injected("cuMemUnmap"));
     assert!(a.malloc(30 * MIB, 0).is_err());
     // Not `checked`: the leftover page is mapped on the device but reserved by no segment.
     a.check_invariants().unwrap();
@@ -280,6 +276,57 @@ fn a_page_left_mapped_by_a_failed_rollback_is_released_later() {
     // The segment's first growth failed, so, as in PyTorch, it keeps its address range for the
     // next request of its stream (see the test after next).
     assert_eq!(a.device().reserved_ranges(), 1);
+    checked(&a);
+}
+
+/// An address range the device refuses to free (`cuMemAddressFree` failing once) is retried
+/// by the next `empty_cache`, as leftover pages are (issue 21: it stayed reserved until a new
+/// segment happened to reuse it).
+#[test]
+fn an_address_range_the_device_would_not_free_is_freed_by_the_next_empty_cache() {
+    let refused = injected("cuMemAddressFree");
+    let mut a = expandable(16 * GIB);
+    let p = a.malloc(30 * MIB, 0).unwrap();
+    a.free(p).unwrap();
+    a.device_mut()
+        .fail_next(SimOp::FreeAddressRange, 1, refused.clone());
+    assert_eq!(a.empty_cache(), Err(refused));
+    // The pages went back; the segment is gone from the books; its range is still reserved.
+    assert_eq!(a.device().mapped_bytes(), 0);
+    assert_eq!(a.device().live_physical_handles(), 0);
+    assert!(a.expandable_segment_ranges().is_empty());
+    assert_eq!(a.device().reserved_ranges(), 1);
+    checked(&a);
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().reserved_ranges(), 0);
+    assert_eq!(a.device().counters().address_frees, 2);
+    // Nothing is left to retry: a third call frees nothing.
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().counters().address_frees, 2);
+    checked(&a);
+}
+
+/// The same for a private pool's segment.
+#[test]
+fn a_private_pools_address_range_the_device_would_not_free_is_freed_later() {
+    let refused = injected("cuMemAddressFree");
+    let mut a = expandable(16 * GIB);
+    let pool = (1, 0);
+    a.begin_allocate_to_pool(pool, Box::new(|_| Ok(true)))
+        .unwrap();
+    let p = a.malloc(30 * MIB, 0).unwrap();
+    a.end_allocate_to_pool(pool).unwrap();
+    a.free(p).unwrap();
+    a.release_pool(pool).unwrap();
+    a.device_mut()
+        .fail_next(SimOp::FreeAddressRange, 1, refused.clone());
+    assert_eq!(a.empty_cache(), Err(refused));
+    assert_eq!(a.device().reserved_ranges(), 1);
+    assert_eq!(a.device().mapped_bytes(), 0);
+    checked(&a);
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().reserved_ranges(), 0);
+    assert!(a.private_pools().is_empty());
     checked(&a);
 }
 
@@ -496,5 +543,65 @@ fn a_tagged_stream_gets_its_reserve_class() {
         reserved_sizes(&a),
         [54_525_952, 62_914_560, 1_216_348_160, 1_216_348_160]
     );
+    checked(&a);
+}
+
+/// With cross-stream reuse (issue 21): stream A grows its free block through unmapped pages
+/// of a segment whose unmapped space carries stream B. The pages mapped there used to keep
+/// B's stream, so they did not merge with A's block, and the request of A was handed a block
+/// of B (which B could then reuse, once freed, while A's work still ran on it), mapped anew
+/// past the 58.5 MiB A already had free. Shrunk by the property
+/// `cross_stream_reuse_with_expandable_segments_keeps_every_invariant`.
+#[test]
+fn pages_mapped_to_grow_a_block_take_its_stream_with_cross_stream_reuse() {
+    const A: u64 = 0;
+    const B: u64 = 0x1000;
+    let config = Config {
+        expandable_segments: true,
+        cross_stream: true,
+        ..Config::default()
+    };
+    let mut a = DeviceAllocator::new(SimDevice::new(4 * GIB), 0, config);
+    let page = 20 * MIB as u64;
+    // B's segment: page 0 holds x (1.5 MiB); A's first request takes B's free tail, grown
+    // into page 1, then B's own request maps page 2.
+    let x = a.malloc(3 * MIB / 2, B).unwrap();
+    let first = a.malloc(20 * MIB, A).unwrap();
+    assert_eq!(first, x + 3 * MIB as u64 / 2, "B's free tail, moved to A");
+    let y = a.malloc(20 * MIB, B).unwrap();
+    assert_eq!(y, x + 2 * page);
+    a.free(first).unwrap();
+    // Page 1 is wholly free: it is unmapped; [1.5 MiB, 20 MiB) stays mapped, free, of A.
+    a.empty_cache().unwrap();
+    a.free(y).unwrap();
+    // A takes y's page from B's cache, and frees it: A now has free memory on both sides of
+    // the unmapped page 1, and B's unmapped space starts at page 3.
+    let second = a.malloc(20 * MIB, A).unwrap();
+    assert_eq!(second, y);
+    a.free(second).unwrap();
+    checked(&a);
+    let reserved = a.stats().reserved_bytes.all.current;
+    // 60 MiB for A: its free 1.5..20 MiB, page 1 mapped again, its free page 2, and 1.5 MiB
+    // of page 3, all of them one block of A.
+    let wanted = a.malloc(60 * MIB, A).unwrap();
+    let info = a.allocation_info(wanted).unwrap();
+    assert_eq!(
+        info.stream, A,
+        "the block belongs to the stream that asked for it"
+    );
+    assert_eq!(wanted, first, "A's free memory is used, not mapped anew");
+    assert_eq!(
+        a.stats().reserved_bytes.all.current,
+        reserved + 2 * page as i64,
+        "pages 1 and 3"
+    );
+    checked(&a);
+    // Freed, the block is cached for A: B takes it only after waiting for A's work.
+    let waits = a.cross_stream_counts().waits;
+    a.free(wanted).unwrap();
+    let z = a.malloc(60 * MIB, B).unwrap();
+    assert_eq!(z, wanted);
+    assert_eq!(a.allocation_info(z).unwrap().stream, B);
+    assert_eq!(a.cross_stream_counts().waits, waits + 1);
     checked(&a);
 }

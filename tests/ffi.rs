@@ -855,6 +855,50 @@ fn expandable_segments_map_real_pages_and_give_them_back() {
     );
 }
 
+/// `cuMemAddressFree` failing once while `empty_cache` gives an expandable segment back: the
+/// call reports the error, and the next `empty_cache` frees the range (issue 21: it stayed
+/// reserved through every later `empty_cache`).
+#[test]
+fn an_address_range_the_driver_would_not_free_is_freed_by_the_next_empty_cache() {
+    let env = [("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")];
+    in_own_process(
+        "an_address_range_the_driver_would_not_free_is_freed_by_the_next_empty_cache",
+        &env,
+        || {
+            let api = Api::open();
+            let fake = FakeCuda::open();
+            let empty_cache: unsafe extern "C" fn() -> c_int =
+                api.library.function("ferrocache_empty_cache");
+            let block = api.alloc(30 * MIB, 0, 0);
+            assert!(!block.is_null(), "{}", api.last_error());
+            assert_eq!(api.free(block), 0);
+            assert_eq!(fake.stat("live_reservations"), 1);
+            fake.fail_next("cuMemAddressFree", 999);
+            // SAFETY: no arguments.
+            assert_eq!(unsafe { empty_cache() }, -1);
+            assert_eq!(
+                api.last_error(),
+                "device 0: cuMemAddressFree failed with error 999: unknown error"
+            );
+            assert_eq!(fake.stat("live_mappings"), 0, "the pages went back");
+            assert_eq!(fake.stat("live_physical"), 0);
+            assert_eq!(fake.stat("live_reservations"), 1);
+            assert_eq!(api.stat("reserved_bytes.all.current"), 0);
+            // SAFETY: no arguments.
+            assert_eq!(unsafe { empty_cache() }, 0, "{}", api.last_error());
+            assert_eq!(fake.stat("live_reservations"), 0);
+            assert_eq!(fake.stat("cuMemAddressFree"), 2);
+            // SAFETY: no arguments.
+            assert_eq!(unsafe { empty_cache() }, 0);
+            assert_eq!(fake.stat("cuMemAddressFree"), 2, "nothing left to retry");
+            let check: unsafe extern "C" fn() -> c_int =
+                api.library.function("ferrocache_check_invariants");
+            // SAFETY: no arguments.
+            assert_eq!(unsafe { check() }, 0, "{}", api.last_error());
+        },
+    );
+}
+
 #[test]
 fn a_threads_private_pool_works_through_the_c_abi() {
     in_own_process(

@@ -242,7 +242,8 @@ impl ExpandableSegment {
 
 /// A physical page that left its segment but that the device did not take back: its unmap or
 /// its release failed. Kept, and retried by every `empty_cache`, so that one failed driver call
-/// leaks nothing for good.
+/// leaks nothing for good (address ranges whose `cuMemAddressFree` failed are kept the same
+/// way, as `PageRange`s).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeftoverPage {
     /// Where it is still mapped, when its unmap failed.
@@ -280,14 +281,20 @@ impl<D: Device> DeviceAllocator<D> {
     /// Maps pages from `candidate` (a free or unmapped block that, with the free and unmapped
     /// space after it, holds the request) until one free block covers the request; takes it out
     /// of its pool. `Ok(None)` when the device is out of memory.
+    ///
+    /// The pages mapped take `candidate`'s stream, so that they merge with it into one block:
+    /// with cross-stream reuse the unmapped space after it may carry another stream (that of
+    /// the block unmapped there last, or of the segment), which would otherwise come back
+    /// mapped as a block of that stream and be handed to the request.
     pub(super) fn grow_expandable_block(
         &mut self,
         mut candidate: BlockId,
         request: &Request,
     ) -> Result<Option<BlockId>, AllocError> {
+        let stream = self.arena.get(candidate).stream;
         if !self.arena.get(candidate).mapped {
             let size = self.arena.get(candidate).size.min(request.size);
-            if !self.map_block(candidate, size)? {
+            if !self.map_block(candidate, size, stream)? {
                 return Ok(None);
             }
         }
@@ -299,7 +306,7 @@ impl<D: Device> DeviceAllocator<D> {
                 .next
                 .expect("find_expandable_block checked the space after the candidate");
             let size = self.arena.get(next).size.min(remaining);
-            if !self.map_block(next, size)? {
+            if !self.map_block(next, size, stream)? {
                 return Ok(None);
             }
             candidate = next;
@@ -410,11 +417,17 @@ impl<D: Device> DeviceAllocator<D> {
     }
 
     /// `map_block`: maps pages under the first `size` bytes of an unmapped block; the mapped part
-    /// becomes a free block (merged with free neighbours), the rest stays unmapped.
+    /// becomes a free block of `stream` (merged with free neighbours), the rest stays unmapped.
+    /// Unmapped pages hold nothing, so any stream may take them without waiting.
     /// `Ok(false)` when the device is out of memory.
-    pub(super) fn map_block(&mut self, id: BlockId, size: usize) -> Result<bool, AllocError> {
+    pub(super) fn map_block(
+        &mut self,
+        id: BlockId,
+        size: usize,
+        stream: StreamId,
+    ) -> Result<bool, AllocError> {
         debug_assert!(!self.arena.get(id).mapped && size <= self.arena.get(id).size);
-        let (ptr, block_size, stream, pool, owner, segment_id) = self.expandable_block(id);
+        let (ptr, block_size, _, pool, owner, segment_id) = self.expandable_block(id);
         let segment = self.expandable_segments[segment_id as usize]
             .as_mut()
             .expect("live expandable segment");
@@ -429,6 +442,7 @@ impl<D: Device> DeviceAllocator<D> {
             .remove_unmapped(self.arena.get(id));
         self.arena.get_mut(id).mapped = true;
         if range.size < block_size {
+            // The rest stays unmapped, with the stream it had.
             let mut rest = self.piece_of(id, ptr + range.size as u64, block_size - range.size);
             rest.mapped = false;
             self.arena.get_mut(id).size = range.size;
@@ -437,6 +451,7 @@ impl<D: Device> DeviceAllocator<D> {
                 .get_mut(owner, pool)
                 .insert_unmapped(rest_id, self.arena.get(rest_id));
         }
+        self.arena.get_mut(id).stream = stream;
         let (prev, next) = (self.arena.get(id).prev, self.arena.get(id).next);
         self.try_merge_blocks(id, prev);
         self.try_merge_blocks(id, next);
@@ -507,9 +522,11 @@ impl<D: Device> DeviceAllocator<D> {
         failure.map_or(Ok(()), Err)
     }
 
-    /// Unmaps and releases the leftover pages; those the device still refuses stay leftovers,
-    /// and the first refusal is returned.
-    pub(super) fn release_leftover_pages(&mut self) -> Result<(), DeviceError> {
+    /// Retries what the device refused to take back: unmaps and releases the leftover pages,
+    /// then frees the leftover address ranges (after the pages: a range with a page still
+    /// mapped in it cannot be freed). What the device still refuses stays, and the first
+    /// refusal is returned.
+    pub(super) fn release_leftovers(&mut self) -> Result<(), DeviceError> {
         let mut outcome = Ok(());
         for mut page in std::mem::take(&mut self.leftover_pages) {
             let mut result = Ok(());
@@ -527,24 +544,36 @@ impl<D: Device> DeviceAllocator<D> {
                 }
             }
         }
+        for range in std::mem::take(&mut self.leftover_ranges) {
+            if let Err(err) = self.device.free_address_range(range.ptr, range.size) {
+                self.leftover_ranges.push(range);
+                if outcome.is_ok() {
+                    outcome = Err(err);
+                }
+            }
+        }
         outcome
     }
 
     /// `release_expandable_segment`: gives back the address range of a segment with nothing
-    /// mapped (its one block spans the whole range, unmapped).
+    /// mapped (its one block spans the whole range, unmapped). The segment leaves the books
+    /// either way; a range the device refuses to free becomes a leftover, retried by every
+    /// `empty_cache` as leftover pages are (it holds nothing, and no segment can use it).
     pub(super) fn release_expandable_segment(&mut self, id: BlockId) -> Result<(), DeviceError> {
         let segment_id = self.arena.get(id).expandable.expect("expandable block");
         debug_assert_eq!(self.arena.get(id).size, self.segment(segment_id).size());
-        let slot = &mut self.expandable_segments[segment_id as usize];
-        // If the device refuses, the segment stays: its (empty) address range is still ours.
-        slot.as_ref()
-            .expect("live expandable segment")
-            .release(&mut self.device)?;
-        *slot = None;
+        let segment = self.expandable_segments[segment_id as usize]
+            .take()
+            .expect("live expandable segment");
         let block = self.arena.remove(id);
         self.pools.of_block_mut(&block).remove_unmapped(&block);
         self.count_segment_returned(block.private_pool);
-        Ok(())
+        segment.release(&mut self.device).inspect_err(|_| {
+            self.leftover_ranges.push(PageRange {
+                ptr: segment.base(),
+                size: segment.size(),
+            });
+        })
     }
 }
 

@@ -110,7 +110,7 @@ impl<D: Device> DeviceAllocator<D> {
             self.release_expandable_segment(head)?;
             return Err(refused(range));
         }
-        if !self.map_block(head, mapped)? {
+        if !self.map_block(head, mapped, stream)? {
             self.release_expandable_segment(head)?;
             let request = Request {
                 size: mapped,

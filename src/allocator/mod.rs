@@ -33,7 +33,7 @@ use crate::logging;
 use crate::policy::{self, PoolKind, TieRule};
 use block::{Block, BlockArena, BlockId, ExpandableId};
 use cross_stream::CrossStreamCounts;
-use expandable::{ExpandableSegment, LeftoverPage};
+use expandable::{ExpandableSegment, LeftoverPage, PageRange};
 use history::{History, StackId, TraceAction};
 use private_pool::{BlockPools, Capture, MempoolId, PrivatePoolIndex};
 use rustc_hash::FxHashMap;
@@ -168,9 +168,11 @@ pub struct DeviceAllocator<D: Device> {
     pools: BlockPools,
     /// Captures under way, each with its pool and stream filter.
     captures: Vec<Capture>,
-    /// Blocks freed during a capture with uses on other streams: their events are recorded once
-    /// no capture is under way (event queries are illegal during capture).
-    events_deferred_until_no_capture: Vec<BlockId>,
+    /// Freed blocks whose events are still to be recorded, by the next `process_events` or
+    /// `synchronize_and_free_events`: blocks freed during a capture with uses on other streams
+    /// (event calls are illegal during a capture), and blocks for whose streams the device would
+    /// neither record an event nor synchronize.
+    events_to_record: Vec<BlockId>,
     /// Streams a block was used on (`record_stream`) while a capture was under way.
     capture_stream_uses: FxHashMap<BlockId, Vec<StreamId>>,
     /// Blocks handed out to the program, by address.
@@ -187,6 +189,9 @@ pub struct DeviceAllocator<D: Device> {
     expandable_segments: Vec<Option<ExpandableSegment>>,
     /// Pages whose unmap or release the device refused; retried by `release_cached_blocks`.
     leftover_pages: Vec<LeftoverPage>,
+    /// Address ranges of released expandable segments whose free the device refused; retried
+    /// by `release_cached_blocks`, after the leftover pages.
+    leftover_ranges: Vec<PageRange>,
     history: History,
     /// What cross-stream reuse (opt-in) did.
     cross_stream: CrossStreamCounts,
@@ -222,7 +227,7 @@ impl<D: Device> DeviceAllocator<D> {
             arena: BlockArena::default(),
             pools: BlockPools::default(),
             captures: Vec::new(),
-            events_deferred_until_no_capture: Vec::new(),
+            events_to_record: Vec::new(),
             capture_stream_uses: FxHashMap::default(),
             allocated: live::LiveTable::default(),
             pending_events: BTreeMap::new(),
@@ -231,6 +236,7 @@ impl<D: Device> DeviceAllocator<D> {
             allowed_memory_maximum: None,
             expandable_segments: Vec::new(),
             leftover_pages: Vec::new(),
+            leftover_ranges: Vec::new(),
             history: History::default(),
             cross_stream: CrossStreamCounts::default(),
             merging_across_streams: false,
@@ -333,7 +339,7 @@ impl<D: Device> DeviceAllocator<D> {
     pub fn malloc(&mut self, size: usize, stream: StreamId) -> Result<DevicePtr, AllocError> {
         let private_pool = if self.captures.is_empty() {
             // Event queries are illegal during a capture, so completed frees wait until after.
-            if self.pending_event_count > 0 || !self.events_deferred_until_no_capture.is_empty() {
+            if self.pending_event_count > 0 || !self.events_to_record.is_empty() {
                 self.process_events()?;
             }
             None
@@ -791,7 +797,7 @@ impl<D: Device> DeviceAllocator<D> {
             self.free_block(id);
         } else if !self.captures.is_empty() {
             // Recording and querying events is illegal during a capture: wait until it ends.
-            self.events_deferred_until_no_capture.push(id);
+            self.events_to_record.push(id);
         } else {
             // Freed outside a capture, the block waits for every stream it was used on, as in
             // PyTorch, those of a capture included.
@@ -949,6 +955,7 @@ impl<D: Device> DeviceAllocator<D> {
         let streams = std::mem::take(&mut self.arena.get_mut(id).stream_uses);
         let ptr = self.arena.get(id).ptr;
         logging::block_waits_for_streams(ptr, streams.len());
+        let mut not_waited_for = Vec::new();
         for stream in streams {
             match self.device.record_event(stream) {
                 Ok(event) => {
@@ -963,19 +970,24 @@ impl<D: Device> DeviceAllocator<D> {
                     // Without an event, waiting for the stream now is the only safe way.
                     logging::device_error("could not record an event; synchronizing instead", &err);
                     if let Err(err) = self.device.synchronize_stream(stream) {
-                        // Neither worked: keep the block out of circulation rather than risk
-                        // handing out memory a kernel may still be using.
+                        // Neither worked: the block stays out of circulation rather than risk
+                        // handing out memory a kernel may still be using, until a later try
+                        // succeeds (the events of its other streams may complete meanwhile).
                         logging::device_error(
-                            "could not synchronize; the block is not reused",
+                            "could not synchronize; the block is not reused until an event \
+                             can be recorded",
                             &err,
                         );
-                        self.arena.get_mut(id).stream_uses.push(stream);
-                        return;
+                        not_waited_for.push(stream);
                     }
                 }
             }
         }
-        if self.arena.get(id).event_count == 0 {
+        let block = self.arena.get_mut(id);
+        if !not_waited_for.is_empty() {
+            block.stream_uses = not_waited_for;
+            self.events_to_record.push(id);
+        } else if block.event_count == 0 {
             self.free_block(id);
         }
     }
@@ -1009,10 +1021,12 @@ impl<D: Device> DeviceAllocator<D> {
         outcome
     }
 
+    /// One of the block's events completed: the block is cached once none is left, unless
+    /// events of other streams are still to be recorded.
     fn event_completed(&mut self, id: BlockId) {
         let block = self.arena.get_mut(id);
         block.event_count -= 1;
-        if block.event_count == 0 {
+        if block.is_available() {
             self.free_block(id);
         }
     }
@@ -1057,7 +1071,7 @@ impl<D: Device> DeviceAllocator<D> {
     fn release_cached_blocks(&mut self) -> Result<(), DeviceError> {
         if self.captures.is_empty() {
             self.synchronize_and_free_events()?;
-            self.release_leftover_pages()?;
+            self.release_leftovers()?;
             self.coalesce_across_streams()?;
             self.release_blocks(None, PoolKind::Large)?;
             self.release_blocks(None, PoolKind::Small)?;

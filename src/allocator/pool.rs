@@ -631,6 +631,8 @@ mod tests {
     use std::collections::BTreeSet;
 
     proptest! {
+        #![proptest_config(crate::test_properties::config(256))]
+
         /// The pool answers every query exactly as an ordered set of (stream, size, segment
         /// order, address) would: PyTorch's `std::set` with `BlockComparatorSizeCounterAddress`.
         #[test]

@@ -494,21 +494,24 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// `insert_events_deferred_until_no_capture`: blocks freed during a capture with uses on
     /// other streams get their events now, for the uses recorded outside a capture only
-    /// (`remove_cudagraph_stream_uses`).
+    /// (`remove_cudagraph_stream_uses`); so do the blocks whose events the device refused
+    /// before (a retry).
     pub(super) fn insert_events_deferred_until_no_capture(&mut self) {
         debug_assert!(self.captures.is_empty());
-        for id in std::mem::take(&mut self.events_deferred_until_no_capture) {
+        for id in std::mem::take(&mut self.events_to_record) {
             if let Some(during_capture) = self.capture_stream_uses.remove(&id) {
                 self.arena
                     .get_mut(id)
                     .stream_uses
                     .retain(|s| !during_capture.contains(s));
             }
-            if self.arena.get(id).stream_uses.is_empty() {
+            let block = self.arena.get(id);
+            if block.is_available() {
                 self.free_block(id);
-            } else {
+            } else if !block.stream_uses.is_empty() {
                 self.insert_events(id);
             }
+            // Otherwise only recorded events are left: the last to complete caches the block.
         }
     }
 }

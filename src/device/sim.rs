@@ -177,6 +177,11 @@ impl SimDevice {
         queue.push_back(Some(error));
     }
 
+    /// Forgets every injected fault that has not fired yet.
+    pub fn clear_faults(&mut self) {
+        self.faults.clear();
+    }
+
     /// The next `count` `malloc`s report out of memory.
     pub fn fail_next_mallocs(&mut self, count: usize) {
         self.fail_next(SimOp::Malloc, count, DeviceError::OutOfMemory);
@@ -738,36 +743,41 @@ mod tests {
         assert!(d.malloc(MIB, 0).is_ok());
     }
 
-    /// The search hint changes nothing: placement equals a plain first-fit scan from the base.
-    #[test]
-    fn placement_is_plain_first_fit() {
-        fn naive(occupied: &BTreeMap<u64, u64>, size: u64) -> u64 {
-            let size = size.div_ceil(ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT;
-            let mut cursor = ADDRESS_BASE;
-            for (&start, &end) in occupied {
-                if start >= cursor + size {
-                    break;
-                }
-                cursor = cursor.max(end.div_ceil(ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT);
+    fn naive_first_fit(occupied: &BTreeMap<u64, u64>, size: u64) -> u64 {
+        let size = size.div_ceil(ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT;
+        let mut cursor = ADDRESS_BASE;
+        for (&start, &end) in occupied {
+            if start >= cursor + size {
+                break;
             }
-            cursor
+            cursor = cursor.max(end.div_ceil(ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT);
         }
-        let mut d = SimDevice::new(1 << 50);
-        let mut live: Vec<u64> = Vec::new();
-        let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
-        for _ in 0..3000 {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            if seed.is_multiple_of(3) && !live.is_empty() {
-                let p = live.swap_remove((seed >> 8) as usize % live.len());
-                d.free(p).unwrap();
-            } else {
-                let size = 1 + (seed >> 20) as usize % (64 * MIB);
-                let expected = naive(&d.occupied, size as u64);
-                let p = d.malloc(size, 0).unwrap();
-                assert_eq!(p, expected);
-                live.push(p);
+        cursor
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(crate::test_properties::config(64))]
+
+        /// The search hint changes nothing: placement equals a plain first-fit scan from the
+        /// base, for any sequence of allocations (1 byte to 64 MiB) and frees.
+        #[test]
+        fn placement_is_plain_first_fit(
+            steps in prop::collection::vec((0u8..3, 1..=64 * MIB, any::<usize>()), 1..600)
+        ) {
+            let mut d = SimDevice::new(1 << 50);
+            let mut live: Vec<u64> = Vec::new();
+            for (kind, size, pick) in steps {
+                if kind == 0 && !live.is_empty() {
+                    let p = live.swap_remove(pick % live.len());
+                    d.free(p).unwrap();
+                } else {
+                    let expected = naive_first_fit(&d.occupied, size as u64);
+                    let p = d.malloc(size, 0).unwrap();
+                    prop_assert_eq!(p, expected);
+                    live.push(p);
+                }
             }
         }
     }

@@ -25,6 +25,7 @@ pub mod job;
 mod op_list;
 pub mod pickle;
 pub mod plot;
+pub mod program;
 pub mod snapshot;
 pub mod workload;
 

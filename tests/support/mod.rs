@@ -79,6 +79,12 @@ fn run(test: &str, library_path: &str, env: &[(&str, &str)], body: impl FnOnce()
     );
 }
 
+/// Whether this process is the child that runs `test` (see [`in_own_process`]): for a test
+/// that starts several children itself and compares what they wrote.
+pub fn is_child_for(test: &str) -> bool {
+    std::env::var(CHILD_VARIABLE).as_deref() == Ok(test)
+}
+
 /// Builds the fake libcuda once per test process; returns the directory that holds
 /// `libcuda.so` and `libcuda.so.1` (the name a driver installation provides).
 pub fn fake_libcuda_dir() -> &'static Path {
@@ -205,6 +211,12 @@ impl FakeCuda {
             set(stream as usize as *mut c_void, c_int::from(capturing)),
             0
         );
+    }
+
+    /// The start of the fake's block of device addresses (`fake_cuda_address_base`).
+    pub fn address_base(&self) -> u64 {
+        let get: extern "C" fn() -> u64 = self.function("fake_cuda_address_base");
+        get()
     }
 
     /// The calling thread's stream capture mode (0 global, 1 thread-local, 2 relaxed).

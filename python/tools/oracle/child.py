@@ -1,59 +1,95 @@
 """Runs one allocation program in this process, under PyTorch's allocator or ferrocache, and
-prints what happened as one JSON document on stdout.
+says what happened after every op.
 
-Run by :mod:`oracle.harness` under ``scripts/with-fake-cuda`` with the program on stdin:
-``{"allocator": "native" | "ferrocache", "streams": N, "ops": [...], "history": PATH?}``.
-The fake driver logs its memory calls to ``FAKE_CUDA_CALL_LOG`` (set by the harness); after
-each op this reads the lines the op added, so every device call is attributed to its op.
+:func:`run` is called in a process of its own that has not started CUDA yet: a child that
+:mod:`oracle.server` forked for the run (the usual way), or a fresh interpreter
+(``python child.py`` with the program on stdin and the result on stdout). The program is
+``{"allocator": "native" | "ferrocache", "streams": N, "ops": [...], "history": PATH?,
+"layout": "end" | "changes" | "every" | [op indices]}``. The fake driver logs its memory calls
+to ``FAKE_CUDA_CALL_LOG`` (set by the harness); after each op this reads the lines the op added,
+so every device call is attributed to its op.
 
-Out: ``{"steps": [{"calls": [...], "oom": bool, "stats": {...}}, ...], "segments": [...]}``,
-one step per op; ``segments`` is the final snapshot's layout without addresses.
+The result: ``{"initial": {stats}, "steps": [...], "segments": [layout]}``, one step per op:
+``{"calls": [...], "oom": bool, "stats": {keys that changed}, "addr": offset | None,
+"layout": [...]?}``. ``addr`` is where an allocation's tensor lies, as an offset from the fake
+CUDA's block of device addresses (the same in any process that made the same driver calls;
+tests/fake-cuda/README.md); ``stats`` holds only the ``memory_stats()`` keys whose value
+changed since the step before (``initial`` for the first). A layout is the segments in address
+order, each ``[offset, total_size, segment_type, stream, is_expandable, blocks]`` with blocks
+``[offset in segment, size, state, requested_size]``; it is taken after the ops that made device
+calls (``changes``), after every op (``every``), after the listed ops, and always at the end.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 OOM_TEXT = "CUDA out of memory."
 
 
-def main() -> None:
-    program = json.load(sys.stdin)
+def fake_address_base() -> int:
+    """The start of the fake CUDA's block of device addresses."""
+    fake = ctypes.CDLL("libcuda.so.1")
+    fake.fake_cuda_address_base.restype = ctypes.c_uint64
+    return int(fake.fake_cuda_address_base())
+
+
+def run(program: dict[str, Any]) -> dict[str, Any]:
     use_ferrocache = program["allocator"] == "ferrocache"
     if use_ferrocache:
         import ferrocache
+        from ferrocache import _lib
 
         ferrocache.install()
         stats_of = ferrocache.memory_stats
-        segments_of = lambda: ferrocache.snapshot()["segments"]  # noqa: E731
+        # The segments of ferrocache.memory_snapshot(), without resolving stack frames (the
+        # programs record none), which costs most of its time.
+        raw_segments: Callable[[], list[dict[str, Any]]] = lambda: _lib.call_json("ferrocache_snapshot")["segments"]  # noqa: E731
         record_history = ferrocache.record_memory_history
         dump_snapshot = ferrocache.dump_snapshot
     else:
         stats_of = torch.cuda.memory_stats
-        segments_of = torch.cuda.memory_snapshot
+        raw_segments = torch.cuda.memory_snapshot
         record_history = torch.cuda.memory._record_memory_history
         dump_snapshot = torch.cuda.memory._dump_snapshot
 
     torch.cuda.init()
+    capacity = program.get("capacity")
+    if capacity is not None and torch.cuda.mem_get_info()[1] != capacity:
+        raise RuntimeError(f"the fake GPU has {torch.cuda.mem_get_info()[1]} bytes, not {capacity}")
+    base = fake_address_base()
     streams = [torch.cuda.default_stream()] + [torch.cuda.Stream() for _ in range(program["streams"] - 1)]
     stream_index = {s.cuda_stream: i for i, s in enumerate(streams)}
     log = open(os.environ["FAKE_CUDA_CALL_LOG"], encoding="utf-8")
     log.read()  # what CUDA's initialisation did is not the program's
 
+    def layout() -> list[Any]:
+        segments = [segment_layout(s, base, stream_index) for s in raw_segments()]
+        segments.sort(key=lambda s: s[0])
+        return segments
+
+    mode = program.get("layout", "end")
+    layout_at = set(mode) if isinstance(mode, list) else set()
     tensors: dict[int, Any] = {}
     steps = []
-    for op in program["ops"]:
+    previous = dict(stats_of())
+    initial = previous
+    for index, op in enumerate(program["ops"]):
         oom = False
+        address = None
         kind = op["op"]
         if kind == "alloc":
             try:
                 with torch.cuda.stream(streams[op["stream"]]):
+                    # Held by the table only: a free must release it at once.
                     tensors[op["id"]] = torch.empty(op["size"], dtype=torch.uint8, device="cuda")
+                address = tensors[op["id"]].data_ptr() - base
             except RuntimeError as err:  # torch.OutOfMemoryError is one
                 if OOM_TEXT not in str(err):
                     raise
@@ -61,9 +97,8 @@ def main() -> None:
         elif kind == "free":
             tensors.pop(op["id"], None)
         elif kind == "record_stream":
-            tensor = tensors.get(op["id"])
-            if tensor is not None:
-                tensor.record_stream(streams[op["stream"]])
+            if op["id"] in tensors:
+                tensors[op["id"]].record_stream(streams[op["stream"]])
         elif kind == "empty_cache":
             torch.cuda.empty_cache()
         elif kind == "fraction":
@@ -76,28 +111,39 @@ def main() -> None:
         else:
             raise ValueError(f"unknown op {kind!r}")
         calls = log.read().splitlines()
-        steps.append({"calls": calls, "oom": oom, "stats": dict(stats_of())})
+        stats = dict(stats_of())
+        step: dict[str, Any] = {
+            "calls": calls,
+            "oom": oom,
+            "stats": {k: v for k, v in stats.items() if previous.get(k) != v},
+            "addr": address,
+        }
+        previous = stats
+        if mode == "every" or index in layout_at or (mode == "changes" and calls):
+            step["layout"] = layout()
+        steps.append(step)
 
     if program.get("history"):
         dump_snapshot(program["history"])
-    segments = [layout(s, stream_index) for s in segments_of()]
-    segments.sort(key=lambda s: json.dumps(s, sort_keys=True))
-    json.dump({"steps": steps, "segments": segments}, sys.stdout)
+    return {"initial": initial, "steps": steps, "segments": layout()}
 
 
-def layout(segment: dict[str, Any], stream_index: dict[int, int]) -> dict[str, Any]:
-    """A snapshot segment without addresses: its size, kind, stream and blocks by offset."""
-    base = segment["address"]
-    return {
-        "total_size": segment["total_size"],
-        "segment_type": segment.get("segment_type"),
-        "stream": stream_index.get(segment["stream"], segment["stream"]),
-        "is_expandable": bool(segment.get("is_expandable", False)),
-        "blocks": [
-            [block["address"] - base, block["size"], block["state"], block.get("requested_size", 0)]
-            for block in segment["blocks"]
-        ],
-    }
+def segment_layout(segment: dict[str, Any], base: int, stream_index: dict[int, int]) -> list[Any]:
+    """A snapshot segment by offsets from the fake's base: ``[offset, total_size, segment_type,
+    stream, is_expandable, [[offset in segment, size, state, requested_size], ...]]``."""
+    start = segment["address"]
+    return [
+        start - base,
+        segment["total_size"],
+        segment.get("segment_type"),
+        stream_index.get(segment["stream"], segment["stream"]),
+        bool(segment.get("is_expandable", False)),
+        [[b["address"] - start, b["size"], b["state"], b.get("requested_size", 0)] for b in segment["blocks"]],
+    ]
+
+
+def main() -> None:
+    json.dump(run(json.load(sys.stdin)), sys.stdout)
 
 
 if __name__ == "__main__":

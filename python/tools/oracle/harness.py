@@ -1,13 +1,14 @@
 """PyTorch's own allocator as the oracle: the same allocation program, run once under PyTorch's
-caching allocator and once under ferrocache, each in a fresh process on the same fake GPU with
-the same ``PYTORCH_CUDA_ALLOC_CONF``, must give the same device calls, the same
-``memory_stats()`` after every op, the same out-of-memory points and the same final segment
-layout.
+caching allocator and once under ferrocache, each in a process of its own on the same fake GPU
+with the same ``PYTORCH_CUDA_ALLOC_CONF``, must give, after every op, the same device calls (with
+their offsets in the fake's address range), the same address for each allocation, the same
+``memory_stats()``, the same out-of-memory points, and the same segment and block layout.
 
 A program is a list of ops (JSON): ``alloc`` (``torch.empty`` of ``size`` bytes on stream
 ``stream``, named ``id``), ``free``, ``record_stream``, ``empty_cache``, ``fraction``
-(``set_per_process_memory_fraction``). :func:`random_program` draws one from a seed;
-:func:`compare` runs it both ways and returns the first divergence, or None.
+(``set_per_process_memory_fraction``). :func:`random_program` draws one from a seed,
+:mod:`oracle.shapes` draws one shaped like training, :mod:`oracle.traces` makes one of a recorded
+snapshot; :func:`compare` runs it both ways and returns the first divergence, or None.
 
 Needs real PyTorch on the fake CUDA: run under ``scripts/with-fake-cuda`` (``scripts/oracle``).
 """
@@ -15,7 +16,6 @@ Needs real PyTorch on the fake CUDA: run under ``scripts/with-fake-cuda`` (``scr
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -23,11 +23,12 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+from .runner import run_programs
 
 MIB = 1 << 20
 GIB = 1 << 30
-CHILD = Path(__file__).with_name("child.py")
 
 #: The settings the random programs run under: (name, PYTORCH_CUDA_ALLOC_CONF, fraction or None).
 #: A fraction is set by the program's first op (garbage collection acts only under one).
@@ -53,7 +54,7 @@ SETTINGS: tuple[tuple[str, str, Optional[float]], ...] = (
 
 @dataclass
 class Case:
-    """One random program under one setting."""
+    """One program under one setting."""
 
     seed: int
     setting: str
@@ -64,10 +65,16 @@ class Case:
     ops: list[dict[str, Any]]
     #: Named departures met while comparing (see :data:`EVENT_ORDER`), with their op.
     departures: list[str] = field(default_factory=list)
+    #: What the program is, when not a random program of :func:`random_program`.
+    program: str = ""
+    #: When the block layouts are compared: "every" op, the ops that made device "changes", or
+    #: only the "end" (always compared too).
+    layout: str = "every"
 
     def describe(self) -> str:
+        what = self.program or f"seed {self.seed}"
         return (
-            f"seed {self.seed}, setting {self.setting} (PYTORCH_CUDA_ALLOC_CONF={self.conf!r}), "
+            f"{what}, setting {self.setting} (PYTORCH_CUDA_ALLOC_CONF={self.conf!r}), "
             f"capacity {self.capacity >> 20} MiB, {self.streams} streams, event delay "
             f"{self.event_delay}, {len(self.ops)} ops"
         )
@@ -117,34 +124,43 @@ def random_program(seed: int, setting: tuple[str, str, Optional[float]], length:
     return Case(seed, name, conf, capacity, streams, event_delay, ops)
 
 
-def run_program(case: Case, allocator: str, history: Optional[str] = None, timeout: float = 300) -> dict[str, Any]:
-    """Runs ``case`` in a fresh process under ``allocator`` ("native" or "ferrocache")."""
-    with tempfile.TemporaryDirectory(prefix="oracle-") as scratch:
-        env = dict(os.environ)
-        env.update(
-            {
-                "PYTORCH_CUDA_ALLOC_CONF": case.conf,
-                "FAKE_LIBCUDA_TOTAL_MEM": str(case.capacity),
-                "FAKE_LIBCUDA_EVENT_DELAY": str(case.event_delay),
-                "FAKE_CUDA_CALL_LOG": str(Path(scratch) / "calls.log"),
-                "FAKE_CUDA_QUIET": "1",
-                "TORCH_CUDA_ALLOC_LOG_LEVEL": "ERROR",
-            }
-        )
-        env.pop("PYTORCH_ALLOC_CONF", None)
-        (Path(scratch) / "calls.log").touch()
-        program = {"allocator": allocator, "streams": case.streams, "ops": case.ops, "history": history}
-        process = subprocess.run(
-            [sys.executable, str(CHILD)],
-            input=json.dumps(program),
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=timeout,
-        )
-    if process.returncode != 0:
-        raise RuntimeError(f"the {allocator} run failed ({case.describe()}):\n{process.stderr[-4000:]}")
-    return json.loads(process.stdout)
+def environment(case: Case) -> dict[str, Optional[str]]:
+    """What a run of ``case`` sets in its process's environment (None: unset)."""
+    return {
+        "PYTORCH_CUDA_ALLOC_CONF": case.conf,
+        "PYTORCH_ALLOC_CONF": None,
+        "FAKE_LIBCUDA_TOTAL_MEM": str(case.capacity),
+        "FAKE_LIBCUDA_EVENT_DELAY": str(case.event_delay),
+        "FAKE_CUDA_QUIET": "1",
+        "TORCH_CUDA_ALLOC_LOG_LEVEL": "ERROR",
+    }
+
+
+def program_of(case: Case, allocator: str, history: Optional[str] = None, layout: Any = None) -> dict[str, Any]:
+    """What :mod:`oracle.child` runs for ``case`` under ``allocator`` ("native" or "ferrocache")."""
+    return {
+        "allocator": allocator,
+        "streams": case.streams,
+        "ops": case.ops,
+        "history": history,
+        "capacity": case.capacity,
+        "layout": case.layout if layout is None else layout,
+    }
+
+
+def run_program(case: Case, allocator: str, history: Optional[str] = None, timeout: float = 900) -> dict[str, Any]:
+    """Runs ``case`` in a process of its own under ``allocator`` ("native" or "ferrocache")."""
+    return run_programs([(environment(case), program_of(case, allocator, history))], timeout)[0]
+
+
+def run_both(case: Case, layout: Any = None, timeout: float = 900) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Runs ``case`` under PyTorch's allocator and under ferrocache, side by side."""
+    env = environment(case)
+    native, ours = run_programs(
+        [(env, program_of(case, "native", layout=layout)), (env, program_of(case, "ferrocache", layout=layout))],
+        timeout,
+    )
+    return native, ours
 
 
 @dataclass
@@ -152,13 +168,18 @@ class Divergence:
     """The first op at which the two runs differ, and both sides' state there."""
 
     case: Case
-    step: Optional[int]  # None: only the final snapshots differ
+    step: Optional[int]  # None: only the final snapshots differ; -1: CUDA's start-up
     what: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        where = "the final snapshot" if self.step is None else f"op {self.step}: {self.case.ops[self.step]}"
+        if self.step is None:
+            where = "the final snapshot"
+        elif self.step < 0:
+            where = "CUDA's start-up, before the first op"
+        else:
+            where = f"op {self.step}: {self.case.ops[self.step]}"
         lines = [f"{self.case.describe()}", f"first divergence at {where}"]
-        if self.step is not None:
+        if self.step is not None and self.step > 0:
             lines.append(f"ops before it: {self.case.ops[max(0, self.step - 5):self.step]}")
         lines += [f"  {w}" for w in self.what]
         return "\n".join(lines)
@@ -167,23 +188,47 @@ class Divergence:
 #: Departure "event order": when one malloc (or empty_cache) finds the record_stream events of
 #: blocks on two or more streams complete, PyTorch frees those blocks in the order of its
 #: per-stream event queues, a ska::flat_hash_map keyed by stream (hash order), ferrocache in its
-#: own order. The blocks and every current value end the same; only the transient high-water
-#: marks of the inactive-split statistics can differ (by a block and its bytes), and then their
-#: peaks stay different. Pinned by test_oracle.py::test_the_event_order_departure_is_recognised.
+#: own order. The blocks, the device calls and every current value end the same; what the order
+#: of the merges leaves behind can differ: the inactive-split statistics' high-water marks and
+#: accumulated counts (a merge counts a split block once more or less on the way), and the stale
+#: requested size of the free block the merges made (PyTorch keeps the struct of the block freed
+#: last). Once met, those keys and the requested sizes of inactive blocks are left out (a peak or a
+#: count stays different). Pinned by test_oracle.py::test_the_event_order_departure_is_recognised.
 EVENT_ORDER = "event order"
 EVENT_ORDER_KEYS = frozenset(
-    f"{name}.{pool}.peak" for name in ("inactive_split", "inactive_split_bytes") for pool in ("all", "large_pool", "small_pool")
+    f"{name}.{pool}.{kind}"
+    for name in ("inactive_split", "inactive_split_bytes")
+    for pool in ("all", "large_pool", "small_pool")
+    for kind in ("peak", "allocated", "freed")
 )
 
 
-def blocks_released_by_events(case: Case, index: int, steps: list[dict[str, Any]]) -> int:
-    """How many blocks waiting for events the op at ``index`` freed (PyTorch's run)."""
-    before = steps[index - 1]["stats"].get("active.all.current", 0) if index else 0
-    after = steps[index]["stats"].get("active.all.current", 0)
+def without_stale_sizes(layout: list[Any]) -> list[Any]:
+    """The layout with the requested sizes of inactive blocks (stale: what the last request of
+    the block's struct asked for) left out."""
+    return [
+        segment[:5] + [[[b[0], b[1], b[2], b[3] if b[2] != "inactive" else None] for b in segment[5]]]
+        for segment in layout
+    ]
+
+
+def blocks_released_by_events(case: Case, index: int, before: dict[str, int], after: dict[str, int], oom: bool) -> int:
+    """How many blocks waiting for events the op at ``index`` freed, from PyTorch's statistics
+    ``before`` and ``after`` it."""
     op = case.ops[index]
-    allocated = 1 if op["op"] == "alloc" and not steps[index]["oom"] else 0
+    allocated = 1 if op["op"] == "alloc" and not oom else 0
     freed = 1 if op["op"] == "free" else 0
-    return before + allocated - freed - after
+    return before.get("active.all.current", 0) + allocated - freed - after.get("active.all.current", 0)
+
+
+def full_stats(result: dict[str, Any]) -> list[dict[str, int]]:
+    """Every step's whole ``memory_stats()`` (a run's steps hold only what changed)."""
+    stats = dict(result["initial"])
+    out = []
+    for step in result["steps"]:
+        stats = {**stats, **step["stats"]}
+        out.append(stats)
+    return out
 
 
 def diff_stats(native: dict[str, int], ours: dict[str, int], ignored: frozenset[str] = frozenset()) -> list[str]:
@@ -223,55 +268,138 @@ def diff_calls(native: list[str], ours: list[str]) -> list[str]:
     ]
 
 
+def offset(value: Optional[int]) -> str:
+    return "none" if value is None else f"+{value:#x}"
+
+
+def diff_layouts(native: list[Any], ours: list[Any], limit: int = 6) -> list[str]:
+    """The segments (by offset from the fake's base) that the two layouts do not share."""
+    theirs = {json.dumps(s) for s in ours}
+    mine = {json.dumps(s) for s in native}
+    only_native = [s for s in native if json.dumps(s) not in theirs]
+    only_ours = [s for s in ours if json.dumps(s) not in mine]
+    lines = [f"block layout: {len(native)} segments under pytorch, {len(ours)} under ferrocache; differing:"]
+    lines += [f"  pytorch    {describe_segment(s)}" for s in only_native[:limit]]
+    lines += [f"  ferrocache {describe_segment(s)}" for s in only_ours[:limit]]
+    return lines
+
+
+def describe_segment(segment: list[Any]) -> str:
+    start, size, kind, stream, expandable, blocks = segment
+    states = {"active_allocated": "A", "active_pending_free": "P", "inactive": "i"}
+    shown = ", ".join(f"{b[0]:#x}:{b[1]}:{states.get(b[2], b[2])}:{b[3]}" for b in blocks[:24])
+    more = f", ... {len(blocks) - 24} more" if len(blocks) > 24 else ""
+    return (
+        f"+{start:#x} {size} bytes, {kind}, stream {stream}{', expandable' if expandable else ''}: "
+        f"[{shown}{more}] (offset:size:state:requested; A active, P pending free, i inactive)"
+    )
+
+
 def first_divergence(case: Case, native: dict[str, Any], ours: dict[str, Any]) -> Optional[Divergence]:
+    """The first op after which the runs differ (None: they agree throughout)."""
+    stats_native = dict(native["initial"])
+    stats_ours = dict(ours["initial"])
+    initial = diff_stats(stats_native, stats_ours)
+    if initial:
+        return Divergence(case, -1, initial)
     ignored: frozenset[str] = frozenset()
+    strip: Callable[[list[Any]], list[Any]] = lambda layout: layout  # noqa: E731
     for index, (a, b) in enumerate(zip(native["steps"], ours["steps"])):
+        before = stats_native
+        stats_native = {**stats_native, **a["stats"]}
+        stats_ours = {**stats_ours, **b["stats"]}
         what = []
         if a["calls"] != b["calls"]:
             what += diff_calls(a["calls"], b["calls"])
         if a["oom"] != b["oom"]:
             what.append(f"out of memory: pytorch {a['oom']}, ferrocache {b['oom']}")
-        stats = diff_stats(a["stats"], b["stats"], ignored)
-        only_event_order = stats and all(line.split(":")[0][len("stat ") :] in EVENT_ORDER_KEYS for line in stats)
-        if not what and only_event_order and blocks_released_by_events(case, index, native["steps"]) >= 2:
+        if a["addr"] != b["addr"]:
+            what.append(f"the allocation's address (from the fake's base): pytorch {offset(a['addr'])}, ferrocache {offset(b['addr'])}")
+        # Until here the runs agreed on every key, so only keys that changed can differ now.
+        changed = a["stats"].keys() | b["stats"].keys()
+        stats = diff_stats({k: stats_native[k] for k in changed if k in stats_native}, stats_ours, ignored)
+        layouts_differ = "layout" in a and "layout" in b and strip(a["layout"]) != strip(b["layout"])
+        only_event_order = all(line.split(":")[0][len("stat ") :] in EVENT_ORDER_KEYS for line in stats) and (
+            stats or layouts_differ
+        )
+        if (
+            not what
+            and only_event_order
+            and (not layouts_differ or without_stale_sizes(a["layout"]) == without_stale_sizes(b["layout"]))
+            and blocks_released_by_events(case, index, before, stats_native, a["oom"]) >= 2
+        ):
             case.departures.append(f"{EVENT_ORDER} at op {index}")
             ignored = EVENT_ORDER_KEYS
+            strip = without_stale_sizes
             stats = []
+            layouts_differ = False
         what += stats
+        if layouts_differ:
+            what += diff_layouts(a["layout"], b["layout"])
         if what:
             return Divergence(case, index, what)
-    if native["segments"] != ours["segments"]:
-        what = [f"pytorch segments {native['segments']}", f"ferrocache segments {ours['segments']}"]
-        return Divergence(case, None, what)
+    if strip(native["segments"]) != strip(ours["segments"]):
+        return Divergence(case, None, diff_layouts(native["segments"], ours["segments"]))
     return None
 
 
-def compare(case: Case) -> Optional[Divergence]:
-    """Runs ``case`` under both allocators; the first divergence, or None when they agree."""
-    return first_divergence(case, run_program(case, "native"), run_program(case, "ferrocache"))
+def ops_compared(case: Case, divergence: Optional[Divergence]) -> int:
+    """How many ops the comparison went through (all of them when the runs agree)."""
+    if divergence is None or divergence.step is None:
+        return len(case.ops)
+    return max(0, divergence.step + 1)
 
 
-def cases(count: int, first_seed: int = 0, length: int = 160) -> list[Case]:
-    """``count`` programs, cycling through the settings, seeds from ``first_seed``."""
-    return [random_program(first_seed + i, SETTINGS[i % len(SETTINGS)], length) for i in range(count)]
+def with_layouts(case: Case, divergence: Divergence) -> Divergence:
+    """The divergence with both block layouts before and after its op, from a second pair of
+    runs that take them there (the first compared layouts only where ``case.layout`` says)."""
+    if divergence.step is None or divergence.step < 0:
+        return divergence
+    if any(line.startswith("block layout") for line in divergence.what):
+        return divergence
+    at = [i for i in (divergence.step - 1, divergence.step) if i >= 0]
+    native, ours = run_both(case, layout=at)
+    lines = []
+    for i in at:
+        a, b = native["steps"][i].get("layout"), ours["steps"][i].get("layout")
+        label = "before the op" if i < divergence.step else "after the op"
+        if a == b:
+            lines.append(f"block layout {label}: the same ({len(a or [])} segments)")
+        else:
+            lines += [f"{label}: {line}" for line in diff_layouts(a or [], b or [])]
+    return Divergence(divergence.case, divergence.step, divergence.what + lines)
 
 
-def training_program(seed: int, setting: tuple[str, str, Optional[float]], steps: int = 6) -> Case:
+def compare(case: Case, explain: bool = True) -> Optional[Divergence]:
+    """Runs ``case`` under both allocators; the first divergence, or None when they agree. With
+    ``explain``, a divergence carries both block layouts around its op."""
+    native, ours = run_both(case)
+    divergence = first_divergence(case, native, ours)
+    if divergence is not None and explain:
+        divergence = with_layouts(case, divergence)
+    return divergence
+
+
+def training_program(seed: int, setting: tuple[str, str, Optional[float]], steps: int = 6, streams: int = 1) -> Case:
     """A program shaped like training steps, for recordings: weights kept, then per step
     activations allocated and freed in reverse, gradients, an optimizer state; history
     recording starts after the first step and is followed at once by ``empty_cache()`` (so the
-    recording begins with a burst of ``segment_free``)."""
+    recording begins with a burst of ``segment_free``). With several ``streams``, each
+    allocation after the weights is on a stream drawn at random."""
     name, conf, fraction = setting
     rng = random.Random(f"training/{seed}/{name}")
     ops: list[dict[str, Any]] = []
     ids = iter(range(1_000_000))
+    weights_done = False
 
-    def alloc(size: int, stream: int = 0) -> int:
+    def alloc(size: int) -> int:
         i = next(ids)
+        stream = rng.randrange(streams) if streams > 1 and weights_done else 0
         ops.append({"op": "alloc", "id": i, "size": size, "stream": stream})
         return i
 
     weights = [alloc(rng.choice([4, 16, 64]) * rng.randint(1, 8) * 1024 * rng.randint(1, 64)) for _ in range(12)]
+    weights_done = True
     for step in range(steps):
         if step == 1:
             ops.append({"op": "history"})
@@ -288,7 +416,7 @@ def training_program(seed: int, setting: tuple[str, str, Optional[float]], steps
         for g in grads:
             ops.append({"op": "free", "id": g})
     del weights
-    return Case(seed, name, conf, 4 * GIB, 1, 0, ops)
+    return Case(seed, name, conf, 4 * GIB, streams, 0, ops)
 
 
 def replay_native_recording(case: Case) -> dict[str, Any]:
@@ -324,43 +452,161 @@ def record(directory: str) -> None:
         print(f"{directory}/{name}.pickle: {case.describe()}")
 
 
+def shrink(case: Case, budget: int = 400) -> Case:
+    """A shorter program that still diverges (delta debugging: drops runs of ops, halving their
+    length, while some divergence remains), from at most ``budget`` comparisons. Dropping an
+    alloc leaves its free (and record_stream) without a tensor, which the child skips; a leading
+    ``fraction`` op is kept."""
+    import dataclasses
+
+    def diverges(ops: list[dict[str, Any]]) -> bool:
+        trial = dataclasses.replace(case, ops=ops, departures=[], layout="end")
+        return compare(trial, explain=False) is not None
+
+    ops = list(case.ops)
+    first = compare(dataclasses.replace(case, departures=[]), explain=False)
+    if first is not None and first.step is not None and first.step >= 0:
+        ops = ops[: first.step + 1]  # what follows the divergence cannot matter
+    keep_first = 1 if ops and ops[0]["op"] == "fraction" else 0
+    chunk = max(1, (len(ops) - keep_first) // 2)
+    tries = 0
+    while chunk >= 1 and tries < budget:
+        start = keep_first
+        removed = False
+        while start < len(ops) and tries < budget:
+            candidate = ops[:start] + ops[start + chunk :]
+            tries += 1
+            if diverges(candidate):
+                ops = candidate
+                removed = True
+            else:
+                start += chunk
+        if not removed:
+            chunk //= 2
+    return dataclasses.replace(case, ops=ops, departures=[], program=f"{case.program or f'seed {case.seed}'}, shrunk")
+
+
+def run_cases(cases: list[Case], keep_going: bool) -> tuple[int, int, int, int]:
+    """Compares each case, printing a line per case; (runs, ops compared, failures, cases with a
+    named departure)."""
+    import time
+
+    runs = ops = failures = departures = 0
+    for case in cases:
+        started = time.monotonic()
+        divergence = compare(case)
+        runs += 1
+        ops += ops_compared(case, divergence)
+        took = f"{time.monotonic() - started:.1f} s"
+        if divergence is None:
+            noted = f" (departures: {', '.join(case.departures)})" if case.departures else ""
+            print(f"ok   {case.describe()}, {took}{noted}", flush=True)
+            departures += bool(case.departures)
+            continue
+        failures += 1
+        print(f"DIFF {divergence}", flush=True)
+        if not keep_going:
+            break
+    return runs, ops, failures, departures
+
+
+def replay_traces(paths: list[str], settings: list, keep_going: bool, started: float) -> int:
+    """``scripts/oracle --trace ... --replay``: the replay in step with PyTorch (issue 20, item 5)."""
+    import time
+
+    from . import traces
+
+    runs = failures = decisions = 0
+    for path in paths:
+        for program in traces.load(path):
+            for setting in settings:
+                row = traces.replay_in_step(program, setting)
+                runs += 1
+                decisions += row["native_segment_allocs"]
+                ok = traces.in_step(row)
+                failures += not ok
+                figures = (
+                    f"{row['matching_segment_allocs']}/{row['native_segment_allocs']} segment decisions "
+                    f"({row['segment_allocs']} made), peak reserved {row['peak_reserved_bytes']} "
+                    f"(PyTorch {row['native_peak_reserved_bytes']})"
+                )
+                print(f"{'ok  ' if ok else 'DIFF'} replay of trace {program.name}, setting {setting[0]}: {figures}", flush=True)
+                if not ok and not keep_going:
+                    return 1
+    print(
+        f"{runs} recordings x settings replayed, {decisions} segment decisions of PyTorch's, "
+        f"{failures} not in step, {time.monotonic() - started:.0f} s"
+    )
+    return 1 if failures else 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     import argparse
     import time
 
+    from . import shapes, traces
+
     parser = argparse.ArgumentParser(prog="scripts/oracle", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=len(SETTINGS), help="random programs to run (default: one per setting)")
+    parser.add_argument(
+        "--cases", type=int, default=len(SETTINGS),
+        help="seeds to run, cycling through the settings; each seed runs a random program and a "
+        "shaped one (default: one seed per setting)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the first seed")
-    parser.add_argument("--length", type=int, default=160, help="ops per program")
-    parser.add_argument("--setting", help="only this setting (a name from the list)")
+    parser.add_argument("--length", type=int, default=160, help="ops per random program")
+    parser.add_argument("--setting", action="append", help="only this setting (a name from the list; repeatable)")
+    parser.add_argument("--trace", nargs="+", metavar="SNAPSHOT", help="drive these recorded snapshots instead of random programs")
+    parser.add_argument(
+        "--layout", choices=("every", "changes", "end"),
+        help="compare block layouts after every op, after the ops that made device calls, or at "
+        "the end (default: every for programs, changes for traces)",
+    )
     parser.add_argument("--keep-going", action="store_true", help="run every case, even after a divergence")
+    parser.add_argument(
+        "--replay", action="store_true",
+        help="with --trace: record each recording's run under PyTorch's allocator and replay that "
+        "recording with `ferrocache replay` under the same setting; every segment decision and "
+        "the peak reserved must be PyTorch's",
+    )
     parser.add_argument("--record", metavar="DIR", help="write the committed native recordings to DIR and stop")
     args = parser.parse_args(argv)
     if args.record:
         record(args.record)
         return 0
-    settings = [s for s in SETTINGS if args.setting in (None, s[0])]
-    if not settings:
-        parser.error(f"no setting {args.setting!r}; the settings are {[s[0] for s in SETTINGS]}")
     started = time.monotonic()
-    failures = 0
-    departures = 0
-    for i in range(args.cases):
-        case = random_program(args.seed + i, settings[i % len(settings)], args.length)
-        divergence = compare(case)
-        if divergence is None:
-            noted = f" (departures: {', '.join(case.departures)})" if case.departures else ""
-            print(f"ok   {case.describe()}{noted}", flush=True)
-            departures += bool(case.departures)
-            continue
-        failures += 1
-        print(f"DIFF {divergence}", flush=True)
-        if not args.keep_going:
-            break
-    elapsed = time.monotonic() - started
+    if args.replay and not args.trace:
+        parser.error("--replay needs --trace")
+    if args.trace:
+        try:
+            settings = traces.settings_named(args.setting)
+        except ValueError as err:
+            parser.error(str(err))
+        if args.replay:
+            return replay_traces(args.trace, settings, args.keep_going, started)
+        cases = [
+            traces.trace_case(program, setting, layout=args.layout or "changes")
+            for path in args.trace
+            for program in traces.load(path)
+            for setting in settings
+        ]
+        what = "recordings x settings"
+    else:
+        settings = [s for s in SETTINGS if not args.setting or s[0] in args.setting]
+        if not settings:
+            parser.error(f"no setting {args.setting!r}; the settings are {[s[0] for s in SETTINGS]}")
+        cases = []
+        for i in range(args.cases):
+            setting = settings[i % len(settings)]
+            cases += [random_program(args.seed + i, setting, args.length), shapes.shaped_program(args.seed + i, setting)]
+        cases += shapes.fixed_programs()
+        if args.layout:
+            for case in cases:
+                case.layout = args.layout
+        what = "programs x settings (random, shaped, and the fixed ties)"
+    runs, ops, failures, departures = run_cases(cases, args.keep_going)
     print(
-        f"{args.cases} programs x settings, {failures} with unexplained differences, "
-        f"{departures} with a named departure, {elapsed:.0f} s"
+        f"{runs} {what}, {ops} ops compared, {failures} with unexplained differences, "
+        f"{departures} with a named departure, {time.monotonic() - started:.0f} s"
     )
     return 1 if failures else 0
 

@@ -1,9 +1,12 @@
 //! An optional log of the memory calls, one line each, for comparing two allocators that ran
 //! the same program (`FAKE_CUDA_CALL_LOG=path` appends to `path`; unset, nothing is written).
 //!
-//! Addresses differ from run to run, so none is written: an expandable range is named by its
-//! ordinal (`r0`, `r1`, ... in reservation order) and a mapping by its offset in that range.
-//! Lines: `cuMemAlloc_v2 SIZE ok|oom`, `cuMemFree_v2 SIZE`, `cuMemAddressReserve rN SIZE`,
+//! Absolute addresses can differ from process to process (`address_space.rs`), so none is
+//! written: an allocation is named by its offset in its device's arena (`+0x...`, the same in
+//! every process that made the same calls), an expandable range by its ordinal (`r0`, `r1`, ...
+//! in reservation order) and its offset in the arena of reservations, a mapping by its offset in
+//! its range. Lines: `cuMemAlloc_v2 SIZE ok +OFFSET` or `cuMemAlloc_v2 SIZE oom`,
+//! `cuMemFree_v2 SIZE +OFFSET`, `cuMemAddressReserve rN SIZE +OFFSET`,
 //! `cuMemAddressFree rN SIZE`, `cuMemCreate SIZE ok|oom`, `cuMemMap rN OFFSET SIZE`,
 //! `cuMemUnmap rN OFFSET SIZE`.
 
@@ -48,25 +51,34 @@ fn outcome(ok: bool) -> &'static str {
     if ok { "ok" } else { "oom" }
 }
 
-/// A `cuMemAlloc_v2` of `size` bytes that succeeded (`ok`) or ran out of memory.
-pub fn alloc(size: u64, ok: bool) {
-    with_log(|_| Some(format!("cuMemAlloc_v2 {size} {}", outcome(ok))));
+/// A `cuMemAlloc_v2` of `size` bytes placed at `offset` in its device's arena, or that ran out
+/// of memory (None).
+pub fn alloc(size: u64, offset: Option<u64>) {
+    with_log(|_| {
+        Some(match offset {
+            Some(offset) => format!("cuMemAlloc_v2 {size} ok +{offset:#x}"),
+            None => format!("cuMemAlloc_v2 {size} oom"),
+        })
+    });
 }
 
-pub fn free(size: u64) {
-    with_log(|_| Some(format!("cuMemFree_v2 {size}")));
+pub fn free(size: u64, offset: u64) {
+    with_log(|_| Some(format!("cuMemFree_v2 {size} +{offset:#x}")));
 }
 
 pub fn create(size: u64, ok: bool) {
     with_log(|_| Some(format!("cuMemCreate {size} {}", outcome(ok))));
 }
 
-pub fn reserve(start: u64, size: u64) {
+/// A range of `size` bytes reserved at `start`, `offset` into the arena of reservations.
+pub fn reserve(start: u64, size: u64, offset: u64) {
     with_log(|log| {
         let ordinal = log.next_range;
         log.next_range += 1;
         log.ranges.insert(start, ordinal);
-        Some(format!("cuMemAddressReserve r{ordinal} {size}"))
+        Some(format!(
+            "cuMemAddressReserve r{ordinal} {size} +{offset:#x}"
+        ))
     });
 }
 

@@ -16,6 +16,7 @@
     reason = "every export has the contract of the CUDA driver function of the same name"
 )]
 
+mod address_space;
 mod call_log;
 mod device;
 mod faults;
@@ -136,6 +137,8 @@ pub struct Driver {
     capacity: u64,
     /// Per device: bytes held by `cuMemAlloc` allocations and not yet freed physical handles.
     bytes_in_use: Vec<u64>,
+    /// Where device addresses come from (None if the kernel refused the address space).
+    address_space: Option<address_space::AddressSpace>,
     /// Retain count of each device's primary context.
     primary_context_refs: Vec<u32>,
     allocations: BTreeMap<u64, memory::Allocation>,
@@ -162,11 +165,22 @@ impl Driver {
                 .unwrap_or(default)
         }
         let device_count = env_or("FAKE_LIBCUDA_DEVICE_COUNT", 1);
+        let capacity = env_or("FAKE_LIBCUDA_TOTAL_MEM", 16 << 30);
+        let hint = std::env::var("FAKE_LIBCUDA_ADDRESS_HINT")
+            .ok()
+            .and_then(|v| parse_number(&v))
+            .unwrap_or(address_space::BASE_HINT);
+        let devices = u32::try_from(device_count).unwrap_or(0);
+        let address_space = address_space::AddressSpace::reserve(devices, capacity, hint);
+        if address_space.is_none() {
+            eprintln!("fake-cuda: could not reserve address space for device memory");
+        }
         Driver {
             driver_version: env_or("FAKE_LIBCUDA_DRIVER_VERSION", 13020),
             device_count,
-            capacity: env_or("FAKE_LIBCUDA_TOTAL_MEM", 16 << 30),
+            capacity,
             bytes_in_use: vec![0; usize::try_from(device_count).unwrap_or(0)],
+            address_space,
             event_delay: env_or("FAKE_LIBCUDA_EVENT_DELAY", 0),
             next_handle: 1,
             ..Driver::default()
@@ -202,6 +216,15 @@ impl Driver {
     /// Gives back what [`Driver::charge`] claimed.
     fn uncharge(&mut self, device: i32, size: u64) {
         self.bytes_in_use[device as usize] -= size;
+    }
+}
+
+/// A number in decimal or, with `0x`, in hex.
+fn parse_number(text: &str) -> Option<u64> {
+    let text = text.trim();
+    match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16).ok(),
+        None => text.parse().ok(),
     }
 }
 
@@ -366,4 +389,15 @@ pub unsafe extern "C" fn fake_cuda_fail_next(name: *const c_char, code: CuResult
 #[unsafe(no_mangle)]
 pub extern "C" fn fake_cuda_foreign_context() -> *mut c_void {
     device::FOREIGN_CONTEXT as *mut c_void
+}
+
+/// The start of the block of host address space that every device address lies in (see
+/// `address_space.rs`), or 0 if none could be reserved: an address minus this is the same in
+/// every process that made the same driver calls.
+#[unsafe(no_mangle)]
+pub extern "C" fn fake_cuda_address_base() -> u64 {
+    lock()
+        .address_space
+        .as_ref()
+        .map_or(0, |space| space.base())
 }

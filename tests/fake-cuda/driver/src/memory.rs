@@ -1,8 +1,11 @@
 //! `cuMemAlloc` memory: real host memory, so tests can write and read through device pointers.
+//! It is carved from the device's arena of the block of device addresses (`address_space.rs`),
+//! so the same calls give the same addresses in any process; its pages are opened when it is
+//! allocated and given back, inaccessible again, when it is freed.
 
-use std::alloc::Layout;
 use std::ffi::{c_int, c_void};
 
+use crate::address_space::{open_pages, page_size, put_back_inaccessible};
 use crate::{
     CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
     CuResult, Driver, GRANULARITY, Outcome, call, call_log, put, sync,
@@ -12,7 +15,7 @@ use crate::{
 const SMALL_ALIGNMENT: u64 = 512;
 
 pub struct Allocation {
-    layout: Layout,
+    size: u64,
     /// The device whose context made it.
     pub device: i32,
 }
@@ -23,7 +26,7 @@ impl Driver {
     fn check_device_range(&self, ptr: u64, len: u64) -> Outcome {
         let end = ptr.checked_add(len).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         if let Some((&start, allocation)) = self.allocations.range(..=ptr).next_back()
-            && end <= start + allocation.layout.size() as u64
+            && end <= start + allocation.size
         {
             return Ok(());
         }
@@ -33,11 +36,80 @@ impl Driver {
     /// The device that owns the device memory at `ptr`, or None for any other address.
     fn device_of_pointer(&self, ptr: u64) -> Option<i32> {
         if let Some((&start, allocation)) = self.allocations.range(..=ptr).next_back()
-            && ptr < start + allocation.layout.size() as u64
+            && ptr < start + allocation.size
         {
             return Some(allocation.device);
         }
         self.mapped_device(ptr)
+    }
+
+    /// Takes `size` bytes of `device`'s arena, lowest address first, and opens their pages.
+    fn place_allocation(&mut self, device: i32, size: u64) -> Option<u64> {
+        let alignment = if size >= GRANULARITY {
+            GRANULARITY
+        } else {
+            SMALL_ALIGNMENT
+        };
+        let arena = self
+            .address_space
+            .as_mut()?
+            .allocations
+            .get_mut(usize::try_from(device).ok()?)?;
+        let Some(address) = arena.place(size, alignment) else {
+            // Not the device's memory but the fake's address range ran out: say so, since a
+            // real GPU would have served the request.
+            eprintln!(
+                "fake-cuda: cuMemAlloc of {size} bytes: the device's address range ({} bytes) is \
+                 too fragmented",
+                arena.size()
+            );
+            return None;
+        };
+        let page = page_size();
+        let first_page = address / page * page;
+        let end_page = (address + size).next_multiple_of(page);
+        if !open_pages(first_page, end_page - first_page) {
+            arena.release(address, size);
+            return None;
+        }
+        Some(address)
+    }
+
+    /// Gives back the arena space of a removed allocation, and the host memory of the pages that
+    /// no other live allocation shares (small allocations may share a page).
+    fn release_allocation(&mut self, address: u64, allocation: &Allocation) {
+        let end = address + allocation.size;
+        let page = page_size();
+        let mut first_page = address / page * page;
+        let mut end_page = end.next_multiple_of(page);
+        if let Some((&before, other)) = self.allocations.range(..address).next_back()
+            && before + other.size > first_page
+        {
+            first_page += page;
+        }
+        if let Some((&after, _)) = self.allocations.range(end..).next()
+            && after < end_page
+        {
+            end_page -= page;
+        }
+        if first_page < end_page && !put_back_inaccessible(first_page, end_page - first_page) {
+            eprintln!("fake-cuda: cuMemFree could not give pages back at {first_page:#x}");
+        }
+        if let Some(arena) = self
+            .address_space
+            .as_mut()
+            .and_then(|space| space.allocations.get_mut(allocation.device as usize))
+        {
+            arena.release(address, allocation.size);
+        }
+    }
+
+    /// Where `address` lies in `device`'s arena (what the call log writes).
+    fn arena_offset(&self, device: i32, address: u64) -> u64 {
+        self.address_space
+            .as_ref()
+            .and_then(|space| space.allocations.get(device as usize))
+            .map_or(address, |arena| arena.offset(address))
     }
 }
 
@@ -59,26 +131,23 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: usize) -> CuResult 
         {
             return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
         }
-        let alignment = if size as u64 >= GRANULARITY {
-            GRANULARITY
-        } else {
-            SMALL_ALIGNMENT
+        let size = size as u64;
+        let charged = driver.charge(device, size);
+        let placed = match charged {
+            Ok(()) => driver.place_allocation(device, size),
+            Err(_) => None,
         };
-        let layout = Layout::from_size_align(size, alignment as usize)
-            .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
-        let charged = driver.charge(device, size as u64);
-        call_log::alloc(size as u64, charged.is_ok());
-        charged?;
-        // SAFETY: `layout` has a non-zero size.
-        let memory = unsafe { std::alloc::alloc(layout) };
-        if memory.is_null() {
-            driver.uncharge(device, size as u64);
+        let Some(address) = placed else {
+            if charged.is_ok() {
+                driver.uncharge(device, size);
+            }
+            call_log::alloc(size, None);
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
-        }
-        let address = memory as u64;
+        };
+        call_log::alloc(size, Some(driver.arena_offset(device, address)));
         driver
             .allocations
-            .insert(address, Allocation { layout, device });
+            .insert(address, Allocation { size, device });
         // SAFETY: `dptr` was checked non-NULL; the caller promises it is writable.
         unsafe { put(dptr, address) }
     })
@@ -92,11 +161,12 @@ pub extern "C" fn cuMemFree_v2(dptr: u64) -> CuResult {
             .allocations
             .remove(&dptr)
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        driver.uncharge(allocation.device, allocation.layout.size() as u64);
-        call_log::free(allocation.layout.size() as u64);
-        // SAFETY: `dptr` came from `std::alloc::alloc` with this very layout and is freed once,
-        // since it was just removed from the table.
-        unsafe { std::alloc::dealloc(dptr as *mut u8, allocation.layout) };
+        driver.uncharge(allocation.device, allocation.size);
+        call_log::free(
+            allocation.size,
+            driver.arena_offset(allocation.device, dptr),
+        );
+        driver.release_allocation(dptr, &allocation);
         Ok(())
     })
 }

@@ -4,6 +4,7 @@
 
 use std::ffi::{c_int, c_ulonglong, c_void};
 
+use crate::address_space::put_back_inaccessible;
 use crate::{
     CUDA_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED,
     CUDA_ERROR_OUT_OF_MEMORY, CuResult, Driver, GRANULARITY, Outcome, call, call_log, get, put,
@@ -143,27 +144,6 @@ fn is_granular(value: u64) -> bool {
     value != 0 && value.is_multiple_of(GRANULARITY)
 }
 
-/// PROT_NONE anonymous memory at `[ptr, ptr + len)`, replacing whatever was mapped there.
-fn put_back_inaccessible(ptr: u64, len: u64) -> Outcome {
-    // SAFETY: MAP_FIXED over a range inside one of our reservations: only our own mappings are
-    // replaced, and the caller has already forgotten them.
-    let result = unsafe {
-        libc::mmap(
-            ptr as *mut c_void,
-            len as usize,
-            libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    if result == libc::MAP_FAILED {
-        Err(CUDA_ERROR_OUT_OF_MEMORY)
-    } else {
-        Ok(())
-    }
-}
-
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemGetAllocationGranularity(
     granularity: *mut usize,
@@ -258,36 +238,19 @@ pub unsafe extern "C" fn cuMemAddressReserve(
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let alignment = (alignment as u64).max(GRANULARITY);
-        // Over-reserve, then trim to an aligned range.
-        let padded = size + alignment;
-        // SAFETY: a fresh anonymous mapping; failure is checked.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                padded as usize,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(CUDA_ERROR_OUT_OF_MEMORY);
-        }
-        let base = base as u64;
-        let start = base.next_multiple_of(alignment);
-        // SAFETY: both pieces lie inside the mapping just made and are not used by anyone.
-        unsafe {
-            if start > base {
-                libc::munmap(base as *mut c_void, (start - base) as usize);
-            }
-            let tail = start + size;
-            if base + padded > tail {
-                libc::munmap(tail as *mut c_void, (base + padded - tail) as usize);
-            }
-        }
+        // The hint is ignored: placement depends on the calls alone (`address_space.rs`). The
+        // arena is PROT_NONE address space already.
+        let arena = &mut driver
+            .address_space
+            .as_mut()
+            .ok_or(CUDA_ERROR_OUT_OF_MEMORY)?
+            .reservations;
+        let start = arena
+            .place(size, alignment)
+            .ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        let offset = arena.offset(start);
         driver.reservations.insert(start, size);
-        call_log::reserve(start, size);
+        call_log::reserve(start, size, offset);
         // SAFETY: `ptr` was checked non-NULL; the caller promises it is writable.
         unsafe { put(ptr, start) }
     })
@@ -306,8 +269,11 @@ pub extern "C" fn cuMemAddressFree(ptr: u64, size: usize) -> CuResult {
         }
         driver.reservations.remove(&ptr);
         call_log::address_free(ptr, size);
-        // SAFETY: exactly the range we reserved, with nothing of ours mapped in it any more.
-        unsafe { libc::munmap(ptr as *mut c_void, size as usize) };
+        // Unmapping put PROT_NONE anonymous memory back over every page mapped in the range, so
+        // it is as it was reserved: the arena takes it back as it is.
+        if let Some(space) = driver.address_space.as_mut() {
+            space.reservations.release(ptr, size);
+        }
         Ok(())
     })
 }
@@ -437,6 +403,10 @@ pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CuResult {
                 driver.maybe_free_physical(mapping.handle);
             }
         }
-        put_back_inaccessible(ptr, size)
+        if put_back_inaccessible(ptr, size) {
+            Ok(())
+        } else {
+            Err(CUDA_ERROR_OUT_OF_MEMORY)
+        }
     })
 }
