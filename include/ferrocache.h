@@ -21,6 +21,9 @@ typedef struct CUstream_st *cudaStream_t;
 typedef uint64_t (*ferrocache_stack_gatherer)(int event);
 /* Throws the C++ exception for an out-of-memory message. See ferrocache_set_oom_thrower. */
 typedef void (*ferrocache_oom_thrower)(const char *message);
+/* Returns the reserve class PyTorch's C++ API gave a stream, valid until the next call on the
+   thread (NULL or empty: none). See ferrocache_set_reserve_class_lookup. */
+typedef const char *(*ferrocache_reserve_class_lookup)(cudaStream_t stream);
 /* Called at each out of memory, before the error: the device, the bytes that could not be
    allocated, the device's total (or the memory-fraction limit) and free bytes. See
    ferrocache_attach_oom_observer. */
@@ -88,6 +91,14 @@ int ferrocache_set_stack_gatherer(ferrocache_stack_gatherer gatherer, int on_fre
 // it returns, `rust_malloc` throws `std::runtime_error`. It must stay callable for the life of
 // the process. Returns 0.
 int ferrocache_set_oom_thrower(ferrocache_oom_thrower thrower);
+
+// Registers `lookup` (NULL: none), which the allocator asks for a stream's reserve class when
+// it makes an expandable segment for the stream or reports an out of memory on it, so that
+// `expandable_segments_reserve_by_class` applies to the streams PyTorch's C++ API tagged (the
+// Python package's shim asks PyTorch 2.15's `getExpandableSegmentReserveClassForStream`). It is
+// called with an allocator lock held: it must not call ferrocache, must stay callable for the
+// life of the process and never unwind. Returns 0.
+int ferrocache_set_reserve_class_lookup(ferrocache_reserve_class_lookup lookup);
 
 // Attaches `observer`, PyTorch's out-of-memory observer
 // (`torch._C._cuda_attach_out_of_memory_observer`): at each out of memory, before the

@@ -22,7 +22,7 @@
 //! - Booleans are exactly `True` or `False`; the newest PyTorch does not take `true`.
 
 use crate::policy::{
-    self, K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUNDUP_POWER_OF_TWO_INTERVALS, TieRule,
+    self, K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUNDUP_POWER_OF_TWO_INTERVALS, OomWording, TieRule,
 };
 use serde_json::{Map, Value, json};
 use std::fmt;
@@ -77,8 +77,9 @@ pub const CUDA_KEYS: [&str; 13] = [
 
 /// The keys that change what ferrocache does. Every other accepted key goes to
 /// [`Config::ignored_keys`]: pinned (host) memory is PyTorch's business, `backend` picks
-/// PyTorch's own allocator, and ferrocache never releases its lock around `cudaMalloc`.
-const HONOURED_KEYS: [&str; 7] = [
+/// PyTorch's own allocator, ferrocache never releases its lock around `cudaMalloc`, and
+/// `graph_capture_record_stream_reuse` is not implemented.
+const HONOURED_KEYS: [&str; 10] = [
     "large_segment_size_mb",
     "max_split_size_mb",
     "max_non_split_rounding_mb",
@@ -86,11 +87,48 @@ const HONOURED_KEYS: [&str; 7] = [
     "roundup_power2_divisions",
     "expandable_segments",
     "per_process_memory_fraction",
+    "throw_on_cudamalloc_oom",
+    "expandable_segments_reserve",
+    "expandable_segments_reserve_by_class",
 ];
 
 const MB: usize = 1 << 20;
 /// `CUDAAllocatorConfig::pinned_max_register_threads`.
 const PINNED_MAX_REGISTER_THREADS: usize = 128;
+
+/// An expandable segment's address-space reserve (`expandable_segments_reserve:0.5` or `:40G`):
+/// a fraction of the device's memory, or a number of GiB (PyTorch's
+/// `ExpandableSegmentReserveSpec`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExpandableReserve {
+    Fraction(f64),
+    GiB(f64),
+}
+
+impl ExpandableReserve {
+    /// `resolveBytes`: the reserve in bytes on a device of `device_total` bytes, computed in
+    /// doubles and truncated; what does not fit saturates.
+    pub fn resolve_bytes(self, device_total: usize) -> usize {
+        let bytes = match self {
+            ExpandableReserve::Fraction(value) => value * device_total as f64,
+            ExpandableReserve::GiB(value) => value * (1u64 << 30) as f64,
+        };
+        if bytes >= usize::MAX as f64 {
+            usize::MAX
+        } else {
+            bytes as usize
+        }
+    }
+}
+
+impl fmt::Display for ExpandableReserve {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExpandableReserve::Fraction(value) => write!(f, "{value} of the device's memory"),
+            ExpandableReserve::GiB(value) => write!(f, "{value} GiB"),
+        }
+    }
+}
 
 /// Which allocator PyTorch is told to use (`backend:`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -129,6 +167,18 @@ pub struct Config {
     pub release_lock_on_cudamalloc: bool,
     /// `per_process_memory_fraction`, when given.
     pub per_process_memory_fraction: Option<f64>,
+    /// `throw_on_cudamalloc_oom`: refuse a device allocation that would take the memory held
+    /// past `per_process_memory_fraction` at once, without releasing cached blocks
+    /// ([`policy::preemptive_rejection_limit`]).
+    pub throw_on_cudamalloc_oom: bool,
+    /// `expandable_segments_reserve`: the address range each expandable segment reserves
+    /// ([`policy::expandable_segment_reserve`]); `None`: 9/8 of the device's memory. A value
+    /// PyTorch would not take leaves the default, with a warning, as in PyTorch.
+    pub expandable_segments_reserve: Option<ExpandableReserve>,
+    /// `expandable_segments_reserve_by_class`, in order: reserves for streams that PyTorch's
+    /// C++ API tagged with a class (`setExpandableSegmentReserveClassForStream`, which the
+    /// allocator learns through `ferrocache_set_reserve_class_lookup`).
+    pub expandable_segments_reserve_by_class: Vec<(String, ExpandableReserve)>,
     /// `backend`.
     pub backend: Backend,
     /// Keys PyTorch accepts that change nothing in ferrocache (pinned memory, ...), in order.
@@ -140,6 +190,12 @@ pub struct Config {
     pub large_segment_size: usize,
     /// `pinned_num_register_threads` (default 1); shown in snapshots, not used by ferrocache.
     pub pinned_num_register_threads: usize,
+    /// `pinned_max_round_threshold_mb` in bytes, when given; shown in snapshots
+    /// (`max_round_threshold`, unlimited by default), not used by ferrocache.
+    pub pinned_max_round_threshold: Option<usize>,
+    /// `pinned_max_cached_size_mb` in bytes, when given; shown in snapshots (`max_cached_size`,
+    /// unlimited by default), not used by ferrocache.
+    pub pinned_max_cached_size: Option<usize>,
     /// `pinned_use_cuda_host_register`; shown in snapshots, not used by ferrocache.
     pub pinned_use_cuda_host_register: bool,
     /// `graph_capture_record_stream_reuse`; shown in snapshots, not used by ferrocache.
@@ -157,6 +213,9 @@ pub struct Config {
     /// under (`FERROCACHE_PYTORCH_VERSION`, which `ferrocache.install()` sets from
     /// `torch.__version__`); PyTorch 2.15's by default.
     pub tie_rule: TieRule,
+    /// The wording of the out-of-memory message: that of the PyTorch ferrocache runs under
+    /// (`FERROCACHE_PYTORCH_VERSION`), PyTorch 2.15's by default.
+    pub oom_wording: OomWording,
     /// Things PyTorch lets pass that look like mistakes (a `,` where a `:` belongs, `40MB`, a
     /// variable hidden by another), one sentence each, no duplicates; for the caller to log.
     pub warnings: Vec<String>,
@@ -171,7 +230,10 @@ pub const PYTORCH_VERSION_VAR: &str = "FERROCACHE_PYTORCH_VERSION";
 fn apply_pytorch_version_var(config: &mut Config, value: Option<String>) {
     let Some(value) = value else { return };
     match parse_major_minor(&value) {
-        Some((major, minor)) => config.tie_rule = policy::tie_rule_of_pytorch(major, minor),
+        Some((major, minor)) => {
+            config.tie_rule = policy::tie_rule_of_pytorch(major, minor);
+            config.oom_wording = policy::oom_wording_of_pytorch(major, minor);
+        }
         None => push_unique(
             &mut config.warnings,
             format!(
@@ -238,16 +300,22 @@ impl Default for Config {
             expandable_segments: false,
             release_lock_on_cudamalloc: false,
             per_process_memory_fraction: None,
+            throw_on_cudamalloc_oom: false,
+            expandable_segments_reserve: None,
+            expandable_segments_reserve_by_class: Vec::new(),
             backend: Backend::Native,
             ignored_keys: Vec::new(),
             source: None,
             large_segment_size: K_LARGE_BUFFER,
             pinned_num_register_threads: 1,
+            pinned_max_round_threshold: None,
+            pinned_max_cached_size: None,
             pinned_use_cuda_host_register: false,
             graph_capture_record_stream_reuse: false,
             cross_stream: false,
             expandable_ignore_max_split: false,
             tie_rule: TieRule::default(),
+            oom_wording: OomWording::default(),
             warnings: Vec::new(),
         }
     }
@@ -393,6 +461,34 @@ impl Config {
                 "per_process_memory_fraction: {fraction} (of each device's memory)"
             ));
         }
+        if self.throw_on_cudamalloc_oom {
+            let limit = match self.per_process_memory_fraction {
+                Some(fraction) if fraction < 1.0 => format!("{fraction} of the device"),
+                _ => "the device's memory".to_string(),
+            };
+            lines.push(format!(
+                "throw_on_cudamalloc_oom: True (a device allocation that would take the memory \
+                 held past {limit} is refused at once, without releasing cached blocks)"
+            ));
+        }
+        if let Some(reserve) = self.expandable_segments_reserve {
+            lines.push(format!(
+                "expandable_segments_reserve: {reserve} (the address range of each expandable \
+                 segment, at most 9/8 of the device's memory)"
+            ));
+        }
+        if !self.expandable_segments_reserve_by_class.is_empty() {
+            let classes: Vec<String> = self
+                .expandable_segments_reserve_by_class
+                .iter()
+                .map(|(class, reserve)| format!("{class}: {reserve}"))
+                .collect();
+            lines.push(format!(
+                "expandable_segments_reserve_by_class: {} (for the streams tagged with these \
+                 classes through PyTorch's C++ API)",
+                classes.join(", ")
+            ));
+        }
         if self.release_lock_on_cudamalloc != default.release_lock_on_cudamalloc {
             lines.push(format!(
                 "release_lock_on_cudamalloc: {} (not used by ferrocache)",
@@ -439,6 +535,8 @@ impl Config {
             "garbage_collection_threshold": self.garbage_collection_threshold,
             "expandable_segments": self.expandable_segments,
             "pinned_num_register_threads": self.pinned_num_register_threads as u64 as i64,
+            "max_round_threshold": self.pinned_max_round_threshold.unwrap_or(usize::MAX) as u64 as i64,
+            "max_cached_size": self.pinned_max_cached_size.unwrap_or(usize::MAX) as u64 as i64,
             "release_lock_on_cudamalloc": self.release_lock_on_cudamalloc,
             "pinned_use_cuda_host_register": self.pinned_use_cuda_host_register,
             "graph_capture_record_stream_reuse": self.graph_capture_record_stream_reuse,
@@ -907,6 +1005,7 @@ impl Parser {
             }
             i += 1;
         }
+        self.warn_of_pinned_limits();
         Ok(())
     }
 
@@ -1035,9 +1134,34 @@ impl Parser {
     }
 
     /// `pinned_max_round_threshold_mb`, `pinned_max_cached_size_mb`: any size (host memory;
-    /// checked, not used).
+    /// kept for snapshots, not used).
     fn parse_pinned_max_sizes(&mut self, i: usize, key: &str) -> Result<usize> {
-        Ok(self.mb_setting(i, key)?.1)
+        let (mb, i) = self.mb_setting(i, key)?;
+        let bytes = Some(mb_to_bytes(mb));
+        if key == "pinned_max_round_threshold_mb" {
+            self.config.pinned_max_round_threshold = bytes;
+        } else {
+            self.config.pinned_max_cached_size = bytes;
+        }
+        Ok(i)
+    }
+
+    /// PyTorch 2.15 warns when both pinned limits are given and the rounding threshold is the
+    /// larger (in MB, after the clamp to what fits in bytes).
+    fn warn_of_pinned_limits(&mut self) {
+        if let (Some(round), Some(cached)) = (
+            self.config.pinned_max_round_threshold,
+            self.config.pinned_max_cached_size,
+        ) && round > cached
+        {
+            self.warn(format!(
+                "pinned_max_round_threshold_mb ({}) > pinned_max_cached_size_mb ({}). The cache \
+                 size limit takes precedence: allocations above pinned_max_cached_size_mb are \
+                 never rounded up.",
+                round / MB,
+                cached / MB
+            ));
+        }
     }
 
     // --- pass 3: the CUDA settings (CUDAAllocatorConfig::parseArgs) -------------------------
@@ -1060,9 +1184,8 @@ impl Parser {
                     self.parse_graph_capture_record_stream_reuse(i)?
                 }
                 "per_process_memory_fraction" => self.parse_per_process_memory_fraction(i)?,
-                "pinned_free_catch_all" | "throw_on_cudamalloc_oom" => {
-                    self.bool_setting(i, &key)?.1
-                }
+                "pinned_free_catch_all" => self.bool_setting(i, &key)?.1,
+                "throw_on_cudamalloc_oom" => self.parse_throw_on_cudamalloc_oom(i)?,
                 "expandable_segments_reserve" => self.parse_expandable_segments_reserve(i)?,
                 "expandable_segments_reserve_by_class" => {
                     self.parse_expandable_segments_reserve_by_class(i)?
@@ -1168,51 +1291,74 @@ impl Parser {
         Ok(i + 2)
     }
 
-    /// `expandable_segments_reserve:<fraction>|<n>G`. PyTorch keeps its default on a bad value
-    /// and only warns.
+    /// `throw_on_cudamalloc_oom:True|False` (PyTorch 2.12 and later).
+    fn parse_throw_on_cudamalloc_oom(&mut self, i: usize) -> Result<usize> {
+        let (value, i) = self.bool_setting(i, "throw_on_cudamalloc_oom")?;
+        self.config.throw_on_cudamalloc_oom = value;
+        Ok(i)
+    }
+
+    /// `expandable_segments_reserve:<fraction>|<n>G` (PyTorch 2.15). PyTorch keeps its default
+    /// on a bad value and only warns; a later good value replaces an earlier one.
     fn parse_expandable_segments_reserve(&mut self, i: usize) -> Result<usize> {
         const KEY: &str = "expandable_segments_reserve";
         self.expect(i + 1, ":", KEY)?;
         let i = i + 2;
         let word = self.tokens.get(i, KEY)?.to_string();
-        self.check_reserve_spec(&word);
+        if let Some(reserve) = self.parse_reserve_spec(&word) {
+            self.config.expandable_segments_reserve = Some(reserve);
+        }
         Ok(i)
     }
 
-    /// `expandable_segments_reserve_by_class:[<class>:<reserve>, ...]`; bad entries warn.
+    /// `expandable_segments_reserve_by_class:[<class>:<reserve>, ...]` (PyTorch 2.15); a bad
+    /// entry warns and is left out, the others apply; a later list replaces an earlier one.
     fn parse_expandable_segments_reserve_by_class(&mut self, i: usize) -> Result<usize> {
         const KEY: &str = "expandable_segments_reserve_by_class";
         self.expect(i + 1, ":", KEY)?;
         self.expect(i + 2, "[", KEY)?;
         let mut i = i + 2;
+        let mut classes: Vec<(String, ExpandableReserve)> = Vec::new();
         while !self.tokens.is(i + 1, "]", KEY)? {
-            self.tokens.get(i + 1, KEY)?; // the class name
+            let class = self.tokens.get(i + 1, KEY)?.to_string();
             self.expect(i + 2, ":", KEY)?;
             i += 3;
             let word = self.tokens.get(i, KEY)?.to_string();
-            self.check_reserve_spec(&word);
+            if let Some(reserve) = self.parse_reserve_spec(&word) {
+                // A class named twice keeps its last reserve (PyTorch's map).
+                classes.retain(|(name, _)| *name != class);
+                classes.push((class, reserve));
+            }
             if self.tokens.is(i + 1, ",", KEY)? {
                 i += 1;
             }
         }
+        self.config.expandable_segments_reserve_by_class = classes;
         Ok(i + 1)
     }
 
-    /// `parseReserveSpec`: a positive, finite fraction, or a number of GiB ending in `G`/`g`.
-    fn check_reserve_spec(&mut self, word: &str) {
-        let number = word
-            .strip_suffix('G')
-            .or_else(|| word.strip_suffix('g'))
-            .unwrap_or(word);
-        let valid = number
+    /// `parseReserveSpec`: a positive, finite fraction, or a number of GiB ending in `G`/`g`;
+    /// anything else warns (PyTorch's words) and gives `None`.
+    fn parse_reserve_spec(&mut self, word: &str) -> Option<ExpandableReserve> {
+        let (number, gib) = match word.strip_suffix(['G', 'g']) {
+            Some(number) => (number, true),
+            None => (word, false),
+        };
+        let value = number
             .parse::<f64>()
-            .is_ok_and(|value| value.is_finite() && value > 0.0);
-        if !valid {
-            self.warn(format!(
-                "Ignoring invalid expandable-segment reserve value '{word}' in \
-                 PYTORCH_CUDA_ALLOC_CONF (expected a positive, finite fraction like 0.5 or an \
-                 absolute size like 40G); using default."
-            ));
+            .ok()
+            .filter(|value| value.is_finite() && *value > 0.0);
+        match value {
+            Some(value) if gib => Some(ExpandableReserve::GiB(value)),
+            Some(value) => Some(ExpandableReserve::Fraction(value)),
+            None => {
+                self.warn(format!(
+                    "Ignoring invalid expandable-segment reserve value '{word}' in \
+                     PYTORCH_CUDA_ALLOC_CONF (expected a positive, finite fraction like 0.5 or \
+                     an absolute size like 40G); using default."
+                ));
+                None
+            }
         }
     }
 }
@@ -1711,8 +1857,28 @@ mod tests {
                 "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'yes'",
                 "{key}"
             );
-            assert_eq!(ok(&format!("{key}:True")).ignored_keys, [key]);
+            if key != "throw_on_cudamalloc_oom" {
+                assert_eq!(ok(&format!("{key}:True")).ignored_keys, [key]);
+            }
         }
+    }
+
+    #[test]
+    fn throw_on_cudamalloc_oom_is_honoured() {
+        let c = ok("throw_on_cudamalloc_oom:True");
+        assert!(c.throw_on_cudamalloc_oom);
+        assert!(c.ignored_keys.is_empty());
+        assert!(!ok("throw_on_cudamalloc_oom:False").throw_on_cudamalloc_oom);
+        // PyTorch's toBool: `true` is refused (the comment in PyTorch's parser says otherwise).
+        assert_eq!(
+            err("throw_on_cudamalloc_oom:true"),
+            "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'true'"
+        );
+        assert!(
+            ok("throw_on_cudamalloc_oom:True,per_process_memory_fraction:0.5")
+                .describe()
+                .contains("past 0.5 of the device is refused at once")
+        );
     }
 
     #[test]
@@ -1795,7 +1961,36 @@ mod tests {
     fn expandable_segments_reserve_warns_on_bad_values() {
         let c = ok("expandable_segments_reserve:0.5,expandable_segments_reserve:40G");
         assert!(c.warnings.is_empty(), "{:?}", c.warnings);
-        assert_eq!(c.ignored_keys, ["expandable_segments_reserve"]);
+        assert!(c.ignored_keys.is_empty());
+        assert_eq!(
+            c.expandable_segments_reserve,
+            Some(ExpandableReserve::GiB(40.0))
+        );
+        assert_eq!(
+            ok("expandable_segments_reserve:0.25").expandable_segments_reserve,
+            Some(ExpandableReserve::Fraction(0.25))
+        );
+        // A bad value keeps what was there: the default, or an earlier good value.
+        let c = ok("expandable_segments_reserve:0.5,expandable_segments_reserve:abc");
+        assert_eq!(
+            c.expandable_segments_reserve,
+            Some(ExpandableReserve::Fraction(0.5))
+        );
+        for bad in ["0", "-0.5", "inf", "nan", "G", "1e", "0x10", "1GG"] {
+            let c = ok(&format!("expandable_segments_reserve:{bad}"));
+            assert_eq!(c.expandable_segments_reserve, None, "{bad}");
+            assert_eq!(c.warnings.len(), 1, "{bad}");
+        }
+        assert_eq!(
+            ExpandableReserve::Fraction(0.5).resolve_bytes(1 << 30),
+            1 << 29
+        );
+        assert_eq!(ExpandableReserve::GiB(1.5).resolve_bytes(0), 3 << 29);
+        assert_eq!(ExpandableReserve::GiB(1e20).resolve_bytes(0), usize::MAX);
+        assert_eq!(
+            ExpandableReserve::Fraction(1e-300).resolve_bytes(1 << 30),
+            0
+        );
         let c = ok("expandable_segments_reserve:-1");
         assert_eq!(
             c.warnings,
@@ -1808,8 +2003,20 @@ mod tests {
         let c = ok("expandable_segments_reserve_by_class:[a:0.5,b:8g],max_split_size_mb:40");
         assert!(c.warnings.is_empty(), "{:?}", c.warnings);
         assert_eq!(c.max_split_size, 40 * KMB);
-        let c = ok("expandable_segments_reserve_by_class:[a:x]");
+        assert_eq!(
+            c.expandable_segments_reserve_by_class,
+            [
+                ("a".to_string(), ExpandableReserve::Fraction(0.5)),
+                ("b".to_string(), ExpandableReserve::GiB(8.0))
+            ]
+        );
+        assert!(c.ignored_keys.is_empty());
+        let c = ok("expandable_segments_reserve_by_class:[a:x,b:0.1,b:0.2]");
         assert_eq!(c.warnings.len(), 1);
+        assert_eq!(
+            c.expandable_segments_reserve_by_class,
+            [("b".to_string(), ExpandableReserve::Fraction(0.2))]
+        );
         ok("expandable_segments_reserve_by_class:[]");
         // The accelerator pass skips the list first and finds no `]`.
         assert_eq!(
@@ -2066,6 +2273,28 @@ mod tests {
         assert_eq!(v["release_lock_on_cudamalloc"], false);
         assert_eq!(v["pinned_use_cuda_host_register"], false);
         assert_eq!(v["graph_capture_record_stream_reuse"], false);
+        assert_eq!(v["max_round_threshold"], -1);
+        assert_eq!(v["max_cached_size"], -1);
+        // Both pinned limits given, the rounding threshold larger: PyTorch 2.15's warning, the
+        // clamped MB in it and the clamped bytes in the snapshot.
+        let c = ok("pinned_max_cached_size_mb:0,pinned_max_round_threshold_mb:100000000000000");
+        assert_eq!(
+            c.warnings,
+            [
+                "pinned_max_round_threshold_mb (17592186044415) > pinned_max_cached_size_mb (0). \
+                 The cache size limit takes precedence: allocations above \
+                 pinned_max_cached_size_mb are never rounded up."
+            ]
+        );
+        let v = c.to_pytorch_settings();
+        assert_eq!(v["max_cached_size"], 0);
+        assert_eq!(v["max_round_threshold"], -1_048_576);
+        assert!(ok("pinned_max_cached_size_mb:0").warnings.is_empty());
+        assert!(
+            ok("pinned_max_cached_size_mb:64,pinned_max_round_threshold_mb:64")
+                .warnings
+                .is_empty()
+        );
         let divisions = v["roundup_power2_divisions"]
             .as_object()
             .unwrap_or_else(|| panic!("not an object: {v}"));

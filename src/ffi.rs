@@ -148,6 +148,7 @@ fn first_use_of(device: c_int) -> Result<&'static LockedAllocator, String> {
     match CudaDevice::new(device) {
         Ok(cuda) => {
             let mut allocator = DeviceAllocator::new(cuda, device, config.clone());
+            allocator.set_reserve_class_lookup(Box::new(reserve_class_of));
             if history.enabled {
                 allocator.record_history(true, history.max_entries);
             }
@@ -341,6 +342,11 @@ fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_v
         .malloc_with_stack(size, stream_id(stream), stack);
     match result {
         Ok(ptr) => Ok(device_pointer(ptr)),
+        // A preemptive rejection (throw_on_cudamalloc_oom) is the user's own limit: PyTorch calls
+        // no out-of-memory observer for it, and no setting would have served it better.
+        Err(AllocError::OutOfMemory(oom)) if oom.preemptively_rejected => {
+            Err(AllocFailure::OutOfMemory(oom.message))
+        }
         // The allocator has logged it, with the same message. The lock is released by now:
         // PyTorch's observers first (they may dump a snapshot), then the advice line.
         Err(AllocError::OutOfMemory(oom)) => {
@@ -430,6 +436,14 @@ pub type ferrocache_stack_gatherer = Option<StackGatherer>;
 /// An [`OomThrower`] or NULL, as the C ABI takes it.
 #[allow(non_camel_case_types, reason = "a C type of the header")]
 pub type ferrocache_oom_thrower = Option<OomThrower>;
+/// Returns the reserve class PyTorch's C++ API gave `stream`
+/// (`setExpandableSegmentReserveClassForStream`), as a NUL-terminated string that stays valid
+/// until the next call on the same thread; NULL or empty: none. See
+/// [`ferrocache_set_reserve_class_lookup`].
+pub type ReserveClassLookup = extern "C" fn(stream: cudaStream_t) -> *const c_char;
+/// A [`ReserveClassLookup`] or NULL, as the C ABI takes it.
+#[allow(non_camel_case_types, reason = "a C type of the header")]
+pub type ferrocache_reserve_class_lookup = Option<ReserveClassLookup>;
 
 /// What a [`StackGatherer`] is asked about.
 #[repr(i32)]
@@ -445,6 +459,8 @@ static STACK_GATHERER: AtomicPtr<()> = AtomicPtr::new(ptr::null_mut());
 static GATHER_ON_FREE: AtomicBool = AtomicBool::new(false);
 /// The registered thrower (NULL: `rust_malloc` throws `std::runtime_error`).
 static OOM_THROWER: AtomicPtr<()> = AtomicPtr::new(ptr::null_mut());
+/// The registered reserve-class lookup (NULL: every stream is untagged).
+static RESERVE_CLASS_LOOKUP: AtomicPtr<()> = AtomicPtr::new(ptr::null_mut());
 
 /// The calling thread's stack id from the registered gatherer, or 0. Call it with no allocator
 /// lock held.
@@ -493,6 +509,44 @@ pub extern "C" fn ferrocache_set_oom_thrower(thrower: ferrocache_oom_thrower) ->
         OOM_THROWER.store(pointer, Ordering::Release);
         0
     })
+}
+
+/// Registers `lookup` (NULL: none), which the allocator asks for a stream's reserve class when
+/// it makes an expandable segment for the stream or reports an out of memory on it, so that
+/// `expandable_segments_reserve_by_class` applies to the streams PyTorch's C++ API tagged (the
+/// Python package's shim asks PyTorch 2.15's `getExpandableSegmentReserveClassForStream`). It is
+/// called with an allocator lock held: it must not call ferrocache, must stay callable for the
+/// life of the process and never unwind. Returns 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_set_reserve_class_lookup(
+    lookup: ferrocache_reserve_class_lookup,
+) -> c_int {
+    guarded("ferrocache_set_reserve_class_lookup", -1, || {
+        let pointer = lookup.map_or(ptr::null_mut(), |f| f as *mut ());
+        RESERVE_CLASS_LOOKUP.store(pointer, Ordering::Release);
+        0
+    })
+}
+
+/// The reserve class of `stream` from the registered lookup; empty without one.
+fn reserve_class_of(stream: StreamId) -> String {
+    let lookup = RESERVE_CLASS_LOOKUP.load(Ordering::Acquire);
+    if lookup.is_null() {
+        return String::new();
+    }
+    // SAFETY: only ferrocache_set_reserve_class_lookup stores here, and only a
+    // ReserveClassLookup, whose owner promises it stays callable.
+    let lookup: ReserveClassLookup =
+        unsafe { std::mem::transmute::<*mut (), ReserveClassLookup>(lookup) };
+    let answer = lookup(ptr::without_provenance_mut(stream as usize));
+    if answer.is_null() {
+        return String::new();
+    }
+    // SAFETY: the lookup returns a NUL-terminated string valid until its next call on this
+    // thread, which cannot come before this copy.
+    unsafe { CStr::from_ptr(answer) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// Called at an out of memory, PyTorch's `OutOfMemoryObserver`: the device, the size that

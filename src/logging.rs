@@ -149,6 +149,18 @@ pub fn out_of_memory(message: &str) {
     error!(target: TARGET, "Allocator: {message}");
 }
 
+/// A warning of PyTorch's, in its words.
+#[inline]
+pub fn warning(message: &str) {
+    warn!(target: TARGET, "Allocator: {message}");
+}
+
+/// `throw_on_cudamalloc_oom` refused a device allocation (PyTorch's warning, in its words).
+#[inline]
+pub fn preemptive_rejection(warning: &str) {
+    warn!(target: TARGET, "Allocator: {warning}");
+}
+
 #[inline]
 pub fn device_error(what: &str, err: &dyn fmt::Display) {
     let why = err.to_string();

@@ -50,6 +50,272 @@ pub fn tie_rule_of_pytorch(major: u32, minor: u32) -> TieRule {
     }
 }
 
+/// The advice at the end of PyTorch's out-of-memory message, which changed between versions
+/// (read from each version's `libc10_cuda.so` and checked by running it on the fake CUDA; see
+/// [`oom_wording_of_pytorch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OomWording {
+    /// PyTorch 2.4 to 2.9: `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` and the link
+    /// `pytorch.org/docs/stable/notes/cuda.html#environment-variables`.
+    EnvironmentVariablesLink,
+    /// PyTorch 2.10: the same link, but the advice names `PYTORCH_ALLOC_CONF`.
+    AllocConfVariable,
+    /// PyTorch 2.11 to 2.14: the link
+    /// `docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf`.
+    AllocConfLink,
+    /// PyTorch 2.15: as 2.11, except that with `expandable_segments:True` the advice is a note
+    /// on virtual address space instead, and an allocation larger than the configured
+    /// `expandable_segments_reserve` says so.
+    #[default]
+    ExpandableNote,
+}
+
+/// The out-of-memory wording of PyTorch `major.minor`.
+pub fn oom_wording_of_pytorch(major: u32, minor: u32) -> OomWording {
+    match (major, minor) {
+        (0..=1, _) | (2, 0..=9) => OomWording::EnvironmentVariablesLink,
+        (2, 10) => OomWording::AllocConfVariable,
+        (2, 11..=14) => OomWording::AllocConfLink,
+        _ => OomWording::ExpandableNote,
+    }
+}
+
+/// What PyTorch's out-of-memory message quotes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OomFigures {
+    /// The segment size that could not be obtained ("Tried to allocate").
+    pub alloc_size: usize,
+    pub device: i32,
+    pub device_total: usize,
+    pub device_free: usize,
+    /// The memory-fraction limit, when one is set.
+    pub allowed: Option<usize>,
+    /// Bytes allocated to the program, free blocks cached in private pools included.
+    pub allocated: usize,
+    /// Free blocks cached in private pools (CUDA graphs), which count as allocated.
+    pub in_private_pools: usize,
+    /// Bytes held from the device.
+    pub reserved: usize,
+    /// `expandable_segments:True`.
+    pub expandable_segments: bool,
+    /// The address range an expandable segment of the request's stream may reserve, when
+    /// `expandable_segments_reserve` or `expandable_segments_reserve_by_class` sets one
+    /// ([`expandable_segment_reserve`]).
+    pub configured_reserve: Option<usize>,
+    /// The reserve class PyTorch's C++ API gave the request's stream; empty: none.
+    pub reserve_class: String,
+}
+
+/// `DeviceCachingAllocator::malloc`'s out-of-memory message, in the wording of the PyTorch
+/// ferrocache runs under.
+pub fn out_of_memory_message(figures: &OomFigures, wording: OomWording) -> String {
+    let fmt = |n: usize| format_size(n as u64);
+    let allowed = figures
+        .allowed
+        .map(|a| format!("{} allowed; ", fmt(a)))
+        .unwrap_or_default();
+    let private_pools = if figures.in_private_pools > 0 {
+        format!(
+            "with {} allocated in private pools (e.g., CUDA Graphs), ",
+            fmt(figures.in_private_pools)
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} \
+         is free. {allowed}Of the allocated memory {} is allocated by PyTorch, {private_pools}and \
+         {} is reserved by PyTorch but unallocated.{}",
+        fmt(figures.alloc_size),
+        figures.device,
+        fmt(figures.device_total),
+        fmt(figures.device_free),
+        fmt(figures.allocated),
+        fmt(figures.reserved.saturating_sub(figures.allocated)),
+        out_of_memory_advice(figures, wording),
+    )
+}
+
+/// The sentences after "... is reserved by PyTorch but unallocated.": PyTorch 2.15 explains an
+/// allocation larger than the configured expandable-segment reserve (when the device could hold
+/// it), else with expandable segments on it notes that they reserve address space; otherwise,
+/// and in every older PyTorch, it suggests expandable segments.
+fn out_of_memory_advice(figures: &OomFigures, wording: OomWording) -> String {
+    const SUGGESTION: &str = " If reserved but unallocated memory is large try setting";
+    const FRAGMENTATION: &str = "=expandable_segments:True to avoid fragmentation.  See \
+                                 documentation for Memory Management  ";
+    match wording {
+        OomWording::EnvironmentVariablesLink | OomWording::AllocConfVariable => {
+            let variable = if wording == OomWording::AllocConfVariable {
+                "PYTORCH_ALLOC_CONF"
+            } else {
+                "PYTORCH_CUDA_ALLOC_CONF"
+            };
+            return format!(
+                "{SUGGESTION} {variable}{FRAGMENTATION}\
+                 (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+            );
+        }
+        OomWording::AllocConfLink => {}
+        OomWording::ExpandableNote if figures.expandable_segments => {
+            if let Some(reserve) = figures.configured_reserve
+                && reserve < figures.alloc_size
+                && figures.alloc_size <= figures.device_total
+            {
+                let stream = if figures.reserve_class.is_empty() {
+                    "this stream".to_string()
+                } else {
+                    format!("stream reserve class '{}'", figures.reserve_class)
+                };
+                return format!(
+                    " This allocation exceeds the expandable-segment reserve of {} for {stream}, \
+                     and a single allocation cannot span expandable segments. Raise \
+                     PYTORCH_CUDA_ALLOC_CONF expandable_segments_reserve or \
+                     expandable_segments_reserve_by_class (or unset it) so that a segment is at \
+                     least {}.",
+                    format_size(reserve as u64),
+                    format_size(figures.alloc_size as u64)
+                );
+            }
+            return " expandable_segments is enabled. If instead the process is running out of \
+                    virtual address space (VSZ), expandable segments may be over-reserving VA \
+                    (each segment reserves ~9/8 of device memory, times the number of streams); \
+                    reduce it via PYTORCH_CUDA_ALLOC_CONF expandable_segments_reserve / \
+                    expandable_segments_reserve_by_class."
+                .to_string();
+        }
+        OomWording::ExpandableNote => {}
+    }
+    format!(
+        "{SUGGESTION} PYTORCH_CUDA_ALLOC_CONF{FRAGMENTATION}\
+         (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)"
+    )
+}
+
+/// What PyTorch 2.15 decides about the address range of a new expandable segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReserveDecision {
+    /// The range in bytes, before rounding to whole pages.
+    pub bytes: usize,
+    /// Whether `expandable_segments_reserve` or the stream's class set it (else the default).
+    pub configured: bool,
+    /// Whether the stream's class has an entry in `expandable_segments_reserve_by_class`.
+    pub class_known: bool,
+}
+
+/// `growableReserveBytes`: the address range each expandable segment of a stream reserves. By
+/// default 9/8 of the device's memory (so pages unmapped early in the range can be mapped again
+/// at its end); PyTorch 2.15 asks for less when the stream's reserve class (given by PyTorch's
+/// C++ API, `setExpandableSegmentReserveClassForStream`; empty for untagged streams) has an
+/// entry in `expandable_segments_reserve_by_class`, or else when `expandable_segments_reserve`
+/// is set, capped at the default either way.
+pub fn expandable_segment_reserve(
+    config: &Config,
+    device_total: usize,
+    reserve_class: &str,
+) -> ReserveDecision {
+    let full = device_total + device_total / 8;
+    let by_class = config
+        .expandable_segments_reserve_by_class
+        .iter()
+        .find(|(class, _)| class == reserve_class)
+        .map(|(_, reserve)| *reserve);
+    let reserve = by_class.or(config.expandable_segments_reserve);
+    ReserveDecision {
+        bytes: reserve.map_or(full, |r| r.resolve_bytes(device_total).min(full)),
+        configured: reserve.is_some(),
+        class_known: by_class.is_some(),
+    }
+}
+
+/// The warning PyTorch 2.15 gives (once per class) when a tagged stream's class has no entry in
+/// `expandable_segments_reserve_by_class`.
+pub fn unknown_reserve_class_warning(reserve_class: &str) -> String {
+    format!(
+        "expandable_segments reserve class '{reserve_class}' has no configured reserve in \
+         expandable_segments_reserve_by_class; using the default reserve."
+    )
+}
+
+/// `throw_on_cudamalloc_oom` (PyTorch 2.12 and later): the limit above which a device
+/// allocation is refused before the driver is asked, with no release and retry: the device's
+/// memory times the `per_process_memory_fraction` of `PYTORCH_CUDA_ALLOC_CONF` (1 when not
+/// given), whatever `set_per_process_memory_fraction` set since. `None` when the setting is off.
+pub fn preemptive_rejection_limit(config: &Config, device_total: usize) -> Option<usize> {
+    config.throw_on_cudamalloc_oom.then(|| {
+        let fraction = config.per_process_memory_fraction.unwrap_or(1.0);
+        (device_total as f64 * fraction) as usize
+    })
+}
+
+/// The message of the exception a preemptive rejection raises; `requested` is what the
+/// program asked for.
+pub fn preemptive_rejection_message(requested: usize) -> String {
+    format!(
+        "CUDA out of memory. Allocation was preemptively rejected because it would exceed \
+         per_process_memory_fraction limit. Requested size: {}",
+        format_size(requested as u64)
+    )
+}
+
+/// The warning PyTorch logs when it rejects an allocation preemptively.
+pub fn preemptive_rejection_warning(
+    alloc_size: usize,
+    total_allocated_memory: usize,
+    limit: usize,
+    fraction: f64,
+    device_total: usize,
+) -> String {
+    let fmt = |n: usize| format_size(n as u64);
+    format!(
+        "Preemptively rejecting allocation: requested {} but total_allocated_memory ({}) + \
+         requested size would exceed memory limit ({} = {}% of {}). Set \
+         throw_on_cudamalloc_oom:false to disable.",
+        fmt(alloc_size),
+        fmt(total_allocated_memory),
+        fmt(limit),
+        format_cpp_double(fraction * 100.0),
+        fmt(device_total)
+    )
+}
+
+/// A double as C++'s `ostream << double` writes it by default (`%g`, six significant digits):
+/// `50`, `33.3333`, `1e+06`.
+pub fn format_cpp_double(value: f64) -> String {
+    if !value.is_finite() {
+        return if value.is_nan() {
+            "nan".to_string()
+        } else if value > 0.0 {
+            "inf".to_string()
+        } else {
+            "-inf".to_string()
+        };
+    }
+    if value == 0.0 {
+        return if value.is_sign_negative() { "-0" } else { "0" }.to_string();
+    }
+    // Rounded to six significant digits first: the exponent is that of the rounded value.
+    let scientific = format!("{value:.5e}");
+    let (mantissa, exponent) = scientific.split_once('e').expect("`{:e}` has an exponent");
+    let exponent: i32 = exponent.parse().expect("`{:e}` writes an integer exponent");
+    let trim = |digits: &str| -> String {
+        if digits.contains('.') {
+            digits
+                .trim_end_matches('0')
+                .trim_end_matches('.')
+                .to_string()
+        } else {
+            digits.to_string()
+        }
+    };
+    if !(-4..6).contains(&exponent) {
+        let sign = if exponent < 0 { '-' } else { '+' };
+        return format!("{}e{sign}{:02}", trim(mantissa), exponent.abs());
+    }
+    let decimals = (5 - exponent) as usize;
+    trim(&format!("{value:.decimals$}"))
+}
+
 /// Which of the two free-block pools a request belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum PoolKind {
@@ -352,6 +618,98 @@ mod tests {
         };
         assert!(may_serve(1024 * MIB, 512 * MIB, &c));
         assert!(!may_serve(1536 * MIB, 512 * MIB, &c));
+    }
+
+    #[test]
+    fn the_oom_wording_follows_the_pytorch_version() {
+        assert_eq!(
+            oom_wording_of_pytorch(2, 4),
+            OomWording::EnvironmentVariablesLink
+        );
+        assert_eq!(
+            oom_wording_of_pytorch(2, 9),
+            OomWording::EnvironmentVariablesLink
+        );
+        assert_eq!(oom_wording_of_pytorch(2, 10), OomWording::AllocConfVariable);
+        assert_eq!(oom_wording_of_pytorch(2, 11), OomWording::AllocConfLink);
+        assert_eq!(oom_wording_of_pytorch(2, 14), OomWording::AllocConfLink);
+        assert_eq!(oom_wording_of_pytorch(2, 15), OomWording::ExpandableNote);
+        assert_eq!(oom_wording_of_pytorch(3, 0), OomWording::ExpandableNote);
+        assert_eq!(OomWording::default(), OomWording::ExpandableNote);
+    }
+
+    #[test]
+    fn cpp_doubles_print_like_ostream() {
+        for (value, text) in [
+            (50.0, "50"),
+            (100.0, "100"),
+            (0.7 * 100.0, "70"),
+            (100.0 / 3.0, "33.3333"),
+            (12.5, "12.5"),
+            (99.999_999, "100"),
+            (1e6, "1e+06"),
+            (123_456.0, "123456"),
+            (1_234_567.0, "1.23457e+06"),
+            (0.0001, "0.0001"),
+            (0.000_012_5, "1.25e-05"),
+            (0.0, "0"),
+        ] {
+            assert_eq!(format_cpp_double(value), text, "{value}");
+        }
+    }
+
+    #[test]
+    fn expandable_reserves_are_capped_at_nine_eighths() {
+        let reserve_of = |conf: &str, class: &str| {
+            let config = Config::parse(conf).unwrap();
+            let d = expandable_segment_reserve(&config, 1 << 30, class);
+            (d.bytes, d.configured, d.class_known)
+        };
+        let reserve = |conf: &str| {
+            let (bytes, configured, _) = reserve_of(conf, "");
+            (bytes, configured)
+        };
+        assert_eq!(reserve(""), (1_207_959_552, false));
+        assert_eq!(reserve("expandable_segments_reserve:0.5"), (1 << 29, true));
+        assert_eq!(
+            reserve("expandable_segments_reserve:2.0"),
+            (1_207_959_552, true)
+        );
+        assert_eq!(
+            reserve("expandable_segments_reserve:0.05"),
+            (53_687_091, true)
+        );
+        assert_eq!(
+            reserve("expandable_segments_reserve:1e20G"),
+            (1_207_959_552, true)
+        );
+        // A tagged stream: its class's entry, else the global reserve, else the default.
+        let both =
+            "expandable_segments_reserve:0.5,expandable_segments_reserve_by_class:[a:0.25,b:2G]";
+        assert_eq!(reserve_of(both, "a"), (1 << 28, true, true));
+        assert_eq!(reserve_of(both, "b"), (1_207_959_552, true, true));
+        assert_eq!(reserve_of(both, "c"), (1 << 29, true, false));
+        assert_eq!(reserve_of(both, ""), (1 << 29, true, false));
+        let by_class = "expandable_segments_reserve_by_class:[a:0.25]";
+        assert_eq!(reserve_of(by_class, "c"), (1_207_959_552, false, false));
+    }
+
+    #[test]
+    fn preemptive_rejection_limit_is_the_configured_fraction_of_the_device() {
+        let limit = |conf: &str| preemptive_rejection_limit(&Config::parse(conf).unwrap(), 1 << 30);
+        assert_eq!(limit(""), None);
+        assert_eq!(limit("per_process_memory_fraction:0.5"), None);
+        assert_eq!(limit("throw_on_cudamalloc_oom:True"), Some(1 << 30));
+        assert_eq!(
+            limit("throw_on_cudamalloc_oom:True,per_process_memory_fraction:0.5"),
+            Some(1 << 29)
+        );
+        assert_eq!(
+            preemptive_rejection_warning(802 << 20, 300 << 20, 1 << 30, 1.0, 1 << 30),
+            "Preemptively rejecting allocation: requested 802.00 MiB but total_allocated_memory \
+             (300.00 MiB) + requested size would exceed memory limit (1024.00 MiB = 100% of \
+             1024.00 MiB). Set throw_on_cudamalloc_oom:false to disable."
+        );
     }
 
     #[test]

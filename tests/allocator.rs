@@ -263,7 +263,8 @@ fn out_of_memory_retries_then_reports_pytorchs_message() {
          of which 30.00 MiB is free. Of the allocated memory 70.00 MiB is allocated by PyTorch, and \
          0 bytes is reserved by PyTorch but unallocated. If reserved but unallocated memory is large \
          try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See \
-         documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+         documentation for Memory Management  \
+         (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)"
     );
     // The allocator is intact: q is still live, and smaller requests succeed.
     assert!(a.allocation_info(q).is_some());
@@ -758,4 +759,133 @@ fn each_tie_rule_picks_what_its_pytorch_picked() {
     let bad = from("nightly");
     assert_eq!(bad.tie_rule, TieRule::SegmentOrder);
     assert_eq!(bad.warnings.len(), 1, "{:?}", bad.warnings);
+}
+
+/// What `FERROCACHE_PYTORCH_VERSION` (set by `ferrocache.install()`) chooses.
+fn under_pytorch(version: &str, conf: &str) -> Config {
+    let conf = conf.to_string();
+    let version = version.to_string();
+    Config::from_vars(|name| match name {
+        "PYTORCH_CUDA_ALLOC_CONF" => Some(conf.clone()),
+        "FERROCACHE_PYTORCH_VERSION" => Some(version.clone()),
+        _ => None,
+    })
+    .unwrap()
+}
+
+fn oom_message(err: AllocError) -> String {
+    match err {
+        AllocError::OutOfMemory(oom) => oom.message,
+        other => panic!("expected an out-of-memory error, got {other}"),
+    }
+}
+
+/// The end of the out-of-memory message of each PyTorch, read from its libc10_cuda.so and
+/// checked by running it on the fake CUDA (README, "Out of memory").
+#[test]
+fn the_out_of_memory_advice_is_that_of_the_running_pytorch() {
+    const BODY: &str = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total \
+                        capacity of 1024.00 MiB of which 1024.00 MiB is free. Of the allocated \
+                        memory 0 bytes is allocated by PyTorch, and 0 bytes is reserved by \
+                        PyTorch but unallocated.";
+    const SUGGESTION: &str = " If reserved but unallocated memory is large try setting";
+    const FRAGMENTATION: &str = "=expandable_segments:True to avoid fragmentation.  See \
+                                 documentation for Memory Management  ";
+    const OLD_LINK: &str =
+        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)";
+    const NEW_LINK: &str = "(https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)";
+    const EXPANDABLE_NOTE: &str = " expandable_segments is enabled. If instead the process is \
+        running out of virtual address space (VSZ), expandable segments may be over-reserving VA \
+        (each segment reserves ~9/8 of device memory, times the number of streams); reduce it \
+        via PYTORCH_CUDA_ALLOC_CONF expandable_segments_reserve / \
+        expandable_segments_reserve_by_class.";
+    let old = format!("{BODY}{SUGGESTION} PYTORCH_CUDA_ALLOC_CONF{FRAGMENTATION}{OLD_LINK}");
+    let v2_10 = format!("{BODY}{SUGGESTION} PYTORCH_ALLOC_CONF{FRAGMENTATION}{OLD_LINK}");
+    let new = format!("{BODY}{SUGGESTION} PYTORCH_CUDA_ALLOC_CONF{FRAGMENTATION}{NEW_LINK}");
+    let expandable_note = format!("{BODY}{EXPANDABLE_NOTE}");
+    for (version, conf, expected) in [
+        ("2.4.1", "", &old),
+        ("2.9.1", "expandable_segments:True", &old),
+        ("2.10.0", "", &v2_10),
+        ("2.11.0", "", &new),
+        ("2.14.1", "expandable_segments:True", &new),
+        ("2.15.0", "", &new),
+        ("2.15.0", "expandable_segments:True", &expandable_note),
+        ("2.16.0a0", "expandable_segments:True", &expandable_note),
+    ] {
+        let mut a = with_config(GIB, under_pytorch(version, conf));
+        let message = oom_message(a.malloc(2 * GIB, 0).unwrap_err());
+        assert_eq!(&message, expected, "torch {version}, {conf:?}");
+    }
+    // Unset: PyTorch 2.15's.
+    let mut a = with_config(GIB, Config::default());
+    assert_eq!(oom_message(a.malloc(2 * GIB, 0).unwrap_err()), new);
+}
+
+/// `throw_on_cudamalloc_oom:True` alone: the limit is the whole device (the fraction of
+/// PYTORCH_CUDA_ALLOC_CONF, 1 by default), checked before the driver is asked; a refusal skips
+/// the release-and-retry of cached blocks and counts in num_oom_rejections, not num_ooms
+/// (measured through torch 2.15's own allocator on the fake CUDA).
+#[test]
+fn throw_on_cudamalloc_oom_refuses_before_the_driver_is_asked_and_keeps_the_cache() {
+    let config = Config::parse("throw_on_cudamalloc_oom:True").unwrap();
+    assert!(config.throw_on_cudamalloc_oom);
+    let mut a = with_config(GIB, config);
+    let message = oom_message(a.malloc(2 * GIB, 0).unwrap_err());
+    assert_eq!(
+        message,
+        "CUDA out of memory. Allocation was preemptively rejected because it would exceed \
+         per_process_memory_fraction limit. Requested size: 2.00 GiB"
+    );
+    assert_eq!(a.device().counters().mallocs, 0, "the driver is not asked");
+    assert_eq!(a.stats().num_oom_rejections, 1);
+    assert_eq!(a.stats().num_ooms, 0);
+    assert_eq!(a.stats().num_alloc_retries, 0);
+    // 300 MiB cached; 800 MiB + 1 would fit once the cache is released, but 300 MiB + 802 MiB
+    // exceed the device: refused at once, the cache kept. The message names the request.
+    let p = a.malloc(300 * MIB, 0).unwrap();
+    a.free(p).unwrap();
+    let message = oom_message(a.malloc(800 * MIB + 1, 0).unwrap_err());
+    assert!(message.ends_with("Requested size: 800.00 MiB"), "{message}");
+    assert_eq!(a.stats().num_oom_rejections, 2);
+    assert_eq!(a.stats().num_device_free, 0, "nothing released");
+    assert_eq!(a.reserved_bytes(), 300 * MIB);
+    // Within the limit, the cache's segment is kept and a new one made beside it.
+    a.malloc(5000, 0).unwrap();
+    a.malloc(700 * MIB, 0).unwrap();
+    assert_eq!(a.stats().num_oom_rejections, 2);
+    assert_eq!(a.device().counters().mallocs, 3);
+    checked(&a);
+}
+
+/// The lead's first experiment: with the fraction in PYTORCH_CUDA_ALLOC_CONF only, the
+/// fraction's own limit (checked first) fails the device allocation, so PyTorch 2.15 releases
+/// the cache and retries as always and never rejects preemptively; a later
+/// `set_per_process_memory_fraction` above the configured one leaves the configured fraction as
+/// the rejection limit.
+#[test]
+fn throw_on_cudamalloc_oom_rejects_only_past_the_configured_fraction() {
+    let config =
+        Config::parse("per_process_memory_fraction:0.5,throw_on_cudamalloc_oom:True").unwrap();
+    let mut a = with_config(GIB, config.clone());
+    let p = a.malloc(300 * MIB, 0).unwrap();
+    a.free(p).unwrap();
+    a.malloc(400 * MIB, 0).unwrap();
+    assert_eq!(a.stats().num_alloc_retries, 1);
+    assert_eq!(a.stats().num_device_free, 1);
+    let message = oom_message(a.malloc(600 * MIB, 0).unwrap_err());
+    assert!(message.contains("512.00 MiB allowed; "), "{message}");
+    assert_eq!(a.stats().num_oom_rejections, 0);
+    assert_eq!(a.stats().num_ooms, 1);
+
+    let mut a = with_config(GIB, config);
+    a.set_memory_fraction(0.9).unwrap();
+    let p = a.malloc(300 * MIB, 0).unwrap();
+    a.free(p).unwrap();
+    let message = oom_message(a.malloc(400 * MIB, 0).unwrap_err());
+    assert!(message.contains("preemptively rejected"), "{message}");
+    assert_eq!(a.stats().num_oom_rejections, 1);
+    assert_eq!(a.stats().num_alloc_retries, 0);
+    assert_eq!(a.reserved_bytes(), 300 * MIB);
+    checked(&a);
 }

@@ -402,6 +402,150 @@ fn an_imported_expandable_segment_grows_from_its_free_end() {
     assert_eq!(a.device().reserved_ranges(), 1);
 }
 
+fn expandable_with(capacity: usize, conf: &str) -> DeviceAllocator<SimDevice> {
+    let config = Config::parse(conf).unwrap();
+    DeviceAllocator::new(SimDevice::new(capacity), 0, config)
+}
+
+/// The address range of each new segment (its size), newest last.
+fn reserved_sizes(a: &DeviceAllocator<SimDevice>) -> Vec<usize> {
+    a.expandable_segment_ranges()
+        .iter()
+        .map(|&(_, size, _)| size)
+        .collect()
+}
+
+/// `expandable_segments_reserve` (PyTorch 2.15): a fraction of the device or a number of GiB,
+/// at most 9/8 of the device, in whole pages of the pool (2 MiB small, 20 MiB large). The sizes
+/// are those of torch 2.15's cuMemAddressReserve calls on a 1 GiB fake CUDA.
+#[test]
+fn expandable_segments_reserve_sets_each_segments_address_range() {
+    for (reserve, small, large) in [
+        ("", 1_207_959_552, 1_216_348_160),
+        ("0.5", 536_870_912, 545_259_520),
+        ("1G", 1_073_741_824, 1_090_519_040),
+        ("0.5g", 536_870_912, 545_259_520),
+        ("2.0", 1_207_959_552, 1_216_348_160),
+        ("0.3", 322_961_408, 335_544_320),
+        ("0.05", 54_525_952, 62_914_560),
+        ("1e-9", 2_097_152, 20_971_520),
+        ("abc", 1_207_959_552, 1_216_348_160),
+    ] {
+        let conf = if reserve.is_empty() {
+            "expandable_segments:True".to_string()
+        } else {
+            format!("expandable_segments:True,expandable_segments_reserve:{reserve}")
+        };
+        let mut a = expandable_with(GIB, &conf);
+        a.malloc(1000, 0).unwrap();
+        a.malloc(3 * MIB, 0).unwrap();
+        assert_eq!(reserved_sizes(&a), [small, large], "{conf}");
+        checked(&a);
+    }
+}
+
+/// An allocation larger than the configured reserve but not than the device: PyTorch 2.15
+/// reserves a range, finds it too small, gives it back (on the first try and the retry), and
+/// says why in the out-of-memory message, naming the reserve and the allocation size.
+#[test]
+fn an_allocation_larger_than_the_configured_reserve_says_so() {
+    let mut a = expandable_with(
+        GIB,
+        "expandable_segments:True,expandable_segments_reserve:0.05",
+    );
+    let err = a.malloc(200 * MIB + 1, 0).unwrap_err();
+    let AllocError::OutOfMemory(oom) = err else {
+        panic!("expected OOM, got {err:?}")
+    };
+    assert_eq!(
+        oom.message,
+        "CUDA out of memory. Tried to allocate 202.00 MiB. GPU 0 has a total capacity of 1024.00 \
+         MiB of which 1024.00 MiB is free. Of the allocated memory 0 bytes is allocated by \
+         PyTorch, and 0 bytes is reserved by PyTorch but unallocated. This allocation exceeds the \
+         expandable-segment reserve of 51.20 MiB for this stream, and a single allocation cannot \
+         span expandable segments. Raise PYTORCH_CUDA_ALLOC_CONF expandable_segments_reserve or \
+         expandable_segments_reserve_by_class (or unset it) so that a segment is at least 202.00 \
+         MiB."
+    );
+    assert_eq!(a.device().counters().reserves, 2);
+    assert_eq!(a.device().reserved_ranges(), 0);
+    // Within the reserve's pages (3 x 20 MiB) a request fits.
+    a.malloc(5 * MIB + 1, 0).unwrap();
+    a.malloc(50 * MIB, 0).unwrap();
+    // Larger than the device: the reserve is not the reason, the note on address space is.
+    let err = a.malloc(1100 * MIB, 0).unwrap_err();
+    let AllocError::OutOfMemory(oom) = err else {
+        panic!("expected OOM")
+    };
+    assert!(
+        oom.message.ends_with(
+            " expandable_segments is enabled. If instead the process is running out \
+                        of virtual address space (VSZ), expandable segments may be \
+                        over-reserving VA (each segment reserves ~9/8 of device memory, times \
+                        the number of streams); reduce it via PYTORCH_CUDA_ALLOC_CONF \
+                        expandable_segments_reserve / expandable_segments_reserve_by_class."
+        ),
+        "{}",
+        oom.message
+    );
+    checked(&a);
+}
+
+/// A reserve that resolves to 0 bytes asks the device for an empty range, which it refuses: a
+/// driver error, not an out of memory, as with torch 2.15 ("CUDA driver error: invalid
+/// argument").
+#[test]
+fn a_reserve_of_zero_bytes_is_a_driver_error() {
+    let mut a = expandable_with(
+        GIB,
+        "expandable_segments:True,expandable_segments_reserve:1e-300",
+    );
+    let err = a.malloc(1000, 0).unwrap_err();
+    assert!(matches!(err, AllocError::Device(_)), "{err:?}");
+    assert_eq!(a.device().reserved_ranges(), 0);
+    checked(&a);
+}
+
+/// `expandable_segments_reserve_by_class` (PyTorch 2.15): a stream tagged through PyTorch's C++
+/// API gets its class's reserve; a class with no entry, and an untagged stream, get
+/// `expandable_segments_reserve` or the default; an allocation past the class's reserve names
+/// the class. The sizes are torch 2.15's on a 1 GiB fake CUDA (`test_settings_real.py`).
+#[test]
+fn a_tagged_stream_gets_its_reserve_class() {
+    let mut a = expandable_with(
+        GIB,
+        "expandable_segments:True,expandable_segments_reserve_by_class:[tiny:0.05,big:0.5]",
+    );
+    a.set_reserve_class_lookup(Box::new(|stream| {
+        match stream {
+            5 => "tiny",
+            6 => "other",
+            _ => "",
+        }
+        .to_string()
+    }));
+    a.malloc(1000, 5).unwrap();
+    a.malloc(3 * MIB, 5).unwrap();
+    let err = a.malloc(200 * MIB + 1, 5).unwrap_err();
+    let AllocError::OutOfMemory(oom) = err else {
+        panic!("expected OOM, got {err:?}")
+    };
+    assert!(
+        oom.message.contains(
+            "exceeds the expandable-segment reserve of 51.20 MiB for stream reserve class 'tiny'"
+        ),
+        "{}",
+        oom.message
+    );
+    a.malloc(3 * MIB, 6).unwrap();
+    a.malloc(3 * MIB, 0).unwrap();
+    assert_eq!(
+        reserved_sizes(&a),
+        [54_525_952, 62_914_560, 1_216_348_160, 1_216_348_160]
+    );
+    checked(&a);
+}
+
 /// With cross-stream reuse (issue 21): stream A grows its free block through unmapped pages
 /// of a segment whose unmapped space carries stream B. The pages mapped there used to keep
 /// B's stream, so they did not merge with A's block, and the request of A was handed a block

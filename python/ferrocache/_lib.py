@@ -63,6 +63,7 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     # Function pointers as addresses (snapshot.py's stack gatherer, torch_api.py's OOM shim).
     "ferrocache_set_stack_gatherer": (c_int, (c_void_p, c_int)),
     "ferrocache_set_oom_thrower": (c_int, (c_void_p,)),
+    "ferrocache_set_reserve_class_lookup": (c_int, (c_void_p,)),
     "ferrocache_attach_oom_observer": (c_int, (c_void_p,)),
     "ferrocache_detach_oom_observer": (c_int, (c_void_p,)),
     "ferrocache_check_invariants": (c_int, ()),
@@ -98,6 +99,7 @@ _SETTINGS_FREE = frozenset(
         "ferrocache_cli_main",
         "ferrocache_set_stack_gatherer",
         "ferrocache_set_oom_thrower",
+        "ferrocache_set_reserve_class_lookup",
         "ferrocache_attach_oom_observer",
         "ferrocache_detach_oom_observer",
     }

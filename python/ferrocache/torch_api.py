@@ -202,6 +202,7 @@ OOM_SHIM_ENV = "FERROCACHE_OOM_SHIM"
 CACHE_DIR_ENV = "FERROCACHE_CACHE_DIR"
 _SHIM_SOURCE = Path(__file__).with_name("oom_shim.cpp")
 _SHIM_SYMBOL = "ferrocache_throw_oom"
+_RESERVE_CLASS_SYMBOL = "ferrocache_stream_reserve_class"
 _oom_shim: Any = None  # the loaded shim, kept for the life of the process
 
 
@@ -258,10 +259,12 @@ def build_oom_shim(torch: ModuleType) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
+        # libc10_cuda for the reserve classes (a weak reference: absent in older PyTorch).
+        cuda = ["-Wl,--no-as-needed", "-lc10_cuda"] if (lib / "libc10_cuda.so").is_file() else []
         command = [
             compiler, "-std=c++17", "-O1", "-shared", "-fPIC", "-fvisibility=hidden",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{include}", str(_SHIM_SOURCE),
-            "-o", str(built), f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}",
+            "-o", str(built), f"-L{lib}", "-lc10", *cuda, f"-Wl,-rpath,{lib}",
         ]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
@@ -295,6 +298,11 @@ def connect_oom_error(torch: ModuleType) -> bool:
         _warn("out of memory will raise RuntimeError: the library refused the shim's thrower")
         return False
     _oom_shim = shim
+    # The shim also tells the allocator the reserve class of a stream (PyTorch 2.15's
+    # expandable_segments_reserve_by_class); a shim built elsewhere may lack it.
+    lookup = getattr(shim, _RESERVE_CLASS_SYMBOL, None)
+    if lookup is not None:
+        _lib.function("ferrocache_set_reserve_class_lookup")(ctypes.cast(lookup, ctypes.c_void_p).value)
     return True
 
 

@@ -27,6 +27,7 @@ C_TO_CTYPES = {
     # Function pointers: the package passes ctypes callbacks' addresses.
     "ferrocache_stack_gatherer": ctypes.c_void_p,
     "ferrocache_oom_thrower": ctypes.c_void_p,
+    "ferrocache_reserve_class_lookup": ctypes.c_void_p,
     "ferrocache_oom_observer": ctypes.c_void_p,
     "const char * const *": ctypes.POINTER(ctypes.c_char_p),
     "unsigned long long": ctypes.c_ulonglong,

@@ -11,7 +11,7 @@ use super::private_pool::PrivatePoolIndex;
 use super::{AllocError, DeviceAllocator, Request};
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 use crate::logging;
-use crate::policy::PoolKind;
+use crate::policy::{self, PoolKind};
 
 /// A mapped or unmapped range, as `SegmentRange` in PyTorch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,23 +37,25 @@ fn pages_for(size: usize, page_size: usize) -> usize {
     size.div_ceil(page_size)
 }
 
-/// The address space PyTorch reserves per expandable segment: 1 1/8 of the device's memory, so
-/// pages unmapped early in the range can be mapped again at its end.
-pub fn reservation_size(total_memory: usize, page_size: usize) -> usize {
-    let wanted = total_memory + total_memory / 8;
-    pages_for(wanted.max(1), page_size) * page_size
+/// The address range an expandable segment reserves: `reserve` bytes
+/// ([`policy::expandable_segment_reserve`](crate::policy::expandable_segment_reserve)) in
+/// whole pages. A reserve of 0 bytes (`expandable_segments_reserve:1e-300`) asks the device for
+/// 0 bytes, which it refuses, as under PyTorch.
+pub fn reservation_size(reserve: usize, page_size: usize) -> usize {
+    pages_for(reserve, page_size) * page_size
 }
 
 impl ExpandableSegment {
-    /// Reserves the address range of a new segment for `stream` in `pool`.
+    /// Reserves the address range of a new segment for `stream` in `pool`: `reserve` bytes,
+    /// rounded up to whole pages.
     pub fn reserve<D: Device>(
         device: &mut D,
         stream: StreamId,
         pool: PoolKind,
         page_size: usize,
-        total_memory: usize,
+        reserve: usize,
     ) -> Result<ExpandableSegment, DeviceError> {
-        let size = reservation_size(total_memory, page_size);
+        let size = reservation_size(reserve, page_size);
         let base = device.reserve_address_range(size)?;
         Ok(ExpandableSegment {
             base,
@@ -268,7 +270,8 @@ impl<D: Device> DeviceAllocator<D> {
         let fresh = self.arena.get(candidate);
         if !fresh.mapped && !fresh.is_split() && fresh.size < request.size {
             // A new segment's whole range cannot hold the request (larger than 9/8 of the
-            // device): as PyTorch does, the range goes back at once and nothing is mapped.
+            // device, or than `expandable_segments_reserve`): as PyTorch does, the range goes
+            // back at once and nothing is mapped.
             self.release_expandable_segment(candidate)?;
             return Ok(None);
         }
@@ -362,8 +365,17 @@ impl<D: Device> DeviceAllocator<D> {
         private_pool: Option<PrivatePoolIndex>,
     ) -> Result<BlockId, AllocError> {
         let total = self.device.mem_get_info()?.total;
+        let reserve_class = self.reserve_class_of(stream);
+        let reserve = policy::expandable_segment_reserve(&self.config, total, &reserve_class);
+        if !reserve_class.is_empty()
+            && !reserve.class_known
+            && self.warned_reserve_classes.insert(reserve_class.clone())
+        {
+            logging::warning(&policy::unknown_reserve_class_warning(&reserve_class));
+        }
         let page_size = pool.expandable_page_size(&self.config);
-        let segment = ExpandableSegment::reserve(&mut self.device, stream, pool, page_size, total)?;
+        let segment =
+            ExpandableSegment::reserve(&mut self.device, stream, pool, page_size, reserve.bytes)?;
         let mut block = Block::new(segment.base(), segment.size(), stream, pool);
         block.mapped = false;
         block.private_pool = private_pool;
@@ -574,15 +586,22 @@ mod tests {
 
     #[test]
     pub(super) fn reservation_is_nine_eighths_of_memory_in_whole_pages() {
-        assert_eq!(reservation_size(80 << 30, 20 * MIB), 4608 * 20 * MIB);
-        assert_eq!(reservation_size(8 * MIB, 2 * MIB), 10 * MIB);
+        let config = crate::config::Config::default();
+        let nine_eighths = |total| policy::expandable_segment_reserve(&config, total, "").bytes;
+        assert_eq!(
+            reservation_size(nine_eighths(80 << 30), 20 * MIB),
+            4608 * 20 * MIB
+        );
+        assert_eq!(reservation_size(nine_eighths(8 * MIB), 2 * MIB), 10 * MIB);
+        assert_eq!(reservation_size(0, 2 * MIB), 0);
+        assert_eq!(reservation_size(1, 20 * MIB), 20 * MIB);
     }
 
     #[test]
     pub(super) fn maps_whole_pages_and_unmaps_only_whole_free_pages() {
         let mut d = SimDevice::new(1 << 30);
         let mut s =
-            ExpandableSegment::reserve(&mut d, 0, PoolKind::Large, 20 * MIB, 1 << 30).unwrap();
+            ExpandableSegment::reserve(&mut d, 0, PoolKind::Large, 20 * MIB, 9 << 27).unwrap();
         let r = s.map(&mut d, s.base(), 30 * MIB, &mut Vec::new()).unwrap();
         assert_eq!(
             r,
@@ -630,7 +649,7 @@ mod tests {
         ] {
             let mut d = SimDevice::new(1 << 30);
             let mut s =
-                ExpandableSegment::reserve(&mut d, 0, PoolKind::Small, 2 * MIB, 1 << 30).unwrap();
+                ExpandableSegment::reserve(&mut d, 0, PoolKind::Small, 2 * MIB, 9 << 27).unwrap();
             s.map(&mut d, s.base(), 2 * MIB, &mut Vec::new()).unwrap();
             d.fail_nth(op, nth, fault.clone());
             let result = s.map(&mut d, s.base() + 2 * MIB as u64, 6 * MIB, &mut Vec::new());

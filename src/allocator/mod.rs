@@ -38,7 +38,7 @@ use history::{History, StackId, TraceAction};
 use private_pool::{BlockPools, Capture, MempoolId, PrivatePoolIndex};
 use rustc_hash::FxHashMap;
 use stats::DeviceStats;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::fmt;
 
 /// PyTorch's out-of-memory error, with the figures its message quotes.
@@ -55,8 +55,12 @@ pub struct OutOfMemoryError {
     pub allowed: Option<usize>,
     pub allocated: usize,
     pub reserved: usize,
-    /// The full message, starting `CUDA out of memory. Tried to allocate`.
+    /// The full message, starting `CUDA out of memory.`.
     pub message: String,
+    /// `throw_on_cudamalloc_oom` refused the allocation before the device was asked. PyTorch
+    /// then calls no out-of-memory observer (it has rejection observers instead, which no
+    /// Python API reaches).
+    pub preemptively_rejected: bool,
 }
 
 /// Why `malloc` failed.
@@ -197,7 +201,21 @@ pub struct DeviceAllocator<D: Device> {
     /// PyTorch's allocation-order counter: segments made so far (and, under the block rule,
     /// blocks); the next one's [`Block::segment_order`] is this plus one.
     blocks_made: u64,
+    /// The device's total memory, asked once (the preemptive-rejection limit).
+    device_total: Option<usize>,
+    /// Set when `throw_on_cudamalloc_oom` refused a device allocation during the current
+    /// `malloc` (PyTorch's `AllocParams` flag): the malloc then fails with the rejection.
+    preemptively_rejected: bool,
+    /// Where the reserve class of a stream comes from (PyTorch's C++ API, through the C ABI);
+    /// `None`: every stream is untagged.
+    reserve_classes: Option<ReserveClassLookup>,
+    /// The reserve classes warned of as having no entry in
+    /// `expandable_segments_reserve_by_class` (PyTorch warns once per class).
+    warned_reserve_classes: HashSet<String>,
 }
+
+/// Answers the reserve class PyTorch's C++ API gave a stream (empty: none).
+pub type ReserveClassLookup = Box<dyn Fn(StreamId) -> String + Send>;
 
 impl<D: Device> DeviceAllocator<D> {
     /// An allocator for device number `device_index`, with nothing reserved yet.
@@ -223,6 +241,10 @@ impl<D: Device> DeviceAllocator<D> {
             cross_stream: CrossStreamCounts::default(),
             merging_across_streams: false,
             blocks_made: 0,
+            device_total: None,
+            preemptively_rejected: false,
+            reserve_classes: None,
+            warned_reserve_classes: HashSet::new(),
             config,
         };
         if let Some(fraction) = allocator.config.per_process_memory_fraction
@@ -235,6 +257,19 @@ impl<D: Device> DeviceAllocator<D> {
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// Tells the allocator where to ask for the reserve class of a stream
+    /// (`expandable_segments_reserve_by_class`); without it every stream is untagged.
+    pub fn set_reserve_class_lookup(&mut self, lookup: ReserveClassLookup) {
+        self.reserve_classes = Some(lookup);
+    }
+
+    /// The reserve class of `stream`; empty when it has none.
+    pub(crate) fn reserve_class_of(&self, stream: StreamId) -> String {
+        self.reserve_classes
+            .as_ref()
+            .map_or_else(String::new, |lookup| lookup(stream))
     }
 
     pub fn device(&self) -> &D {
@@ -362,17 +397,22 @@ impl<D: Device> DeviceAllocator<D> {
     }
 
     /// The miss path of `malloc`: garbage collection, then the device, with PyTorch's two
-    /// retries, then the out-of-memory error.
+    /// retries, then the out-of-memory error. A preemptive rejection (`throw_on_cudamalloc_oom`)
+    /// of the first try fails at once, with no retry.
     fn allocate_new_block(
         &mut self,
         request: &Request,
         orig_size: usize,
     ) -> Result<BlockId, AllocError> {
+        self.preemptively_rejected = false;
         if self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0 {
             self.garbage_collect_cached_blocks()?;
         }
         if let Some(id) = self.alloc_block(request, false)? {
             return Ok(id);
+        }
+        if self.preemptively_rejected {
+            return Err(self.preemptive_rejection(request, orig_size));
         }
         logging::alloc_retry(request.alloc_size, "releasing oversize cached blocks");
         if self.release_available_cached_blocks(request)?
@@ -387,6 +427,9 @@ impl<D: Device> DeviceAllocator<D> {
             if let Some(id) = self.alloc_block(request, true)? {
                 return Ok(id);
             }
+        }
+        if self.preemptively_rejected {
+            return Err(self.preemptive_rejection(request, orig_size));
         }
         Err(self.out_of_memory(request, orig_size))
     }
@@ -534,6 +577,9 @@ impl<D: Device> DeviceAllocator<D> {
         {
             return Ok(None);
         }
+        if self.config.throw_on_cudamalloc_oom && self.rejects_preemptively(size)? {
+            return Ok(None);
+        }
         if self.config.expandable_segments {
             return self.try_allocate_expandable_block(request);
         }
@@ -546,6 +592,39 @@ impl<D: Device> DeviceAllocator<D> {
         self.arena.get_mut(id).private_pool = request.private_pool;
         self.count_segment_taken(request.private_pool);
         Ok(Some(id))
+    }
+
+    /// `throw_on_cudamalloc_oom`: whether a device allocation of `size` would take the memory
+    /// held past the limit of [`policy::preemptive_rejection_limit`]; if so it is counted
+    /// (`num_oom_rejections`), logged with PyTorch's warning and remembered for `malloc`.
+    fn rejects_preemptively(&mut self, size: usize) -> Result<bool, AllocError> {
+        let device_total = self.device_total()?;
+        let Some(limit) = policy::preemptive_rejection_limit(&self.config, device_total) else {
+            return Ok(false);
+        };
+        if self.total_allocated_memory + size <= limit {
+            return Ok(false);
+        }
+        self.stats.num_oom_rejections += 1;
+        self.preemptively_rejected = true;
+        logging::preemptive_rejection(&policy::preemptive_rejection_warning(
+            size,
+            self.total_allocated_memory,
+            limit,
+            self.config.per_process_memory_fraction.unwrap_or(1.0),
+            device_total,
+        ));
+        Ok(true)
+    }
+
+    /// The device's total memory, asked of the device once.
+    fn device_total(&mut self) -> Result<usize, DeviceError> {
+        if let Some(total) = self.device_total {
+            return Ok(total);
+        }
+        let total = self.device.mem_get_info()?.total;
+        self.device_total = Some(total);
+        Ok(total)
     }
 
     /// Records a fresh device allocation as one free-to-carve block (not yet in the pool).
@@ -597,6 +676,18 @@ impl<D: Device> DeviceAllocator<D> {
         piece
     }
 
+    /// The error of an allocation that `throw_on_cudamalloc_oom` refused, with PyTorch's
+    /// message (which names what the program asked for). PyTorch counts it in
+    /// `num_oom_rejections`, not `num_ooms`, and records no `oom` trace entry.
+    fn preemptive_rejection(&mut self, request: &Request, orig_size: usize) -> AllocError {
+        let info = self
+            .device
+            .mem_get_info()
+            .unwrap_or(crate::device::MemInfo { free: 0, total: 0 });
+        let message = policy::preemptive_rejection_message(orig_size);
+        self.out_of_memory_error(request, orig_size, info, message)
+    }
+
     /// The out-of-memory error, in PyTorch's words and figures.
     fn out_of_memory(&mut self, request: &Request, orig_size: usize) -> AllocError {
         let info = self
@@ -612,35 +703,38 @@ impl<D: Device> DeviceAllocator<D> {
         );
         let allocated = self.stats.allocated_bytes.all.current as usize;
         let reserved = self.stats.reserved_bytes.all.current as usize;
-        let fmt = |n: usize| policy::format_size(n as u64);
-        let allowed_info = self
-            .allowed_memory_maximum
-            .map(|a| format!("{} allowed; ", fmt(a)))
-            .unwrap_or_default();
         // PyTorch counts the free blocks cached in private pools as allocated: they are the
         // graphs' memory, which no other allocation can use.
         let in_private_pools = self.private_pool_cached_bytes();
-        let private_pool_info = if in_private_pools > 0 {
-            format!(
-                "with {} allocated in private pools (e.g., CUDA Graphs), ",
-                fmt(in_private_pools)
-            )
-        } else {
-            String::new()
-        };
-        let message = format!(
-            "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. \
-             {allowed_info}Of the allocated memory {} is allocated by PyTorch, {private_pool_info}and {} is reserved by PyTorch but unallocated. \
-             If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid \
-             fragmentation.  See documentation for Memory Management  \
-             (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)",
-            fmt(request.alloc_size),
-            self.device_index,
-            fmt(info.total),
-            fmt(info.free),
-            fmt(allocated + in_private_pools),
-            fmt(reserved.saturating_sub(allocated + in_private_pools)),
+        let reserve_class = self.reserve_class_of(request.stream);
+        let reserve = policy::expandable_segment_reserve(&self.config, info.total, &reserve_class);
+        let message = policy::out_of_memory_message(
+            &policy::OomFigures {
+                alloc_size: request.alloc_size,
+                device: self.device_index,
+                device_total: info.total,
+                device_free: info.free,
+                allowed: self.allowed_memory_maximum,
+                allocated: allocated + in_private_pools,
+                in_private_pools,
+                reserved,
+                expandable_segments: self.config.expandable_segments,
+                configured_reserve: reserve.configured.then_some(reserve.bytes),
+                reserve_class,
+            },
+            self.config.oom_wording,
         );
+        self.out_of_memory_error(request, orig_size, info, message)
+    }
+
+    /// An out-of-memory error with `message`, logged, and the figures it is about.
+    fn out_of_memory_error(
+        &self,
+        request: &Request,
+        orig_size: usize,
+        info: crate::device::MemInfo,
+        message: String,
+    ) -> AllocError {
         logging::out_of_memory(&message);
         AllocError::OutOfMemory(Box::new(OutOfMemoryError {
             device: self.device_index,
@@ -649,9 +743,10 @@ impl<D: Device> DeviceAllocator<D> {
             device_free: info.free,
             device_total: info.total,
             allowed: self.allowed_memory_maximum,
-            allocated,
-            reserved,
+            allocated: self.stats.allocated_bytes.all.current as usize,
+            reserved: self.stats.reserved_bytes.all.current as usize,
             message,
+            preemptively_rejected: self.preemptively_rejected,
         }))
     }
 

@@ -43,6 +43,12 @@ SETTINGS: tuple[tuple[str, str, Optional[float]], ...] = (
     ("fraction_0.5", "", 0.5),
     ("expandable", "expandable_segments:True", None),
     ("expandable_roundup_2", "expandable_segments:True,roundup_power2_divisions:2", None),
+    # PyTorch 2.15's keys: a smaller address range per expandable segment; device allocations
+    # past the whole device, or past a configured fraction below the one set at run time,
+    # refused at once (throw_on_cudamalloc_oom).
+    ("expandable_reserve_0.3", "expandable_segments:True,expandable_segments_reserve:0.3", None),
+    ("throw_on_oom", "throw_on_cudamalloc_oom:True", None),
+    ("throw_on_oom_fraction_0.5", "per_process_memory_fraction:0.5,throw_on_cudamalloc_oom:True", 0.8),
 )
 
 
