@@ -137,6 +137,11 @@ pub struct Driver {
     capacity: u64,
     /// Per device: bytes held by `cuMemAlloc` allocations and not yet freed physical handles.
     bytes_in_use: Vec<u64>,
+    /// Other processes on the GPUs (`FAKE_NVML_OTHER_PROCESSES`): NVML lists them, and their
+    /// memory is not free for this one.
+    other_processes: Vec<nvml::OtherProcess>,
+    /// `nvmlInit_v2` calls not yet undone by `nvmlShutdown`.
+    nvml_starts: u32,
     /// Where device addresses come from (None if the kernel refused the address space).
     address_space: Option<address_space::AddressSpace>,
     /// Retain count of each device's primary context.
@@ -180,6 +185,9 @@ impl Driver {
             device_count,
             capacity,
             bytes_in_use: vec![0; usize::try_from(device_count).unwrap_or(0)],
+            other_processes: std::env::var("FAKE_NVML_OTHER_PROCESSES")
+                .map(|list| nvml::OtherProcess::parse_list(&list))
+                .unwrap_or_default(),
             address_space,
             event_delay: env_or("FAKE_LIBCUDA_EVENT_DELAY", 0),
             next_handle: 1,
@@ -203,13 +211,26 @@ impl Driver {
         }
     }
 
-    /// Claims `size` bytes of `device`'s capacity (each device has `capacity` bytes).
+    /// What `cuMemGetInfo` calls free on `device`: its capacity less what this process and the
+    /// other processes hold there.
+    fn free_bytes(&self, device: i32) -> u64 {
+        let others: u64 = self
+            .other_processes
+            .iter()
+            .filter(|other| other.device == device)
+            .map(|other| other.bytes)
+            .sum();
+        self.capacity
+            .saturating_sub(self.bytes_in_use[device as usize])
+            .saturating_sub(others)
+    }
+
+    /// Claims `size` bytes of `device`'s free memory (each device has `capacity` bytes).
     fn charge(&mut self, device: i32, size: u64) -> Outcome {
-        let in_use = &mut self.bytes_in_use[device as usize];
-        if self.capacity.saturating_sub(*in_use) < size {
+        if self.free_bytes(device) < size {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
-        *in_use += size;
+        self.bytes_in_use[device as usize] += size;
         Ok(())
     }
 
@@ -360,7 +381,9 @@ pub unsafe extern "C" fn fake_cuda_stat(name: *const c_char) -> i64 {
             .map(|&r| u64::from(r))
             .sum(),
         "timed_events" => driver.timed_events,
-        symbol if symbol.starts_with("cu") => driver.calls.get(symbol).copied().unwrap_or(0),
+        symbol if symbol.starts_with("cu") || symbol.starts_with("nvml") => {
+            driver.calls.get(symbol).copied().unwrap_or(0)
+        }
         _ => return -1,
     };
     i64::try_from(value).unwrap_or(i64::MAX)
