@@ -10,7 +10,9 @@ use std::ptr;
 use cudarc::driver::sys;
 use ferrocache::device::cuda::CudaDevice;
 use ferrocache::device::{Device, DeviceError, ProcessMemory};
-use support::{FakeCuda, in_own_process, in_own_process_without_libcuda, in_own_process_without_nvml};
+use support::{
+    FakeCuda, in_own_process, in_own_process_without_libcuda, in_own_process_without_nvml,
+};
 
 const MIB: usize = 1 << 20;
 const CUDA_ERROR_INVALID_VALUE: i32 = 1;
@@ -151,7 +153,14 @@ fn nvml_lists_the_processes_on_the_gpu_with_their_memory() {
     // Ten other processes, one of them on device 1: more than the room PyTorch makes at first
     // (8), so the list is asked for again with the room NVML says it needs.
     let others: Vec<String> = (1..=10)
-        .map(|i| format!("{}:{}{}", 1000 + i, i * MIB, if i == 10 { ":1" } else { "" }))
+        .map(|i| {
+            format!(
+                "{}:{}{}",
+                1000 + i,
+                i * MIB,
+                if i == 10 { ":1" } else { "" }
+            )
+        })
         .collect();
     let others = others.join(",");
     let env = [
@@ -220,14 +229,20 @@ fn without_nvml_nobody_is_listed() {
     in_own_process_without_nvml("without_nvml_nobody_is_listed", &[], || {
         let fake = FakeCuda::open();
         let mut device = open_device();
-        let held = device.malloc(MIB, 0).expect("the driver works without NVML");
+        let held = device
+            .malloc(MIB, 0)
+            .expect("the driver works without NVML");
         let listed = device.compute_processes();
         // SAFETY: only asks whether the system's own NVML (found outside the search path, on
         // a machine with a driver installed) loads; nothing of it is called.
         if unsafe { libloading::Library::new("libnvidia-ml.so.1") }.is_err() {
             assert_eq!(listed, []);
         }
-        assert_eq!(fake.stat("nvmlInit_v2"), 0, "the fake's NVML is not reached");
+        assert_eq!(
+            fake.stat("nvmlInit_v2"),
+            0,
+            "the fake's NVML is not reached"
+        );
         device.free(held).expect("free");
     });
 }

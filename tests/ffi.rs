@@ -555,7 +555,11 @@ fn out_of_memory_gives_null_and_pytorchs_message() {
             let fake = FakeCuda::open();
             let block = api.alloc(20 * MIB, 0, 0);
             assert!(!block.is_null(), "{}", api.last_error());
-            assert_eq!(fake.stat("nvmlInit_v2"), 0, "NVML is asked at an out-of-memory only");
+            assert_eq!(
+                fake.stat("nvmlInit_v2"),
+                0,
+                "NVML is asked at an out-of-memory only"
+            );
             assert!(api.alloc(1 << 40, 0, 0).is_null());
             // NVML's processes on the GPU (the fake lists the others first), between the free
             // memory and the allocated.

@@ -68,7 +68,10 @@ impl OtherProcess {
             Some(device) => device.trim().parse().ok()?,
             None => 0,
         };
-        fields.next().is_none().then_some(OtherProcess { pid, bytes, device })
+        fields
+            .next()
+            .is_none()
+            .then_some(OtherProcess { pid, bytes, device })
     }
 }
 
