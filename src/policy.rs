@@ -749,21 +749,16 @@ mod tests {
         assert_eq!(format_size(80 << 30), "80.00 GiB");
     }
 
+    fn process(pid: u32, used_bytes: u64) -> ProcessMemory {
+        ProcessMemory { pid, used_bytes }
+    }
+
     #[test]
     fn each_process_nvml_lists_gets_pytorchs_sentence_in_nvmls_order() {
         let processes = [
-            ProcessMemory {
-                pid: 1_246_069,
-                used_bytes: 577 * MIB as u64,
-            },
-            ProcessMemory {
-                pid: 4242,
-                used_bytes: 15_000 * MIB as u64,
-            },
-            ProcessMemory {
-                pid: 7,
-                used_bytes: 1000,
-            },
+            process(1_246_069, 577 * MIB as u64),
+            process(4242, 15_000 * MIB as u64),
+            process(7, 1000),
         ];
         assert_eq!(
             process_memory_sentences(&processes, 4242),
@@ -773,12 +768,8 @@ mod tests {
         assert_eq!(process_memory_sentences(&[], 4242), "");
         // NVML_VALUE_NOT_AVAILABLE (no per-process figure, as under Windows' WDDM), printed as
         // PyTorch prints it.
-        let unknown = ProcessMemory {
-            pid: 4242,
-            used_bytes: u64::MAX,
-        };
         assert_eq!(
-            process_memory_sentences(&[unknown], 4242),
+            process_memory_sentences(&[process(4242, u64::MAX)], 4242),
             "Including non-PyTorch memory, this process has 17179869184.00 GiB memory in use. "
         );
     }
@@ -797,16 +788,7 @@ mod tests {
             expandable_segments: false,
             configured_reserve: None,
             reserve_class: String::new(),
-            processes: vec![
-                ProcessMemory {
-                    pid: 99,
-                    used_bytes: 64 * MIB as u64,
-                },
-                ProcessMemory {
-                    pid: 5,
-                    used_bytes: 60 * MIB as u64,
-                },
-            ],
+            processes: vec![process(99, 64 * MIB as u64), process(5, 60 * MIB as u64)],
             own_pid: 5,
         };
         let message = out_of_memory_message(&figures, OomWording::ExpandableNote);

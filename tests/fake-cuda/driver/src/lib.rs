@@ -277,13 +277,24 @@ fn call(name: &'static str, body: impl FnOnce(&mut Driver) -> Outcome) -> CuResu
 
 /// Runs the body of the driver function `name`, which works without `cuInit`.
 fn call_before_init(name: &'static str, body: impl FnOnce(&mut Driver) -> Outcome) -> CuResult {
+    counted_call(name, true, body)
+}
+
+/// Runs the body of the exported function `name` (the driver's or NVML's, whose codes agree on
+/// 0 for success and 999 for unknown) under the one lock: counts the call, applies an injected
+/// failure and, `in_sweep`, the fault sweep, and turns a panic into the unknown error.
+fn counted_call(
+    name: &'static str,
+    in_sweep: bool,
+    body: impl FnOnce(&mut Driver) -> Outcome,
+) -> CuResult {
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let mut driver = lock();
         *driver.calls.entry(name).or_default() += 1;
         if let Some(code) = driver.injected_failures.remove(name) {
             return Err(code);
         }
-        if let Some(code) = driver.sweep.on_call(name) {
+        if in_sweep && let Some(code) = driver.sweep.on_call(name) {
             return Err(code);
         }
         body(&mut driver)

@@ -16,19 +16,16 @@
 //! driver's, with the NVML code given; fault sweeps leave them out.
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use crate::{Driver, device, lock, parse_number};
+use crate::{Driver, counted_call, device, parse_number};
 
 /// `nvmlReturn_t`.
 type NvmlReturn = c_uint;
-const NVML_SUCCESS: NvmlReturn = 0;
 const NVML_ERROR_UNINITIALIZED: NvmlReturn = 1;
 const NVML_ERROR_INVALID_ARGUMENT: NvmlReturn = 2;
 const NVML_ERROR_NOT_SUPPORTED: NvmlReturn = 3;
 const NVML_ERROR_NOT_FOUND: NvmlReturn = 6;
 const NVML_ERROR_INSUFFICIENT_SIZE: NvmlReturn = 7;
-const NVML_ERROR_UNKNOWN: NvmlReturn = 999;
 
 /// Device handles are this plus the ordinal; never dereferenced by callers.
 const DEVICE_HANDLE_BASE: usize = 0x4e56_4d00;
@@ -82,25 +79,13 @@ struct ProcessInfoV1 {
     used_gpu_memory: c_ulonglong,
 }
 
-/// Runs the body of the NVML function `name` under the driver's lock: counts the call, applies
-/// an injected failure, and turns a panic into `NVML_ERROR_UNKNOWN`.
+/// Runs the body of the NVML function `name` as the driver's are run (counted, failing on
+/// request), but outside fault sweeps.
 fn nvml_call(
     name: &'static str,
     body: impl FnOnce(&mut Driver) -> Result<(), NvmlReturn>,
 ) -> NvmlReturn {
-    let outcome = catch_unwind(AssertUnwindSafe(|| {
-        let mut driver = lock();
-        *driver.calls.entry(name).or_default() += 1;
-        if let Some(code) = driver.injected_failures.remove(name) {
-            return Err(code);
-        }
-        body(&mut driver)
-    }));
-    match outcome {
-        Ok(Ok(())) => NVML_SUCCESS,
-        Ok(Err(code)) => code,
-        Err(_) => NVML_ERROR_UNKNOWN,
-    }
+    counted_call(name, false, body)
 }
 
 /// [`nvml_call`] for the functions that need NVML started.
