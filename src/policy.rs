@@ -5,6 +5,7 @@
 //! sizes itself, so a rule can be read, tested and changed in one place.
 
 use crate::config::Config;
+use crate::device::ProcessMemory;
 
 /// All sizes are rounded to at least 512 bytes.
 pub const K_MIN_BLOCK_SIZE: usize = 512;
@@ -104,6 +105,11 @@ pub struct OomFigures {
     pub configured_reserve: Option<usize>,
     /// The reserve class PyTorch's C++ API gave the request's stream; empty: none.
     pub reserve_class: String,
+    /// The processes on the GPU and their memory, as NVML lists them; empty where NVML cannot
+    /// answer ([`process_memory_sentences`]).
+    pub processes: Vec<ProcessMemory>,
+    /// This process's id, to tell its own entry in `processes`.
+    pub own_pid: u32,
 }
 
 /// `DeviceCachingAllocator::malloc`'s out-of-memory message, in the wording of the PyTorch
@@ -124,16 +130,38 @@ pub fn out_of_memory_message(figures: &OomFigures, wording: OomWording) -> Strin
     };
     format!(
         "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} \
-         is free. {allowed}Of the allocated memory {} is allocated by PyTorch, {private_pools}and \
-         {} is reserved by PyTorch but unallocated.{}",
+         is free. {}{allowed}Of the allocated memory {} is allocated by PyTorch, \
+         {private_pools}and {} is reserved by PyTorch but unallocated.{}",
         fmt(figures.alloc_size),
         figures.device,
         fmt(figures.device_total),
         fmt(figures.device_free),
+        process_memory_sentences(&figures.processes, figures.own_pid),
         fmt(figures.allocated),
         fmt(figures.reserved.saturating_sub(figures.allocated)),
         out_of_memory_advice(figures, wording),
     )
+}
+
+/// `reportProcessMemoryInfo`: after "... is free. ", one sentence per process that NVML lists
+/// on the GPU, in NVML's order, with the memory it uses, this process's own included (its CUDA
+/// context and whatever it allocated outside the caching allocator); nothing where NVML does not
+/// answer. The same words in PyTorch 2.11 to 2.15 (read from their `libc10_cuda.so`).
+pub fn process_memory_sentences(processes: &[ProcessMemory], own_pid: u32) -> String {
+    processes
+        .iter()
+        .map(|process| {
+            let who = if process.pid == own_pid {
+                "Including non-PyTorch memory, this process".to_string()
+            } else {
+                format!("Process {}", process.pid)
+            };
+            format!(
+                "{who} has {} memory in use. ",
+                format_size(process.used_bytes)
+            )
+        })
+        .collect()
 }
 
 /// The sentences after "... is reserved by PyTorch but unallocated.": PyTorch 2.15 explains an
@@ -719,5 +747,68 @@ mod tests {
         assert_eq!(format_size(20 * MIB as u64), "20.00 MiB");
         assert_eq!(format_size(1 << 30), "1024.00 MiB");
         assert_eq!(format_size(80 << 30), "80.00 GiB");
+    }
+
+    fn process(pid: u32, used_bytes: u64) -> ProcessMemory {
+        ProcessMemory { pid, used_bytes }
+    }
+
+    #[test]
+    fn each_process_nvml_lists_gets_pytorchs_sentence_in_nvmls_order() {
+        let processes = [
+            process(1_246_069, 577 * MIB as u64),
+            process(4242, 15_000 * MIB as u64),
+            process(7, 1000),
+        ];
+        assert_eq!(
+            process_memory_sentences(&processes, 4242),
+            "Process 1246069 has 577.00 MiB memory in use. Including non-PyTorch memory, this \
+             process has 14.65 GiB memory in use. Process 7 has 1000 bytes memory in use. "
+        );
+        assert_eq!(process_memory_sentences(&[], 4242), "");
+        // NVML_VALUE_NOT_AVAILABLE (no per-process figure, as under Windows' WDDM), printed as
+        // PyTorch prints it.
+        assert_eq!(
+            process_memory_sentences(&[process(4242, u64::MAX)], 4242),
+            "Including non-PyTorch memory, this process has 17179869184.00 GiB memory in use. "
+        );
+    }
+
+    #[test]
+    fn the_process_sentences_follow_the_free_memory_before_the_allowed_memory() {
+        let figures = OomFigures {
+            alloc_size: 2 << 30,
+            device: 0,
+            device_total: 1 << 30,
+            device_free: 900 * MIB,
+            allowed: Some(512 * MIB),
+            allocated: 0,
+            in_private_pools: 0,
+            reserved: 0,
+            expandable_segments: false,
+            configured_reserve: None,
+            reserve_class: String::new(),
+            processes: vec![process(99, 64 * MIB as u64), process(5, 60 * MIB as u64)],
+            own_pid: 5,
+        };
+        let message = out_of_memory_message(&figures, OomWording::ExpandableNote);
+        assert!(
+            message.starts_with(
+                "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of \
+                 1024.00 MiB of which 900.00 MiB is free. Process 99 has 64.00 MiB memory in use. \
+                 Including non-PyTorch memory, this process has 60.00 MiB memory in use. 512.00 \
+                 MiB allowed; Of the allocated memory 0 bytes is allocated by PyTorch, and 0 \
+                 bytes is reserved by PyTorch but unallocated. If reserved"
+            ),
+            "{message}"
+        );
+        let without_nvml = OomFigures {
+            processes: Vec::new(),
+            ..figures
+        };
+        assert!(
+            out_of_memory_message(&without_nvml, OomWording::ExpandableNote)
+                .contains("900.00 MiB is free. 512.00 MiB allowed; Of the allocated")
+        );
     }
 }

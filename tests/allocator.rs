@@ -4,7 +4,7 @@ use ferrocache::allocator::history::TraceAction;
 use ferrocache::allocator::{AllocError, DeviceAllocator, ImportedBlock, PointerError};
 use ferrocache::config::Config;
 use ferrocache::device::sim::{SimDevice, SimOp};
-use ferrocache::device::{Device, DeviceError};
+use ferrocache::device::{Device, DeviceError, ProcessMemory};
 use ferrocache::policy::PoolKind;
 
 const MIB: usize = 1 << 20;
@@ -269,6 +269,41 @@ fn out_of_memory_retries_then_reports_pytorchs_message() {
     // The allocator is intact: q is still live, and smaller requests succeed.
     assert!(a.allocation_info(q).is_some());
     a.malloc(10 * MIB, 0).unwrap();
+    checked(&a);
+}
+
+#[test]
+fn the_out_of_memory_message_says_what_each_process_on_the_gpu_uses() {
+    let mut device = SimDevice::new(100 * MIB);
+    let other = ProcessMemory {
+        pid: 4242,
+        used_bytes: 3 * GIB as u64,
+    };
+    device.report_processes(vec![other]);
+    let mut a = DeviceAllocator::new(device, 0, Config::default());
+    let _p = a.malloc(60 * MIB, 0).unwrap();
+    let _small = a.malloc(1000, 0).unwrap();
+    assert_eq!(
+        a.device().counters().process_queries,
+        0,
+        "asked only to write an out-of-memory message"
+    );
+    let AllocError::OutOfMemory(oom) = a.malloc(50 * MIB, 0).unwrap_err() else {
+        panic!("expected OOM")
+    };
+    assert_eq!(a.device().counters().process_queries, 1);
+    // NVML's order (the other process first here), this process with all it holds on the GPU.
+    assert!(
+        oom.message.starts_with(
+            "CUDA out of memory. Tried to allocate 50.00 MiB. GPU 0 has a total capacity of \
+             100.00 MiB of which 38.00 MiB is free. Process 4242 has 3.00 GiB memory in use. \
+             Including non-PyTorch memory, this process has 62.00 MiB memory in use. Of the \
+             allocated memory 60.00 MiB is allocated by PyTorch, and 2.00 MiB is reserved by \
+             PyTorch but unallocated. If reserved"
+        ),
+        "{}",
+        oom.message
+    );
     checked(&a);
 }
 

@@ -9,8 +9,10 @@ use std::ptr;
 
 use cudarc::driver::sys;
 use ferrocache::device::cuda::CudaDevice;
-use ferrocache::device::{Device, DeviceError};
-use support::{FakeCuda, in_own_process, in_own_process_without_libcuda};
+use ferrocache::device::{Device, DeviceError, ProcessMemory};
+use support::{
+    FakeCuda, in_own_process, in_own_process_without_libcuda, in_own_process_without_nvml,
+};
 
 const MIB: usize = 1 << 20;
 const CUDA_ERROR_INVALID_VALUE: i32 = 1;
@@ -133,6 +135,115 @@ fn out_of_memory_is_reported_as_out_of_memory() {
             .malloc(2 * MIB, 0)
             .expect("fits once the 3 MiB are freed");
         device.free(again).expect("free");
+    });
+}
+
+/// The processes NVML lists on device 0, as `CudaDevice` reports them (this process last).
+fn this_process(used_bytes: usize) -> ProcessMemory {
+    ProcessMemory {
+        pid: std::process::id(),
+        used_bytes: used_bytes as u64,
+    }
+}
+
+const NVML_ERROR_UNKNOWN: u32 = 999;
+
+#[test]
+fn nvml_lists_the_processes_on_the_gpu_with_their_memory() {
+    // Ten other processes, one of them on device 1: more than the room PyTorch makes at first
+    // (8), so the list is asked for again with the room NVML says it needs.
+    let others: Vec<String> = (1..=10)
+        .map(|i| {
+            format!(
+                "{}:{}{}",
+                1000 + i,
+                i * MIB,
+                if i == 10 { ":1" } else { "" }
+            )
+        })
+        .collect();
+    let others = others.join(",");
+    let env = [
+        ("FAKE_NVML_OTHER_PROCESSES", others.as_str()),
+        ("FAKE_LIBCUDA_DEVICE_COUNT", "2"),
+    ];
+    in_own_process(
+        "nvml_lists_the_processes_on_the_gpu_with_their_memory",
+        &env,
+        || {
+            let fake = FakeCuda::open();
+            let mut device = open_device();
+            let held = device.malloc(3 * MIB, 0).expect("malloc");
+            assert_eq!(fake.stat("nvmlInit_v2"), 0, "NVML is not asked before");
+            let mut expected: Vec<ProcessMemory> = (1..=9)
+                .map(|i| ProcessMemory {
+                    pid: 1000 + i,
+                    used_bytes: (i as usize * MIB) as u64,
+                })
+                .collect();
+            expected.push(this_process(3 * MIB));
+            assert_eq!(device.compute_processes(), expected);
+            assert_eq!(fake.stat("nvmlInit_v2"), 1);
+            assert_eq!(fake.stat("nvmlDeviceGetHandleByPciBusId_v2"), 1);
+            assert_eq!(fake.stat("nvmlDeviceGetComputeRunningProcesses"), 2);
+            // Their memory is not free for this process: 45 MiB on device 0.
+            let info = device.mem_get_info().expect("mem_get_info");
+            assert_eq!(info.total - info.free, 48 * MIB);
+
+            // A call that fails leaves the list empty that time only; NVML starts once.
+            fake.fail_next("nvmlDeviceGetComputeRunningProcesses", NVML_ERROR_UNKNOWN);
+            assert_eq!(device.compute_processes(), []);
+            fake.fail_next("nvmlDeviceGetHandleByPciBusId_v2", NVML_ERROR_UNKNOWN);
+            assert_eq!(device.compute_processes(), []);
+            device.free(held).expect("free");
+            *expected.last_mut().expect("this process") = this_process(0);
+            assert_eq!(device.compute_processes(), expected);
+            assert_eq!(fake.stat("nvmlInit_v2"), 1);
+
+            // Device 1's list: its other process, and this one once it has a context there.
+            let mut second = CudaDevice::new(1).expect("device 1");
+            let on_second = ProcessMemory {
+                pid: 1010,
+                used_bytes: (10 * MIB) as u64,
+            };
+            assert_eq!(second.compute_processes(), [on_second, this_process(0)]);
+        },
+    );
+}
+
+#[test]
+fn nvml_that_does_not_start_is_not_asked_again() {
+    in_own_process("nvml_that_does_not_start_is_not_asked_again", &[], || {
+        let fake = FakeCuda::open();
+        let mut device = open_device();
+        fake.fail_next("nvmlInit_v2", NVML_ERROR_UNKNOWN);
+        assert_eq!(device.compute_processes(), []);
+        assert_eq!(device.compute_processes(), []);
+        assert_eq!(fake.stat("nvmlInit_v2"), 1);
+        assert_eq!(fake.stat("nvmlDeviceGetComputeRunningProcesses"), 0);
+    });
+}
+
+#[test]
+fn without_nvml_nobody_is_listed() {
+    in_own_process_without_nvml("without_nvml_nobody_is_listed", &[], || {
+        let fake = FakeCuda::open();
+        let mut device = open_device();
+        let held = device
+            .malloc(MIB, 0)
+            .expect("the driver works without NVML");
+        let listed = device.compute_processes();
+        // SAFETY: only asks whether the system's own NVML (found outside the search path, on
+        // a machine with a driver installed) loads; nothing of it is called.
+        if unsafe { libloading::Library::new("libnvidia-ml.so.1") }.is_err() {
+            assert_eq!(listed, []);
+        }
+        assert_eq!(
+            fake.stat("nvmlInit_v2"),
+            0,
+            "the fake's NVML is not reached"
+        );
+        device.free(held).expect("free");
     });
 }
 

@@ -960,7 +960,7 @@ const FIXED: [(&str, u64, &str, usize); 13] = [
     // A sticky error was logged again by every later call.
     ("segments", 11, "cuMemAlloc_v2", 4),
     // empty_cache left pooled events alive; destroying them may fail too.
-    ("segments", 75, "cuEventDestroy_v2", 2),
+    ("segments", 78, "cuEventDestroy_v2", 2),
     // During a capture: a capture error from the query on a capturing stream, and a sticky
     // error inside the relaxed capture mode, which was logged again when leaving it.
     ("segments", 52, "cuStreamIsCapturing", 3),

@@ -543,21 +543,54 @@ fn memory_fraction_and_reset_hooks_reach_the_allocator() {
 #[test]
 fn out_of_memory_gives_null_and_pytorchs_message() {
     let total = (64 * MIB).to_string();
-    let env = [("FAKE_LIBCUDA_TOTAL_MEM", total.as_str())];
+    let env = [
+        ("FAKE_LIBCUDA_TOTAL_MEM", total.as_str()),
+        ("FAKE_NVML_OTHER_PROCESSES", "4242:8388608"),
+    ];
     in_own_process(
         "out_of_memory_gives_null_and_pytorchs_message",
         &env,
         || {
             let api = Api::open();
+            let fake = FakeCuda::open();
+            let block = api.alloc(20 * MIB, 0, 0);
+            assert!(!block.is_null(), "{}", api.last_error());
+            assert_eq!(
+                fake.stat("nvmlInit_v2"),
+                0,
+                "NVML is asked at an out-of-memory only"
+            );
+            assert!(api.alloc(1 << 40, 0, 0).is_null());
+            // NVML's processes on the GPU (the fake lists the others first), between the free
+            // memory and the allocated.
+            assert_eq!(
+                api.last_error(),
+                format!(
+                    "CUDA out of memory. Tried to allocate 1024.00 GiB. GPU 0 has a total capacity \
+                     of 64.00 MiB of which 36.00 MiB is free. Process 4242 has 8.00 MiB memory in \
+                     use. Including non-PyTorch memory, this process has 20.00 MiB memory in use. \
+                     Of the allocated memory 20.00 MiB is allocated by PyTorch, and 0 bytes is \
+                     reserved by PyTorch but unallocated. If reserved but unallocated memory is \
+                     large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid \
+                     fragmentation.  See documentation for Memory Management  \
+                     (https://docs.pytorch.org/docs/stable/notes/cuda.html#{})",
+                    "optimizing-memory-usage-with-pytorch-cuda-alloc-conf"
+                )
+            );
+            assert_eq!(api.stat("num_ooms"), 1);
+            assert_eq!(fake.stat("nvmlInit_v2"), 1);
+            assert_eq!(fake.stat("nvmlDeviceGetComputeRunningProcesses"), 1);
+
+            // NVML failing leaves the sentences out, and the out-of-memory is still one.
+            fake.fail_next("nvmlDeviceGetComputeRunningProcesses", 999);
             assert!(api.alloc(1 << 40, 0, 0).is_null());
             let message = api.last_error();
             assert!(
-            message.starts_with(
-                "CUDA out of memory. Tried to allocate 1024.00 GiB. GPU 0 has a total capacity of 64.00 MiB"
-            ),
-            "{message}"
-        );
-            assert_eq!(api.stat("num_ooms"), 1);
+                message.contains("36.00 MiB is free. Of the allocated memory 20.00 MiB"),
+                "{message}"
+            );
+            assert_eq!(api.stat("num_ooms"), 2);
+            assert_eq!(api.free(block), 0);
         },
     );
 }

@@ -166,6 +166,12 @@ def test_verdicts_on_streams_oom_and_empty_cache() -> None:
     }
     assert checks.streams({"ferrocache": bad}).status == FAIL
     assert checks.out_of_memory({"native": native, "ferrocache": bad}).status == FAIL
+    # NVML's sentence for this process: in both messages or in neither.
+    this_process = " is free. Including non-PyTorch memory, this process has 1.00 GiB memory in use."
+    with_nvml = {"oom": {**native["oom"], "message": native["oom"]["message"] + this_process}}
+    assert checks.out_of_memory({"native": with_nvml, "ferrocache": good}).status == FAIL
+    ours_with_nvml = {"oom": {**good["oom"], "message": good["oom"]["message"] + this_process}}
+    assert checks.out_of_memory({"native": with_nvml, "ferrocache": ours_with_nvml}).status == PASS
     assert checks.empty_cache({"ferrocache": bad}).status == FAIL
     broken = {"streams": {"error": "Traceback\nRuntimeError: boom"}}
     result = checks.streams({"ferrocache": broken})

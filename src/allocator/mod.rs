@@ -708,6 +708,9 @@ impl<D: Device> DeviceAllocator<D> {
         let in_private_pools = self.private_pool_cached_bytes();
         let reserve_class = self.reserve_class_of(request.stream);
         let reserve = policy::expandable_segment_reserve(&self.config, info.total, &reserve_class);
+        // Asked of NVML under the lock, as PyTorch does; only its first call in the process
+        // (loading and starting NVML) takes long.
+        let processes = self.device.compute_processes();
         let message = policy::out_of_memory_message(
             &policy::OomFigures {
                 alloc_size: request.alloc_size,
@@ -721,6 +724,8 @@ impl<D: Device> DeviceAllocator<D> {
                 expandable_segments: self.config.expandable_segments,
                 configured_reserve: reserve.configured.then_some(reserve.bytes),
                 reserve_class,
+                processes,
+                own_pid: std::process::id(),
             },
             self.config.oom_wording,
         );

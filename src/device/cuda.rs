@@ -17,7 +17,10 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
-use super::{DeviceError, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId};
+use super::nvml::{self, PciLocation};
+use super::{
+    DeviceError, DevicePtr, EventHandle, MemInfo, PhysicalHandle, ProcessMemory, StreamId,
+};
 use crate::device::Device;
 use crate::logging;
 
@@ -75,6 +78,8 @@ pub struct CudaDevice {
     /// the device supports it.
     supports_posix_fd_handles: bool,
     granularity: Option<usize>,
+    /// Where the GPU sits on the PCI bus (how NVML finds it), asked at the first out-of-memory.
+    pci: Option<PciLocation>,
     /// Events that [`Device::release_event`] gave back, ready for the next record.
     idle_events: Vec<sys::CUevent>,
 }
@@ -163,6 +168,7 @@ impl CudaDevice {
             supports_virtual_memory,
             supports_posix_fd_handles,
             granularity: None,
+            pci: None,
             idle_events: Vec::new(),
         })
     }
@@ -185,6 +191,22 @@ impl CudaDevice {
     /// Whether the device supports the virtual memory calls behind expandable segments.
     pub fn supports_virtual_memory(&self) -> bool {
         self.supports_virtual_memory
+    }
+
+    /// Where the GPU sits on the PCI bus, asked of the driver once.
+    fn pci_location(&mut self) -> Result<PciLocation, DeviceError> {
+        if let Some(pci) = self.pci {
+            return Ok(pci);
+        }
+        use sys::CUdevice_attribute::*;
+        let attribute = |which| device_attribute(self.device, which).map(|v| v as u32);
+        let pci = PciLocation {
+            domain: attribute(CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+            bus: attribute(CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+            device: attribute(CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?,
+        };
+        self.pci = Some(pci);
+        Ok(pci)
     }
 
     /// Makes the primary context current until the guard is dropped.
@@ -450,6 +472,14 @@ impl Device for CudaDevice {
         let _context = self.enter()?;
         // SAFETY: plain values; the driver validates the range.
         check_call("cuMemUnmap", || unsafe { sys::cuMemUnmap(ptr, size) })
+    }
+
+    /// Asks NVML (see `nvml.rs`); a driver error on the way leaves the list empty.
+    fn compute_processes(&mut self) -> Vec<ProcessMemory> {
+        match self.pci_location() {
+            Ok(pci) => nvml::compute_processes(pci),
+            Err(_) => Vec::new(),
+        }
     }
 }
 

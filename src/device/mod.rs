@@ -5,6 +5,7 @@
 //! anything about the allocator.
 
 pub mod cuda;
+mod nvml;
 pub mod sim;
 
 use std::fmt;
@@ -26,6 +27,15 @@ pub type PhysicalHandle = u64;
 pub struct MemInfo {
     pub free: usize,
     pub total: usize,
+}
+
+/// A process that has a context on a GPU and the device memory it uses, as NVML lists them
+/// (`nvmlProcessInfo_v1_t`): what PyTorch's out-of-memory message reports per process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessMemory {
+    pub pid: u32,
+    /// Bytes of device memory in use, the CUDA context's own included.
+    pub used_bytes: u64,
 }
 
 /// Why a device operation failed.
@@ -123,4 +133,11 @@ pub trait Device {
     fn set_access(&mut self, ptr: DevicePtr, size: usize) -> Result<(), DeviceError>;
     /// `cuMemUnmap`.
     fn unmap(&mut self, ptr: DevicePtr, size: usize) -> Result<(), DeviceError>;
+
+    /// The processes running on the GPU and the memory each uses, in the order NVML lists
+    /// them; empty where nobody can say (no NVML, or it failed). Asked only to write an
+    /// out-of-memory message, never on the allocation path.
+    fn compute_processes(&mut self) -> Vec<ProcessMemory> {
+        Vec::new()
+    }
 }

@@ -2,7 +2,9 @@
 //! test says so, and fault injection on every operation, so that every path of the allocator,
 //! error paths included, runs in tests without hardware.
 
-use super::{Device, DeviceError, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId};
+use super::{
+    Device, DeviceError, DevicePtr, EventHandle, MemInfo, PhysicalHandle, ProcessMemory, StreamId,
+};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 /// Where the simulated address space starts (the region real drivers hand out on x86-64).
@@ -49,6 +51,8 @@ pub struct SimCounters {
     pub maps: u64,
     pub set_accesses: u64,
     pub unmaps: u64,
+    /// [`Device::compute_processes`] calls (NVML's, on a real GPU).
+    pub process_queries: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -121,6 +125,9 @@ pub struct SimDevice {
     /// Per operation, the outcome of its next calls: `Some(error)` fails, `None` passes.
     faults: HashMap<SimOp, VecDeque<Option<DeviceError>>>,
     counters: SimCounters,
+    /// What NVML would list besides this process, once [`SimDevice::report_processes`] said
+    /// so; `None`: nobody answers, as without NVML.
+    other_processes: Option<Vec<ProcessMemory>>,
 }
 
 fn invalid(call: &'static str, what: &str) -> DeviceError {
@@ -154,7 +161,14 @@ impl SimDevice {
             record_waits: true,
             faults: HashMap::new(),
             counters: SimCounters::default(),
+            other_processes: None,
         }
+    }
+
+    /// Makes the device answer [`Device::compute_processes`] as NVML does: `others` (other
+    /// processes with memory on this GPU), then this process with the memory it holds here.
+    pub fn report_processes(&mut self, others: Vec<ProcessMemory>) {
+        self.other_processes = Some(others);
     }
 
     /// Makes every stream finish its work as soon as it is submitted, so events are complete
@@ -653,6 +667,18 @@ impl Device for SimDevice {
             }
         }
         Ok(())
+    }
+
+    fn compute_processes(&mut self) -> Vec<ProcessMemory> {
+        self.counters.process_queries += 1;
+        let Some(others) = &self.other_processes else {
+            return Vec::new();
+        };
+        let this_process = ProcessMemory {
+            pid: std::process::id(),
+            used_bytes: self.physical_in_use as u64,
+        };
+        others.iter().copied().chain([this_process]).collect()
     }
 }
 

@@ -252,7 +252,7 @@ def build(out: Path, torch_lib: Path | None, cuda_major: int | None) -> None:
     driver = lib / "libcuda.so.1"
     shutil.copy2(cargo_target / "release" / "libcuda.so", driver)
     (lib / "libcuda.so").symlink_to("libcuda.so.1")
-    # PyTorch dlopens NVML; the driver exports the few functions it calls (driver/src/nvml.rs).
+    # PyTorch and ferrocache dlopen NVML; the driver exports what they call (driver/src/nvml.rs).
     (lib / "libnvidia-ml.so.1").symlink_to("libcuda.so.1")
     preload = [driver]
 

@@ -44,6 +44,21 @@ pub fn in_own_process(test: &str, env: &[(&str, &str)], body: impl FnOnce()) {
     run(test, &library_path, env, body);
 }
 
+/// Runs `body` in a child process whose libcuda is the fake one but which finds no NVML
+/// (`libnvidia-ml.so.1`), as on a machine whose driver installation lacks it.
+pub fn in_own_process_without_nvml(test: &str, env: &[(&str, &str)], body: impl FnOnce()) {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("libcuda-without-nvml");
+    std::fs::create_dir_all(&dir).expect("create a library directory");
+    let fake = fake_libcuda_dir().join("libcuda.so");
+    for name in ["libcuda.so", "libcuda.so.1"] {
+        let link = dir.join(name);
+        if !link.exists() {
+            let _ = std::os::unix::fs::symlink(&fake, &link);
+        }
+    }
+    run(test, &dir.display().to_string(), env, body);
+}
+
 /// Runs `body` in a child process whose library search path holds no libcuda at all.
 pub fn in_own_process_without_libcuda(test: &str, body: impl FnOnce()) {
     let empty = Path::new(env!("CARGO_TARGET_TMPDIR")).join("no-libcuda");
@@ -112,10 +127,14 @@ pub fn build_fake_libcuda(profile: &str) -> PathBuf {
         .expect("run cargo to build the fake libcuda");
     assert!(status.success(), "building {} failed", manifest.display());
     let dir = target.join(profile);
-    let versioned = dir.join("libcuda.so.1");
-    if !versioned.exists() {
-        // Another test binary may be doing the same at the same moment.
-        let _ = std::os::unix::fs::symlink("libcuda.so", &versioned);
+    // The names a driver installation provides: the driver, and NVML, which the fake driver
+    // exports too (one state, as on a real machine).
+    for name in ["libcuda.so.1", "libnvidia-ml.so.1"] {
+        let link = dir.join(name);
+        if !link.exists() {
+            // Another test binary may be doing the same at the same moment.
+            let _ = std::os::unix::fs::symlink("libcuda.so", &link);
+        }
     }
     dir
 }

@@ -12,6 +12,10 @@ statistics.
 - ``expandable_segments_reserve`` (PyTorch 2.15) sets the address range each expandable segment
   reserves; an allocation larger than it says so in the out-of-memory message.
 - ``memory_summary()`` is laid out as PyTorch lays it out.
+- The out-of-memory message says what each process on the GPU uses, this one included, as NVML
+  lists them (the fake's NVML: this process with what it holds on the device, and the processes
+  of ``FAKE_NVML_OTHER_PROCESSES``); where an NVML call fails, PyTorch 2.14 and later leave those
+  sentences out (older ones fail an internal assert instead).
 
 The oracle programs at the end compare the device calls and every ``memory_stats()`` key after
 every op (python/tools/oracle); the random programs of ``harness.SETTINGS`` use these keys too.
@@ -19,6 +23,7 @@ every op (python/tools/oracle); the random programs of ``harness.SETTINGS`` use 
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -42,6 +47,10 @@ steps = []
 kept = []
 observed = []  # out-of-memory observer calls (PyTorch calls none for a preemptive rejection)
 torch._C._cuda_attach_out_of_memory_observer(lambda *args: observed.append(args[1]))
+_fake.fake_cuda_fail_next.argtypes = [ctypes.c_char_p, ctypes.c_uint32]
+
+def nvml_fails_next(function):
+    _fake.fake_cuda_fail_next(function.encode(), 999)  # NVML_ERROR_UNKNOWN
 
 def step(label, action):
     try:
@@ -62,13 +71,38 @@ step("fraction 0.5", lambda: torch.cuda.set_per_process_memory_fraction(0.5))
 step("600 MiB under 0.5", lambda: E(600 * MIB))
 """
 
-#: (name, PYTORCH_CUDA_ALLOC_CONF, oldest torch that has it, the steps) on a 1 GiB GPU.
+#: Two other processes on the GPU, which NVML lists first on the fake.
+OTHER_PROCESSES = {"FAKE_NVML_OTHER_PROCESSES": f"4242:{64 * MIB},77:1000"}
+
+#: (name, PYTORCH_CUDA_ALLOC_CONF, oldest torch that has it, the steps[, the fake's settings])
+#: on a 1 GiB GPU.
 SCENARIOS = (
     (
         "defaults",
         "",
         (2, 4),
         TOO_LARGE_THEN_A_FRACTION,
+    ),
+    (
+        "other_processes",
+        "",
+        (2, 4),
+        TOO_LARGE_THEN_A_FRACTION,
+        OTHER_PROCESSES,
+    ),
+    (
+        "nvml_fails",
+        "",
+        (2, 14),  # older torches fail an internal assert where NVML fails
+        """
+        step("2 GiB", lambda: E(2 * GIB))
+        step("NVML fails", lambda: nvml_fails_next("nvmlDeviceGetComputeRunningProcesses"))
+        step("2 GiB without NVML's list", lambda: E(2 * GIB))
+        step("NVML's device look-up fails", lambda: nvml_fails_next("nvmlDeviceGetHandleByPciBusId_v2"))
+        step("2 GiB without NVML's device", lambda: E(2 * GIB))
+        step("2 GiB with NVML again", lambda: E(2 * GIB))
+        """,
+        OTHER_PROCESSES,
     ),
     (
         "expandable",
@@ -116,19 +150,19 @@ SCENARIOS = (
 )
 
 
-def run_scenario(allocator: str, conf: str, steps: str) -> list:
+def run_scenario(allocator: str, conf: str, steps: str, fake: dict) -> list:
     install = "ferrocache.install()\n" if allocator == "ferrocache" else ""
     code = install + f"GIB, MIB = {GIB}, {MIB}\n" + STEPS + textwrap.dedent(steps) + "\nresult(steps)\n"
-    return run_torch(code, env=torch_env(GIB, PYTORCH_CUDA_ALLOC_CONF=conf))
+    return run_torch(code, env=torch_env(GIB, PYTORCH_CUDA_ALLOC_CONF=conf, **fake))
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s[0] for s in SCENARIOS])
 def test_out_of_memory_messages_and_counts_are_pytorchs(scenario: tuple) -> None:
-    name, conf, oldest, steps = scenario
+    name, conf, oldest, steps, fake = (*scenario, {})[:5]
     if TORCH_VERSION < oldest:
-        pytest.skip(f"{conf} is PyTorch {oldest[0]}.{oldest[1]}'s")
-    native = run_scenario("native", conf, steps)
-    ours = run_scenario("ferrocache", conf, steps)
+        pytest.skip(f"{name} needs PyTorch {oldest[0]}.{oldest[1]}")
+    native = run_scenario("native", conf, steps, fake)
+    ours = run_scenario("ferrocache", conf, steps, fake)
     for a, b in zip(native, ours):
         assert b == a, f"{name}: step {a[0]!r}:\npytorch    {a}\nferrocache {b}"
     assert len(ours) == len(native)
@@ -142,6 +176,21 @@ def test_out_of_memory_messages_and_counts_are_pytorchs(scenario: tuple) -> None
         assert any("preemptively rejected" in outcome[-1] for outcome in outcomes.values())
     if "reserve" in conf:
         assert "exceeds the expandable-segment reserve of 51.20 MiB" in outcomes["200 MiB + 1"][1]
+    # NVML's sentences, after "... is free. ": this process's in every out-of-memory message
+    # (a preemptive rejection's has none), the other processes' first where there are some.
+    this_process = re.compile(
+        r"is free\. (.*)Including non-PyTorch memory, this process has [0-9.]+ \w+ memory in use\. "
+    )
+    for label, outcome in outcomes.items():
+        if outcome[0] != "OutOfMemoryError" or "preemptively rejected" in outcome[1]:
+            continue
+        listed = this_process.search(outcome[1])
+        if "without NVML" in label:
+            assert listed is None and "memory in use" not in outcome[1], outcome
+        else:
+            assert listed, outcome
+            others = "Process 4242 has 64.00 MiB memory in use. Process 77 has 1000 bytes memory in use. "
+            assert listed.group(1) == (others if fake else ""), outcome
 
 
 SUMMARY = r"""

@@ -9,6 +9,8 @@ from typing import Any, Mapping, Optional
 from .report import ERROR, FAIL, MEASURED, PASS, SKIPPED, CheckResult, Table, mib, milliseconds, nanoseconds
 
 OOM_PREFIX = "CUDA out of memory."
+#: NVML's figure for this process, which PyTorch's out-of-memory message carries where NVML answers.
+OOM_THIS_PROCESS = "Including non-PyTorch memory, this process has "
 #: Steps left out of the step-time median (CUDA and cuBLAS warm up in the first ones).
 WARMUP_STEPS = 3
 
@@ -203,12 +205,18 @@ def out_of_memory(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
     native = features.get("native", {}).get("oom", {})
     message = str(ours.get("message", ""))
     first = message.split(" GPU ")[0]
-    native_first = str(native.get("message", "")).split(" GPU ")[0]
+    native_message = str(native.get("message", ""))
+    native_first = native_message.split(" GPU ")[0]
+    # Both ask NVML for the processes on the GPU: both say what this process uses, or neither.
+    same_process_sentences = not native_message or (OOM_THIS_PROCESS in native_message) == (
+        OOM_THIS_PROCESS in message
+    )
     ok = (
         ours.get("raised") is not None
         and message.startswith(OOM_PREFIX)
         and ours.get("continued") is True
         and (not native_first or first == native_first)
+        and same_process_sentences
     )
     rows = [
         [name, str(part.get("raised")), str(part.get("is_torch_oom")), str(part.get("continued")),

@@ -17,6 +17,9 @@ pub const FOREIGN_CONTEXT: usize = 0xf0e1_0000;
 const DEVICE_NAME: &[u8] = b"Fake CUDA Device (ferrocache tests)";
 
 const ATTRIBUTE_MULTIPROCESSOR_COUNT: c_int = 16;
+const ATTRIBUTE_PCI_BUS_ID: c_int = 33;
+const ATTRIBUTE_PCI_DEVICE_ID: c_int = 34;
+const ATTRIBUTE_PCI_DOMAIN_ID: c_int = 50;
 const ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: c_int = 75;
 const ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int = 76;
 const ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: c_int = 102;
@@ -24,6 +27,12 @@ const ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: c_int = 103;
 
 fn primary_context(device: i32) -> usize {
     PRIMARY_CONTEXT_BASE + device as usize
+}
+
+/// Where `device` sits on the PCI bus, as (domain, bus, device): each GPU on a bus of its own,
+/// numbered from 1 (what `cuDeviceGetAttribute`, the runtime's properties and NVML say).
+pub fn pci_location(device: i32) -> (i32, i32, i32) {
+    (0, device + 1, 0)
 }
 
 impl Driver {
@@ -103,8 +112,12 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(
 ) -> CuResult {
     call("cuDeviceGetAttribute", |driver| {
         driver.valid_device(device)?;
+        let (pci_domain, pci_bus, pci_device) = pci_location(device);
         let answer = match attribute {
             ATTRIBUTE_MULTIPROCESSOR_COUNT => 132,
+            ATTRIBUTE_PCI_BUS_ID => pci_bus,
+            ATTRIBUTE_PCI_DEVICE_ID => pci_device,
+            ATTRIBUTE_PCI_DOMAIN_ID => pci_domain,
             ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR => 9,
             ATTRIBUTE_COMPUTE_CAPABILITY_MINOR => 0,
             ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED => 1,

@@ -137,6 +137,11 @@ pub struct Driver {
     capacity: u64,
     /// Per device: bytes held by `cuMemAlloc` allocations and not yet freed physical handles.
     bytes_in_use: Vec<u64>,
+    /// Other processes on the GPUs (`FAKE_NVML_OTHER_PROCESSES`): NVML lists them, and their
+    /// memory is not free for this one.
+    other_processes: Vec<nvml::OtherProcess>,
+    /// `nvmlInit_v2` calls not yet undone by `nvmlShutdown`.
+    nvml_starts: u32,
     /// Where device addresses come from (None if the kernel refused the address space).
     address_space: Option<address_space::AddressSpace>,
     /// Retain count of each device's primary context.
@@ -180,6 +185,9 @@ impl Driver {
             device_count,
             capacity,
             bytes_in_use: vec![0; usize::try_from(device_count).unwrap_or(0)],
+            other_processes: std::env::var("FAKE_NVML_OTHER_PROCESSES")
+                .map(|list| nvml::OtherProcess::parse_list(&list))
+                .unwrap_or_default(),
             address_space,
             event_delay: env_or("FAKE_LIBCUDA_EVENT_DELAY", 0),
             next_handle: 1,
@@ -203,13 +211,26 @@ impl Driver {
         }
     }
 
-    /// Claims `size` bytes of `device`'s capacity (each device has `capacity` bytes).
+    /// What `cuMemGetInfo` calls free on `device`: its capacity less what this process and the
+    /// other processes hold there.
+    fn free_bytes(&self, device: i32) -> u64 {
+        let others: u64 = self
+            .other_processes
+            .iter()
+            .filter(|other| other.device == device)
+            .map(|other| other.bytes)
+            .sum();
+        self.capacity
+            .saturating_sub(self.bytes_in_use[device as usize])
+            .saturating_sub(others)
+    }
+
+    /// Claims `size` bytes of `device`'s free memory (each device has `capacity` bytes).
     fn charge(&mut self, device: i32, size: u64) -> Outcome {
-        let in_use = &mut self.bytes_in_use[device as usize];
-        if self.capacity.saturating_sub(*in_use) < size {
+        if self.free_bytes(device) < size {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
-        *in_use += size;
+        self.bytes_in_use[device as usize] += size;
         Ok(())
     }
 
@@ -256,13 +277,24 @@ fn call(name: &'static str, body: impl FnOnce(&mut Driver) -> Outcome) -> CuResu
 
 /// Runs the body of the driver function `name`, which works without `cuInit`.
 fn call_before_init(name: &'static str, body: impl FnOnce(&mut Driver) -> Outcome) -> CuResult {
+    counted_call(name, true, body)
+}
+
+/// Runs the body of the exported function `name` (the driver's or NVML's, whose codes agree on
+/// 0 for success and 999 for unknown) under the one lock: counts the call, applies an injected
+/// failure and, `in_sweep`, the fault sweep, and turns a panic into the unknown error.
+fn counted_call(
+    name: &'static str,
+    in_sweep: bool,
+    body: impl FnOnce(&mut Driver) -> Outcome,
+) -> CuResult {
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let mut driver = lock();
         *driver.calls.entry(name).or_default() += 1;
         if let Some(code) = driver.injected_failures.remove(name) {
             return Err(code);
         }
-        if let Some(code) = driver.sweep.on_call(name) {
+        if in_sweep && let Some(code) = driver.sweep.on_call(name) {
             return Err(code);
         }
         body(&mut driver)
@@ -360,7 +392,9 @@ pub unsafe extern "C" fn fake_cuda_stat(name: *const c_char) -> i64 {
             .map(|&r| u64::from(r))
             .sum(),
         "timed_events" => driver.timed_events,
-        symbol if symbol.starts_with("cu") => driver.calls.get(symbol).copied().unwrap_or(0),
+        symbol if symbol.starts_with("cu") || symbol.starts_with("nvml") => {
+            driver.calls.get(symbol).copied().unwrap_or(0)
+        }
         _ => return -1,
     };
     i64::try_from(value).unwrap_or(i64::MAX)

@@ -175,10 +175,10 @@ pub extern "C" fn cuMemFree_v2(dptr: u64) -> CuResult {
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CuResult {
     call("cuMemGetInfo_v2", |driver| {
         let device = driver.require_primary_context()?;
-        let in_use = driver.bytes_in_use[device as usize];
+        let free_bytes = driver.free_bytes(device);
         // SAFETY: out pointers from the caller, valid for writes by the driver API contract.
         unsafe {
-            put(free, (driver.capacity - in_use) as usize)?;
+            put(free, free_bytes as usize)?;
             put(total, driver.capacity as usize)
         }
     })

@@ -19,6 +19,9 @@ const ATTRIBUTE_WARP_SIZE: c_int = 10;
 const ATTRIBUTE_MULTIPROCESSOR_COUNT: c_int = 16;
 const ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: c_int = 75;
 const ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int = 76;
+const ATTRIBUTE_PCI_BUS_ID: c_int = 33;
+const ATTRIBUTE_PCI_DEVICE_ID: c_int = 34;
+const ATTRIBUTE_PCI_DOMAIN_ID: c_int = 50;
 
 fn valid_device(device: c_int) -> Outcome {
     let count = driver::device_count()?;
@@ -139,7 +142,12 @@ pub unsafe extern "C" fn cudaDeviceGetPCIBusId(
 ) -> CudaError {
     api("cudaDeviceGetPCIBusId", || {
         valid_device(device)?;
-        let text = format!("0000:{:02x}:00.0\0", device + 1);
+        let text = format!(
+            "{:04x}:{:02x}:{:02x}.0\0",
+            attribute(ATTRIBUTE_PCI_DOMAIN_ID, device)?,
+            attribute(ATTRIBUTE_PCI_BUS_ID, device)?,
+            attribute(ATTRIBUTE_PCI_DEVICE_ID, device)?,
+        );
         let length = usize::try_from(length).unwrap_or(0);
         if bus_id.is_null() || length < text.len() {
             return Err(crate::INVALID_VALUE);
@@ -181,7 +189,9 @@ fn properties(device: c_int) -> Result<cudaDeviceProp, CudaError> {
     prop.maxThreadsPerMultiProcessor = 2048;
     prop.maxBlocksPerMultiProcessor = 32;
     prop.memoryBusWidth = 5120;
-    prop.pciBusID = device + 1;
+    prop.pciBusID = attribute(ATTRIBUTE_PCI_BUS_ID, device)?;
+    prop.pciDeviceID = attribute(ATTRIBUTE_PCI_DEVICE_ID, device)?;
+    prop.pciDomainID = attribute(ATTRIBUTE_PCI_DOMAIN_ID, device)?;
     prop.concurrentKernels = 1;
     prop.asyncEngineCount = 2;
     prop.unifiedAddressing = 1;
