@@ -108,7 +108,6 @@ fn settings_of(config: &Config) -> AllocatorSettings {
 pub fn current_setting(config: &Config) -> Candidate {
     let with_opt_ins = |mut candidate: Candidate| {
         candidate.config.expandable_ignore_max_split = config.expandable_ignore_max_split;
-        candidate.config.tie_rule = config.tie_rule;
         candidate
     };
     let raw = config.source.as_ref().map(|(_, value)| value.as_str());

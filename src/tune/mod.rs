@@ -388,9 +388,6 @@ pub fn tune(subjects: &[Subject], options: &TuneOptions) -> Tuning {
     let workloads: Vec<&DeviceWorkload> = subjects.iter().map(|s| &s.workload).collect();
     let space = SearchSpace::of(&workloads, options.capacity_source == CapacitySource::Given);
     let mut candidates = space.candidates();
-    for candidate in &mut candidates {
-        candidate.config.tie_rule = options.tie_rule;
-    }
     let space_size = candidates.len();
     let events: u64 = subjects.iter().map(Subject::events).sum::<u64>().max(1);
     let mut keep = options.max_candidates.unwrap_or(usize::MAX);
@@ -424,6 +421,7 @@ pub fn tune_candidates(
     {
         candidates.insert(0, Candidate::defaults());
     }
+    // Every candidate is replayed under the rule of the PyTorch being modelled.
     for candidate in &mut candidates {
         candidate.config.tie_rule = options.tie_rule;
     }
@@ -463,9 +461,7 @@ pub fn tune_candidates(
             .iter()
             .position(|e| e.candidate.same_setting(wanted))
     };
-    let mut defaults = Candidate::defaults();
-    defaults.config.tie_rule = options.tie_rule;
-    let defaults = find(&defaults).unwrap_or(0);
+    let defaults = find(&Candidate::defaults()).unwrap_or(0);
     let recorded_settings: Vec<&Candidate> = subjects
         .iter()
         .filter_map(|s| s.recorded.as_ref())
@@ -672,6 +668,37 @@ mod tests {
             &ReplayOptions::default(),
         );
         assert_eq!(again.peak_reserved, best.worst_peak_reserved());
+    }
+
+    #[test]
+    fn every_tie_rule_judges_each_setting_once_and_finds_the_recorded_one() {
+        let workload = demo::build(&DemoSpec::tiny());
+        let mut recorded = subject(workload);
+        // As a snapshot file says it: parsed, with PyTorch 2.15's rule.
+        recorded.recorded = Some(Candidate::new("roundup_power2_divisions:4", false).unwrap());
+        let subjects = vec![recorded];
+        for tie_rule in [TieRule::Address, TieRule::BlockOrder, TieRule::SegmentOrder] {
+            let options = TuneOptions {
+                threads: Some(2),
+                max_candidates: Some(4),
+                tie_rule,
+                ..TuneOptions::default()
+            };
+            let tuning = tune(&subjects, &options);
+            for (i, a) in tuning.ranked.iter().enumerate() {
+                assert_eq!(a.candidate.config.tie_rule, tie_rule);
+                for b in &tuning.ranked[i + 1..] {
+                    assert!(
+                        !a.candidate.same_setting(&b.candidate),
+                        "{tie_rule:?}: {} judged twice",
+                        a.candidate.label()
+                    );
+                }
+            }
+            assert_eq!(tuning.defaults().candidate.conf, "", "{tie_rule:?}");
+            let found = tuning.recorded().map(|e| e.candidate.conf.as_str());
+            assert_eq!(found, Some("roundup_power2_divisions:4"), "{tie_rule:?}");
+        }
     }
 
     #[test]

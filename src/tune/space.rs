@@ -137,11 +137,13 @@ impl Candidate {
     }
 }
 
-/// Whether two settings make the same allocator decisions (the fields ferrocache acts on).
+/// Whether two settings make the same allocator decisions (the fields ferrocache acts on that a
+/// user sets). The tie rule is not a setting but the PyTorch being modelled, the same for every
+/// setting of one search or replay ([`TuneOptions::tie_rule`](super::TuneOptions::tie_rule)),
+/// so it is left out: a setting read from a snapshot is the same setting under any rule.
 pub fn same_policy(a: &Config, b: &Config) -> bool {
     a.cross_stream == b.cross_stream
         && a.expandable_ignore_max_split == b.expandable_ignore_max_split
-        && a.tie_rule == b.tie_rule
         && a.max_split_size == b.max_split_size
         && a.max_non_split_rounding_size == b.max_non_split_rounding_size
         && a.garbage_collection_threshold == b.garbage_collection_threshold
