@@ -18,7 +18,7 @@ use crate::replay::{
     ReplayReport, SegmentMismatch, StartState, Workload, demo, demo_fsdp,
 };
 use crate::tune::report::{bytes, grouped, wrap};
-use crate::tune::{self, CapacitySource, Subject, TuneOptions, same_policy, short_trace};
+use crate::tune::{self, Subject, TuneOptions, same_policy, short_trace};
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 use std::collections::BTreeSet;
@@ -326,9 +326,7 @@ fn replay_command(args: &ReplayArgs) -> u8 {
         let mut workload = Workload::reconstruct(&snapshot);
         if args.serve_final_oom {
             for device in &mut workload.devices {
-                if let Some((_, size, _)) = tune::final_oom(device)
-                    && let Some(served) = tune::with_last_oom_served(device)
-                {
+                if let Some(size) = tune::serve_final_oom(device) {
                     notes.push(format!(
                         "{} (device {}): the request of {} it ended in running out of memory \
                          for is replayed as an allocation (--serve-final-oom)",
@@ -336,7 +334,6 @@ fn replay_command(args: &ReplayArgs) -> u8 {
                         device.device,
                         bytes(size)
                     ));
-                    *device = served;
                 }
             }
         }
@@ -1119,11 +1116,8 @@ fn tune_command(args: &TuneArgs) -> u8 {
             args.traces.len()
         ));
     }
-    let (capacity, capacity_source) = match (args.capacity_gib, recorded_capacity) {
-        (Some(gib), _) => ((gib * GIB) as u64, CapacitySource::Given),
-        (None, Some(bytes)) => (bytes, CapacitySource::Recording),
-        (None, None) => (tune::DEFAULT_CAPACITY, CapacitySource::Default),
-    };
+    let given = args.capacity_gib.map(|gib| (gib * GIB) as u64);
+    let (capacity, capacity_source) = tune::search_capacity(given, recorded_capacity);
     let options = TuneOptions {
         capacity,
         capacity_source,

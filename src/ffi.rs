@@ -38,6 +38,7 @@ use crate::device::cuda::CudaDevice;
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::lock::SpinNapMutex;
 use crate::logging;
+use crate::policy::TieRule;
 use crate::tune;
 
 /// A CUDA stream handle as PyTorch passes it; 0 is the legacy default stream.
@@ -1301,7 +1302,8 @@ pub unsafe extern "C" fn ferrocache_advise(
         } else {
             // SAFETY: non-NULL, and the caller promises `length` readable bytes.
             let bytes = unsafe { std::slice::from_raw_parts(snapshot.cast::<u8>(), length) };
-            advise_on_snapshot(bytes, device, given, limit)?
+            let only = usize::try_from(device).ok();
+            tune::tune_snapshot(bytes, only, given, limit, TieRule::default())?
         };
         let mut value = tune::report::json(&tuning);
         let table = tune::report::text(&tuning, &tune::report::TextOptions::default());
@@ -1350,47 +1352,6 @@ fn advise_on_history(
         None => (device_memory, tune::CapacitySource::Device),
     };
     tune::live::advise_live(&snapshot, &config, device, capacity, max_candidates)
-}
-
-/// The search on a snapshot's bytes, as `ferrocache tune` does on a file.
-fn advise_on_snapshot(
-    bytes: &[u8],
-    device: c_int,
-    capacity: Option<u64>,
-    max_candidates: Option<usize>,
-) -> Result<tune::Tuning, String> {
-    let snapshot =
-        crate::replay::parse_snapshot(bytes, "the snapshot").map_err(|e| e.to_string())?;
-    let workload = crate::replay::Workload::reconstruct(&snapshot);
-    let recorded = tune::recorded_setting(&snapshot, &workload);
-    let mut recorded_capacity: Option<u64> = None;
-    for d in &workload.devices {
-        if let Some(c) = tune::recorded_capacity(&snapshot, d) {
-            recorded_capacity = Some(recorded_capacity.map_or(c, |r| r.min(c)));
-        }
-    }
-    let mut subjects = tune::Subject::from_workload("snapshot", None, workload, recorded);
-    for subject in &mut subjects {
-        subject.serve_final_oom();
-    }
-    if device >= 0 {
-        subjects.retain(|s| s.workload.device == device as usize);
-        if subjects.is_empty() {
-            return Err(format!("the snapshot holds nothing of device {device}"));
-        }
-    }
-    let (capacity, capacity_source) = match (capacity, recorded_capacity) {
-        (Some(bytes), _) => (bytes, tune::CapacitySource::Given),
-        (None, Some(bytes)) => (bytes, tune::CapacitySource::Recording),
-        (None, None) => (tune::DEFAULT_CAPACITY, tune::CapacitySource::Default),
-    };
-    let options = tune::TuneOptions {
-        capacity,
-        capacity_source,
-        max_candidates,
-        ..tune::TuneOptions::default()
-    };
-    Ok(tune::tune(&subjects, &options))
 }
 
 /// `torch.cuda.reset_peak_memory_stats(device)`. Returns 0, or -1 (last error set).

@@ -155,12 +155,6 @@ pub fn warning(message: &str) {
     warn!(target: TARGET, "Allocator: {message}");
 }
 
-/// `throw_on_cudamalloc_oom` refused a device allocation (PyTorch's warning, in its words).
-#[inline]
-pub fn preemptive_rejection(warning: &str) {
-    warn!(target: TARGET, "Allocator: {warning}");
-}
-
 #[inline]
 pub fn device_error(what: &str, err: &dyn fmt::Display) {
     let why = err.to_string();

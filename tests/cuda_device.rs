@@ -382,7 +382,6 @@ fn record_device_addresses() {
     let base = fake.address_base();
     assert_ne!(base, 0, "the fake reserved its device addresses");
     let mut addresses = Vec::new();
-    let mut sizes = Vec::new();
     // Small blocks (512-byte aligned, several to a host page), then segments (2 MiB aligned).
     for size in [
         512,
@@ -395,7 +394,6 @@ fn record_device_addresses() {
         128 * 1024,
     ] {
         addresses.push(device.malloc(size, 0).expect("malloc"));
-        sizes.push(size);
     }
     // Frees make holes that first fit fills again, lowest address first.
     for index in [1, 4, 6] {

@@ -185,7 +185,8 @@ fn expandable_blocks_are_not_inactive_splits() {
 /// expandable segment and maps new pages instead. ferrocache does the same by default (PyTorch's
 /// decisions); with `FERROCACHE_EXPANDABLE_IGNORE_MAX_SPLIT=1` it does not apply the oversize
 /// rules to expandable blocks (they are always split), and reserved memory stays flat.
-fn peak_reserved_of_the_pytorch_123548_pattern(ignore_max_split: bool) -> (i64, i64) {
+/// Returns the peak reserved; 200 MiB are allocated at the end.
+fn peak_reserved_of_the_pytorch_123548_pattern(ignore_max_split: bool) -> i64 {
     let config = Config {
         expandable_segments: true,
         max_split_size: 128 * MIB,
@@ -212,23 +213,22 @@ fn peak_reserved_of_the_pytorch_123548_pattern(ignore_max_split: bool) -> (i64, 
     assert_eq!(allocated, 200 * MIB as i64);
     assert_eq!(a.stats().num_alloc_retries, 0);
     checked(&a);
-    (peak_reserved, allocated)
+    peak_reserved
 }
 
 #[test]
 fn max_split_size_with_expandable_segments_grows_as_in_pytorch_unless_exempted() {
-    let (pytorchs, _) = peak_reserved_of_the_pytorch_123548_pattern(false);
+    let pytorchs = peak_reserved_of_the_pytorch_123548_pattern(false);
     assert!(
         pytorchs > 5 * GIB as i64,
         "PyTorch's rule grows reserved memory (14 GiB in the issue); here {} MiB",
         pytorchs >> 20
     );
-    let (exempt, allocated) = peak_reserved_of_the_pytorch_123548_pattern(true);
+    let exempt = peak_reserved_of_the_pytorch_123548_pattern(true);
     assert!(
         exempt <= 500 * MIB as i64,
-        "reserved grew to {} MiB with {} MiB allocated",
-        exempt >> 20,
-        allocated >> 20
+        "reserved grew to {} MiB with 200 MiB allocated",
+        exempt >> 20
     );
 }
 

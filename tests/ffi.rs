@@ -114,6 +114,14 @@ impl Api {
         unsafe { call(device) }
     }
 
+    /// `ferrocache_empty_cache()`: 0, or -1 (last error set).
+    fn empty_cache(&self) -> c_int {
+        let empty_cache: unsafe extern "C" fn() -> c_int =
+            self.library.function("ferrocache_empty_cache");
+        // SAFETY: no arguments.
+        unsafe { empty_cache() }
+    }
+
     fn check_config(&self, text: Option<&str>) -> c_int {
         let check: ConfigFn = self.library.function("ferrocache_check_config");
         let text = text.map(|t| CString::new(t).expect("no NUL"));
@@ -266,10 +274,7 @@ fn allocations_round_trip_with_statistics() {
             2 * MIB as i64,
             "the segment is cached"
         );
-        let empty_cache: unsafe extern "C" fn() -> c_int =
-            api.library.function("ferrocache_empty_cache");
-        // SAFETY: no arguments.
-        assert_eq!(unsafe { empty_cache() }, 0);
+        assert_eq!(api.empty_cache(), 0);
         assert_eq!(fake.stat("bytes_in_use"), 0);
 
         let version: StringFn = api.library.function("ferrocache_version");
@@ -688,9 +693,7 @@ fn statistics_of_a_device_never_used_open_nothing_there() {
             let other = api.stats(1).expect("statistics of device 1");
             assert_eq!(other["allocated_bytes.all.current"], 0);
             assert_eq!(other["reserved_bytes.all.peak"], 0);
-            let reset: DeviceFn = api.library.function("ferrocache_reset_peak_stats");
-            // SAFETY: a plain value.
-            assert_eq!(unsafe { reset(1) }, 0);
+            assert_eq!(api.device_call("ferrocache_reset_peak_stats", 1), 0);
             assert_eq!(
                 fake.stat("primary_context_refs"),
                 contexts,
@@ -870,16 +873,12 @@ fn expandable_segments_map_real_pages_and_give_them_back() {
             assert_eq!(api.stat("segment.all.current"), 0);
 
             assert_eq!(api.free(first), 0);
-            let empty_cache: unsafe extern "C" fn() -> c_int =
-                api.library.function("ferrocache_empty_cache");
-            // SAFETY: no arguments.
-            assert_eq!(unsafe { empty_cache() }, 0);
+            assert_eq!(api.empty_cache(), 0);
             // The first page lies wholly in the freed block; the second holds part of `second`.
             assert_eq!(api.stat("reserved_bytes.all.current"), 40 * MIB as i64);
             assert!(fill_and_check(second, 30 * MIB, 0x33));
             assert_eq!(api.free(second), 0);
-            // SAFETY: no arguments.
-            assert_eq!(unsafe { empty_cache() }, 0);
+            assert_eq!(api.empty_cache(), 0);
             assert_eq!(api.stat("reserved_bytes.all.current"), 0);
             assert_eq!(fake.stat("bytes_in_use"), 0);
             assert_eq!(fake.stat("live_mappings"), 0);
@@ -900,15 +899,12 @@ fn an_address_range_the_driver_would_not_free_is_freed_by_the_next_empty_cache()
         || {
             let api = Api::open();
             let fake = FakeCuda::open();
-            let empty_cache: unsafe extern "C" fn() -> c_int =
-                api.library.function("ferrocache_empty_cache");
             let block = api.alloc(30 * MIB, 0, 0);
             assert!(!block.is_null(), "{}", api.last_error());
             assert_eq!(api.free(block), 0);
             assert_eq!(fake.stat("live_reservations"), 1);
             fake.fail_next("cuMemAddressFree", 999);
-            // SAFETY: no arguments.
-            assert_eq!(unsafe { empty_cache() }, -1);
+            assert_eq!(api.empty_cache(), -1);
             assert_eq!(
                 api.last_error(),
                 "device 0: cuMemAddressFree failed with error 999: unknown error"
@@ -917,12 +913,10 @@ fn an_address_range_the_driver_would_not_free_is_freed_by_the_next_empty_cache()
             assert_eq!(fake.stat("live_physical"), 0);
             assert_eq!(fake.stat("live_reservations"), 1);
             assert_eq!(api.stat("reserved_bytes.all.current"), 0);
-            // SAFETY: no arguments.
-            assert_eq!(unsafe { empty_cache() }, 0, "{}", api.last_error());
+            assert_eq!(api.empty_cache(), 0, "{}", api.last_error());
             assert_eq!(fake.stat("live_reservations"), 0);
             assert_eq!(fake.stat("cuMemAddressFree"), 2);
-            // SAFETY: no arguments.
-            assert_eq!(unsafe { empty_cache() }, 0);
+            assert_eq!(api.empty_cache(), 0);
             assert_eq!(fake.stat("cuMemAddressFree"), 2, "nothing left to retry");
             let check: unsafe extern "C" fn() -> c_int =
                 api.library.function("ferrocache_check_invariants");

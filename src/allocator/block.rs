@@ -16,11 +16,12 @@ pub struct BlockId(pub u32);
 /// The index of an expandable segment in the allocator's list of them.
 pub type ExpandableId = u32;
 
-/// How PyTorch orders cached blocks of the same stream and size: the block of the segment that
-/// was made first (its `cudaMalloc`, or the creation of its expandable segment) comes first,
-/// then the lower address. PyTorch 2.12 and later (`BlockComparatorSizeCounterAddress`, the
-/// allocation-order counter) so that best fit picks the same block in every process and rank
-/// whatever addresses the driver gave; before, ties went to the lower address.
+/// How PyTorch orders cached blocks of the same stream and size: the lower allocation-order
+/// counter first, then the lower address (`BlockComparatorSizeCounterAddress`, PyTorch 2.12
+/// and later), so that best fit picks the same block in every process and rank whatever
+/// addresses the driver gave. What the counter counts is the running PyTorch's
+/// ([`TieRule`](crate::policy::TieRule)): segments from 2.13 on, blocks in 2.12; under 2.11
+/// and older it stays 0 and the address alone decides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct TieKey {
     pub segment_order: u64,
@@ -68,8 +69,9 @@ pub struct Block {
     pub expandable: Option<ExpandableId>,
     /// The stack of the allocation that last handed the block out (0: none recorded).
     pub stack_id: StackId,
-    /// When the block's segment was made, counted per allocator from 1: every block carved
-    /// from a segment inherits it (see [`TieKey`]).
+    /// PyTorch's allocation-order counter for the block, counted per allocator from 1: under
+    /// the segment rule taken when its segment was made and inherited by every block carved
+    /// from it (see [`TieKey`]).
     pub segment_order: u64,
 }
 

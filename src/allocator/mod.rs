@@ -607,7 +607,7 @@ impl<D: Device> DeviceAllocator<D> {
         }
         self.stats.num_oom_rejections += 1;
         self.preemptively_rejected = true;
-        logging::preemptive_rejection(&policy::preemptive_rejection_warning(
+        logging::warning(&policy::preemptive_rejection_warning(
             size,
             self.total_allocated_memory,
             limit,

@@ -1,8 +1,8 @@
 //! The pools of cached free blocks.
 //!
-//! PyTorch keeps free blocks in a `std::set` ordered by (stream, size, segment order, address)
-//! (`BlockComparatorSizeCounterAddress`, PyTorch 2.12 and later; see [`Block::tie_key`]); best
-//! fit is the first block at or after (stream, size, lowest). This pool keeps exactly that
+//! PyTorch keeps free blocks in a `std::set` ordered by (stream, size, allocation-order counter,
+//! address) (`BlockComparatorSizeCounterAddress`, PyTorch 2.12 and later; by address before:
+//! see [`Block::tie_key`]); best fit is the first block at or after (stream, size, lowest). This pool keeps exactly that
 //! order, but stored for speed: per stream, blocks of up to 2 MiB (every small-pool block, and
 //! the smallest large ones) sit in exact size classes of 512 bytes, each a min-heap by tie key,
 //! found through a two-level bitmap; larger blocks sit in an ordered map. A cache hit is then a
@@ -168,6 +168,22 @@ impl HeapSlots {
     }
 }
 
+/// Adds a block of up to `EXACT_LIMIT` bytes to its class's heap in `blocks`.
+#[inline(always)]
+fn push_into_class(blocks: &mut StreamBlocks, slots: &mut HeapSlots, id: BlockId, block: &Block) {
+    let class = class_of(block.size);
+    let heap = &mut blocks.classes[class];
+    let slot = heap.len();
+    heap.push((block.tie_key(), id));
+    if slot == 0 {
+        // The usual case on a cache hit: the class was empty.
+        slots.set(id, 0);
+    } else {
+        sift_up(heap, slots, slot);
+    }
+    blocks.occupied.set(class);
+}
+
 /// Restores the heap property upwards from `slot`.
 fn sift_up(heap: &mut [(TieKey, BlockId)], slots: &mut HeapSlots, mut slot: usize) {
     while slot > 0 {
@@ -270,17 +286,7 @@ impl BlockPool {
         if block.size <= EXACT_LIMIT
             && let Ok(index) = self.stream_index(block.stream)
         {
-            let blocks = &mut self.streams[index];
-            let class = class_of(block.size);
-            let heap = &mut blocks.classes[class];
-            let slot = heap.len();
-            heap.push((block.tie_key(), id));
-            if slot == 0 {
-                blocks.occupied.set(class);
-                self.heap_slots.set(id, 0);
-            } else {
-                sift_up(heap, &mut self.heap_slots, slot);
-            }
+            push_into_class(&mut self.streams[index], &mut self.heap_slots, id, block);
             self.cached += 1;
         } else {
             self.insert_uncommon(id, block);
@@ -299,12 +305,7 @@ impl BlockPool {
         };
         let blocks = &mut self.streams[index];
         if block.size <= EXACT_LIMIT {
-            let class = class_of(block.size);
-            let heap = &mut blocks.classes[class];
-            heap.push((block.tie_key(), id));
-            let slot = heap.len() - 1;
-            sift_up(heap, &mut self.heap_slots, slot);
-            blocks.occupied.set(class);
+            push_into_class(blocks, &mut self.heap_slots, id, block);
         } else {
             let previous = blocks.larger.insert((block.size, block.tie_key()), id);
             debug_assert!(previous.is_none(), "block cached twice");
@@ -576,7 +577,7 @@ mod tests {
     }
 
     /// Equal blocks of different segments: the segment made first wins, whatever the
-    /// addresses; within one segment the lower address wins (PyTorch >= 2.12).
+    /// addresses; within one segment the lower address wins (PyTorch >= 2.13).
     #[test]
     fn ties_go_to_the_older_segment_then_the_lower_address() {
         let mut pool = BlockPool::new(PoolKind::Small);

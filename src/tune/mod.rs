@@ -79,14 +79,11 @@ impl Subject {
     /// part of the workload, so that the search finds a setting that serves it; says whether it
     /// did. A recording that ends so without this would make every setting look enough.
     pub fn serve_final_oom(&mut self) -> bool {
-        let Some((_, size, _)) = final_oom(&self.workload) else {
+        let Some(size) = serve_final_oom(&mut self.workload) else {
             return false;
         };
-        if let Some(served) = with_last_oom_served(&self.workload) {
-            self.workload = served;
-            self.served_oom = Some(size);
-        }
-        self.served_oom.is_some()
+        self.served_oom = Some(size);
+        true
     }
 
     /// One subject per device of `snapshot`, named after `name`.
@@ -222,6 +219,55 @@ pub fn recorded_capacity(snapshot: &Snapshot, workload: &DeviceWorkload) -> Opti
         best = Some(best.map_or(capacity, |b| b.max(capacity)));
     }
     best
+}
+
+/// The GPU a search fits the settings in: the memory given, else the smallest that the
+/// recordings' out-of-memory entries tell ([`recorded_capacity`]), else [`DEFAULT_CAPACITY`].
+pub fn search_capacity(given: Option<u64>, recorded: Option<u64>) -> (u64, CapacitySource) {
+    match (given, recorded) {
+        (Some(bytes), _) => (bytes, CapacitySource::Given),
+        (None, Some(bytes)) => (bytes, CapacitySource::Recording),
+        (None, None) => (DEFAULT_CAPACITY, CapacitySource::Default),
+    }
+}
+
+/// `ferrocache tune` on one snapshot's bytes (pickle or JSON), as `ferrocache.advise(snapshot)`
+/// asks it: every device of it, or only `device`; a recording that ends in an out-of-memory has
+/// that request served ([`Subject::serve_final_oom`]).
+pub fn tune_snapshot(
+    bytes: &[u8],
+    device: Option<usize>,
+    capacity: Option<u64>,
+    max_candidates: Option<usize>,
+    tie_rule: TieRule,
+) -> Result<Tuning, String> {
+    let snapshot = replay::parse_snapshot(bytes, "the snapshot").map_err(|e| e.to_string())?;
+    let workload = Workload::reconstruct(&snapshot);
+    let recorded = recorded_setting(&snapshot, &workload);
+    let recorded_capacity = workload
+        .devices
+        .iter()
+        .filter_map(|d| recorded_capacity(&snapshot, d))
+        .min();
+    let mut subjects = Subject::from_workload("snapshot", None, workload, recorded);
+    for subject in &mut subjects {
+        subject.serve_final_oom();
+    }
+    if let Some(device) = device {
+        subjects.retain(|s| s.workload.device == device);
+        if subjects.is_empty() {
+            return Err(format!("the snapshot holds nothing of device {device}"));
+        }
+    }
+    let (capacity, capacity_source) = search_capacity(capacity, recorded_capacity);
+    let options = TuneOptions {
+        capacity,
+        capacity_source,
+        max_candidates,
+        tie_rule,
+        ..TuneOptions::default()
+    };
+    Ok(tune(&subjects, &options))
 }
 
 /// How to search.
@@ -593,22 +639,21 @@ pub fn final_oom(workload: &DeviceWorkload) -> Option<(usize, u64, u64)> {
     }
 }
 
-/// `workload` with the out-of-memory it ends in ([`final_oom`]) served: the request PyTorch
-/// (or ferrocache) could not satisfy becomes an allocation of its (rounded) size, so that a
-/// search looks for a setting under which the program would have gone on. `None` when the
-/// workload does not end in an out-of-memory.
-pub fn with_last_oom_served(workload: &DeviceWorkload) -> Option<DeviceWorkload> {
+/// Serves the out-of-memory `workload` ends in ([`final_oom`]): the request PyTorch (or
+/// ferrocache) could not satisfy becomes an allocation of its (rounded) size, so that a search
+/// looks for a setting under which the program would have gone on. Returns that size; `None`,
+/// and the workload unchanged, when it does not end in an out-of-memory.
+pub fn serve_final_oom(workload: &mut DeviceWorkload) -> Option<u64> {
     let (at, size, stream) = final_oom(workload)?;
-    let mut out = workload.clone();
-    let id = out.allocations.len() as u32;
-    out.allocations.push(replay::Allocation {
+    let id = workload.allocations.len() as u32;
+    workload.allocations.push(replay::Allocation {
         address: 0,
         requested_size: size,
         stream,
         live_at_start: false,
     });
-    out.ops[at] = Op::Alloc { id, size, stream };
-    Some(out)
+    workload.ops[at] = Op::Alloc { id, size, stream };
+    Some(size)
 }
 
 #[cfg(test)]

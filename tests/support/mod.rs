@@ -49,13 +49,11 @@ pub fn in_own_process(test: &str, env: &[(&str, &str)], body: impl FnOnce()) {
 pub fn in_own_process_without_nvml(test: &str, env: &[(&str, &str)], body: impl FnOnce()) {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("libcuda-without-nvml");
     std::fs::create_dir_all(&dir).expect("create a library directory");
-    let fake = fake_libcuda_dir().join("libcuda.so");
-    for name in ["libcuda.so", "libcuda.so.1"] {
-        let link = dir.join(name);
-        if !link.exists() {
-            let _ = std::os::unix::fs::symlink(&fake, &link);
-        }
-    }
+    link_names(
+        &dir,
+        &fake_libcuda_dir().join("libcuda.so"),
+        &["libcuda.so", "libcuda.so.1"],
+    );
     run(test, &dir.display().to_string(), env, body);
 }
 
@@ -67,7 +65,7 @@ pub fn in_own_process_without_libcuda(test: &str, body: impl FnOnce()) {
 }
 
 fn run(test: &str, library_path: &str, env: &[(&str, &str)], body: impl FnOnce()) {
-    if std::env::var(CHILD_VARIABLE).as_deref() == Ok(test) {
+    if is_child_for(test) {
         // Panics that something catches (cudarc's, under catch_unwind) must not go unnoticed.
         let default_hook = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
@@ -129,14 +127,23 @@ pub fn build_fake_libcuda(profile: &str) -> PathBuf {
     let dir = target.join(profile);
     // The names a driver installation provides: the driver, and NVML, which the fake driver
     // exports too (one state, as on a real machine).
-    for name in ["libcuda.so.1", "libnvidia-ml.so.1"] {
+    link_names(
+        &dir,
+        Path::new("libcuda.so"),
+        &["libcuda.so.1", "libnvidia-ml.so.1"],
+    );
+    dir
+}
+
+/// Makes each of `names` in `dir` a symbolic link to `target`, unless it exists.
+fn link_names(dir: &Path, target: &Path, names: &[&str]) {
+    for name in names {
         let link = dir.join(name);
         if !link.exists() {
             // Another test binary may be doing the same at the same moment.
-            let _ = std::os::unix::fs::symlink("libcuda.so", &link);
+            let _ = std::os::unix::fs::symlink(target, &link);
         }
     }
-    dir
 }
 
 /// Compiles the C++ test helper `source` (under `tests/cpp/`) with g++ (or `$CXX`) into the

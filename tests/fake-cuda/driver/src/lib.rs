@@ -211,15 +211,17 @@ impl Driver {
         }
     }
 
+    /// The other processes (`FAKE_NVML_OTHER_PROCESSES`) that hold memory on `device`.
+    fn others_on(&self, device: i32) -> impl Iterator<Item = &nvml::OtherProcess> {
+        self.other_processes
+            .iter()
+            .filter(move |other| other.device == device)
+    }
+
     /// What `cuMemGetInfo` calls free on `device`: its capacity less what this process and the
     /// other processes hold there.
     fn free_bytes(&self, device: i32) -> u64 {
-        let others: u64 = self
-            .other_processes
-            .iter()
-            .filter(|other| other.device == device)
-            .map(|other| other.bytes)
-            .sum();
+        let others: u64 = self.others_on(device).map(|other| other.bytes).sum();
         self.capacity
             .saturating_sub(self.bytes_in_use[device as usize])
             .saturating_sub(others)

@@ -101,17 +101,14 @@ fn started_nvml_call(
     })
 }
 
-/// Writes through an out pointer, refusing NULL as NVML does.
+/// Writes through an out pointer, refusing NULL as NVML does (the driver's [`crate::put`], with
+/// NVML's error).
 ///
 /// # Safety
 /// `out` is NULL or valid for a write of `T`.
 unsafe fn put<T>(out: *mut T, value: T) -> Result<(), NvmlReturn> {
-    if out.is_null() {
-        return Err(NVML_ERROR_INVALID_ARGUMENT);
-    }
-    // SAFETY: not NULL, and the caller promises it is valid for writes.
-    unsafe { out.write(value) };
-    Ok(())
+    // SAFETY: the caller's promise, passed on.
+    unsafe { crate::put(out, value) }.map_err(|_| NVML_ERROR_INVALID_ARGUMENT)
 }
 
 /// Reads a PCI bus id as NVML accepts it: `[domain:]bus:device[.function]`, in hex.
@@ -140,11 +137,7 @@ impl Driver {
 
     /// The compute processes on `device` and their memory, in the order NVML lists them here.
     fn compute_processes(&self, device: i32) -> Vec<(u32, u64)> {
-        let others = self
-            .other_processes
-            .iter()
-            .filter(|other| other.device == device)
-            .map(|other| (other.pid, other.bytes));
+        let others = self.others_on(device).map(|other| (other.pid, other.bytes));
         let has_context = self
             .primary_context_refs
             .get(device as usize)
