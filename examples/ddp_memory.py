@@ -69,13 +69,16 @@ def buckets_of(sizes: list[int]) -> list[list[int]]:
     return buckets
 
 
-def train_step(params, buckets, optimizer_state, batch: int, comm: torch.cuda.Stream) -> None:
-    """One step's allocations, in DDP's order."""
+def train_step(
+    params, buckets, bucket_layers, optimizer_state, batch: int, comm: torch.cuda.Stream
+) -> None:
+    """One step's allocations, in DDP's order (``bucket_layers``: each bucket's layers, as
+    :func:`buckets_of` groups them)."""
     # Forward: each layer's output is kept for the backward pass.
     activations = [torch.empty(batch * SEQUENCE * HIDDEN, device="cuda") for _ in params]
     # Backward, last layer first: the gradient of each activation is a temporary; a bucket is
     # all-reduced on the communication stream once all its layers have their gradients.
-    for bucket, layers in zip(buckets, buckets_of([p.nbytes for p in params])):
+    for bucket, layers in zip(buckets, bucket_layers):
         for layer in layers:
             grad_input = torch.empty_like(activations[layer])
             del grad_input
@@ -100,14 +103,15 @@ def main() -> int:
 
     params = [torch.empty(HIDDEN * HIDDEN, device="cuda") for _ in range(LAYERS)]
     sizes = [p.nbytes for p in params]
+    bucket_layers = buckets_of(sizes)
     buckets = [
-        torch.zeros(sum(sizes[i] for i in layers) // 4, device="cuda") for layers in buckets_of(sizes)
+        torch.zeros(sum(sizes[i] for i in layers) // 4, device="cuda") for layers in bucket_layers
     ]
     optimizer_state: list[torch.Tensor] = []
     comm = torch.cuda.Stream()
     batch = 8 + 4 * rank  # uneven data: each rank's batch differs
     for _ in range(args.steps):
-        train_step(params, buckets, optimizer_state, batch, comm)
+        train_step(params, buckets, bucket_layers, optimizer_state, batch, comm)
     torch.cuda.synchronize()
 
     snapshot = ferrocache.dump_snapshot(out / "ddp_memory.pickle")  # ddp_memory_rank<N>.pickle

@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from .config import LOG_LEVEL_VAR
+
 RANK_VAR = "RANK"
 LOCAL_RANK_VAR = "LOCAL_RANK"
 WORLD_SIZE_VAR = "WORLD_SIZE"
@@ -69,6 +71,11 @@ def this_process() -> Process:
 def check_path(path: Union[str, "os.PathLike[str]"]) -> str:
     """``path`` as a string, once its placeholders are known to be ``{rank}``, ``{local_rank}``
     and ``{pid}`` only (``{{`` and ``}}`` are braces); ``ValueError`` otherwise."""
+    return _parse_path(path)[0]
+
+
+def _parse_path(path: Union[str, "os.PathLike[str]"]) -> tuple[str, list[str]]:
+    """:func:`check_path`'s string, and the placeholders it holds."""
     text = os.fspath(path)
     if not isinstance(text, str):
         raise TypeError(f"a snapshot path must be a str or os.PathLike[str], not {type(text).__name__}")
@@ -82,21 +89,21 @@ def check_path(path: Union[str, "os.PathLike[str]"]) -> str:
             f"snapshot path {text!r} has unknown placeholder(s) {', '.join(unknown)}; "
             "the placeholders are {rank}, {local_rank} and {pid}"
         )
-    return text
+    return text, fields
 
 
 def per_rank_path(path: Union[str, "os.PathLike[str]"], process: Optional[Process] = None) -> str:
     """The file this process writes for ``path``: its placeholders filled in, or, when it has
     none and the process is one rank of several, the rank added before the extension
     (``run.pickle`` -> ``run_rank3.pickle``), so that ranks never overwrite one another."""
-    text = check_path(path)
+    text, fields = _parse_path(path)
     process = process or this_process()
-    has_placeholders = any(field is not None for _, field, _, _ in string.Formatter().parse(text))
-    if has_placeholders:
+    if fields:
         return text.format(rank=process.rank, local_rank=process.local_rank, pid=process.pid)
+    plain = text.replace("{{", "{").replace("}}", "}")
     if not process.in_a_job:
-        return text.replace("{{", "{").replace("}}", "}")
-    stem, extension = os.path.splitext(text.replace("{{", "{").replace("}}", "}"))
+        return plain
+    stem, extension = os.path.splitext(plain)
     return f"{stem}_rank{process.rank}{extension}"
 
 
@@ -114,7 +121,7 @@ def log(level: str, message: str) -> None:
     """One line on stderr in the library's format (``[rankN]:[LEVEL] Allocator: message``),
     unless ``TORCH_CUDA_ALLOC_LOG_LEVEL`` hides the level."""
     order = ("TRACE", "DEBUG", "INFO", "WARN", "ERROR")
-    wanted = os.environ.get("TORCH_CUDA_ALLOC_LOG_LEVEL", "WARN").strip().upper()
+    wanted = os.environ.get(LOG_LEVEL_VAR, "WARN").strip().upper()
     wanted = "WARN" if wanted == "WARNING" else wanted
     if wanted == "OFF":
         return

@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 
 from . import _lib, _torch
 from ._torch import Device
+from .snapshot import PICKLE_PROTOCOL
 
 #: How much of a GiB a byte is.
 _GIB = float(1 << 30)
@@ -83,7 +84,7 @@ def _snapshot_bytes(snapshot: Union[str, "os.PathLike[str]", bytes, dict[str, An
     if isinstance(snapshot, (bytes, bytearray)):
         return bytes(snapshot)
     if isinstance(snapshot, dict):
-        return pickle.dumps(snapshot, protocol=4)
+        return pickle.dumps(snapshot, protocol=PICKLE_PROTOCOL)
     with open(os.fspath(snapshot), "rb") as f:
         return f.read()
 
@@ -115,21 +116,21 @@ def advise(
     if max_candidates is not None and (isinstance(max_candidates, bool) or max_candidates < 1):
         raise ValueError(f"max_candidates must be a positive int, not {max_candidates!r}")
     capacity = 0 if capacity_gib is None else int(capacity_gib * _GIB)
-    function = _lib.function("ferrocache_advise")
     if snapshot is None:
+        data: Optional[bytes] = None
         index = _torch.device_index(device)
-        raw = function(None, 0, index, capacity, max_candidates or 0)
     else:
         data = _snapshot_bytes(snapshot)
         index = -1 if device is None else _torch.device_index(device)
-        # c_char_p passes the bytes' own buffer; the length says where it ends (NULs inside).
-        raw = function(data, len(data), index, capacity, max_candidates or 0)
-    text = _lib.take_string(raw)
-    if text is None:
-        message = _lib.last_error() or "ferrocache_advise failed without saying why"
+    # c_char_p passes the bytes' own buffer; the length says where it ends (NULs inside).
+    length = 0 if data is None else len(data)
+    try:
+        text = _lib.call_string("ferrocache_advise", data, length, index, capacity, max_candidates or 0)
+    except RuntimeError as err:
+        message = str(err)
         if "history" in message and "_record_memory_history" in message:
-            raise NoHistoryError(message)
-        raise RuntimeError(message)
+            raise NoHistoryError(message) from None
+        raise
     result: dict[str, Any] = json.loads(text)
     table = str(result.pop("table", ""))
     return Advice(

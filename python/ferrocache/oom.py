@@ -77,8 +77,7 @@ def attach_out_of_memory_observer(observer: Observer) -> None:
     callback = _OBSERVER_TYPE(call)
     address = ctypes.cast(callback, ctypes.c_void_p).value
     with _lock:
-        if _lib.function("ferrocache_attach_oom_observer")(address) != 0:
-            raise RuntimeError(_lib.last_error())
+        _lib.call_status("ferrocache_attach_oom_observer", address)
         if not _attached:
             atexit.register(_detach_all)
         _attached.append(callback)
@@ -104,10 +103,7 @@ def snapshot_on_oom(path: Union[str, "os.PathLike[str]"]) -> None:
         target = template
         try:
             target = _ranks.per_rank_path(template)
-            folder = os.path.dirname(target)
-            if folder:
-                os.makedirs(folder, exist_ok=True)
-            snapshot.torch_dump_snapshot(target)
+            snapshot._dump_to(target)
         except Exception as err:
             _ranks.log("ERROR", f"could not write the out-of-memory snapshot {target}: {err}")
             return

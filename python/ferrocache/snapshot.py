@@ -375,6 +375,14 @@ def _write_snapshot(path: str) -> None:
         raise
 
 
+def _dump_to(path: str) -> None:
+    """Writes the snapshot to ``path`` exactly, making its missing folders first."""
+    folder = os.path.dirname(path)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    _write_snapshot(path)
+
+
 def dump_snapshot(
     filename: Union[str, "os.PathLike[str]"] = "dump_snapshot.pickle",
     augment_with_fx_traces: bool = False,
@@ -387,10 +395,7 @@ def dump_snapshot(
     are made. Returns the path written. (``torch.cuda.memory._dump_snapshot``, once installed,
     writes ``filename`` exactly, as PyTorch's does.)"""
     path = _ranks.per_rank_path(filename)
-    folder = os.path.dirname(path)
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-    _write_snapshot(path)
+    _dump_to(path)
     return path
 
 

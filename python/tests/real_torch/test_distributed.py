@@ -17,7 +17,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import pytest
 
@@ -31,19 +31,19 @@ JOB_LIMIT_S = 300
 
 
 def torchrun(
-    script: str,
+    script: Union[str, Path],
     ranks: int,
-    out: Path,
-    *args: str,
+    *args: Union[str, Path],
     env: Optional[dict[str, str]] = None,
     torchrun_args: tuple[str, ...] = (),
 ) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Runs ``torchrun --standalone --nproc-per-node RANKS WORKERS/script OUT args...`` with one
+    """Runs ``torchrun --standalone --nproc-per-node RANKS WORKERS/script args...`` (the
+    workers take their output folder first; an absolute ``script`` is run as it is) with one
     fake GPU per rank; returns the finished launcher and when it finished (``time.time()``).
     ``--standalone`` picks a free port: other test runs may share the machine."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={ranks}", *torchrun_args, str(WORKERS / script), str(out), *args,
+        f"--nproc-per-node={ranks}", *torchrun_args, str(WORKERS / script), *map(str, args),
     ]  # fmt: skip
     full_env = dict(os.environ)
     full_env.pop("FERROCACHE_LIBRARY", None)
@@ -167,12 +167,7 @@ def test_an_oom_on_one_rank_ends_the_job_as_torch_distributed_does(tmp_path: Pat
 def test_the_ddp_example_reports_every_rank(tmp_path: Path) -> None:
     """examples/ddp_memory.py as docs/distributed.md runs it (``--out`` aside)."""
     example = WORKERS.parents[3] / "examples" / "ddp_memory.py"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        str(example), "--out", str(tmp_path / "out"),
-    ]  # fmt: skip
-    env = dict(os.environ, **torch_env(FAKE_LIBCUDA_DEVICE_COUNT="2", OMP_NUM_THREADS="1"))
-    job = subprocess.run(command, env=env, capture_output=True, text=True, timeout=JOB_LIMIT_S)
+    job, _ = torchrun(example, 2, "--out", tmp_path / "out")
     assert job.returncode == 0, explain(job)
     rows = [line.split() for line in job.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]
     assert [row[:2] for row in rows] == [["0", "cuda:0"], ["1", "cuda:1"]], job.stdout

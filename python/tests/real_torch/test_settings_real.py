@@ -249,10 +249,10 @@ def test_throw_on_cudamalloc_oom_agrees_op_by_op() -> None:
             alloc(9, 50 * MIB, 1),
         ],
     )
-    native = harness.run_program(case, "native")
+    native, ours = harness.run_both(case)
     rejections = [stats["num_oom_rejections"] for stats in harness.full_stats(native)]
     assert rejections[4] == 1 and rejections[7] == 2, rejections
-    divergence = harness.first_divergence(case, native, harness.run_program(case, "ferrocache"))
+    divergence = harness.first_divergence(case, native, ours)
     assert divergence is None, str(divergence)
 
 
@@ -277,12 +277,12 @@ def test_expandable_segments_reserve_agrees_op_by_op() -> None:
             alloc(6, 64 * MIB, 1),
         ],
     )
-    native = harness.run_program(case, "native")
+    native, ours = harness.run_both(case)
     # The calls end with the range's offset from the fake's base (" +0x...").
     reserves = [call.split(" +")[0] for step in native["steps"] for call in step["calls"] if call.startswith("cuMemAddressReserve")]
     assert reserves[:2] == ["cuMemAddressReserve r0 322961408", "cuMemAddressReserve r1 335544320"], reserves
     assert native["steps"][3]["oom"]
-    divergence = harness.first_divergence(case, native, harness.run_program(case, "ferrocache"))
+    divergence = harness.first_divergence(case, native, ours)
     assert divergence is None, str(divergence)
 
 

@@ -19,15 +19,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from torch_env import TORCH_VERSION, require_real_torch, run_torch, torch_env
+from torch_env import GIB, MIB, TORCH_VERSION, require_real_torch, run_torch, torch_env
 
 require_real_torch()
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from oracle import harness  # noqa: E402
-
-MIB = 1 << 20
-GIB = 1 << 30
+from oracle import harness, shapes  # noqa: E402
 
 #: Each program leaves two or more equal free 128 KiB blocks and reports which one the next
 #: 128 KiB request gets, by name.
@@ -107,25 +104,18 @@ def growth_program(setting: tuple, steps: int = 36, layers: int = 10) -> harness
     that the last steps run out of memory and retry."""
     name, conf, _ = setting
     rng = random.Random(0)
-    ops: list[dict] = [{"op": "fraction", "value": 0.75}]
-    ids = iter(range(1_000_000))
-
-    def alloc(size: int) -> int:
-        i = next(ids)
-        ops.append({"op": "alloc", "id": i, "size": size, "stream": 0})
-        return i
-
+    b = shapes.Builder()
+    b.ops.append({"op": "fraction", "value": 0.75})
     for _ in range(6):
-        alloc(rng.choice([64, 128, 256]) * MIB)
+        b.alloc(rng.choice([64, 128, 256]) * MIB)
     for step in range(steps):
         scale = 1 + step * 0.3
         activations = []
         for _ in range(layers):
-            activations.append(alloc(int(rng.choice([20, 40, 80]) * MIB * scale)))
-            activations.append(alloc(int(rng.choice([128 * 1024, 720 * 1024, 2 * MIB]) * scale)))
-        for a in reversed(activations):
-            ops.append({"op": "free", "id": a})
-    return harness.Case(0, name, conf, 8 * GIB, 1, 0, ops)
+            activations.append(b.alloc(int(rng.choice([20, 40, 80]) * MIB * scale)))
+            activations.append(b.alloc(int(rng.choice([128 * 1024, 720 * 1024, 2 * MIB]) * scale)))
+        b.free_all(activations[::-1])
+    return harness.Case(0, name, conf, 8 * GIB, 1, 0, b.ops)
 
 
 GROWTH_SETTINGS = (
@@ -138,7 +128,7 @@ GROWTH_SETTINGS = (
 @pytest.mark.parametrize("setting", GROWTH_SETTINGS, ids=[s[0] for s in GROWTH_SETTINGS])
 def test_growing_activations_under_a_fraction_agree_op_by_op(setting: tuple) -> None:
     case = growth_program(setting)
-    native = harness.run_program(case, "native")
+    native, ours = harness.run_both(case)
     assert any(step["oom"] for step in native["steps"]), "the program must run out of memory"
-    divergence = harness.first_divergence(case, native, harness.run_program(case, "ferrocache"))
+    divergence = harness.first_divergence(case, native, ours)
     assert divergence is None, str(divergence)

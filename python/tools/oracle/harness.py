@@ -23,7 +23,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from .runner import run_programs
 
@@ -78,6 +78,12 @@ class Case:
             f"capacity {self.capacity >> 20} MiB, {self.streams} streams, event delay "
             f"{self.event_delay}, {len(self.ops)} ops"
         )
+
+
+def capacity_for_peak(peak: int) -> int:
+    """A fake GPU's memory for a program whose peak is ``peak`` bytes: twice it, in whole GiB,
+    at least 1 GiB."""
+    return max(GIB, -(-2 * peak // GIB) * GIB)
 
 
 def random_size(rng: random.Random, capacity: int) -> int:
@@ -221,14 +227,17 @@ def blocks_released_by_events(case: Case, index: int, before: dict[str, int], af
     return before.get("active.all.current", 0) + allocated - freed - after.get("active.all.current", 0)
 
 
-def full_stats(result: dict[str, Any]) -> list[dict[str, int]]:
-    """Every step's whole ``memory_stats()`` (a run's steps hold only what changed)."""
+def running_stats(result: dict[str, Any]) -> Iterator[dict[str, int]]:
+    """Each step's whole ``memory_stats()`` in turn (a run's steps hold only what changed)."""
     stats = dict(result["initial"])
-    out = []
     for step in result["steps"]:
         stats = {**stats, **step["stats"]}
-        out.append(stats)
-    return out
+        yield stats
+
+
+def full_stats(result: dict[str, Any]) -> list[dict[str, int]]:
+    """Every step's whole ``memory_stats()`` (a run's steps hold only what changed)."""
+    return list(running_stats(result))
 
 
 def diff_stats(native: dict[str, int], ours: dict[str, int], ignored: frozenset[str] = frozenset()) -> list[str]:
@@ -298,16 +307,14 @@ def describe_segment(segment: list[Any]) -> str:
 def first_divergence(case: Case, native: dict[str, Any], ours: dict[str, Any]) -> Optional[Divergence]:
     """The first op after which the runs differ (None: they agree throughout)."""
     stats_native = dict(native["initial"])
-    stats_ours = dict(ours["initial"])
-    initial = diff_stats(stats_native, stats_ours)
+    initial = diff_stats(stats_native, dict(ours["initial"]))
     if initial:
         return Divergence(case, -1, initial)
     ignored: frozenset[str] = frozenset()
     strip: Callable[[list[Any]], list[Any]] = lambda layout: layout  # noqa: E731
-    for index, (a, b) in enumerate(zip(native["steps"], ours["steps"])):
-        before = stats_native
-        stats_native = {**stats_native, **a["stats"]}
-        stats_ours = {**stats_ours, **b["stats"]}
+    steps = zip(native["steps"], ours["steps"], running_stats(native), running_stats(ours))
+    for index, (a, b, after_native, stats_ours) in enumerate(steps):
+        before, stats_native = stats_native, after_native
         what = []
         if a["calls"] != b["calls"]:
             what += diff_calls(a["calls"], b["calls"])
@@ -419,14 +426,23 @@ def training_program(seed: int, setting: tuple[str, str, Optional[float]], steps
     return Case(seed, name, conf, 4 * GIB, streams, 0, ops)
 
 
-def replay_native_recording(case: Case) -> dict[str, Any]:
+def ferrocache_command() -> str:
+    """The ``ferrocache`` command: the one on the PATH (the venv's), else the bare name."""
+    return shutil.which("ferrocache") or "ferrocache"
+
+
+def replay_native_recording(
+    case: Case, conf: Optional[str] = None, extra_args: Sequence[str] = (), timeout: float = 300
+) -> dict[str, Any]:
     """Records ``case`` under PyTorch's allocator and replays the recording with ferrocache
-    (``ferrocache replay --json``); returns the replay's row and the native run."""
+    (``ferrocache replay --json --conf CONF EXTRA_ARGS...``, ``CONF`` by default the case's);
+    returns the replay's row and the native run."""
     with tempfile.TemporaryDirectory(prefix="oracle-replay-") as scratch:
         recording = str(Path(scratch) / "native.pickle")
         native = run_program(case, "native", history=recording)
-        command = [shutil.which("ferrocache") or "ferrocache", "replay", recording, "--json", "--conf", case.conf]
-        process = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        conf = case.conf if conf is None else conf
+        command = [ferrocache_command(), "replay", recording, "--json", "--conf", conf, *extra_args]
+        process = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         if process.returncode != 0:
             raise RuntimeError(f"ferrocache replay failed:\n{process.stdout}\n{process.stderr}")
         rows = [json.loads(line) for line in process.stdout.splitlines() if line.startswith("{")]

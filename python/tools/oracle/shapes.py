@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 from typing import Any, Optional
 
-from .harness import GIB, MIB, Case
+from .harness import GIB, MIB, Case, capacity_for_peak
 
 KIB = 1 << 10
 #: Sizes real training asks for again and again.
@@ -129,7 +129,7 @@ def shaped_program(seed: int, setting: tuple[str, str, Optional[float]]) -> Case
             b.ops.append({"op": "empty_cache"})
     del weights
     limit = rng.choice([None, 0.85, 1.1]) if fraction is None else rng.choice([0.85, 1.1])
-    capacity = max(GIB, -(-2 * b.peak // GIB) * GIB)
+    capacity = capacity_for_peak(b.peak)
     if limit is not None:
         b.ops.insert(0, {"op": "fraction", "value": limit * b.peak / capacity})
     what = f"shaped seed {seed}" + (f", limit {limit} x its peak" if limit else "")

@@ -13,14 +13,12 @@ on a fake GPU with room for it (:func:`capacity_for`), under each of :data:`TRAC
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .harness import GIB, Case
+from .harness import GIB, Case, capacity_for_peak, ferrocache_command
 
 #: The settings a recording runs under: (name, PYTORCH_CUDA_ALLOC_CONF, memory limit). The
 #: limit is a multiple of the recording's own peak reserved bytes, set as a memory fraction by
@@ -51,10 +49,6 @@ class TraceProgram:
     consistent: bool
     #: How many of the first ops allocate the blocks live when recording began.
     start_allocations: int = 0
-
-
-def ferrocache_command() -> str:
-    return shutil.which("ferrocache") or "ferrocache"
 
 
 def load(path: str) -> list[TraceProgram]:
@@ -105,7 +99,7 @@ def capacity_for(program: TraceProgram) -> int:
     than the recorded ones, and a start laid out afresh, may need more than the recording did;
     fake memory costs only what is written, and nothing here writes."""
     peak = max(program.figures["peak_reserved"], program.figures["reserved_at_start"], 1)
-    return max(GIB, -(-2 * peak // GIB) * GIB)
+    return capacity_for_peak(peak)
 
 
 def trace_case(program: TraceProgram, setting: tuple[str, str, Optional[float]], layout: str = "changes") -> Case:
@@ -136,7 +130,7 @@ def replay_in_step(program: TraceProgram, setting: tuple[str, str, Optional[floa
     a recording made mid-run does), then replays that recording with ``ferrocache replay --json``
     under the same setting, memory fraction and GPU size. Returns the replay's row: its
     ``matching_segment_allocs`` of ``native_segment_allocs`` and both peaks."""
-    from .harness import run_program
+    from .harness import replay_native_recording
 
     case = trace_case(program, setting)
     start = program.start_allocations + (1 if case.ops and case.ops[0]["op"] == "fraction" else 0)
@@ -145,23 +139,8 @@ def replay_in_step(program: TraceProgram, setting: tuple[str, str, Optional[floa
     if case.ops[0]["op"] == "fraction":
         fraction = case.ops[0]["value"]
         conf = ",".join(part for part in (conf, f"per_process_memory_fraction:{fraction!r}") if part)
-    with tempfile.TemporaryDirectory(prefix="oracle-replay-") as scratch:
-        recording = str(Path(scratch) / "native.pickle")
-        run_program(case, "native", history=recording)
-        command = [
-            ferrocache_command(),
-            "replay",
-            recording,
-            "--json",
-            "--conf",
-            conf,
-            "--capacity-gib",
-            str(case.capacity // GIB),
-        ]
-        process = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    if process.returncode != 0:
-        raise RuntimeError(f"ferrocache replay failed:\n{process.stdout}\n{process.stderr}")
-    return json.loads(next(line for line in process.stdout.splitlines() if line.startswith("{")))
+    capacity = ("--capacity-gib", str(case.capacity // GIB))
+    return replay_native_recording(case, conf, capacity, timeout=600)["row"]
 
 
 def in_step(row: dict[str, Any]) -> bool:
