@@ -544,9 +544,10 @@ fn events_are_not_ready_then_ready() {
         device
             .synchronize_stream(0)
             .expect("synchronize the legacy stream");
+        // The stream's context is asked first, and the driver refuses the unknown handle.
         match device.record_event(0xdead_0000) {
             Err(DeviceError::Driver { call, code, .. }) => {
-                assert_eq!((call, code), ("cuEventRecord", CUDA_ERROR_INVALID_HANDLE));
+                assert_eq!((call, code), ("cuStreamGetCtx", CUDA_ERROR_INVALID_HANDLE));
             }
             other => panic!("recording on an unknown stream should fail, got {other:?}"),
         }

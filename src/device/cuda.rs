@@ -10,6 +10,7 @@
 //! it current for the length of one operation when it is not already, and puts the caller's
 //! context back afterwards.
 
+use std::collections::HashMap;
 use std::ffi::CStr;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
@@ -55,6 +56,7 @@ pub const REQUIRED_SYMBOLS: &[&str] = &[
     "cuEventQuery",
     "cuEventSynchronize",
     "cuStreamWaitEvent",
+    "cuStreamGetCtx",
     "cuMemGetAllocationGranularity",
     "cuMemAddressReserve",
     "cuMemAddressFree",
@@ -80,8 +82,12 @@ pub struct CudaDevice {
     granularity: Option<usize>,
     /// Where the GPU sits on the PCI bus (how NVML finds it), asked at the first out-of-memory.
     pci: Option<PciLocation>,
-    /// Events that [`Device::release_event`] gave back, ready for the next record.
-    idle_events: Vec<sys::CUevent>,
+    /// Events that [`Device::release_event`] gave back, ready for the next record on a stream
+    /// of the same context.
+    idle_events: Vec<(sys::CUcontext, sys::CUevent)>,
+    /// The context each event was made in: an event can be recorded only on a stream of its
+    /// own context, and `record_stream` may name another device's stream.
+    event_contexts: HashMap<usize, sys::CUcontext>,
 }
 
 // SAFETY: the raw pointers are driver handles (a primary context and events), which belong to
@@ -170,6 +176,7 @@ impl CudaDevice {
             granularity: None,
             pci: None,
             idle_events: Vec::new(),
+            event_contexts: HashMap::new(),
         })
     }
 
@@ -214,6 +221,38 @@ impl CudaDevice {
         ContextGuard::enter(self.context)
     }
 
+    /// The context `stream` belongs to, where events recorded on it must be made. A stream
+    /// that `record_stream` names can be another device's, as PyTorch allows; the default
+    /// streams (the NULL handle, `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`) carry no device,
+    /// so they are taken as this device's own.
+    fn context_of_stream(&self, stream: StreamId) -> Result<sys::CUcontext, DeviceError> {
+        if stream <= DEFAULT_STREAM_HANDLES {
+            return Ok(self.context);
+        }
+        let mut context: sys::CUcontext = ptr::null_mut();
+        // SAFETY: the out pointer is a live local; `stream` is a stream handle from PyTorch.
+        check_call("cuStreamGetCtx", || unsafe {
+            sys::cuStreamGetCtx(stream_handle(stream), &mut context)
+        })?;
+        Ok(context)
+    }
+
+    /// An idle event of `context`, or a new one made there (the context is current).
+    fn event_in(&mut self, context: sys::CUcontext) -> Result<sys::CUevent, DeviceError> {
+        if let Some(i) = self.idle_events.iter().position(|&(c, _)| c == context) {
+            return Ok(self.idle_events.swap_remove(i).1);
+        }
+        let mut event: sys::CUevent = ptr::null_mut();
+        // Timing is never read, and events without it are cheaper to record and query.
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: the out pointer is a live local; `context` is current.
+        check_call("cuEventCreate", || unsafe {
+            sys::cuEventCreate(&mut event, flags)
+        })?;
+        self.event_contexts.insert(event as usize, context);
+        Ok(event)
+    }
+
     /// Where physical memory lives and who may access it: this device.
     fn location(&self) -> sys::CUmemLocation {
         sys::CUmemLocation {
@@ -249,7 +288,7 @@ impl Drop for CudaDevice {
         // Errors are ignored: at process exit the driver may already be shut down, and there is
         // nobody left to tell.
         if let Ok(_context) = self.enter() {
-            for event in self.idle_events.drain(..) {
+            for (_, event) in self.idle_events.drain(..) {
                 // SAFETY: an event we created and nobody else holds.
                 let _ = invoke("cuEventDestroy_v2", || unsafe {
                     sys::cuEventDestroy_v2(event)
@@ -299,26 +338,18 @@ impl Device for CudaDevice {
     }
 
     fn record_event(&mut self, stream: StreamId) -> Result<EventHandle, DeviceError> {
-        let _context = self.enter()?;
-        let event = match self.idle_events.pop() {
-            Some(event) => event,
-            None => {
-                let mut event: sys::CUevent = ptr::null_mut();
-                // Timing is never read, and events without it are cheaper to record and query.
-                let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-                // SAFETY: the out pointer is a live local; the primary context is current.
-                check_call("cuEventCreate", || unsafe {
-                    sys::cuEventCreate(&mut event, flags)
-                })?;
-                event
-            }
-        };
-        // SAFETY: `event` is one of ours; `stream` is a stream handle from PyTorch.
+        // The event is made and recorded in the stream's own context: the driver refuses to
+        // record an event of one context on a stream of another.
+        let context = self.context_of_stream(stream)?;
+        let _context = ContextGuard::enter(context)?;
+        let event = self.event_in(context)?;
+        // SAFETY: `event` is one of ours, of the stream's context; `stream` is a stream handle
+        // from PyTorch.
         let recorded = check_call("cuEventRecord", || unsafe {
             sys::cuEventRecord(event, stream_handle(stream))
         });
         if let Err(error) = recorded {
-            self.idle_events.push(event);
+            self.idle_events.push((context, event));
             return Err(error);
         }
         Ok(event as EventHandle)
@@ -346,7 +377,12 @@ impl Device for CudaDevice {
     }
 
     fn release_event(&mut self, event: EventHandle) {
-        self.idle_events.push(event_handle(event));
+        let context = self
+            .event_contexts
+            .get(&(event as usize))
+            .copied()
+            .unwrap_or(self.context);
+        self.idle_events.push((context, event_handle(event)));
     }
 
     fn destroy_idle_events(&mut self) -> Result<(), DeviceError> {
@@ -354,13 +390,14 @@ impl Device for CudaDevice {
             return Ok(());
         }
         let _context = self.enter()?;
-        while let Some(&event) = self.idle_events.last() {
+        while let Some(&(_, event)) = self.idle_events.last() {
             // SAFETY: an event we created and nobody else holds. One the driver refuses to
             // destroy stays in the pool, to be used or destroyed later.
             check_call("cuEventDestroy_v2", || unsafe {
                 sys::cuEventDestroy_v2(event)
             })?;
             self.idle_events.pop();
+            self.event_contexts.remove(&(event as usize));
         }
         Ok(())
     }
@@ -592,6 +629,10 @@ fn device_attribute(
     })?;
     Ok(value)
 }
+
+/// The handles of the default streams: NULL and `CU_STREAM_LEGACY` (the legacy default stream)
+/// and `CU_STREAM_PER_THREAD`.
+const DEFAULT_STREAM_HANDLES: StreamId = 2;
 
 /// A `cudaStream_t` value as the driver's handle type; 0 is the legacy default stream.
 fn stream_handle(stream: StreamId) -> sys::CUstream {

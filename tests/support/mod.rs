@@ -250,35 +250,56 @@ impl FakeCuda {
         let get: extern "C" fn() -> u32 = self.function("fake_cuda_capture_mode");
         get()
     }
+
+    /// Starts the driver and makes `device`'s primary context current on this thread.
+    pub fn make_current(&self, device: c_int) {
+        let init: unsafe extern "C" fn(u32) -> c_int = self.function("cuInit");
+        let retain: unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int =
+            self.function("cuDevicePrimaryCtxRetain");
+        let set_current: unsafe extern "C" fn(*mut c_void) -> c_int =
+            self.function("cuCtxSetCurrent");
+        let mut context = std::ptr::null_mut();
+        // SAFETY: plain values and a live out pointer, as the driver API takes them.
+        unsafe {
+            assert_eq!(init(0), 0);
+            assert_eq!(retain(&mut context, device), 0);
+            assert_eq!(set_current(context), 0);
+        }
+    }
+
+    /// `cuMemsetD8Async`: work on `stream` that writes `[ptr, ptr + len)` (a context must be
+    /// current for the default streams); the driver's result.
+    pub fn memset_async(&self, ptr: u64, len: usize, stream: u64) -> c_int {
+        let memset: unsafe extern "C" fn(u64, u8, usize, *mut c_void) -> c_int =
+            self.function("cuMemsetD8Async");
+        // SAFETY: plain values; the fake checks the range and the stream.
+        unsafe { memset(ptr, 0x5a, len, stream as usize as *mut c_void) }
+    }
+
+    /// A driver function of the fake that takes one handle (`cuStreamSynchronize`,
+    /// `cuEventQuery`, ...); its result.
+    pub fn call_with_handle(&self, name: &str, handle: u64) -> c_int {
+        let function: unsafe extern "C" fn(*mut c_void) -> c_int = self.function(name);
+        // SAFETY: a plain handle value; the fake checks it.
+        unsafe { function(handle as usize as *mut c_void) }
+    }
 }
 
 /// A stream made with the fake driver (in a child process, after `cuInit` and with device 0's
 /// primary context current), as PyTorch would pass one.
 pub fn new_stream() -> u64 {
-    // SAFETY: in a child process libcuda.so is the fake, already loaded by ferrocache.
-    let cuda = unsafe { libloading::Library::new("libcuda.so") }.expect("load the fake");
-    // SAFETY: each signature is the driver API's.
-    unsafe {
-        let init = cuda
-            .get::<unsafe extern "C" fn(u32) -> c_int>(b"cuInit")
-            .expect("cuInit");
-        let retain = cuda
-            .get::<unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int>(
-                b"cuDevicePrimaryCtxRetain",
-            )
-            .expect("cuDevicePrimaryCtxRetain");
-        let set_current = cuda
-            .get::<unsafe extern "C" fn(*mut c_void) -> c_int>(b"cuCtxSetCurrent")
-            .expect("cuCtxSetCurrent");
-        let create = cuda
-            .get::<unsafe extern "C" fn(*mut *mut c_void, u32) -> c_int>(b"cuStreamCreate")
-            .expect("cuStreamCreate");
-        assert_eq!(init(0), 0);
-        let mut context = std::ptr::null_mut();
-        assert_eq!(retain(&mut context, 0), 0);
-        assert_eq!(set_current(context), 0);
-        let mut stream = std::ptr::null_mut();
-        assert_eq!(create(&mut stream, 0), 0);
-        stream.addr() as u64
-    }
+    new_stream_on(0, 0)
+}
+
+/// A stream of `device` (its primary context is left current on this thread), made with
+/// `flags` (1: `CU_STREAM_NON_BLOCKING`, as PyTorch makes its streams).
+pub fn new_stream_on(device: c_int, flags: u32) -> u64 {
+    let fake = FakeCuda::open();
+    fake.make_current(device);
+    let create: unsafe extern "C" fn(*mut *mut c_void, u32) -> c_int =
+        fake.function("cuStreamCreate");
+    let mut stream = std::ptr::null_mut();
+    // SAFETY: a live out pointer; a primary context is current.
+    assert_eq!(unsafe { create(&mut stream, flags) }, 0);
+    stream.addr() as u64
 }

@@ -25,7 +25,7 @@ const ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int = 76;
 const ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: c_int = 102;
 const ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: c_int = 103;
 
-fn primary_context(device: i32) -> usize {
+pub fn primary_context(device: i32) -> usize {
     PRIMARY_CONTEXT_BASE + device as usize
 }
 
@@ -285,7 +285,5 @@ pub unsafe extern "C" fn cuCtxGetDevice(device: *mut c_int) -> CuResult {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuCtxSynchronize() -> CuResult {
-    call("cuCtxSynchronize", |driver| {
-        driver.require_primary_context().map(drop)
-    })
+    call("cuCtxSynchronize", crate::sync::synchronize_context)
 }

@@ -25,6 +25,7 @@ mod nvml;
 mod stubs;
 mod sync;
 mod vmm;
+mod work;
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
@@ -48,6 +49,9 @@ pub const CUDA_ERROR_ILLEGAL_STATE: CuResult = 401;
 pub const CUDA_ERROR_ILLEGAL_ADDRESS: CuResult = 700;
 pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CuResult = 900;
 pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CuResult = 901;
+pub const CUDA_ERROR_STREAM_CAPTURE_UNJOINED: CuResult = 904;
+pub const CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: CuResult = 906;
+pub const CUDA_ERROR_CAPTURED_EVENT: CuResult = 907;
 pub const CUDA_ERROR_UNKNOWN: CuResult = 999;
 
 /// Name and description of each code the fake returns, as the real driver spells them.
@@ -118,6 +122,21 @@ const ERROR_TEXTS: &[(CuResult, &CStr, &CStr)] = &[
         c"CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
         c"operation failed due to a previous error during capture",
     ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_UNJOINED,
+        c"CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
+        c"capture was not joined to the origin stream",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
+        c"CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+        c"operation would make the legacy stream depend on a capturing blocking stream",
+    ),
+    (
+        CUDA_ERROR_CAPTURED_EVENT,
+        c"CUDA_ERROR_CAPTURED_EVENT",
+        c"operation not permitted on an event last recorded in a capturing stream",
+    ),
     (CUDA_ERROR_UNKNOWN, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
 ];
 
@@ -152,6 +171,11 @@ pub struct Driver {
     mappings: BTreeMap<u64, vmm::Mapping>,
     streams: HashMap<usize, sync::Stream>,
     events: HashMap<usize, sync::Event>,
+    /// Captures under way, by id (`sync.rs`).
+    captures: HashMap<u64, sync::Capture>,
+    /// Captured graphs and their instantiations: the work each holds.
+    graphs: HashMap<usize, Vec<sync::Node>>,
+    graph_execs: HashMap<usize, Vec<sync::Node>>,
     /// How many queries a newly recorded event answers with `CUDA_ERROR_NOT_READY`.
     event_delay: u32,
     timed_events: u64,
@@ -159,6 +183,8 @@ pub struct Driver {
     calls: HashMap<&'static str, u64>,
     injected_failures: HashMap<String, CuResult>,
     sweep: faults::Sweep,
+    /// Pending work on every stream, and the ordering check (`work.rs`).
+    timeline: work::Timeline,
 }
 
 impl Driver {
@@ -180,6 +206,8 @@ impl Driver {
         if address_space.is_none() {
             eprintln!("fake-cuda: could not reserve address space for device memory");
         }
+        // SAFETY: registers a plain function with no arguments to run at exit.
+        unsafe { libc::atexit(report_at_exit) };
         Driver {
             driver_version: env_or("FAKE_LIBCUDA_DRIVER_VERSION", 13020),
             device_count,
@@ -249,6 +277,17 @@ fn parse_number(text: &str) -> Option<u64> {
         Some(hex) => u64::from_str_radix(hex, 16).ok(),
         None => text.parse().ok(),
     }
+}
+
+/// Writes the ordering check's counts (`FAKE_CUDA_ORDER_REPORT`) as the process exits.
+extern "C" fn report_at_exit() {
+    // A thread that still holds the lock at exit would make `lock` wait forever.
+    let counts = match DRIVER.try_lock() {
+        Ok(driver) => driver.timeline.counts,
+        Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner().timeline.counts,
+        Err(std::sync::TryLockError::WouldBlock) => return,
+    };
+    work::write_report(counts);
 }
 
 static DRIVER: LazyLock<Mutex<Driver>> = LazyLock::new(|| Mutex::new(Driver::from_environment()));
@@ -394,6 +433,12 @@ pub unsafe extern "C" fn fake_cuda_stat(name: *const c_char) -> i64 {
             .map(|&r| u64::from(r))
             .sum(),
         "timed_events" => driver.timed_events,
+        "order_work" => driver.timeline.counts.work,
+        "order_handoffs_checked" => driver.timeline.counts.handoffs_checked,
+        "order_frees_checked" => driver.timeline.counts.frees_checked,
+        "order_unmaps_checked" => driver.timeline.counts.unmaps_checked,
+        "order_violations" => driver.timeline.counts.violations,
+        "order_pending_uses" => driver.timeline.pending_uses(),
         symbol if symbol.starts_with("cu") || symbol.starts_with("nvml") => {
             driver.calls.get(symbol).copied().unwrap_or(0)
         }

@@ -392,6 +392,8 @@ pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CuResult {
         if starts[0] != ptr || last + driver.mappings[&last].size != ptr + size {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        // Unmapping does not wait for work still using the pages (PyTorch synchronizes first).
+        driver.timeline.check_unmap(ptr, size);
         if let Some(range) = driver.reservation_containing(ptr, size) {
             call_log::mapping(false, range, ptr, size);
         }

@@ -31,6 +31,17 @@ unsafe extern "C" {
     pub fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, count: usize) -> u32;
     pub fn cuMemcpyDtoD_v2(dst: u64, src: u64, count: usize) -> u32;
     pub fn cuMemcpy(dst: u64, src: u64, count: usize) -> u32;
+    pub fn cuMemcpyAsync(dst: u64, src: u64, count: usize, stream: CuStream) -> u32;
+    pub fn cuMemsetD8Async(dptr: u64, value: u8, count: usize, stream: CuStream) -> u32;
+    pub fn cuGraphInstantiateWithFlags(
+        exec: *mut *mut c_void,
+        graph: *mut c_void,
+        flags: u64,
+    ) -> u32;
+    pub fn cuGraphLaunch(exec: *mut c_void, stream: CuStream) -> u32;
+    pub fn cuGraphGetNodes(graph: *mut c_void, nodes: *mut *mut c_void, count: *mut usize) -> u32;
+    pub fn cuGraphDestroy(graph: *mut c_void) -> u32;
+    pub fn cuGraphExecDestroy(exec: *mut c_void) -> u32;
     pub fn cuPointerGetAttribute(data: *mut c_void, attribute: c_int, ptr: u64) -> u32;
     pub fn cuStreamCreateWithPriority(stream: *mut CuStream, flags: c_uint, priority: c_int)
     -> u32;
