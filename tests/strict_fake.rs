@@ -20,6 +20,8 @@ const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: c_int = 900;
 const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: c_int = 901;
 const CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: c_int = 906;
 const CUDA_ERROR_CAPTURED_EVENT: c_int = 907;
+/// For the tests of the check itself: violations counted, not fatal.
+const COUNT_VIOLATIONS: [(&str, &str); 1] = [("FAKE_CUDA_ORDER_FATAL", "0")];
 /// PyTorch makes its streams with `cudaStreamNonBlocking`.
 const NON_BLOCKING: u32 = 1;
 
@@ -192,7 +194,7 @@ fn calls_that_need_a_current_context_refuse_without_one() {
 fn work_of_one_stream_is_pending_for_another_until_something_orders_them() {
     in_own_process(
         "work_of_one_stream_is_pending_for_another_until_something_orders_them",
-        &[],
+        &COUNT_VIOLATIONS,
         || {
             let fake = FakeCuda::open();
             let a = new_stream_on(0, NON_BLOCKING);
@@ -245,7 +247,7 @@ fn work_of_one_stream_is_pending_for_another_until_something_orders_them() {
 fn the_legacy_stream_orders_itself_with_blocking_streams_only() {
     in_own_process(
         "the_legacy_stream_orders_itself_with_blocking_streams_only",
-        &[],
+        &COUNT_VIOLATIONS,
         || {
             let fake = FakeCuda::open();
             let blocking = new_stream_on(0, 0);
