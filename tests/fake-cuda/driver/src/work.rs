@@ -324,7 +324,7 @@ impl Timeline {
 
 /// Appends the counts to `FAKE_CUDA_ORDER_REPORT`, if set: called once at process exit.
 pub fn write_report(counts: Counts) {
-    let Some(path) = std::env::var_os("FAKE_CUDA_ORDER_REPORT") else {
+    let Some(path) = std::env::var_os("FAKE_CUDA_ORDER_REPORT").filter(|p| !p.is_empty()) else {
         return;
     };
     let line = format!(
