@@ -56,9 +56,11 @@ WHEEL_ENV = "FERROCACHE_WHEEL"
 #: issue 28's side-by-side table of the public torch.cuda memory functions.
 COMPARE = REPO / "python" / "tools" / "memory_api" / "compare.py"
 RESULTS = REPO / "docs" / "gpu-results.md"
+#: How to bring pytest to a machine without it (and without network).
+PYTEST_WHEELS_COMMAND = "python3 -m pip download -d dist/ pytest exceptiongroup tomli"
 #: The one call on a machine with a GPU (docs/python.md, "The GPU check").
 ONE_CALL = (
-    "set -o pipefail; FERROCACHE_WHEEL=dist/ferrocache-<version>-py3-none-manylinux_<glibc>_x86_64.whl "
+    "set -o pipefail; FERROCACHE_WHEEL=dist/ferrocache-0.1.0-py3-none-manylinux_2_34_x86_64.whl "
     "scripts/gpu-check --out $OUT 2>&1 | tee $OUT/log"
 )
 BENCH_SIZES = (4 << 10, 8 << 20, 256 << 20)
@@ -101,7 +103,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ),
         epilog=(
             "The one call on a machine with a GPU (PyTorch installed, no cargo, no network), after "
-            "scripts/build-wheel here: "
+            "scripts/build-wheel and " + PYTEST_WHEELS_COMMAND + " here, with dist/ carried along: "
             + ONE_CALL
             + " (the output directory gets gpu-results.md, report.json, logs/ and raw/). "
             "Exit status: 0 passed, 1 a check failed, 2 no usable GPU or PyTorch."
@@ -153,6 +155,12 @@ class Context:
     @property
     def raw(self) -> Path:
         return self.out / "raw"
+
+    def site_directory(self) -> Path:
+        """The directory pip installs into (``--target``), made on first use, removed at the end."""
+        if self.site is None:
+            self.site = Path(tempfile.mkdtemp(prefix="gpu-check-site-"))
+        return self.site
 
     def remaining(self) -> float:
         return float(self.args.budget) - (time.monotonic() - self.started)
@@ -216,10 +224,10 @@ def install(ctx: Context) -> Optional[str]:
         ctx.report.environment["install"] = f"the ferrocache {args.python} imports"
         return str(args.python)
     started = time.monotonic()
-    ctx.site = Path(tempfile.mkdtemp(prefix="gpu-check-site-"))
     source = wheel or str(REPO)
     # A wheel needs neither cargo nor PyPI; --no-deps: PyTorch is there already.
-    command = [args.python, "-m", "pip", "--disable-pip-version-check", "install", "--no-deps", "--target", str(ctx.site), source]
+    command = [args.python, "-m", "pip", "--disable-pip-version-check", "install", "--no-deps", "--target",
+               str(ctx.site_directory()), source]  # fmt: skip
     log(f"pip install {source} ...")
     if _run_logged(command, ctx.logs / "pip-install.log", cwd=REPO) != 0:
         ctx.report.problem = f"pip install failed; see {ctx.logs / 'pip-install.log'}"
@@ -359,9 +367,36 @@ def json_lines(text: str) -> Optional[list[Any]]:
         return None
 
 
+
+
+def _imports(ctx: Context, module: str) -> bool:
+    process = subprocess.run([ctx.python, "-c", f"import {module}"], env=ctx.env(), capture_output=True)
+    return process.returncode == 0
+
+
+def ensure_pytest(ctx: Context) -> Optional[str]:
+    """None where pytest imports, after installing it from the wheels beside FERROCACHE_WHEEL
+    where it did not; else why it does not."""
+    if _imports(ctx, "pytest"):
+        return None
+    wheel = os.environ.get(WHEEL_ENV)
+    wheels = Path(wheel).resolve().parent if wheel else None
+    if wheels is not None and any(wheels.glob("pytest-*.whl")):
+        command = [ctx.python, "-m", "pip", "--disable-pip-version-check", "install", "--no-index",
+                   "--find-links", str(wheels), "--target", str(ctx.site_directory()), "pytest"]  # fmt: skip
+        log(f"pip install pytest from {wheels} ...")
+        if _run_logged(command, ctx.logs / "pytest-install.log") == 0 and _imports(ctx, "pytest"):
+            return None
+        return f"pytest did not install from {wheels}; see logs/pytest-install.log"
+    return f"pytest is not installed for {ctx.python}: put its wheels beside the ferrocache wheel ({PYTEST_WHEELS_COMMAND})"
+
+
 def run_real_torch_tests(ctx: Context) -> CheckResult:
     """The chosen real-PyTorch tests under pytest, against this machine's CUDA (the GPU, or in
     the rehearsal the fake); their outcomes from pytest's JUnit XML."""
+    no_pytest = ensure_pytest(ctx)
+    if no_pytest:
+        return CheckResult("real_torch", checks.TITLES["real_torch"], SKIPPED, no_pytest)
     tests = real_torch.chosen(ctx.device_count)
     junit = ctx.raw / "real-torch.xml"
     ctx.raw.mkdir(parents=True, exist_ok=True)

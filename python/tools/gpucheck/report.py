@@ -70,8 +70,10 @@ class Report:
         step = next((c for c in self.checks if c.key == "step_time"), None)
         if step is not None and "ratio" in step.data:
             ratio = f"{step.data['ratio']:.2f}"
+        elif step is not None and step.status == SKIPPED:
+            ratio = f"n/a ({step.summary})"
         else:
-            ratio = f"n/a ({step.summary if step is not None else 'not run'})"
+            ratio = "n/a (the training failed: see the results page)" if step is not None else "n/a (not run)"
         return f"gpu-check: {counted} in {self.seconds:.0f} s; step time ferrocache/native {ratio}"
 
     def to_json(self) -> str:
