@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -323,6 +324,29 @@ for line in sys.stdin:
 """
 
 
+def test_commands_side_by_side_and_the_group_killed_at_the_deadline(tmp_path: Path) -> None:
+    child = tmp_path / "child.pid"
+    sleeper = f"import os, subprocess, sys; p = subprocess.Popen(['sleep', '60']); open({str(child)!r}, 'w').write(str(p.pid)); p.wait()"
+    commands = [
+        ([sys.executable, "-c", "print('quick')"], tmp_path / "quick.log"),
+        ([sys.executable, "-c", sleeper], tmp_path / "slow.log"),
+    ]
+    assert cli._run_all_logged(commands, timeout=5) == [0, None]
+    assert (tmp_path / "quick.log").read_text().endswith("\nquick\n")
+    stat = Path(f"/proc/{int(child.read_text())}/stat")
+    for _ in range(50):  # the sleep, pytest's child in the real thing, went with its group
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":  # dead, not yet reaped
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the grandchild outlived the deadline")
+    with pytest.raises(subprocess.TimeoutExpired):
+        cli._run_logged([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "x.log", timeout=1)
+
+
 def test_interleaved_workers(tmp_path: Path) -> None:
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
@@ -393,8 +417,9 @@ def test_real_torch_results_from_junit(tmp_path: Path) -> None:
     assert result.status == FAIL and result.summary == "1 passed, 1 failed, 1 skipped"
     assert result.counts() == {"passed": 1, "failed": 1, "skipped": 1}
     assert checks.real_torch(cases[:1]).status == PASS
-    stopped = checks.real_torch([], "pytest exit status 4: no tests ran")
-    assert stopped.status == ERROR and stopped.counts() == {"failed": 1}
+    stopped = checks.real_torch(cases[:1], "stopped after 200 s (logs/real-torch-1.log)")
+    assert stopped.status == ERROR and stopped.summary == "1 passed; stopped after 200 s (logs/real-torch-1.log)"
+    assert stopped.counts() == {"passed": 1, "failed": 1, "skipped": 0}
 
 
 def test_verdict_on_step_time() -> None:

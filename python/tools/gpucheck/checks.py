@@ -432,15 +432,17 @@ def memory_api(outcome: Mapping[str, Any]) -> CheckResult:
 
 
 def real_torch(cases: Sequence[Mapping[str, Any]], problem: str = "") -> CheckResult:
-    """The chosen real-PyTorch tests, each counted in the summary (``data["counts"]``)."""
+    """The chosen real-PyTorch tests, each counted in the summary (``data["counts"]``); a
+    ``problem`` (a pytest stopped or broken) counts as one more failure."""
     key, title = "real_torch", TITLES["real_torch"]
-    if problem:
-        return CheckResult(key, title, ERROR if not cases else FAIL, problem)
     counts = {outcome: sum(c["outcome"] == outcome for c in cases) for outcome in ("passed", "failed", "skipped")}
     rows = [[str(c["name"]), str(c["outcome"]), f"{float(c['seconds']):.1f} s", str(c.get("why", ""))] for c in cases]
-    status = FAIL if counts["failed"] else PASS if counts["passed"] else SKIPPED
     summary = ", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n) or "no test ran"
     table = Table("", ["test", "outcome", "time", "why"], rows)
+    if problem:
+        counts["failed"] += 1
+        return CheckResult(key, title, ERROR, f"{summary}; {problem}", [table], data={"counts": counts})
+    status = FAIL if counts["failed"] else PASS if counts["passed"] else SKIPPED
     return CheckResult(key, title, status, summary, [table], data={"counts": counts})
 
 

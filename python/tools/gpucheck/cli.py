@@ -122,13 +122,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--tests", default=None, help="a pytest -k expression: only those of the chosen real-PyTorch tests"
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+        help="pytest processes side by side for the real-PyTorch tests (default: a quarter of the CPUs, at most 4)",
+    )
+    parser.add_argument(
         "--skip-install",
         action="store_true",
         help="use the ferrocache that --python already imports, even where FERROCACHE_WHEEL is set",
     )
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.bench_repetitions < 1 or args.bench_iterations < 1:
-        parser.error("--steps, --bench-repetitions and --bench-iterations must be at least 1")
+    if min(args.steps, args.bench_repetitions, args.bench_iterations, args.jobs) < 1:
+        parser.error("--steps, --bench-repetitions, --bench-iterations and --jobs must be at least 1")
     return args
 
 
@@ -197,20 +203,40 @@ def environment_problem(info: dict[str, Any]) -> Optional[str]:
     return None
 
 
-def _run_logged(command: Sequence[str], log_file: Path, timeout: Optional[float] = None, **kwargs: Any) -> int:
-    """Runs ``command`` with its output in ``log_file``. On ``timeout`` its whole process group
-    goes (pytest's children too, which hold the GPU) and TimeoutExpired is raised."""
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_file, "w") as out:
+def _run_all_logged(
+    commands: Sequence[tuple[Sequence[str], Path]], timeout: Optional[float] = None, **kwargs: Any
+) -> list[Optional[int]]:
+    """Runs the commands side by side, each with its output in its log file; their exit
+    statuses, None for each one still running after ``timeout`` seconds, whose whole process
+    group is then killed (pytest's children too, which hold the GPU)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    started = []
+    for command, log_file in commands:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        out = open(log_file, "w")  # noqa: SIM115 - closed below
         out.write("$ " + " ".join(command) + "\n")
         out.flush()
         process = subprocess.Popen(list(command), stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **kwargs)
+        started.append((process, out))
+    codes: list[Optional[int]] = []
+    for process, out in started:
         try:
-            return process.wait(timeout=timeout)
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            codes.append(process.wait(timeout=left))
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-            raise
+            codes.append(None)
+        out.close()
+    return codes
+
+
+def _run_logged(command: Sequence[str], log_file: Path, timeout: Optional[float] = None, **kwargs: Any) -> int:
+    """Runs ``command`` with its output in ``log_file``; TimeoutExpired after ``timeout``."""
+    (code,) = _run_all_logged([(command, log_file)], timeout, **kwargs)
+    if code is None:
+        raise subprocess.TimeoutExpired(list(command), timeout or 0.0)
+    return code
 
 
 def install(ctx: Context) -> Optional[str]:
@@ -393,30 +419,39 @@ def ensure_pytest(ctx: Context) -> Optional[str]:
 
 def run_real_torch_tests(ctx: Context) -> CheckResult:
     """The chosen real-PyTorch tests under pytest, against this machine's CUDA (the GPU, or in
-    the rehearsal the fake); their outcomes from pytest's JUnit XML."""
+    the rehearsal the fake), in ``--jobs`` pytest processes side by side (each test runs its
+    own processes, which only their own allocator's figures concern); their outcomes from
+    pytest's JUnit XML."""
     no_pytest = ensure_pytest(ctx)
     if no_pytest:
         return CheckResult("real_torch", checks.TITLES["real_torch"], SKIPPED, no_pytest)
-    tests = real_torch.chosen(ctx.device_count)
-    junit = ctx.raw / "real-torch.xml"
+    tests = real_torch.node_ids(real_torch.chosen(ctx.device_count))
     ctx.raw.mkdir(parents=True, exist_ok=True)
-    command = [ctx.python, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}",
-               *real_torch.node_ids(tests)]  # fmt: skip
-    if ctx.args.tests:
-        command += ["-k", ctx.args.tests]
+    jobs = max(1, min(ctx.args.jobs, len(tests)))
+    commands, reports = [], []
+    for job in range(jobs):
+        junit = ctx.raw / f"real-torch-{job}.xml"
+        junit.unlink(missing_ok=True)
+        command = [ctx.python, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *tests[job::jobs]]
+        if ctx.args.tests:
+            command += ["-k", ctx.args.tests]
+        commands.append((command, ctx.logs / f"real-torch-{job}.log"))
+        reports.append(junit)
     env = ctx.env()
     if not ctx.on_fake:
         env["FERROCACHE_REAL_GPU"] = "1"
-    log(f"{len(tests)} real-PyTorch tests{' (-k ' + ctx.args.tests + ')' if ctx.args.tests else ''} ...")
+    narrowed = f" (-k {ctx.args.tests})" if ctx.args.tests else ""
+    log(f"{len(tests)} real-PyTorch tests{narrowed}, {jobs} pytest processes ...")
     timeout = min(ctx.remaining(), TESTS_SECONDS)
-    try:
-        code = _run_logged(command, ctx.logs / "real-torch.log", env=env, cwd=REPO, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        cases = real_torch.results(junit) if junit.is_file() else []
-        return checks.real_torch(cases, f"stopped after {timeout:.0f} s; see logs/real-torch.log")
-    if not junit.is_file():
-        return checks.real_torch([], f"pytest exit status {code}: {bench.last_line(ctx.logs / 'real-torch.log')}")
-    return checks.real_torch(real_torch.results(junit))
+    codes = _run_all_logged(commands, timeout, env=env, cwd=REPO)
+    cases = [case for junit in reports if junit.is_file() for case in real_torch.results(junit)]
+    problems = []
+    for (_, log_file), junit, code in zip(commands, reports, codes):
+        if code is None:
+            problems.append(f"stopped after {timeout:.0f} s (logs/{log_file.name})")
+        elif not junit.is_file():
+            problems.append(f"pytest exit status {code}: {bench.last_line(log_file)} (logs/{log_file.name})")
+    return checks.real_torch(cases, "; ".join(problems))
 
 
 def run_compare(ctx: Context) -> dict[str, Any]:
