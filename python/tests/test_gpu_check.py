@@ -324,6 +324,19 @@ for line in sys.stdin:
 """
 
 
+def test_a_step_that_would_not_fit_the_budget_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path), "--budget", "100"]), Report(started="now"), tmp_path)
+    ran = []
+    cli.guarded(ctx, "peer", lambda: ran.append(1) or CheckResult("peer", "p", PASS, ""), needs=40)
+    ctx.started -= 70  # 30 s left
+    cli.guarded(ctx, "memory_api", lambda: ran.append(2) or CheckResult("memory_api", "m", PASS, ""), needs=40)
+    assert ran == [1]
+    skipped = ctx.report.checks[1]
+    assert skipped.status == SKIPPED
+    assert skipped.summary == "time budget: 30 s left of 100, the step needs about 40"
+    assert ctx.report.summary_line().startswith("gpu-check: 1 passed, 0 failed, 1 skipped in ")
+
+
 def test_commands_side_by_side_and_the_group_killed_at_the_deadline(tmp_path: Path) -> None:
     child = tmp_path / "child.pid"
     sleeper = f"import os, subprocess, sys; p = subprocess.Popen(['sleep', '60']); open({str(child)!r}, 'w').write(str(p.pid)); p.wait()"
@@ -441,7 +454,7 @@ def test_verdict_on_step_time() -> None:
 
 
 def test_verdicts_on_cross_stream_graphs_and_expandable() -> None:
-    good_graphs = {"replays": 5, "correct": True, "pool": [1, 2]}
+    good_graphs = {"replays": 5, "correct": True, "others_intact": True, "pool": [1, 2]}
     features = {
         "native": {"cross_stream": {"reused": False, "correct": True}, "graphs": good_graphs},
         "ferrocache": {"cross_stream": {"reused": False, "correct": True}, "graphs": good_graphs},
@@ -454,6 +467,7 @@ def test_verdicts_on_cross_stream_graphs_and_expandable() -> None:
     moved_without_mode = {**features, "ferrocache": {"cross_stream": {"reused": True, "correct": True}}}
     assert checks.cross_stream(moved_without_mode).status == FAIL
     assert checks.graphs({"ferrocache": {"graphs": {**good_graphs, "correct": False}}}).status == FAIL
+    assert checks.graphs({"ferrocache": {"graphs": {**good_graphs, "others_intact": False}}}).status == FAIL
     on_fake = {"ferrocache-cross-stream": {"cross_stream": {checks.ON_FAKE: "needs kernels"}}}
     assert checks.cross_stream(on_fake).status == SKIPPED
     expandable = {

@@ -334,11 +334,15 @@ def graphs(features: Mapping[str, Mapping[str, Any]], ours_name: str = "ferrocac
     failed = _error(key, title, ours)
     if failed:
         return failed
-    rows = [[name, _cell(part, "replays"), _cell(part, "correct")]
+    rows = [[name, _cell(part, "replays"), _cell(part, "correct"), _cell(part, "others_intact")]
             for name, run in features.items() for part in [_part(features, name, "graphs")]]  # fmt: skip
-    ok = ours.get("correct") is True and ours.get("pool") not in (None, [0, 0])
-    summary = f"{ours.get('replays')} replays, each equal to the eager forward" if ok else f"wrong: {dict(ours)}"
-    table = Table("", ["allocator", "replays", "outputs equal eager"], rows)
+    ok = ours.get("correct") is True and ours.get("others_intact") is True and ours.get("pool") not in (None, [0, 0])
+    summary = (
+        f"{ours.get('replays')} replays, each equal to the eager forward, other tensors untouched"
+        if ok
+        else f"wrong: {dict(ours)}"
+    )
+    table = Table("", ["allocator", "replays", "outputs equal eager", "other tensors untouched"], rows)
     return CheckResult(key, title, PASS if ok else FAIL, summary, [table])
 
 

@@ -109,12 +109,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             "Exit status: 0 passed, 1 a check failed, 2 no usable GPU or PyTorch."
         ),
     )
-    parser.add_argument("--out", type=Path, default=Path("gpu-check-out"), help="output directory (default gpu-check-out/)")
     parser.add_argument(
-        "--results", type=Path, default=RESULTS, help="the results page (default docs/gpu-results.md; a copy goes to --out)"
+        "--out", type=Path, default=Path("gpu-check-out"), help="output directory (default gpu-check-out/)"
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=RESULTS,
+        help="the results page (default docs/gpu-results.md; a copy goes to --out)",
     )
     parser.add_argument("--python", default=sys.executable, help="the Python with PyTorch (default: this one)")
-    parser.add_argument("--steps", type=int, default=60, help="training steps per run (default 60: 5 warm-up, 55 timed)")
+    parser.add_argument(
+        "--steps", type=int, default=60, help="training steps per run (default 60: 5 warm-up, 55 timed)"
+    )
     parser.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check (default 450)")
     parser.add_argument("--bench-repetitions", type=int, default=9)
     parser.add_argument("--bench-iterations", type=int, default=5000)
@@ -216,7 +223,9 @@ def _run_all_logged(
         out = open(log_file, "w")  # noqa: SIM115 - closed below
         out.write("$ " + " ".join(command) + "\n")
         out.flush()
-        process = subprocess.Popen(list(command), stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **kwargs)
+        process = subprocess.Popen(
+            list(command), stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **kwargs
+        )
         started.append((process, out))
     codes: list[Optional[int]] = []
     for process, out in started:
@@ -285,7 +294,8 @@ def guarded(ctx: Context, key: str, step: Callable[[], CheckResult], needs: floa
     becomes an ERROR item."""
     title = checks.TITLES[key]
     if ctx.remaining() < needs:
-        why = f"time budget: {max(ctx.remaining(), 0):.0f} s left of {ctx.args.budget:.0f}, the step needs about {needs:.0f}"
+        left = max(ctx.remaining(), 0)
+        why = f"time budget: {left:.0f} s left of {ctx.args.budget:.0f}, the step needs about {needs:.0f}"
         ctx.report.checks.append(CheckResult(key, title, SKIPPED, why))
         return
     try:
@@ -305,18 +315,23 @@ def ferrocache_command(ctx: Context) -> Optional[str]:
     override = os.environ.get(COMMAND_ENV)
     if override:
         return override if Path(override).is_file() else None
-    for beside in ([ctx.site / "bin" / "ferrocache"] if ctx.site else []) + [Path(ctx.python or sys.executable).parent / "ferrocache"]:
+    installed = [ctx.site / "bin" / "ferrocache"] if ctx.site else []
+    for beside in [*installed, Path(ctx.python or sys.executable).parent / "ferrocache"]:
         if beside.is_file():
             return str(beside)
     return shutil.which("ferrocache")
 
 
-def _run_command(ctx: Context, command: Sequence[str], name: str) -> tuple[Optional[subprocess.CompletedProcess[str]], str]:
+def _run_command(
+    ctx: Context, command: Sequence[str], name: str
+) -> tuple[Optional[subprocess.CompletedProcess[str]], str]:
     """Runs the ``ferrocache`` command, its stdout in ``<name>.json`` and stderr in the logs;
     the process, or None and why."""
     timeout = max(min(ctx.remaining(), 300.0), MINIMUM_STEP_SECONDS)
     try:
-        process = subprocess.run(list(command), cwd=ctx.out, capture_output=True, text=True, timeout=timeout, env=ctx.env())
+        process = subprocess.run(
+            list(command), cwd=ctx.out, capture_output=True, text=True, timeout=timeout, env=ctx.env()
+        )
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout:.0f} s"
     except OSError as err:
@@ -414,7 +429,10 @@ def ensure_pytest(ctx: Context) -> Optional[str]:
         if _run_logged(command, ctx.logs / "pytest-install.log") == 0 and _imports(ctx, "pytest"):
             return None
         return f"pytest did not install from {wheels}; see logs/pytest-install.log"
-    return f"pytest is not installed for {ctx.python}: put its wheels beside the ferrocache wheel ({PYTEST_WHEELS_COMMAND})"
+    return (
+        f"pytest is not installed for {ctx.python}: put its wheels beside the ferrocache wheel "
+        f"({PYTEST_WHEELS_COMMAND})"
+    )
 
 
 def run_real_torch_tests(ctx: Context) -> CheckResult:
@@ -524,8 +542,15 @@ def run_checks(ctx: Context) -> None:
 
         return step
 
-    for key, judge in (("streams", checks.streams), ("oom", checks.out_of_memory), ("empty_cache", checks.empty_cache),
-                       ("expandable", checks.expandable), ("cross_stream", checks.cross_stream), ("graphs", checks.graphs)):  # fmt: skip
+    feature_checks = {
+        "streams": checks.streams,
+        "oom": checks.out_of_memory,
+        "empty_cache": checks.empty_cache,
+        "expandable": checks.expandable,
+        "cross_stream": checks.cross_stream,
+        "graphs": checks.graphs,
+    }
+    for key, judge in feature_checks.items():
         guarded(ctx, key, judged(judge), needs=60 if not features else MINIMUM_STEP_SECONDS)
 
     def peer_copies() -> CheckResult:
