@@ -319,8 +319,8 @@ def peer(args: argparse.Namespace) -> dict[str, Any]:
     def copies() -> dict[str, Any]:
         generator = torch.Generator().manual_seed(0)
         before = torch.randint(0, 1 << 30, (1 << 20,), dtype=torch.int32, generator=generator)
-        # 256 MiB: pages mapped after peer access was enabled by the first copy.
-        after = torch.randint(0, 1 << 30, (64 << 20,), dtype=torch.int32, generator=generator)
+        # 64 MiB: pages mapped after peer access was enabled by the first copy.
+        after = torch.randint(0, 1 << 30, (16 << 20,), dtype=torch.int32, generator=generator)
         return {"before_peer_access": round_trip(before), "after_peer_access": round_trip(after)}
 
     def converting() -> dict[str, Any]:
