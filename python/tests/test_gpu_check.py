@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -322,6 +323,29 @@ for line in sys.stdin:
     size, iterations = int(words[1]), int(words[2])
     print(json.dumps({"ns_per_op": size * (2 if name == "slow" else 1) + iterations}), flush=True)
 """
+
+
+def test_without_pytest_the_tests_are_skipped_with_how_to_bring_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")  # no site-packages: no pytest
+    python.chmod(0o755)
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path, python=str(python))
+    monkeypatch.delenv(cli.WHEEL_ENV, raising=False)
+    result = cli.run_real_torch_tests(ctx)
+    assert result.status == SKIPPED
+    assert result.summary == (
+        f"pytest is not installed for {python}: put its wheels beside the ferrocache wheel "
+        "(python3 -m pip download -d dist/ pytest exceptiongroup tomli)"
+    )
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    (dist / "pytest-0-py3-none-any.whl").write_bytes(b"not a wheel")
+    monkeypatch.setenv(cli.WHEEL_ENV, str(dist / "ferrocache-0.1.0-py3-none-any.whl"))
+    assert cli.ensure_pytest(ctx) == f"pytest did not install from {dist}; see logs/pytest-install.log"
+    assert ctx.site is not None
+    shutil.rmtree(ctx.site)
 
 
 def test_a_step_that_would_not_fit_the_budget_is_skipped_with_the_reason(tmp_path: Path) -> None:
