@@ -41,6 +41,7 @@ def test_the_gpu_check_runs_end_to_end_on_the_fake(tmp_path: Path) -> None:
                "--bench-repetitions", "1", "--bench-iterations", "20", "--tests", TESTS]  # fmt: skip
     process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     summary = process.stdout.strip().splitlines()[-1]
+    print(summary)  # shown by pytest -rA: the rehearsal's summary line
     report = json.loads((out / "report.json").read_text())
     statuses = {check["key"]: (check["status"], check["summary"]) for check in report["checks"]}
     assert process.returncode == 0, (summary, statuses, process.stderr[-3000:])
