@@ -343,9 +343,30 @@ def test_without_pytest_the_tests_are_skipped_with_how_to_bring_it(
     dist.mkdir()
     (dist / "pytest-0-py3-none-any.whl").write_bytes(b"not a wheel")
     monkeypatch.setenv(cli.WHEEL_ENV, str(dist / "ferrocache-0.1.0-py3-none-any.whl"))
-    assert cli.ensure_pytest(ctx) == f"pytest did not install from {dist}; see logs/pytest-install.log"
+    assert cli.ensure_pytest(ctx) == f"pytest's wheels in {dist} did not unpack: File is not a zip file"
     assert ctx.site is not None
     shutil.rmtree(ctx.site)
+
+
+def test_the_wheel_is_unpacked_without_pip_and_its_command_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on the GPU machine: FERROCACHE_WHEEL unpacked into a directory first on PYTHONPATH, and
+    the ``ferrocache`` command found there (scripts/test-all's wheel stage sets the variable)."""
+    wheel = os.environ.get(cli.WHEEL_ENV)
+    if not wheel:
+        pytest.skip("FERROCACHE_WHEEL is not set (scripts/test-all sets it for the wheel's stage)")
+    monkeypatch.delenv(cli.COMMAND_ENV, raising=False)
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path)
+    try:
+        assert cli.install(ctx) == sys.executable
+        imported = cli.probe_ferrocache(sys.executable, ctx.env())
+        assert ctx.site is not None and str(ctx.site) in imported, imported
+        command = cli.ferrocache_command(ctx)
+        assert command == str(ctx.site / "ferrocache.scripts" / "ferrocache")
+        version = subprocess.run([command, "--version"], capture_output=True, text=True, env=ctx.env())
+        assert version.stdout.startswith("ferrocache 0."), version
+    finally:
+        if ctx.site is not None:
+            shutil.rmtree(ctx.site)
 
 
 def test_a_step_that_would_not_fit_the_budget_is_skipped_with_the_reason(tmp_path: Path) -> None:

@@ -4,8 +4,8 @@ one summary line at the end.
 
 Steps, the required ones first so that the budget cuts the extras: (0) probe PyTorch and the
 GPU, stop with status 2 where there is none; (1) install ferrocache: the wheel
-``FERROCACHE_WHEEL`` names (``pip install --no-deps --target``: no cargo, no network), else the
-ferrocache ``--python`` imports, else ``pip install .``; (2) the real-PyTorch tests chosen for a
+``FERROCACHE_WHEEL`` names, unpacked (no cargo, no network, no pip), else the ferrocache
+``--python`` imports, else ``pip install .``; (2) the real-PyTorch tests chosen for a
 GPU (:mod:`gpucheck.real_torch`); (3) the training step under native and ferrocache (its median
 time and their ratio), then the same training under native with history recording (the
 control), expandable segments and cross-stream reuse (bit-identical losses, peaks); (4) per
@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -259,16 +260,35 @@ def install(ctx: Context) -> Optional[str]:
         ctx.report.environment["install"] = f"the ferrocache {args.python} imports"
         return str(args.python)
     started = time.monotonic()
-    source = wheel or str(REPO)
-    # A wheel needs neither cargo nor PyPI; --no-deps: PyTorch is there already.
+    if wheel:
+        try:
+            unpack_wheel(Path(wheel), ctx.site_directory())
+        except (OSError, zipfile.BadZipFile) as err:
+            ctx.report.problem = f"cannot unpack {wheel}: {err}"
+            return None
+        ctx.report.environment["install"] = f"{wheel} unpacked in {time.monotonic() - started:.1f} s"
+        return str(args.python)
     command = [args.python, "-m", "pip", "--disable-pip-version-check", "install", "--no-deps", "--target",
-               str(ctx.site_directory()), source]  # fmt: skip
-    log(f"pip install {source} ...")
+               str(ctx.site_directory()), str(REPO)]  # fmt: skip
+    log("pip install . ...")
     if _run_logged(command, ctx.logs / "pip-install.log", cwd=REPO) != 0:
         ctx.report.problem = f"pip install failed; see {ctx.logs / 'pip-install.log'}"
         return None
-    ctx.report.environment["install"] = f"pip install --target of {source} in {time.monotonic() - started:.0f} s"
+    ctx.report.environment["install"] = f"pip install --target of {REPO} in {time.monotonic() - started:.0f} s"
     return str(args.python)
+
+
+def unpack_wheel(wheel: Path, site: Path) -> None:
+    """What ``pip install --no-deps --target site wheel`` leaves that the check uses, without
+    pip (which a GPU machine's Python may lack): the files, and the executable bit of the
+    programs (``ferrocache.scripts/ferrocache``, the command, whose run path finds the library
+    in ``../ferrocache.libs``)."""
+    log(f"unpacking {wheel} ...")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+        for name in archive.namelist():
+            if ".scripts/" in name or ".data/scripts/" in name:
+                (site / name).chmod(0o755)
 
 
 def workload(ctx: Context, name: str, allocator: str, label: str, extra: Sequence[str] = ()) -> dict[str, Any]:
@@ -315,7 +335,9 @@ def ferrocache_command(ctx: Context) -> Optional[str]:
     override = os.environ.get(COMMAND_ENV)
     if override:
         return override if Path(override).is_file() else None
-    installed = [ctx.site / "bin" / "ferrocache"] if ctx.site else []
+    # The wheel's own launcher (bin/ferrocache) looks for the program in the interpreter's
+    # site-packages, not in the unpacked directory: the program itself, there.
+    installed = [ctx.site / "ferrocache.scripts" / "ferrocache"] if ctx.site else []
     for beside in [*installed, Path(ctx.python or sys.executable).parent / "ferrocache"]:
         if beside.is_file():
             return str(beside)
@@ -423,12 +445,15 @@ def ensure_pytest(ctx: Context) -> Optional[str]:
     wheel = os.environ.get(WHEEL_ENV)
     wheels = Path(wheel).resolve().parent if wheel else None
     if wheels is not None and any(wheels.glob("pytest-*.whl")):
-        command = [ctx.python, "-m", "pip", "--disable-pip-version-check", "install", "--no-index",
-                   "--find-links", str(wheels), "--target", str(ctx.site_directory()), "pytest"]  # fmt: skip
-        log(f"pip install pytest from {wheels} ...")
-        if _run_logged(command, ctx.logs / "pytest-install.log") == 0 and _imports(ctx, "pytest"):
+        others = [w for w in sorted(wheels.glob("*.whl")) if not w.name.startswith("ferrocache-")]
+        try:
+            for other in others:  # pytest and what it needs, pure Python
+                unpack_wheel(other, ctx.site_directory())
+        except (OSError, zipfile.BadZipFile) as err:
+            return f"pytest's wheels in {wheels} did not unpack: {err}"
+        if _imports(ctx, "pytest"):
             return None
-        return f"pytest did not install from {wheels}; see logs/pytest-install.log"
+        return f"pytest does not import from the wheels in {wheels} (all of its dependencies there?)"
     return (
         f"pytest is not installed for {ctx.python}: put its wheels beside the ferrocache wheel "
         f"({PYTEST_WHEELS_COMMAND})"
