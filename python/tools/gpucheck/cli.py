@@ -157,7 +157,7 @@ class Context:
     out: Path
     started: float = field(default_factory=time.monotonic)
     python: str = ""
-    #: Where the wheel was installed (pip --target), first on the children's PYTHONPATH.
+    #: Where the wheel was installed (unpacked, or pip --target), first on the children's PYTHONPATH.
     site: Optional[Path] = None
     on_fake: bool = False
     device_count: int = 1
@@ -171,7 +171,7 @@ class Context:
         return self.out / "raw"
 
     def site_directory(self) -> Path:
-        """The directory pip installs into (``--target``), made on first use, removed at the end."""
+        """The directory ferrocache (and pytest) go into, made on first use, removed at the end."""
         if self.site is None:
             self.site = Path(tempfile.mkdtemp(prefix="gpu-check-site-"))
         return self.site
@@ -251,8 +251,8 @@ def _run_logged(command: Sequence[str], log_file: Path, timeout: Optional[float]
 
 def install(ctx: Context) -> Optional[str]:
     """Installs ferrocache where the workloads will import it; returns the Python to run them
-    with. The wheel goes into a directory of its own (``pip install --target``), put first on
-    the children's PYTHONPATH: this works whatever environment holds PyTorch."""
+    with. The wheel goes into a directory of its own, put first on the children's PYTHONPATH:
+    this works whatever environment holds PyTorch."""
     args = ctx.args
     wheel = os.environ.get(WHEEL_ENV)
     imported = not wheel and not probe_ferrocache(args.python, ctx.env()).startswith("error")
