@@ -90,7 +90,8 @@ else:
         except OSError:
             fake = False
         info.update(device=props.name, device_count=torch.cuda.device_count(),
-                    total_memory=props.total_memory, fake_cuda=fake)
+                    total_memory=props.total_memory, capability=f"{props.major}.{props.minor}",
+                    fake_cuda=fake)
 print(json.dumps(info))
 """
 
@@ -648,6 +649,7 @@ def run(ctx: Context) -> int:
     ctx.device_count = int(info.get("device_count") or 1)
     ctx.report.environment["commit"] = _git_commit()
     ctx.report.environment["CPUs"] = os.cpu_count()
+    ctx.report.environment["nvidia-smi"] = nvidia_smi()
     python = install(ctx)
     if python is None:
         log(f"cannot run: {ctx.report.problem}")
@@ -685,6 +687,16 @@ def probe_ferrocache(python: str, env: dict[str, str]) -> str:
         lines = process.stderr.strip().splitlines() or ["(no output)"]
         return "error: " + lines[-1]
     return process.stdout.strip()
+
+
+def nvidia_smi() -> str:
+    """The driver's view of the GPUs (name, driver version, memory), or why there is none."""
+    command = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+    try:
+        process = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"n/a ({type(err).__name__})"
+    return "; ".join(process.stdout.strip().splitlines()) or f"n/a (exit status {process.returncode})"
 
 
 def _git_commit() -> str:
