@@ -100,7 +100,7 @@ def test_the_whole_run_with_a_pytorch_that_only_claims_a_gpu(tmp_path: Path) -> 
         class version:
             cuda = "12.8"
         class _Props:
-            name, total_memory = "Fake GPU", 80 * 2**30
+            name, total_memory, major, minor = "Fake GPU", 80 * 2**30, 9, 0
         class cuda:
             is_available = staticmethod(lambda: True)
             device_count = staticmethod(lambda: 1)
@@ -116,7 +116,7 @@ def test_the_whole_run_with_a_pytorch_that_only_claims_a_gpu(tmp_path: Path) -> 
     assert process.returncode == 1, process.stderr
     report = json.loads((out / "report.json").read_text())
     assert report["problem"] is None
-    assert report["environment"]["device"] == "Fake GPU"
+    assert report["environment"]["device"] == "Fake GPU" and report["environment"]["capability"] == "9.0"
     assert report["environment"]["ferrocache"].startswith("0.")
     statuses = {c["key"]: c["status"] for c in report["checks"]}
     assert list(statuses) == [
