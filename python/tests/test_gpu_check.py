@@ -443,8 +443,9 @@ def test_only_a_kernel_on_the_fake_counts_as_skipped_on_the_fake(monkeypatch: py
 
 def test_the_chosen_real_torch_tests_exist() -> None:
     """A renamed or removed test must not shorten the GPU's list silently."""
-    chosen = real_torch.chosen(2)
-    assert len(chosen) == len(real_torch.ON_ANY_GPU) + 1 and real_torch.chosen(1) == list(real_torch.ON_ANY_GPU)
+    assert real_torch.chosen(1) == [*real_torch.ON_ANY_GPU, *real_torch.ON_ONE_GPU]
+    assert real_torch.chosen(2) == [*real_torch.ON_ANY_GPU, *real_torch.ON_TWO_GPUS]
+    chosen = real_torch.chosen(1) + list(real_torch.ON_TWO_GPUS)
     for file, function in chosen:
         source = (REPO / real_torch.DIRECTORY / file).read_text()
         assert f"def {function}(" in source, (file, function)

@@ -20,7 +20,6 @@ ON_ANY_GPU = (
     ("test_install_real.py", "test_the_settings_given_reach_the_library"),
     ("test_install_real.py", "test_the_log_level_given_is_used_and_a_bad_one_refused"),
     ("test_real_torch.py", "test_install_after_cuda_is_initialised_is_a_clear_error"),
-    ("test_real_torch.py", "test_info_log_lines_from_a_real_pytorch_process"),
     ("test_real_torch.py", "test_bytes_come_back_unchanged_after_thousands_of_allocations"),
     ("test_real_torch.py", "test_a_training_shaped_loop_keeps_reserved_memory_stable"),
     ("test_drop_in.py", "test_memory_stats_have_pytorchs_keys_and_figures"),
@@ -41,13 +40,15 @@ ON_ANY_GPU = (
     ("test_settings_real.py", "test_every_key_is_accepted_or_refused_as_by_pytorch"),
     ("test_settings_real.py", "test_snapshot_allocator_settings_are_pytorchs"),
 )
+#: Those that expect exactly one GPU (the log line says "for 1 device(s)").
+ON_ONE_GPU = (("test_real_torch.py", "test_info_log_lines_from_a_real_pytorch_process"),)
 #: Those that need a second GPU.
 ON_TWO_GPUS = (("test_real_torch.py", "test_tensors_on_the_second_device_use_its_allocator"),)
 
 
 def chosen(device_count: int) -> list[tuple[str, str]]:
     """The tests for a machine with ``device_count`` GPUs."""
-    return list(ON_ANY_GPU) + (list(ON_TWO_GPUS) if device_count >= 2 else [])
+    return list(ON_ANY_GPU) + list(ON_ONE_GPU if device_count == 1 else ON_TWO_GPUS)
 
 
 def node_ids(tests: list[tuple[str, str]]) -> list[str]:
