@@ -17,11 +17,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
-from torch_env import GIB, require_real_torch
+from torch_env import FAKE_CUDA, GIB, require_real_torch
 
 require_real_torch()
+if not FAKE_CUDA:  # on a GPU, scripts/gpu-check is the real thing, not a rehearsal
+    pytest.skip("the rehearsal runs on the fake CUDA", allow_module_level=True)
 
 GPU_CHECK = REPO / "scripts" / "gpu-check"
 DOCS_RESULTS = REPO / "docs" / "gpu-results.md"
