@@ -240,17 +240,17 @@ fn require_device(driver: &Driver, ptr: u64) -> Outcome {
 
 const LEGACY_STREAM: *mut c_void = std::ptr::null_mut();
 
-/// Memsets are asynchronous with respect to the host for device memory.
+/// A memset of device memory on `stream`: asynchronous with respect to the host.
+fn memset(driver: &mut Driver, dst: u64, value: u8, count: usize, stream: *mut c_void) -> Outcome {
+    require_device(driver, dst)?;
+    let count = count as u64;
+    enqueue(driver, stream, Node::Set { dst, value, count }, "a memset")
+}
+
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemsetD8_v2(dptr: u64, value: u8, count: usize) -> CuResult {
     call("cuMemsetD8_v2", |driver| {
-        require_device(driver, dptr)?;
-        let node = Node::Set {
-            dst: dptr,
-            value,
-            count: count as u64,
-        };
-        enqueue(driver, LEGACY_STREAM, node, "cuMemsetD8")
+        memset(driver, dptr, value, count, LEGACY_STREAM)
     })
 }
 
@@ -262,13 +262,7 @@ pub extern "C" fn cuMemsetD8Async(
     stream: *mut c_void,
 ) -> CuResult {
     call("cuMemsetD8Async", |driver| {
-        require_device(driver, dptr)?;
-        let node = Node::Set {
-            dst: dptr,
-            value,
-            count: count as u64,
-        };
-        enqueue(driver, stream, node, "cuMemsetD8Async")
+        memset(driver, dptr, value, count, stream)
     })
 }
 
