@@ -21,6 +21,7 @@
 pub mod demo;
 pub mod demo_fsdp;
 pub mod engine;
+pub mod faithful;
 pub mod job;
 mod op_list;
 pub mod pickle;
@@ -30,8 +31,8 @@ pub mod snapshot;
 pub mod workload;
 
 pub use engine::{
-    DEFAULT_CAPACITY, MemoryPoint, NativeFigures, ReplayOptions, ReplayReport, SegmentMismatch,
-    StartReport, StartState, replay,
+    DEFAULT_CAPACITY, MemoryPoint, Misplacement, NativeFigures, ReleaseMismatch, ReplayOptions,
+    ReplayReport, SegmentMismatch, StartReport, StartState, replay,
 };
 pub use job::{JobSummary, RankError, assign_ranks, rank_of_path};
 pub use pickle::{Document, PickleError, PickleErrorKind, PickleValue, ValueRef};
@@ -41,8 +42,9 @@ pub use snapshot::{
     parse_snapshot,
 };
 pub use workload::{
-    Allocation, BlockSizeSource, DeviceWorkload, Diagnostics, Figures, Op, OpOrigin,
-    SegmentDecision, SegmentDecisionKind, StartAllocation, StartSegment, TimelinePoint, Workload,
+    Allocation, BlockSizeSource, DeviceWorkload, Diagnostics, Figures, Op, OpOrigin, Placement,
+    SegmentDecision, SegmentDecisionKind, SegmentRef, SegmentRelease, StartAllocation,
+    StartSegment, TimelinePoint, Workload,
 };
 
 use std::fmt;

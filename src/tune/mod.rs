@@ -651,6 +651,7 @@ pub fn serve_final_oom(workload: &mut DeviceWorkload) -> Option<u64> {
         requested_size: size,
         stream,
         live_at_start: false,
+        placed: None,
     });
     workload.ops[at] = Op::Alloc { id, size, stream };
     Some(size)
