@@ -22,7 +22,8 @@
 //! allocations of the same total size; when both made exactly one, that is the same size.
 
 use super::workload::{
-    DeviceWorkload, Op, Placement, SegmentDecision, SegmentRef, StartAllocation, StartSegment,
+    DeviceWorkload, Op, Placement, SegmentDecision, SegmentDecisionKind, SegmentRef,
+    StartAllocation, StartSegment,
 };
 use crate::allocator::{AllocError, DeviceAllocator, ImportedBlock};
 use crate::config::Config;
@@ -341,6 +342,23 @@ impl SegmentMap {
         }
     }
 
+    /// The address of the one segment PyTorch made in the malloc of op `op_index`, if it made
+    /// exactly one (`cudaMalloc`, not mapped pages).
+    fn pytorch_segment_for(&self, decisions: &[SegmentDecision], op_index: usize) -> Option<u64> {
+        let mut found = None;
+        for decision in decisions[self.next_decision.min(decisions.len())..]
+            .iter()
+            .take_while(|d| d.serves_op.is_none_or(|op| op <= op_index))
+            .filter(|d| d.serves_op == Some(op_index))
+        {
+            if found.is_some() || decision.kind != SegmentDecisionKind::Alloc {
+                return None;
+            }
+            found = Some(decision.address);
+        }
+        found
+    }
+
     /// Where PyTorch's placement lies in the replay, when its segment is known there.
     fn address_of(&self, placement: Placement) -> Option<u64> {
         let base = match placement.segment {
@@ -390,6 +408,8 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
         }
     };
     let mut segments = SegmentMap::new(workload, start_bases);
+    // From the reconstructed start, segments go where PyTorch's were, as far as known.
+    let faithful_addresses = options.start == StartState::Reconstructed;
     let device_allocs_at_start = allocator.stats().num_device_alloc;
 
     if options.record_timeline {
@@ -403,6 +423,12 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
         match *op {
             Op::Alloc { id, size, stream } => {
                 report.events += 1;
+                if faithful_addresses {
+                    // A segment made here lands where PyTorch's did (ties by address).
+                    let address =
+                        segments.pytorch_segment_for(&workload.segment_decisions, op_index);
+                    allocator.device_mut().prefer_next_address(address);
+                }
                 let before = DeviceCounts::of(&allocator);
                 let result = if size > LARGEST_SANE_REQUEST {
                     None
@@ -438,6 +464,7 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
                     placed_at,
                     device_allocations.get(allocations_before),
                 );
+                allocator.device_mut().prefer_next_address(None);
                 if let Some(placement) = workload
                     .allocations
                     .get(id as usize)
@@ -624,7 +651,11 @@ fn reconstructed_start(
         );
     }
     // Every segment once: the order given, then any it left out.
-    let order = workload.start_order.iter().copied().chain(0..segments.len());
+    let order = workload
+        .start_order
+        .iter()
+        .copied()
+        .chain(0..segments.len());
     for index in order.filter(|&i| i < segments.len()) {
         let (segment, allocations) = (&segments[index], &by_segment[index]);
         if imported[index] {
@@ -641,11 +672,16 @@ fn reconstructed_start(
                 requested_size: a.requested_size as usize,
             })
             .collect();
+        // At PyTorch's address, where it is free: ties by address break as in PyTorch.
+        allocator
+            .device_mut()
+            .prefer_next_address(Some(segment.address));
         let imported = usize::try_from(segment.size).ok().and_then(|size| {
             allocator
                 .import_segment(size, segment.stream, segment.pool, &blocks)
                 .ok()
         });
+        allocator.device_mut().prefer_next_address(None);
         match imported {
             Some((base, placed)) => {
                 bases[index] = Some(base);
@@ -859,21 +895,24 @@ fn compare_releases(
         op.and_then(|i| workload.op_origins.get(i))
             .map(|o| o.trace_index)
     };
-    let mismatch = |op_index: Option<usize>, pytorch: (usize, u64), ours: Option<&DeviceAllocation>| {
-        ReleaseMismatch {
-            op_index,
-            trace_index: trace_index(op_index),
-            pytorch_segments: pytorch.0,
-            pytorch_bytes: pytorch.1,
-            ferrocache_segments: ours.map_or(0, |a| u64::from(a.count)),
-            ferrocache_bytes: ours.map_or(0, |a| a.bytes),
-        }
-    };
+    let mismatch =
+        |op_index: Option<usize>, pytorch: (usize, u64), ours: Option<&DeviceAllocation>| {
+            ReleaseMismatch {
+                op_index,
+                trace_index: trace_index(op_index),
+                pytorch_segments: pytorch.0,
+                pytorch_bytes: pytorch.1,
+                ferrocache_segments: ours.map_or(0, |a| u64::from(a.count)),
+                ferrocache_bytes: ours.map_or(0, |a| a.bytes),
+            }
+        };
     // PyTorch's releases by op (a malloc's retry and an empty_cache never share one).
     let mut groups: Vec<(Option<usize>, usize, u64)> = Vec::new();
     for release in &workload.segment_releases {
         match groups.last_mut() {
-            Some((op, segments, bytes)) if release.op_index.is_some() && *op == release.op_index => {
+            Some((op, segments, bytes))
+                if release.op_index.is_some() && *op == release.op_index =>
+            {
                 *segments += release.segments;
                 *bytes = bytes.saturating_add(release.bytes);
             }
@@ -889,7 +928,11 @@ fn compare_releases(
             continue;
         };
         while our_index < ours.len() && ours[our_index].op_index < op {
-            mismatches.push(mismatch(Some(ours[our_index].op_index), (0, 0), Some(&ours[our_index])));
+            mismatches.push(mismatch(
+                Some(ours[our_index].op_index),
+                (0, 0),
+                Some(&ours[our_index]),
+            ));
             our_index += 1;
         }
         let ours_here = ours.get(our_index).filter(|a| a.op_index == op);

@@ -22,8 +22,9 @@
 //! All of it under the settings the recording ran with, from the reconstructed start, on a
 //! simulated GPU large enough for the recording.
 
+use super::bytes;
 use super::engine::{self, DEFAULT_CAPACITY, ReplayOptions, ReplayReport, StartState};
-use super::workload::{DeviceWorkload, SegmentRef};
+use super::workload::{DeviceWorkload, Op, SegmentRef};
 use crate::config::Config;
 use crate::policy::TieRule;
 
@@ -155,4 +156,232 @@ pub fn tie_rule_key(rule: TieRule) -> &'static str {
         TieRule::BlockOrder => "block_order",
         TieRule::SegmentOrder => "segment_order",
     }
+}
+
+/// Replays `workload` under `recorded` (the settings it ran with) from the reconstructed start
+/// on a simulated GPU of `capacity` bytes, and says how closely that reproduced it.
+pub fn self_check(workload: &DeviceWorkload, recorded: &Config, capacity: u64) -> Reproduction {
+    let options = ReplayOptions {
+        capacity,
+        start: StartState::Reconstructed,
+        record_timeline: false,
+    };
+    Reproduction::of(workload, &engine::replay(workload, recorded, &options))
+}
+
+/// How closely a replay under the recording's own settings, from the reconstructed start,
+/// reproduced the recording: the self-check `replay` and `tune` print.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reproduction {
+    /// PyTorch's `segment_alloc` + `segment_map`, and how many ferrocache made identically.
+    pub segment_allocs: u64,
+    pub matching_segment_allocs: u64,
+    /// Device allocations ferrocache made where PyTorch made none (or made others).
+    pub other_segment_allocs: usize,
+    /// PyTorch's `segment_free` + `segment_unmap`, and how many ferrocache gave back alike.
+    pub segment_frees: u64,
+    pub matching_segment_frees: u64,
+    /// Allocations placed where PyTorch placed them, of those checked.
+    pub placements_checked: u64,
+    pub placements_matching: u64,
+    pub peak_reserved: u64,
+    pub recorded_peak_reserved: u64,
+    /// The first difference, in words; `None` when there is none.
+    pub first_difference: Option<String>,
+    /// The rule ties were broken by, and whether the recording's decisions told it.
+    pub tie_rule: TieRule,
+    pub tie_rule_found: bool,
+    /// Start segments imported out of address order (PyTorch made them in another order).
+    pub start_segments_reordered: usize,
+}
+
+impl Reproduction {
+    /// The self-check of `report`, a replay of `workload` under its recorded settings from the
+    /// reconstructed start.
+    pub fn of(workload: &DeviceWorkload, report: &ReplayReport) -> Reproduction {
+        let reordered = workload
+            .start_order
+            .iter()
+            .enumerate()
+            .filter(|&(place, &segment)| place != segment)
+            .count();
+        Reproduction {
+            segment_allocs: workload.segment_decisions.len() as u64,
+            matching_segment_allocs: report.matching_segment_allocs,
+            other_segment_allocs: report
+                .mismatches
+                .iter()
+                .filter(|m| m.ferrocache_count > 0)
+                .count(),
+            segment_frees: report.native_segment_releases,
+            matching_segment_frees: report.matching_segment_releases,
+            placements_checked: report.placements_checked,
+            placements_matching: report.placements_matching,
+            peak_reserved: report.peak_reserved,
+            recorded_peak_reserved: workload.figures.peak_reserved,
+            first_difference: describe_first_difference(workload, report),
+            tie_rule: report.tie_rule,
+            tie_rule_found: workload.tie_rule.is_some(),
+            start_segments_reordered: reordered,
+        }
+    }
+
+    /// Every segment decision PyTorch made, made identically (and no other), and the
+    /// recorded peak reserved reached.
+    pub fn reproduced(&self) -> bool {
+        self.matching_segment_allocs == self.segment_allocs
+            && self.other_segment_allocs == 0
+            && self.matching_segment_frees == self.segment_frees
+            && self.peak_reserved == self.recorded_peak_reserved
+    }
+
+    /// The self-check as JSON (the keys as the fields, `reproduced`, `tie_rule` by its key).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "reproduced": self.reproduced(),
+            "segment_allocs": self.segment_allocs,
+            "matching_segment_allocs": self.matching_segment_allocs,
+            "other_segment_allocs": self.other_segment_allocs,
+            "segment_frees": self.segment_frees,
+            "matching_segment_frees": self.matching_segment_frees,
+            "placements_checked": self.placements_checked,
+            "placements_matching": self.placements_matching,
+            "peak_reserved_bytes": self.peak_reserved,
+            "recorded_peak_reserved_bytes": self.recorded_peak_reserved,
+            "first_difference": self.first_difference,
+            "tie_rule": tie_rule_key(self.tie_rule),
+            "tie_rule_found": self.tie_rule_found,
+            "start_segments_reordered": self.start_segments_reordered,
+        })
+    }
+
+    /// One sentence: reproduced or not, the counts, the peaks, the first difference, the start
+    /// order and the tie rule.
+    pub fn describe(&self) -> String {
+        let mut text = format!(
+            "{}: {} of PyTorch's {} segment_alloc and {} of its {} segment_free made identically",
+            if self.reproduced() {
+                "reproduced"
+            } else {
+                "NOT reproduced"
+            },
+            self.matching_segment_allocs,
+            self.segment_allocs,
+            self.matching_segment_frees,
+            self.segment_frees
+        );
+        if self.other_segment_allocs > 0 {
+            text.push_str(&format!(
+                " (and device allocations PyTorch did not make in {} malloc(s))",
+                self.other_segment_allocs
+            ));
+        }
+        if self.placements_checked > 0 {
+            text.push_str(&format!(
+                ", {} of {} allocations placed where PyTorch placed them",
+                self.placements_matching, self.placements_checked
+            ));
+        }
+        text.push_str(&format!(
+            "; peak reserved {}, recorded {}",
+            bytes(self.peak_reserved),
+            bytes(self.recorded_peak_reserved)
+        ));
+        if self.peak_reserved != self.recorded_peak_reserved {
+            let change = self.peak_reserved as f64 / self.recorded_peak_reserved.max(1) as f64;
+            text.push_str(&format!(" ({:+.1}%)", 100.0 * (change - 1.0)));
+        }
+        if let Some(difference) = &self.first_difference {
+            text.push_str(&format!("; the first difference: {difference}"));
+        }
+        if self.start_segments_reordered > 0 {
+            text.push_str(&format!(
+                "; {} start segments imported in the order PyTorch made them, not by address",
+                self.start_segments_reordered
+            ));
+        }
+        text.push_str(&format!(
+            "; ties between equal cached blocks go to {} ({})",
+            tie_rule_name(self.tie_rule),
+            if self.tie_rule_found {
+                "found from the recording's decisions"
+            } else {
+                "assumed: the recording's decisions reproduce alike under every rule"
+            }
+        ));
+        text
+    }
+}
+
+/// The earliest op where the replay departs from the recording, in words.
+fn describe_first_difference(workload: &DeviceWorkload, report: &ReplayReport) -> Option<String> {
+    let at = first_departure(report)?;
+    let place = |op: Option<usize>, trace: Option<usize>| match (op, trace) {
+        (Some(op), Some(entry)) => format!("op {op} (trace entry {entry})"),
+        (Some(op), None) => format!("op {op}"),
+        _ => "a malloc that failed in PyTorch".to_string(),
+    };
+    if let Some(m) = report
+        .mismatches
+        .first()
+        .filter(|m| m.op_index.unwrap_or(0) == at)
+    {
+        let request = m
+            .requested
+            .map(|r| format!(", a request of {}", bytes(r)))
+            .unwrap_or_default();
+        let pytorch = if m.pytorch_sizes.is_empty() {
+            "PyTorch served it from its cache".to_string()
+        } else {
+            let sizes: Vec<String> = m.pytorch_sizes.iter().map(|&s| bytes(s)).collect();
+            format!("PyTorch took {} from the device", sizes.join(" + "))
+        };
+        let ours = if m.ferrocache_count == 0 {
+            "ferrocache served it from its cache".to_string()
+        } else {
+            format!(
+                "ferrocache made {} device allocation(s) of {} in all",
+                m.ferrocache_count,
+                bytes(m.ferrocache_bytes)
+            )
+        };
+        return Some(format!(
+            "{}{request}: {pytorch}, {ours}",
+            place(m.op_index, m.trace_index)
+        ));
+    }
+    if let Some(m) = report
+        .release_mismatches
+        .first()
+        .filter(|m| m.op_index.unwrap_or(0) == at)
+    {
+        let what = match m.op_index.and_then(|op| workload.ops.get(op)) {
+            Some(Op::EmptyCache) => "an empty_cache()",
+            _ => "a malloc",
+        };
+        return Some(format!(
+            "{}, {what}: PyTorch gave back {} segment(s) of {}, ferrocache {} of {}",
+            place(m.op_index, m.trace_index),
+            m.pytorch_segments,
+            bytes(m.pytorch_bytes),
+            m.ferrocache_segments,
+            bytes(m.ferrocache_bytes)
+        ));
+    }
+    let m = report.first_misplacement.as_ref()?;
+    let segment = |s: SegmentRef| match s {
+        SegmentRef::Start(i) => format!("start segment {i}"),
+        SegmentRef::Decision(d) => format!("the segment of its decision {d}"),
+    };
+    let ours = match m.ferrocache_start_segment {
+        Some(i) => format!("start segment {i}"),
+        None => "another segment".to_string(),
+    };
+    Some(format!(
+        "{}, a request of {}: PyTorch placed it in {} at offset {}, ferrocache in {ours}",
+        place(Some(m.op_index), m.trace_index),
+        bytes(m.requested),
+        segment(m.pytorch.segment),
+        m.pytorch.offset
+    ))
 }

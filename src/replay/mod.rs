@@ -49,6 +49,18 @@ pub use workload::{
 
 use std::fmt;
 
+/// Bytes as GiB from 1 GiB up, else as MiB.
+pub fn bytes(value: u64) -> String {
+    const MIB: f64 = (1u64 << 20) as f64;
+    const GIB: f64 = (1u64 << 30) as f64;
+    let v = value as f64;
+    if v >= GIB {
+        format!("{:.2} GiB", v / GIB)
+    } else {
+        format!("{:.1} MiB", v / MIB)
+    }
+}
+
 /// What kind of problem stopped a snapshot from being read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReplayErrorKind {

@@ -1,9 +1,7 @@
 //! The op list a built-in demo workload is written into (`demo`, `demo_fsdp`): allocations and
 //! frees in program order, with the figures the replayer reports against.
 
-use super::workload::{
-    Allocation, DeviceWorkload, Figures, Op, OpOrigin,
-};
+use super::workload::{Allocation, DeviceWorkload, Figures, Op, OpOrigin};
 
 /// A demo program under construction.
 #[derive(Default)]

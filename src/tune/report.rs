@@ -10,7 +10,6 @@ use std::fmt::Write;
 /// Candidates shown in the table, besides the defaults and the recorded setting.
 pub const TOP: usize = 10;
 const GIB: f64 = (1u64 << 30) as f64;
-const MIB: f64 = (1u64 << 20) as f64;
 
 /// What the text needs beyond the search itself.
 #[derive(Debug, Clone, Default)]
@@ -22,15 +21,7 @@ pub struct TextOptions {
     pub top: Option<usize>,
 }
 
-/// Bytes as GiB from 1 GiB up, else as MiB.
-pub fn bytes(value: u64) -> String {
-    let v = value as f64;
-    if v >= GIB {
-        format!("{:.2} GiB", v / GIB)
-    } else {
-        format!("{:.1} MiB", v / MIB)
-    }
-}
+pub use crate::replay::bytes;
 
 /// 12345 as "12,345".
 pub fn grouped(value: u64) -> String {
