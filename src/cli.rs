@@ -342,6 +342,7 @@ fn replay_command(args: &ReplayArgs) -> u8 {
                 }
             }
         }
+        notes.extend(idle_devices_note(&path.display().to_string(), &workload));
         let several = workload.devices.len() > 1;
         for device in &workload.devices {
             let trace = if several {
@@ -579,6 +580,25 @@ fn emit(json: bool, row: Row, rows: &mut Vec<Row>) {
         let _ = writeln!(out, "{value}");
     }
     rows.push(row);
+}
+
+/// Names the devices a snapshot holds segments of but recorded nothing on (not replayed).
+fn idle_devices_note(trace: &str, workload: &Workload) -> Option<String> {
+    if workload.idle_devices.is_empty() {
+        return None;
+    }
+    let list = |devices: &mut dyn Iterator<Item = usize>| {
+        devices
+            .map(|d| d.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    Some(format!(
+        "{trace}: device(s) {} hold segments but recorded no trace events, so there is nothing \
+         to replay there; replayed: device(s) {}",
+        list(&mut workload.idle_devices.iter().copied()),
+        list(&mut workload.devices.iter().map(|d| d.device))
+    ))
 }
 
 /// What a person should know about a recorded workload before trusting its rows.
@@ -1037,6 +1057,7 @@ fn tune_command(args: &TuneArgs) -> u8 {
         };
         let name = path.display().to_string();
         let workload = Workload::reconstruct(&snapshot);
+        notes.extend(idle_devices_note(&name, &workload));
         for device in &workload.devices {
             notes.extend(workload_notes(&name, &workload, device, &probe));
             if let Some(capacity) = tune::recorded_capacity(&snapshot, device) {

@@ -41,10 +41,10 @@ MIB = 1 << 20
 
 #: name -> (device index, fake devices, PYTORCH_CUDA_ALLOC_CONF, layers, PyTorch version)
 SHAPES = {
-    "calibration": (0, 1, "", 4, "2.15"),
-    "calibration_two_devices": (1, 2, "", 2, "2.15"),
-    "calibration_expandable": (0, 1, "expandable_segments:True", 2, "2.15"),
-    "calibration_torch_2_11": (0, 1, "", 2, "2.11"),
+    "calibration": (0, 1, "", 3, "2.15"),
+    "calibration_two_devices": (1, 2, "", 1, "2.15"),
+    "calibration_expandable": (0, 1, "expandable_segments:True", 1, "2.15"),
+    "calibration_torch_2_11": (0, 1, "", 1, "2.11"),
 }
 
 

@@ -331,8 +331,12 @@ pub struct Workload {
     pub config: Config,
     /// Whether the snapshot recorded its allocator settings.
     pub settings_recorded: bool,
-    /// Devices that have trace events or segments, by device index.
+    /// Devices that have trace events, by device index.
     pub devices: Vec<DeviceWorkload>,
+    /// Devices that hold segments but have no trace events: nothing happened on them while
+    /// recording (a snapshot lists every device's trace, most of them empty on a process that
+    /// recorded one GPU), so there is nothing to replay.
+    pub idle_devices: Vec<usize>,
 }
 
 impl Workload {
@@ -342,15 +346,19 @@ impl Workload {
     pub fn reconstruct(snapshot: &Snapshot) -> Workload {
         let config = snapshot.config();
         let assumed = crate::config::tie_rule_from_env();
-        let mut device_ids: BTreeSet<usize> = snapshot.segments.iter().map(|s| s.device).collect();
-        device_ids.extend(
-            snapshot
-                .device_traces
-                .iter()
-                .enumerate()
-                .filter(|(_, trace)| !trace.is_empty())
-                .map(|(d, _)| d),
-        );
+        let device_ids: BTreeSet<usize> = snapshot
+            .device_traces
+            .iter()
+            .enumerate()
+            .filter(|(_, trace)| !trace.is_empty())
+            .map(|(d, _)| d)
+            .collect();
+        let idle_devices: BTreeSet<usize> = snapshot
+            .segments
+            .iter()
+            .map(|s| s.device)
+            .filter(|d| !device_ids.contains(d))
+            .collect();
         let devices = device_ids
             .into_iter()
             .map(|device| {
@@ -368,6 +376,7 @@ impl Workload {
             config,
             settings_recorded: snapshot.allocator_settings.is_some(),
             devices,
+            idle_devices: idle_devices.into_iter().collect(),
         }
     }
 
