@@ -669,7 +669,7 @@ fn reconstructed_start(
             .map(|a| ImportedBlock {
                 offset: a.offset as usize,
                 size: a.size as usize,
-                requested_size: a.requested_size as usize,
+                requested_size: requested_within_block(a),
             })
             .collect();
         // At PyTorch's address, where it is free: ties by address break as in PyTorch.
@@ -751,7 +751,7 @@ fn import_expandable_segments<'a>(
                 blocks.push(ImportedBlock {
                     offset: (segment.address - first + allocation.offset) as usize,
                     size: allocation.size as usize,
-                    requested_size: allocation.requested_size as usize,
+                    requested_size: requested_within_block(allocation),
                 });
                 placed.push(allocation);
             }
@@ -777,6 +777,12 @@ fn import_expandable_segments<'a>(
         }
     }
     misplaced
+}
+
+/// An imported block's requested size: never more than the block (as in PyTorch; a hostile
+/// snapshot's larger figure would overflow the statistics).
+fn requested_within_block(allocation: &StartAllocation) -> usize {
+    allocation.requested_size.min(allocation.size) as usize
 }
 
 /// Splits a segment's allocations into those whose recorded place is possible (aligned, inside

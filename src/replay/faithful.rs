@@ -31,6 +31,10 @@ use crate::policy::TieRule;
 /// Every tie rule PyTorch has had, newest first.
 pub const TIE_RULES: [TieRule; 3] = [TieRule::SegmentOrder, TieRule::BlockOrder, TieRule::Address];
 
+/// The simulated GPU is at least as large as the recording needs, up to this (1 PiB): a
+/// hostile snapshot's absurd sizes are then refused as out of memory, not counted.
+const LARGEST_GPU: u64 = 1 << 50;
+
 /// At most this many reorderings of the start segments per tie rule: each one is a replay.
 const MAX_REORDERINGS: usize = 64;
 
@@ -72,6 +76,11 @@ pub fn first_departure(report: &ReplayReport) -> Option<usize> {
 /// Sets `workload.start_order` and `workload.tie_rule`.
 pub fn settle(workload: &mut DeviceWorkload, recorded: &Config, assumed: TieRule) {
     workload.tie_rule = None;
+    // Only a trace that leads from the reconstructed start to the recorded end state says
+    // anything about the order or the rule; the rest keep address order and the assumed rule.
+    if !workload.diagnostics.is_consistent(&workload.figures) {
+        return;
+    }
     let address_order = workload.start_order.clone();
     let rules = std::iter::once(assumed).chain(TIE_RULES.into_iter().filter(|&r| r != assumed));
     let mut best: Option<(Closeness, TieRule, Vec<usize>)> = None;
@@ -100,7 +109,9 @@ fn settle_order(workload: &mut DeviceWorkload, recorded: &Config, rule: TieRule)
     let mut config = recorded.clone();
     config.tie_rule = rule;
     let options = ReplayOptions {
-        capacity: DEFAULT_CAPACITY.max(workload.figures.peak_reserved.saturating_mul(2)),
+        capacity: DEFAULT_CAPACITY
+            .max(workload.figures.peak_reserved.saturating_mul(2))
+            .min(LARGEST_GPU),
         start: StartState::Reconstructed,
         record_timeline: false,
     };
