@@ -20,6 +20,16 @@
 //! accumulated reserved bytes), which costs two loads per `malloc` instead of a trace. A PyTorch
 //! segment decision matches when ferrocache, in the malloc of the same op, made as many device
 //! allocations of the same total size; when both made exactly one, that is the same size.
+//! Releases are matched the same way (`num_device_free` and the freed bytes around each
+//! `malloc` and `empty_cache`, against PyTorch's `segment_free` runs by op), and every
+//! allocation the trace made in an ordinary segment is checked at PyTorch's offset in the same
+//! segment (a start segment, or the one ferrocache made for PyTorch's decision): the
+//! [`super::faithful`] self-check, and how the start order is found.
+//!
+//! **PyTorch's addresses.** From the reconstructed start, every start segment, and every segment
+//! made for a request PyTorch made one for, is placed at PyTorch's address where that range is
+//! free ([`SimDevice::prefer_next_address`]), so that ties broken by address (PyTorch up to
+//! 2.11) break as they did; start segments are imported in `DeviceWorkload::start_order`.
 
 use super::workload::{
     DeviceWorkload, Op, Placement, SegmentDecision, SegmentDecisionKind, SegmentRef,
