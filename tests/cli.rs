@@ -184,7 +184,10 @@ fn shared_traces_replay_as_pytorch_did() {
         let check = &row["self_check"];
         assert_eq!(check["reproduced"], true, "{check}");
         assert_eq!(check["placements_matching"], check["placements_checked"]);
-        assert_eq!(check["peak_reserved_bytes"], row["native_peak_reserved_bytes"]);
+        assert_eq!(
+            check["peak_reserved_bytes"],
+            row["native_peak_reserved_bytes"]
+        );
     }
     // The text says so, one line per recording, whatever the settings replayed.
     let mut args = vec!["replay", "--conf", "expandable_segments:True"];

@@ -510,7 +510,8 @@ fn calibration_recordings_pass_the_self_check_release_for_release() {
         assert_eq!(check.matching_segment_frees, check.segment_frees, "{name}");
         assert!(check.segment_frees > 0, "{name}: every layer gives back");
         assert_eq!(
-            check.placements_matching, check.placements_checked,
+            check.placements_matching,
+            check.placements_checked,
             "{name}: {}",
             check.describe()
         );
@@ -559,7 +560,10 @@ fn imported_in_address_order_the_replay_departs_and_says_where() {
     let first = &report.mismatches[0];
     assert_eq!(first.requested, Some(384 * MIB));
     assert!(first.pytorch_sizes.is_empty());
-    assert_eq!((first.ferrocache_count, first.ferrocache_bytes), (1, 384 * MIB));
+    assert_eq!(
+        (first.ferrocache_count, first.ferrocache_bytes),
+        (1, 384 * MIB)
+    );
     let first_empty_cache = workload.ops.iter().position(|op| *op == Op::EmptyCache);
     assert!(first.op_index < first_empty_cache);
     assert!(check.describe().starts_with("NOT reproduced: "));
@@ -584,9 +588,9 @@ fn the_tie_rule_is_found_from_the_recordings_own_decisions() {
     let check = faithful::self_check(&workload, &Config::default(), replay::DEFAULT_CAPACITY);
     assert!(check.tie_rule_found);
     assert!(
-        check
-            .describe()
-            .contains("the lower address (PyTorch up to 2.11) (found from the recording's decisions)"),
+        check.describe().contains(
+            "the lower address (PyTorch up to 2.11) (found from the recording's decisions)"
+        ),
         "{}",
         check.describe()
     );
@@ -606,7 +610,8 @@ fn shared_traces_pass_the_self_check_allocation_for_allocation() {
         assert!(check.reproduced(), "{name}: {}", check.describe());
         assert!(check.placements_checked > 1000, "{name}");
         assert_eq!(
-            check.placements_matching, check.placements_checked,
+            check.placements_matching,
+            check.placements_checked,
             "{name}: {}",
             check.describe()
         );

@@ -726,20 +726,28 @@ fn several_device_traces_with_one_filled_replay_that_device() {
     assert!(older.segments.iter().all(|s| s.device == 1));
     let workload = Workload::reconstruct(&older);
     assert!(workload.idle_devices.is_empty());
-    assert_eq!(self_checks(&older)[0].1.segment_allocs, checks[0].1.segment_allocs);
+    assert_eq!(
+        self_checks(&older)[0].1.segment_allocs,
+        checks[0].1.segment_allocs
+    );
 }
 
 #[test]
 fn recordings_without_time_us_replay_alike() {
     let snapshot = calibration_snapshot("calibration.pickle");
-    let with_time = replay::parse_snapshot(&written_back(&snapshot, true, true, None), "t.json").unwrap();
-    let without = replay::parse_snapshot(&written_back(&snapshot, false, true, None), "n.json").unwrap();
+    let with_time =
+        replay::parse_snapshot(&written_back(&snapshot, true, true, None), "t.json").unwrap();
+    let without =
+        replay::parse_snapshot(&written_back(&snapshot, false, true, None), "n.json").unwrap();
     assert!(without.device_traces[0].iter().all(|e| e.time_us == 0));
     assert!(with_time.device_traces[0].iter().any(|e| e.time_us != 0));
     let (a, b) = (self_checks(&with_time), self_checks(&without));
     assert!(b[0].1.reproduced(), "{}", b[0].1.describe());
     assert_eq!(a, b);
-    let (a, b) = (Workload::reconstruct(&with_time), Workload::reconstruct(&without));
+    let (a, b) = (
+        Workload::reconstruct(&with_time),
+        Workload::reconstruct(&without),
+    );
     assert_eq!(a.devices[0].ops, b.devices[0].ops);
     assert_eq!(a.devices[0].start_order, b.devices[0].start_order);
 }

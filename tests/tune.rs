@@ -627,7 +627,10 @@ fn calibration_recordings_pass_the_self_check_and_get_a_recommendation() {
     assert_eq!(tuned["traces"][0]["self_check"]["tie_rule_found"], true);
     let output = ferrocache(&["tune", &trace]);
     // The text is wrapped: compare it word by word.
-    let text = stdout(&output).split_whitespace().collect::<Vec<_>>().join(" ");
+    let text = stdout(&output)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
     assert!(
         text.contains(&format!(
             "Self-check, {trace}: reproduced: 12 of PyTorch's 12 segment_alloc and 10 of its 10 \
@@ -673,13 +676,17 @@ fn tune_claims_no_saving_on_a_recording_its_replay_does_not_reproduce() {
     assert!(tuned["saving_vs_defaults"].is_null());
     let because = tuned["not_claimed_because"].as_str().unwrap();
     assert!(
-        because.contains("does not reproduce the recording") && because.contains("first difference"),
+        because.contains("does not reproduce the recording")
+            && because.contains("first difference"),
         "{because}"
     );
     let output = ferrocache(&["tune", &file]);
     assert!(output.status.success());
     let text = stdout(&output);
-    assert!(text.contains("No setting is recommended: the replay of"), "{text}");
+    assert!(
+        text.contains("No setting is recommended: the replay of"),
+        "{text}"
+    );
     assert!(!text.contains("export PYTORCH_CUDA_ALLOC_CONF"), "{text}");
     assert!(text.contains(": NOT reproduced: "), "{text}");
     let output = ferrocache(&["replay", &file]);

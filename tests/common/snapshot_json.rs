@@ -62,4 +62,3 @@ pub fn written_back(
     }
     serde_json::to_vec(&document).unwrap()
 }
-
