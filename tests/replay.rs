@@ -409,6 +409,17 @@ fn native_recordings_that_begin_with_empty_cache_replay_every_decision() {
         );
         assert_eq!(report.segment_allocs, native.segment_allocs, "{name}");
         assert_eq!(report.peak_reserved, native.peak_reserved, "{name}");
+        let check = faithful::self_check(
+            &workload,
+            &Config::parse(conf).unwrap(),
+            replay::DEFAULT_CAPACITY,
+        );
+        assert!(check.reproduced(), "{name}: {}", check.describe());
+        assert_eq!(check.matching_segment_frees, check.segment_frees, "{name}");
+        assert_eq!(
+            check.placements_matching, check.placements_checked,
+            "{name}"
+        );
     }
 }
 
