@@ -611,13 +611,19 @@ fn the_tie_rule_is_found_from_the_recordings_own_decisions() {
 /// PyTorch's peak.
 #[test]
 fn shared_traces_pass_the_self_check_allocation_for_allocation() {
-    for name in [
-        "eor_nn.pickle",
-        "cs336_memory_ctx128_forward.pickle",
-        "bcrafton_0c0e8a7.pickle",
+    use ferrocache::policy::TieRule::{Address, SegmentOrder};
+    // Their placements tell the rule: eor_nn and cs336 were recorded by a PyTorch that broke
+    // ties by address; bcrafton's rule out only the block rule of 2.12.
+    for (name, alike) in [
+        ("eor_nn.pickle", &[Address][..]),
+        ("cs336_memory_ctx128_forward.pickle", &[Address][..]),
+        ("bcrafton_0c0e8a7.pickle", &[SegmentOrder, Address][..]),
     ] {
         let Some(workload) = trace(name) else { return };
+        assert_eq!(workload.tie_rules_alike, alike, "{name}");
         let check = faithful::self_check(&workload, &Config::default(), replay::DEFAULT_CAPACITY);
+        assert_eq!(check.tie_rule, alike[0], "{name}");
+        assert_eq!(check.tie_rule_found, alike.len() == 1, "{name}");
         assert!(check.reproduced(), "{name}: {}", check.describe());
         assert!(check.placements_checked > 1000, "{name}");
         assert_eq!(

@@ -73,9 +73,10 @@ pub fn first_departure(report: &ReplayReport) -> Option<usize> {
 
 /// Finds the start order and the tie rule of `workload`'s recording, made under `recorded`
 /// (the settings it ran with); `assumed` is the rule kept where the decisions do not tell.
-/// Sets `workload.start_order` and `workload.tie_rule`.
+/// Sets `workload.start_order`, `workload.tie_rule` and `workload.tie_rules_alike`.
 pub fn settle(workload: &mut DeviceWorkload, recorded: &Config, assumed: TieRule) {
     workload.tie_rule = None;
+    workload.tie_rules_alike.clear();
     // Only a trace that leads from the reconstructed start to the recorded end state says
     // anything about the order or the rule; the rest keep address order and the assumed rule.
     if !workload.diagnostics.is_consistent(&workload.figures) {
@@ -83,24 +84,23 @@ pub fn settle(workload: &mut DeviceWorkload, recorded: &Config, assumed: TieRule
     }
     let address_order = workload.start_order.clone();
     let rules = std::iter::once(assumed).chain(TIE_RULES.into_iter().filter(|&r| r != assumed));
-    let mut best: Option<(Closeness, TieRule, Vec<usize>)> = None;
-    let mut all_equal = true;
-    for rule in rules {
-        workload.start_order = address_order.clone();
-        let closeness = settle_order(workload, recorded, rule);
-        match &best {
-            Some((close, _, _)) if closeness <= *close => all_equal &= closeness == *close,
-            Some(_) => {
-                all_equal = false;
-                best = Some((closeness, rule, workload.start_order.clone()));
-            }
-            None => best = Some((closeness, rule, workload.start_order.clone())),
-        }
-    }
-    if let Some((_, rule, order)) = best {
-        workload.start_order = order;
-        workload.tie_rule = (!all_equal).then_some(rule);
-    }
+    let tried: Vec<(Closeness, TieRule, Vec<usize>)> = rules
+        .map(|rule| {
+            workload.start_order = address_order.clone();
+            let closeness = settle_order(workload, recorded, rule);
+            (closeness, rule, workload.start_order.clone())
+        })
+        .collect();
+    let Some(best) = tried.iter().map(|(closeness, _, _)| *closeness).max() else {
+        return;
+    };
+    // The assumed rule first among the best.
+    let alike: Vec<&(Closeness, TieRule, Vec<usize>)> =
+        tried.iter().filter(|(c, _, _)| *c == best).collect();
+    let (_, rule, order) = alike[0];
+    workload.start_order = order.clone();
+    workload.tie_rules_alike = alike.iter().map(|(_, rule, _)| *rule).collect();
+    workload.tie_rule = (alike.len() < tried.len()).then_some(*rule);
 }
 
 /// Reorders `workload.start_order` under `rule` while that moves the first departure later;
@@ -199,9 +199,13 @@ pub struct Reproduction {
     pub recorded_peak_reserved: u64,
     /// The first difference, in words; `None` when there is none.
     pub first_difference: Option<String>,
-    /// The rule ties were broken by, and whether the recording's decisions told it.
+    /// The rule ties were broken by, and whether the recording's decisions told it (no other
+    /// rule reproduces it as closely).
     pub tie_rule: TieRule,
     pub tie_rule_found: bool,
+    /// The rules that reproduce it as closely as the one used (itself included); empty when
+    /// they were not tried.
+    pub tie_rules_alike: Vec<TieRule>,
     /// Start segments imported out of address order (PyTorch made them in another order).
     pub start_segments_reordered: usize,
 }
@@ -232,7 +236,8 @@ impl Reproduction {
             recorded_peak_reserved: workload.figures.peak_reserved,
             first_difference: describe_first_difference(workload, report),
             tie_rule: report.tie_rule,
-            tie_rule_found: workload.tie_rule.is_some(),
+            tie_rule_found: workload.tie_rules_alike.len() == 1,
+            tie_rules_alike: workload.tie_rules_alike.clone(),
             start_segments_reordered: reordered,
         }
     }
@@ -262,6 +267,7 @@ impl Reproduction {
             "first_difference": self.first_difference,
             "tie_rule": tie_rule_key(self.tie_rule),
             "tie_rule_found": self.tie_rule_found,
+            "tie_rules_alike": self.tie_rules_alike.iter().map(|&r| tie_rule_key(r)).collect::<Vec<_>>(),
             "start_segments_reordered": self.start_segments_reordered,
         })
     }
@@ -311,14 +317,31 @@ impl Reproduction {
                 self.start_segments_reordered
             ));
         }
+        let how = if self.tie_rule_found {
+            "found from the recording's decisions".to_string()
+        } else if self.tie_rules_alike.is_empty() || self.tie_rules_alike.len() == TIE_RULES.len() {
+            "assumed: the recording's decisions reproduce alike under every rule".to_string()
+        } else {
+            let others: Vec<&str> = self
+                .tie_rules_alike
+                .iter()
+                .filter(|&&r| r != self.tie_rule)
+                .map(|&r| tie_rule_name(r))
+                .collect();
+            let ruled_out: Vec<&str> = TIE_RULES
+                .into_iter()
+                .filter(|r| !self.tie_rules_alike.contains(r))
+                .map(tie_rule_name)
+                .collect();
+            format!(
+                "the recording's decisions rule out {}, but reproduce alike under {}",
+                ruled_out.join(" and "),
+                others.join(" and ")
+            )
+        };
         text.push_str(&format!(
-            "; ties between equal cached blocks go to {} ({})",
-            tie_rule_name(self.tie_rule),
-            if self.tie_rule_found {
-                "found from the recording's decisions"
-            } else {
-                "assumed: the recording's decisions reproduce alike under every rule"
-            }
+            "; ties between equal cached blocks go to {} ({how})",
+            tie_rule_name(self.tie_rule)
         ));
         text
     }

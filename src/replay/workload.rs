@@ -319,6 +319,9 @@ pub struct DeviceWorkload {
     /// no rule reproduces the recording better than another, and the replay follows its
     /// settings' rule.
     pub tie_rule: Option<TieRule>,
+    /// The rules that reproduce the recording equally well, the one used first; empty when
+    /// they were not tried (an inconsistent reconstruction, a built workload).
+    pub tie_rules_alike: Vec<TieRule>,
     pub figures: Figures,
     pub timeline: Vec<TimelinePoint>,
     pub diagnostics: Diagnostics,
@@ -1059,6 +1062,7 @@ fn reconstruct_device(
         segment_decisions: forward.decisions,
         segment_releases: forward.releases,
         tie_rule: None,
+        tie_rules_alike: Vec::new(),
         figures: forward.figures,
         timeline: forward.timeline,
         diagnostics,
