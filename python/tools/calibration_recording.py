@@ -92,16 +92,16 @@ def run_calibration(device: int, path: str, model: Model, other_device: bool, re
         # segment is in the snapshot, its trace stays empty.
         parked = torch.empty(8 * MIB, dtype=torch.uint8, device="cuda:0")
 
-    # Before recording: the embedding pass, in two tries (the first at twice the batch, given
-    # up with an empty_cache()). The second try's segment is made after the logits' and lies
-    # below it: the driver hands the freed range out again. What stays: the calibration inputs
-    # at the front of that newer segment, a free block of the inputs' size behind them, and
-    # the logits' segment, older, cached whole; the attention mask and the position ids.
     def record() -> None:
         torch.cuda.memory._record_memory_history(context=None, stacks="python", max_entries=1_000_000)
 
     if record_all:
         record()
+    # The embedding pass, in two tries (the first at twice the batch, given up with an
+    # empty_cache()). The second try's segment is made after the logits' and lies below it: the
+    # driver hands the freed range out again. What stays: the calibration inputs at the front of
+    # that newer segment, a free block of the inputs' size behind them, and the logits'
+    # segment, older, cached whole; the attention mask and the position ids.
     first_try = empty(2 * states)
     logits = empty(states)
     del first_try
@@ -121,7 +121,7 @@ def run_calibration(device: int, path: str, model: Model, other_device: bool, re
         # segment; up to 2.11 the one at the lower address, behind the inputs.
         outputs = empty(states)
         del inputs
-        # The layer's inputs in fp32, the target of its reconstruction loss (392 MiB): at the
+        # The layer's inputs in fp32, the target of its reconstruction loss (384 MiB): at the
         # first layer PyTorch 2.13+ serves it from its cache, the whole segment the inputs left.
         target = empty(2 * states - 8 * MIB)
         weights = {name: empty(rows * cols * 2) for name, rows, cols in m.linears()}
