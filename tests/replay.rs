@@ -398,17 +398,7 @@ fn native_recordings_that_begin_with_empty_cache_replay_every_decision() {
         assert_clean(name, &workload, &report);
         let native = NativeFigures::of(&workload);
         assert!(native.segment_allocs > 10, "{name}");
-        assert!(
-            report.mismatches.is_empty(),
-            "{name}: {:#?}",
-            report.mismatches.first()
-        );
-        assert_eq!(
-            report.matching_segment_allocs, native.segment_allocs,
-            "{name}"
-        );
-        assert_eq!(report.segment_allocs, native.segment_allocs, "{name}");
-        assert_eq!(report.peak_reserved, native.peak_reserved, "{name}");
+        assert_reproduced(name, &workload, &report);
         let check = faithful::self_check(
             &workload,
             &Config::parse(conf).unwrap(),

@@ -430,6 +430,10 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
     let mut device_releases: Vec<DeviceAllocation> = Vec::new();
     let started = Instant::now();
     for (op_index, op) in workload.ops.iter().enumerate() {
+        let before = DeviceCounts::of(&allocator);
+        let allocations_before = device_allocations.len();
+        // For an allocation: its id, requested size and where ferrocache put it (0: nowhere).
+        let mut allocated: Option<(u32, u64, u64)> = None;
         match *op {
             Op::Alloc { id, size, stream } => {
                 report.events += 1;
@@ -439,12 +443,12 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
                         segments.pytorch_segment_for(&workload.segment_decisions, op_index);
                     allocator.device_mut().prefer_next_address(address);
                 }
-                let before = DeviceCounts::of(&allocator);
                 let result = if size > LARGEST_SANE_REQUEST {
                     None
                 } else {
                     Some(allocator.malloc(size as usize, stream))
                 };
+                allocator.device_mut().prefer_next_address(None);
                 let mut placed_at = 0;
                 match result {
                     Some(Ok(ptr)) => {
@@ -460,34 +464,7 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
                         | AllocError::StreamFilter { .. },
                     )) => report.device_errors += 1,
                 }
-                let allocations_before = device_allocations.len();
-                note_device_calls(
-                    op_index,
-                    before,
-                    DeviceCounts::of(&allocator),
-                    &mut device_allocations,
-                    &mut device_releases,
-                );
-                segments.note_malloc(
-                    &workload.segment_decisions,
-                    op_index,
-                    placed_at,
-                    device_allocations.get(allocations_before),
-                );
-                allocator.device_mut().prefer_next_address(None);
-                if let Some(placement) = workload
-                    .allocations
-                    .get(id as usize)
-                    .and_then(|allocation| allocation.placed)
-                {
-                    check_placement(
-                        &mut report,
-                        &segments,
-                        workload,
-                        (op_index, size, placement),
-                        placed_at,
-                    );
-                }
+                allocated = Some((id, size, placed_at));
             }
             Op::Free { id } => {
                 report.events += 1;
@@ -503,19 +480,39 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
             }
             Op::EmptyCache => {
                 report.events += 1;
-                let before = DeviceCounts::of(&allocator);
                 if allocator.empty_cache().is_err() {
                     report.device_errors += 1;
                 }
-                note_device_calls(
-                    op_index,
-                    before,
-                    DeviceCounts::of(&allocator),
-                    &mut device_allocations,
-                    &mut device_releases,
-                );
             }
             Op::Oom { .. } => report.native_ooms += 1,
+        }
+        note_device_calls(
+            op_index,
+            before,
+            DeviceCounts::of(&allocator),
+            &mut device_allocations,
+            &mut device_releases,
+        );
+        if let Some((id, size, placed_at)) = allocated {
+            segments.note_malloc(
+                &workload.segment_decisions,
+                op_index,
+                placed_at,
+                device_allocations.get(allocations_before),
+            );
+            if let Some(placement) = workload
+                .allocations
+                .get(id as usize)
+                .and_then(|allocation| allocation.placed)
+            {
+                check_placement(
+                    &mut report,
+                    &segments,
+                    workload,
+                    (op_index, size, placement),
+                    placed_at,
+                );
+            }
         }
         if options.record_timeline {
             report.timeline.push(memory_point(&allocator));
