@@ -15,7 +15,7 @@
 use crate::config::{self, Config};
 use crate::replay::{
     self, DeviceWorkload, JobSummary, NativeFigures, PlotPanel, PlotSeries, ReplayOptions,
-    ReplayReport, SegmentMismatch, StartState, Workload, demo, demo_fsdp,
+    ReplayReport, StartState, Workload, demo, demo_fsdp, faithful, faithful::Reproduction,
 };
 use crate::tune::report::{bytes, grouped, wrap};
 use crate::tune::{self, Subject, TuneOptions, same_policy, short_trace};
@@ -259,6 +259,8 @@ struct Row {
     conf: String,
     report: ReplayReport,
     native: Option<NativeFigures>,
+    /// The self-check of the row's recording (the same for each of its rows).
+    check: Option<Reproduction>,
 }
 
 /// A parsed `--conf` and its name.
@@ -317,6 +319,9 @@ fn replay_command(args: &ReplayArgs) -> u8 {
 
     let mut rows: Vec<Row> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
+    // The self-check of each recording: replayed under its own settings from the
+    // reconstructed start, how closely that reproduced it.
+    let mut checks: Vec<String> = Vec::new();
     let mut failed = false;
     for (index, path) in args.traces.iter().enumerate() {
         let rank = ranks.as_ref().map(|r| r[index]);
@@ -337,6 +342,7 @@ fn replay_command(args: &ReplayArgs) -> u8 {
                 }
             }
         }
+        notes.extend(idle_devices_note(&path.display().to_string(), &workload));
         let several = workload.devices.len() > 1;
         for device in &workload.devices {
             let trace = if several {
@@ -345,6 +351,8 @@ fn replay_command(args: &ReplayArgs) -> u8 {
                 path.display().to_string()
             };
             notes.extend(workload_notes(&trace, &workload, device, &options));
+            let check = faithful::self_check(device, &workload.config, options.capacity);
+            checks.push(format!("{trace}: {}", check.describe()));
             for setting in &trace_settings {
                 let report = replay::replay(device, &setting.config, &options);
                 let row = Row {
@@ -353,12 +361,8 @@ fn replay_command(args: &ReplayArgs) -> u8 {
                     conf: setting.raw.clone(),
                     native: Some(NativeFigures::of(device)),
                     report,
+                    check: Some(check.clone()),
                 };
-                if options.start == StartState::Reconstructed
-                    && same_policy(&setting.config, &workload.config)
-                {
-                    notes.extend(mismatch_note(&row, device));
-                }
                 notes.extend(start_note(&row, args.capacity_gib));
                 emit(args.json, row, &mut rows);
             }
@@ -382,6 +386,7 @@ fn replay_command(args: &ReplayArgs) -> u8 {
                 conf: setting.raw.clone(),
                 report,
                 native: None,
+                check: None,
             };
             emit(args.json, row, &mut rows);
         }
@@ -419,6 +424,7 @@ fn replay_command(args: &ReplayArgs) -> u8 {
                     conf: setting.raw.clone(),
                     report,
                     native: None,
+                    check: None,
                 };
                 emit(args.json, row, &mut rows);
             }
@@ -457,6 +463,9 @@ fn replay_command(args: &ReplayArgs) -> u8 {
         for job in &jobs {
             say!("{}", job.to_json());
         }
+        for check in &checks {
+            complain!("self-check: {check}");
+        }
         for note in &notes {
             complain!("note: {note}");
         }
@@ -465,6 +474,9 @@ fn replay_command(args: &ReplayArgs) -> u8 {
         if !jobs.is_empty() {
             say!();
             print_job_table(&jobs);
+        }
+        for check in &checks {
+            say!("self-check: {check}");
         }
         for note in &notes {
             say!("note: {note}");
@@ -558,6 +570,7 @@ fn emit(json: bool, row: Row, rows: &mut Vec<Row>) {
             "native_segment_allocs": native.map(|n| n.segment_allocs),
             "matching_segment_allocs": native.map(|_| row.report.matching_segment_allocs),
             "events_per_second": row.report.events_per_second(),
+            "self_check": row.check.as_ref().map(Reproduction::json),
         });
         if let (Some(rank), Some(object)) = (row.rank, value.as_object_mut()) {
             object.insert("rank".to_string(), json!(rank));
@@ -567,6 +580,25 @@ fn emit(json: bool, row: Row, rows: &mut Vec<Row>) {
         let _ = writeln!(out, "{value}");
     }
     rows.push(row);
+}
+
+/// Names the devices a snapshot holds segments of but recorded nothing on (not replayed).
+fn idle_devices_note(trace: &str, workload: &Workload) -> Option<String> {
+    if workload.idle_devices.is_empty() {
+        return None;
+    }
+    let list = |devices: &mut dyn Iterator<Item = usize>| {
+        devices
+            .map(|d| d.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    Some(format!(
+        "{trace}: device(s) {} hold segments but recorded no trace events, so there is nothing \
+         to replay there; replayed: device(s) {}",
+        list(&mut workload.idle_devices.iter().copied()),
+        list(&mut workload.devices.iter().map(|d| d.device))
+    ))
 }
 
 /// What a person should know about a recorded workload before trusting its rows.
@@ -609,36 +641,6 @@ fn workload_notes(
     notes
 }
 
-/// Explains where ferrocache's segment decisions differ from PyTorch's, when they should not.
-fn mismatch_note(row: &Row, device: &DeviceWorkload) -> Option<String> {
-    let report = &row.report;
-    let native = row.native?;
-    if report.mismatches.is_empty() && report.matching_segment_allocs == native.segment_allocs {
-        return None;
-    }
-    let first = report.mismatches.first();
-    let start = &report.start;
-    let mut note = format!(
-        "{} under {}: {} of PyTorch's {} segment decisions made identically",
-        row.trace,
-        conf_name(&row.conf),
-        report.matching_segment_allocs,
-        native.segment_allocs
-    );
-    if let Some(m) = first {
-        note.push_str(&format!("; the first difference: {}", describe_mismatch(m)));
-    }
-    if start.misplaced_allocations + start.failures > 0
-        || device.diagnostics.estimated_block_sizes > 0
-    {
-        note.push_str(&format!(
-            " (start state: {} blocks misplaced, {} failures, {} estimated block sizes)",
-            start.misplaced_allocations, start.failures, device.diagnostics.estimated_block_sizes
-        ));
-    }
-    Some(note)
-}
-
 /// Says when the start state did not fit the simulated GPU (the rows then understate).
 fn start_note(row: &Row, capacity_gib: f64) -> Option<String> {
     let start = &row.report.start;
@@ -652,29 +654,6 @@ fn start_note(row: &Row, capacity_gib: f64) -> Option<String> {
             trim_float(capacity_gib)
         )
     })
-}
-
-fn describe_mismatch(m: &SegmentMismatch) -> String {
-    let sizes: Vec<String> = m.pytorch_sizes.iter().map(|&s| bytes(s)).collect();
-    let place = match (m.op_index, m.trace_index) {
-        (Some(op), Some(entry)) => format!("op {op} (trace entry {entry})"),
-        (Some(op), None) => format!("op {op}"),
-        _ => "a malloc that failed in PyTorch".to_string(),
-    };
-    let request = m
-        .requested
-        .map(|r| format!(", a request of {}", bytes(r)))
-        .unwrap_or_default();
-    let pytorch = if sizes.is_empty() {
-        "PyTorch took nothing from the device".to_string()
-    } else {
-        format!("PyTorch took {}", sizes.join(" + "))
-    };
-    format!(
-        "{place}{request}: {pytorch}, ferrocache {} device allocation(s) of {} in all",
-        m.ferrocache_count,
-        bytes(m.ferrocache_bytes)
-    )
 }
 
 fn conf_name(conf: &str) -> String {
@@ -1078,6 +1057,7 @@ fn tune_command(args: &TuneArgs) -> u8 {
         };
         let name = path.display().to_string();
         let workload = Workload::reconstruct(&snapshot);
+        notes.extend(idle_devices_note(&name, &workload));
         for device in &workload.devices {
             notes.extend(workload_notes(&name, &workload, device, &probe));
             if let Some(capacity) = tune::recorded_capacity(&snapshot, device) {
