@@ -38,10 +38,12 @@ macro_rules! complain {
 
 // After the macros, which the rooms use.
 mod job;
+mod launcher;
 mod replay;
 mod table;
 mod tune;
 
+use launcher::{RunArgs, run_command};
 use replay::{ReplayArgs, replay_command};
 use tune::{TuneArgs, tune_command};
 
@@ -59,6 +61,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run COMMAND with ferrocache as PyTorch's CUDA allocator in every Python process of it
+    /// (torchrun's ranks, python -m, console scripts, multiprocessing), without changing its
+    /// code; each process that used CUDA reports its memory on stderr when it exits.
+    Run(RunArgs),
     /// Replay PyTorch memory snapshots (or the built-in demo) through ferrocache on a simulated
     /// GPU, one row per trace and configuration, beside PyTorch's own figures.
     Replay(ReplayArgs),
@@ -117,6 +123,7 @@ where
         }
     };
     match cli.command {
+        Command::Run(args) => run_command(&args),
         Command::Replay(args) => replay_command(&args),
         Command::Tune(args) => tune_command(&args),
         Command::CheckConfig { conf } => check_config(&conf),

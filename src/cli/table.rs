@@ -70,7 +70,8 @@ pub(super) fn column_key() -> String {
         .to_string()
 }
 
-pub(super) fn print_job_table(jobs: &[JobRow]) {
+/// The job rows as a table, the header first.
+pub(super) fn job_table(jobs: &[JobRow]) -> Vec<Vec<String>> {
     let ranks = jobs.first().map_or(0, |j| j.summary.ranks);
     let mut table: Vec<Vec<String>> = vec![
         [
@@ -100,7 +101,11 @@ pub(super) fn print_job_table(jobs: &[JobRow]) {
             grouped(job.ooms),
         ]);
     }
-    print_aligned(&table, 1);
+    table
+}
+
+pub(super) fn print_job_table(jobs: &[JobRow]) {
+    print_aligned(&job_table(jobs), 1);
     say!(
         "{}",
         wrap(
@@ -115,6 +120,13 @@ pub(super) fn print_job_table(jobs: &[JobRow]) {
 /// Prints `table` (the header first) with its columns aligned: the first `left_columns` to the
 /// left, the others (figures) to the right.
 pub(super) fn print_aligned(table: &[Vec<String>], left_columns: usize) {
+    for line in aligned_lines(table, left_columns) {
+        say!("{line}");
+    }
+}
+
+/// `table`'s lines with its columns aligned (see [`print_aligned`]).
+pub(super) fn aligned_lines(table: &[Vec<String>], left_columns: usize) -> Vec<String> {
     let columns = table.first().map_or(0, Vec::len);
     let widths: Vec<usize> = (0..columns)
         .map(|c| {
@@ -125,18 +137,21 @@ pub(super) fn print_aligned(table: &[Vec<String>], left_columns: usize) {
                 .unwrap_or(0)
         })
         .collect();
-    for row in table {
-        let cells: Vec<String> = row
-            .iter()
-            .enumerate()
-            .map(|(c, cell)| {
-                if c < left_columns {
-                    format!("{cell:<width$}", width = widths[c])
-                } else {
-                    format!("{cell:>width$}", width = widths[c])
-                }
-            })
-            .collect();
-        say!("{}", cells.join("  ").trim_end());
-    }
+    table
+        .iter()
+        .map(|row| {
+            let cells: Vec<String> = row
+                .iter()
+                .enumerate()
+                .map(|(c, cell)| {
+                    if c < left_columns {
+                        format!("{cell:<width$}", width = widths[c])
+                    } else {
+                        format!("{cell:>width$}", width = widths[c])
+                    }
+                })
+                .collect();
+            cells.join("  ").trim_end().to_string()
+        })
+        .collect()
 }
