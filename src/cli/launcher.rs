@@ -218,7 +218,15 @@ pub(super) fn run_command(args: &RunArgs) -> u8 {
         Ok(child) => child,
         Err(err) => return not_started(program, &err),
     };
-    CHILD.store(i32::try_from(child.id()).unwrap_or(0), Ordering::SeqCst);
+    let pid = i32::try_from(child.id()).unwrap_or(0);
+    CHILD.store(pid, Ordering::SeqCst);
+    let early = PENDING.swap(0, Ordering::SeqCst);
+    if early > 0 {
+        // SAFETY: `pid` is the child just spawned and not yet reaped.
+        unsafe {
+            libc::kill(pid, early);
+        }
+    }
     let status = child.wait();
     CHILD.store(0, Ordering::SeqCst);
     let status = match status {
@@ -268,8 +276,12 @@ fn exit_status(status: ExitStatus) -> u8 {
     128u8.wrapping_add(u8::try_from(signal).unwrap_or(0))
 }
 
-/// The child's pid while it runs (0 before and after): the signal handler's only state.
+/// The child's pid while it runs (0 before and after): the signal handler's state, with
+/// [`PENDING`].
 static CHILD: AtomicI32 = AtomicI32::new(0);
+/// A signal that came before the child's pid was known (between spawn and the store), passed
+/// on as soon as it is.
+static PENDING: AtomicI32 = AtomicI32::new(0);
 /// The signals passed to the child.
 const FORWARDED_SIGNALS: [libc::c_int; 6] = [
     libc::SIGINT,
@@ -289,13 +301,14 @@ extern "C" fn pass_to_child(
     info: *mut libc::siginfo_t,
     _context: *mut libc::c_void,
 ) {
-    let child = CHILD.load(Ordering::SeqCst);
-    if child <= 0 {
-        return;
-    }
     // SAFETY: the kernel hands a valid siginfo_t to an SA_SIGINFO handler.
     let from_terminal = !info.is_null() && unsafe { (*info).si_code } > 0;
     if from_terminal && (signal == libc::SIGINT || signal == libc::SIGQUIT) {
+        return;
+    }
+    let child = CHILD.load(Ordering::SeqCst);
+    if child <= 0 {
+        PENDING.store(signal, Ordering::SeqCst);
         return;
     }
     // SAFETY: kill is async-signal-safe; `child` is the pid of the child not yet reaped.
