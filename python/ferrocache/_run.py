@@ -117,7 +117,9 @@ def process_report(record: bool) -> Optional[dict[str, Any]]:
     if not devices:
         return None
     process = _ranks.this_process()
-    conf = config.settings_in_effect().get(config.ALLOC_CONF_VARS[0]) or ""
+    # As PyTorch and the library read it (install() wrote a given conf there); not from a
+    # snapshot, which would carry the whole recorded history.
+    conf = next((os.environ[v] for v in config.ALLOC_CONF_VARS if v in os.environ), "")
     return {
         "rank": process.rank,
         "local_rank": process.local_rank,
