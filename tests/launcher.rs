@@ -145,11 +145,18 @@ fn a_missing_command_is_one_clear_error() {
     assert!(!err.contains("panicked"));
 }
 
+/// Options, environment, and the words of the refusal.
+type RefusedCase = (
+    &'static [&'static str],
+    &'static [(&'static str, &'static str)],
+    &'static str,
+);
+
 #[test]
 fn refused_settings_stop_before_the_command_starts() {
     let dir = scratch("refused");
     let start = "touch started";
-    let cases: [(&[&str], &[(&str, &str)], &str); 5] = [
+    let cases: [RefusedCase; 5] = [
         (
             &["--conf", "max_split_size_mb:lots"],
             &[],
