@@ -4,7 +4,7 @@
 use super::job::JobRow;
 use super::replay::Row;
 use super::{conf_name, percent};
-use crate::tune::report::{bytes, grouped, wrap};
+use crate::tune::report::{bytes, grouped, wrap, write_rows};
 use crate::tune::short_trace;
 use std::io::Write;
 
@@ -125,33 +125,9 @@ pub(super) fn print_aligned(table: &[Vec<String>], left_columns: usize) {
     }
 }
 
-/// `table`'s lines with its columns aligned (see [`print_aligned`]).
+/// `table`'s lines with its columns aligned (see [`print_aligned`]), as `tune`'s tables are.
 pub(super) fn aligned_lines(table: &[Vec<String>], left_columns: usize) -> Vec<String> {
-    let columns = table.first().map_or(0, Vec::len);
-    let widths: Vec<usize> = (0..columns)
-        .map(|c| {
-            table
-                .iter()
-                .map(|row| row[c].chars().count())
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    table
-        .iter()
-        .map(|row| {
-            let cells: Vec<String> = row
-                .iter()
-                .enumerate()
-                .map(|(c, cell)| {
-                    if c < left_columns {
-                        format!("{cell:<width$}", width = widths[c])
-                    } else {
-                        format!("{cell:>width$}", width = widths[c])
-                    }
-                })
-                .collect();
-            cells.join("  ").trim_end().to_string()
-        })
-        .collect()
+    let mut text = String::new();
+    write_rows(&mut text, table, left_columns);
+    text.lines().map(str::to_string).collect()
 }
