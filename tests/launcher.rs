@@ -250,3 +250,40 @@ fn a_python_process_without_torch_gets_the_hook_and_its_own_sitecustomize() {
     assert_eq!(stdout(&output).trim(), "True False False");
     assert_eq!(stderr(&output), "");
 }
+
+#[test]
+fn a_process_where_ferrocache_cannot_be_installed_runs_on_with_one_warning() {
+    let Some(python) = python() else {
+        eprintln!("skipped: no python on PATH");
+        return;
+    };
+    let dir = scratch("cpu-torch");
+    // A PyTorch built without CUDA, as far as install() asks.
+    std::fs::create_dir_all(dir.join("cpu/torch")).expect("a folder");
+    std::fs::write(
+        dir.join("cpu/torch/__init__.py"),
+        "__version__ = '2.15.0+cpu'\nclass version:\n    cuda = None\n",
+    )
+    .expect("a fake torch");
+    let cpu = dir.join("cpu").display().to_string();
+    let output = run_in(
+        &dir,
+        &[
+            "run",
+            "--",
+            python,
+            "-c",
+            "import torch, sys; print(torch.__version__); sys.exit(5)",
+        ],
+        &[("PYTHONPATH", &cpu)],
+    );
+    assert_eq!(output.status.code(), Some(5), "{}", stderr(&output));
+    assert_eq!(stdout(&output).trim(), "2.15.0+cpu");
+    let err = stderr(&output);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("[WARN] Allocator: ferrocache run: ferrocache is not installed")
+            && err.contains("without CUDA"),
+        "{err}"
+    );
+}
