@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-STARTUP = REPO / "python" / "ferrocache" / "_startup"
 
 
 def default_ferrocache() -> str:
@@ -49,7 +48,14 @@ def main() -> None:
     args = parser.parse_args()
     ferrocache = args.ferrocache or default_ferrocache()
     plain_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    hook_env = dict(plain_env, PYTHONPATH=str(STARTUP))
+    # The startup hook this launcher gives its processes (the installed package's, whose
+    # bytecode pip compiled, or the checkout's).
+    startup = subprocess.run(
+        [ferrocache, "run", "--", args.python, "-c",
+         "import os; print(os.environ['PYTHONPATH'].split(os.pathsep)[0])"],
+        env=plain_env, check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    hook_env = dict(plain_env, PYTHONPATH=startup)
     python = [args.python, "-c", "pass"]
     commands = {
         "python -c pass": (python, plain_env),
@@ -63,7 +69,7 @@ def main() -> None:
         for name, (command, env) in commands.items():
             times[name].append(timed(command, env))
     base = statistics.median(times["python -c pass"])
-    print(f"{args.runs} runs each, alternating; ferrocache = {ferrocache}")
+    print(f"{args.runs} runs each, alternating; ferrocache = {ferrocache}; hook = {startup}")
     print(f"{'command':<36} {'median':>10} {'min':>10} {'ratio':>7} {'added':>10}")
     for name, samples in times.items():
         median = statistics.median(samples)
