@@ -286,4 +286,20 @@ fn a_process_where_ferrocache_cannot_be_installed_runs_on_with_one_warning() {
             && err.contains("without CUDA"),
         "{err}"
     );
+    // A log level above WARN silences it, as it silences ferrocache's other warnings.
+    let output = run_in(
+        &dir,
+        &[
+            "run",
+            "--log-level",
+            "error",
+            "--",
+            python,
+            "-c",
+            "import torch",
+        ],
+        &[("PYTHONPATH", &cpu)],
+    );
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    assert_eq!(stderr(&output), "");
 }

@@ -31,6 +31,8 @@ def _install_ferrocache():
 
         _run.start()
     except Exception as err:  # the program runs on, with PyTorch's own allocator
+        if os.environ.get("TORCH_CUDA_ALLOC_LOG_LEVEL", "").strip().upper() in ("OFF", "ERROR"):
+            return
         prefix = ""
         if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
             prefix = "[rank%s]:" % os.environ.get("RANK", "?").strip()
