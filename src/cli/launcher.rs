@@ -28,6 +28,7 @@ use clap::Args;
 use serde::Deserialize;
 use std::ffi::{OsStr, OsString};
 use std::io::Write;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
@@ -70,15 +71,15 @@ pub(super) struct RunArgs {
 
 /// The variables the launcher gives the child beyond `install()`'s own (read by
 /// `python/ferrocache/_run.py`).
-pub const RUN_REPORT_VAR: &str = "FERROCACHE_RUN_REPORT";
+const RUN_REPORT_VAR: &str = "FERROCACHE_RUN_REPORT";
 /// `1`: keep the allocation history and advise at exit.
-pub const RUN_RECORD_VAR: &str = "FERROCACHE_RUN_RECORD";
+const RUN_RECORD_VAR: &str = "FERROCACHE_RUN_RECORD";
 /// Where each process also writes its report as JSON (the user's `--report json:PATH`).
-pub const RUN_REPORT_JSON_VAR: &str = "FERROCACHE_RUN_REPORT_JSON";
+const RUN_REPORT_JSON_VAR: &str = "FERROCACHE_RUN_REPORT_JSON";
 /// A folder of the launcher's own where every process leaves its JSON report, for the job rows.
-pub const RUN_DIR_VAR: &str = "FERROCACHE_RUN_DIR";
+const RUN_DIR_VAR: &str = "FERROCACHE_RUN_DIR";
 /// The variable that names the library the package loads (`python/ferrocache/_lib.py`).
-pub const LIBRARY_VAR: &str = "FERROCACHE_LIBRARY";
+const LIBRARY_VAR: &str = "FERROCACHE_LIBRARY";
 const PYTHONPATH_VAR: &str = "PYTHONPATH";
 /// The folder of the package that holds the startup hook.
 const STARTUP_DIR: &str = "_startup";
@@ -342,7 +343,7 @@ fn own_library() -> Option<PathBuf> {
     }
     // SAFETY: dladdr succeeded, so dli_fname is a NUL-terminated path owned by the loader.
     let name = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
-    let path = PathBuf::from(OsStr::new(std::str::from_utf8(name.to_bytes()).ok()?));
+    let path = PathBuf::from(OsStr::from_bytes(name.to_bytes()));
     let is_library = path.extension().is_some_and(|extension| extension == "so");
     is_library.then(|| path.canonicalize().unwrap_or(path))
 }
