@@ -268,6 +268,11 @@ fn parse_major_minor(text: &str) -> Option<(u32, u32)> {
 /// `PYTORCH_CUDA_ALLOC_CONF`).
 pub const CROSS_STREAM_VAR: &str = "FERROCACHE_CROSS_STREAM";
 
+/// ferrocache's own variable naming where a snapshot is written at the first out-of-memory
+/// (read by the Python package, `python/ferrocache/oom.py`; `ferrocache run --snapshot-on-oom`
+/// sets it).
+pub const SNAPSHOT_ON_OOM_VAR: &str = "FERROCACHE_SNAPSHOT_ON_OOM";
+
 /// ferrocache's own variable that exempts blocks of expandable segments from
 /// `max_split_size_mb` ([`Config::expandable_ignore_max_split`]).
 pub const EXPANDABLE_IGNORE_MAX_SPLIT_VAR: &str = "FERROCACHE_EXPANDABLE_IGNORE_MAX_SPLIT";

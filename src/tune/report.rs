@@ -309,7 +309,8 @@ fn per_subject(out: &mut String, tuning: &Tuning) {
 }
 
 /// Writes rows as aligned columns: the first `left` columns left-aligned, the rest right.
-fn write_rows(out: &mut String, rows: &[Vec<String>], left: usize) {
+/// The command line's tables use it too.
+pub(crate) fn write_rows(out: &mut String, rows: &[Vec<String>], left: usize) {
     let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> = (0..columns)
         .map(|c| {
