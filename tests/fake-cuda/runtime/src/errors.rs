@@ -43,6 +43,16 @@ const ERROR_TEXTS: &[(CudaError, &CStr, &CStr)] = &[
         c"cudaErrorIllegalAddress",
         c"an illegal memory access was encountered",
     ),
+    (
+        704,
+        c"cudaErrorPeerAccessAlreadyEnabled",
+        c"peer access is already enabled",
+    ),
+    (
+        705,
+        c"cudaErrorPeerAccessNotEnabled",
+        c"peer access has not been enabled",
+    ),
     (801, c"cudaErrorNotSupported", c"operation not supported"),
     (
         900,
