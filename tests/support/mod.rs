@@ -108,6 +108,26 @@ pub fn stub_libcuda_dir() -> &'static Path {
 }
 
 fn run(test: &str, library_path: &str, env: &[(&str, &str)], body: impl FnOnce()) {
+    run_capturing(test, library_path, env, body);
+}
+
+/// Like [`in_own_process`], and gives the parent the child's stderr (where ferrocache logs);
+/// `None` in the child.
+pub fn in_own_process_stderr(
+    test: &str,
+    env: &[(&str, &str)],
+    body: impl FnOnce(),
+) -> Option<String> {
+    let library_path = fake_libcuda_dir().display().to_string();
+    run_capturing(test, &library_path, env, body)
+}
+
+fn run_capturing(
+    test: &str,
+    library_path: &str,
+    env: &[(&str, &str)],
+    body: impl FnOnce(),
+) -> Option<String> {
     if is_child_for(test) {
         // Panics that something catches (cudarc's, under catch_unwind) must not go unnoticed.
         let default_hook = std::panic::take_hook();
@@ -117,7 +137,7 @@ fn run(test: &str, library_path: &str, env: &[(&str, &str)], body: impl FnOnce()
         }));
         body();
         assert_eq!(PANICS.load(Ordering::SeqCst), 0, "something panicked");
-        return;
+        return None;
     }
     let output = Command::new(std::env::current_exe().expect("the test binary's path"))
         .args([test, "--exact", "--nocapture", "--test-threads=1"])
@@ -133,6 +153,7 @@ fn run(test: &str, library_path: &str, env: &[(&str, &str)], body: impl FnOnce()
         "the child process for {test} failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
         output.status
     );
+    Some(stderr.into_owned())
 }
 
 /// Whether this process is the child that runs `test` (see [`in_own_process`]): for a test
