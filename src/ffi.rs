@@ -174,7 +174,7 @@ fn first_use_of(device: c_int) -> Result<&'static LockedAllocator, String> {
 
 /// The settings for one device: `expandable_segments:True` needs virtual memory management,
 /// and a device without it gets plain segments and one WARN line, rather than a failure of
-/// every allocation (PyTorch 2.15 fails each `cuMemCreate` there).
+/// every allocation (PyTorch 2.15 fails each one at `cuMemAddressReserve`).
 fn settings_for_device(cuda: &CudaDevice, config: &Config) -> Config {
     let mut config = config.clone();
     if config.expandable_segments && !cuda.supports_virtual_memory() {
