@@ -64,9 +64,13 @@ impl CudaDevice {
 
         let mut driver_version = 0;
         // SAFETY: the out pointer is a live local.
-        check_call("cuDriverGetVersion", || unsafe {
+        let result = invoke("cuDriverGetVersion", || unsafe {
             sys::cuDriverGetVersion(&mut driver_version)
         })?;
+        if result == sys::CUresult::CUDA_ERROR_STUB_LIBRARY {
+            return Err(DeviceError::Unavailable(driver::stub_message()));
+        }
+        check("cuDriverGetVersion", result)?;
         if driver_version < MIN_DRIVER_VERSION {
             return Err(DeviceError::Unavailable(format!(
                 "ferrocache needs an NVIDIA driver for CUDA 12.0 or newer, but the installed \
@@ -118,7 +122,7 @@ impl CudaDevice {
             device,
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
         )? != 0;
-        let peers = peers_of(device, count)?;
+        let peers = peers_of(device, ordinal, count)?;
 
         let mut context: sys::CUcontext = ptr::null_mut();
         // SAFETY: the out pointer is a live local; `device` came from cuDeviceGet.
@@ -561,26 +565,24 @@ fn device_location(ordinal: i32) -> sys::CUmemLocation {
     }
 }
 
-/// The devices among the first `count` that can reach `device`'s memory directly
-/// (`cuDeviceCanAccessPeer(peer, device)`), the peers PyTorch could enable access for.
-fn peers_of(device: sys::CUdevice, count: i32) -> Result<Vec<i32>, DeviceError> {
+/// The other devices among the first `count` that can reach `device`'s (number `ordinal`)
+/// memory directly (`cuDeviceCanAccessPeer(peer, device)`), the peers PyTorch could enable
+/// access for. One device asks the driver nothing.
+fn peers_of(device: sys::CUdevice, ordinal: i32, count: i32) -> Result<Vec<i32>, DeviceError> {
     let mut peers = Vec::new();
-    for ordinal in 0..count {
+    for other in (0..count).filter(|&other| other != ordinal) {
         let mut peer: sys::CUdevice = 0;
         // SAFETY: the out pointer is a live local; the ordinal is below the device count.
         check_call("cuDeviceGet", || unsafe {
-            sys::cuDeviceGet(&mut peer, ordinal)
+            sys::cuDeviceGet(&mut peer, other)
         })?;
-        if peer == device {
-            continue;
-        }
         let mut can_access = 0;
         // SAFETY: the out pointer is a live local; both devices came from cuDeviceGet.
         check_call("cuDeviceCanAccessPeer", || unsafe {
             sys::cuDeviceCanAccessPeer(&mut can_access, peer, device)
         })?;
         if can_access != 0 {
-            peers.push(ordinal);
+            peers.push(other);
         }
     }
     Ok(peers)

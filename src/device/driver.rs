@@ -19,10 +19,9 @@
 use std::ffi::{CStr, c_int, c_void};
 use std::sync::OnceLock;
 
-use cudarc::driver::sys::CUresult;
-
-/// The functions of the chosen driver library.
+/// The chosen driver library and its functions.
 struct DriverLibrary {
+    path: String,
     functions: sys::Functions,
     /// Keeps the library loaded (and the function pointers valid) for the process's life.
     _library: libloading::Library,
@@ -36,9 +35,9 @@ pub fn load() -> Result<(), String> {
         .get_or_init(|| {
             let (path, library) = choose_driver_library()?;
             let functions = sys::Functions::resolve(&path, &library)?;
-            refuse_a_stub(&path, &functions)?;
             crate::logging::driver_library(&path);
             Ok(DriverLibrary {
+                path,
                 functions,
                 _library: library,
             })
@@ -162,20 +161,18 @@ pub(crate) fn with_source(error: &libloading::Error) -> String {
     }
 }
 
-/// A CUDA toolkit's `stubs/libcuda.so` answers every call with `CUDA_ERROR_STUB_LIBRARY`; it
-/// exists for linking, never for running.
-fn refuse_a_stub(path: &str, functions: &sys::Functions) -> Result<(), String> {
-    let mut version = 0;
-    // SAFETY: the out pointer is a live local.
-    let result = unsafe { (functions.cuDriverGetVersion)(&mut version) };
-    if result == CUresult::CUDA_ERROR_STUB_LIBRARY {
-        return Err(format!(
-            "the CUDA driver library {path} is a stub (CUDA_ERROR_STUB_LIBRARY): a CUDA \
-             toolkit's stubs/ directory is on the library search path ahead of the NVIDIA \
-             driver's libcuda.so.1; take it off LD_LIBRARY_PATH"
-        ));
-    }
-    Ok(())
+/// Why a driver library that answered `CUDA_ERROR_STUB_LIBRARY` cannot be used: a CUDA
+/// toolkit's `stubs/libcuda.so` answers every call so; it exists for linking, never for running.
+pub fn stub_message() -> String {
+    let path = match DRIVER.get() {
+        Some(Ok(driver)) => driver.path.as_str(),
+        _ => "libcuda.so",
+    };
+    format!(
+        "the CUDA driver library {path} is a stub (CUDA_ERROR_STUB_LIBRARY): a CUDA toolkit's \
+         stubs/ directory is on the library search path ahead of the NVIDIA driver's \
+         libcuda.so.1; take it off LD_LIBRARY_PATH"
+    )
 }
 
 /// Declares the driver functions ferrocache calls: [`sys::REQUIRED_SYMBOLS`], the table that
