@@ -926,7 +926,8 @@ fn pages_granted_to_one_device_are_an_illegal_address_for_another() {
 }
 
 /// Devices that cannot reach each other (`cuDeviceCanAccessPeer` = 0) are not peers: access is
-/// granted to the owner alone, which the driver would refuse otherwise.
+/// granted to the owner alone (the driver refuses to name the other), and a copy between them,
+/// which the driver stages through the host, still works.
 #[test]
 fn devices_that_cannot_reach_each_other_are_not_granted_access() {
     let env = [
@@ -937,11 +938,19 @@ fn devices_that_cannot_reach_each_other_are_not_granted_access() {
         "devices_that_cannot_reach_each_other_are_not_granted_access",
         &env,
         || {
+            let fake = FakeCuda::open();
             let mut device = open_device();
             assert_eq!(device.devices_with_access().collect::<Vec<_>>(), [0]);
             let page = device.page_granularity().expect("granularity");
             let base = device.reserve_address_range(page).expect("reserve");
             let handles = map_pages(&mut device, base, 0, 1);
+            // A copy between them is staged through the host by the driver: it works.
+            let mut other = CudaDevice::new(1).expect("device 1");
+            let on_other = other.malloc(page, 0).expect("malloc on device 1");
+            fake.make_current(1);
+            assert_eq!(fake.copy(on_other, base, page), 0);
+            set_current_context(ptr::null_mut());
+            other.free(on_other).expect("free on device 1");
             device.unmap(base, page).expect("unmap");
             device.release_physical(handles[0]).expect("release");
             device.free_address_range(base, page).expect("free range");

@@ -149,10 +149,12 @@ impl Driver {
         (!starts.is_empty() && covered_to >= end).then_some(starts)
     }
 
-    /// Succeeds when `[ptr, ptr + len)` is wholly mapped and the device of the calling thread's
-    /// context has access to every page of it: what a copy or memset issued there touches. A
-    /// range not mapped is an invalid value; mapped pages the device may not access are an
-    /// illegal address, the fault a kernel or copy engine of that device would take.
+    /// Succeeds when `[ptr, ptr + len)` is wholly mapped and the device that touches it has
+    /// access to every page: the calling thread's context's device, when that is the pages'
+    /// device or a peer that can reach it directly; otherwise the driver stages the copy
+    /// through the host and the pages' own device touches them. A range not mapped is an
+    /// invalid value; mapped pages the touching device may not access are an illegal address,
+    /// the fault its copy engine or a kernel would take.
     pub fn check_accessible_mapping(&self, ptr: u64, len: u64) -> Outcome {
         let starts = self
             .mappings_covering(ptr, len)
@@ -164,10 +166,16 @@ impl Driver {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let device = self.require_primary_context()?;
-        if starts
-            .iter()
-            .all(|start| self.mappings[start].access.contains_key(&device))
-        {
+        let reachable = |start: &u64| {
+            let owner = self.mapped_device(*start).unwrap_or(device);
+            let toucher = if owner == device || self.can_access_peer(device, owner) {
+                device
+            } else {
+                owner
+            };
+            self.mappings[start].access.contains_key(&toucher)
+        };
+        if starts.iter().all(reachable) {
             Ok(())
         } else {
             Err(CUDA_ERROR_ILLEGAL_ADDRESS)
