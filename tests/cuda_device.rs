@@ -925,6 +925,40 @@ fn pages_granted_to_one_device_are_an_illegal_address_for_another() {
     );
 }
 
+/// Should the driver refuse to grant the peers access, they are dropped (with a WARN line) and
+/// the device alone gets access: its own allocations go on.
+#[test]
+fn peers_the_driver_refuses_are_dropped() {
+    let env = [("FAKE_LIBCUDA_DEVICE_COUNT", "2")];
+    in_own_process("peers_the_driver_refuses_are_dropped", &env, || {
+        let fake = FakeCuda::open();
+        let mut device = open_device();
+        let page = device.page_granularity().expect("granularity");
+        let base = device.reserve_address_range(2 * page).expect("reserve");
+        fake.fail_next("cuMemSetAccess", CUDA_ERROR_INVALID_VALUE as u32);
+        let mut handles = map_pages(&mut device, base, 0, 1);
+        assert_eq!(device.devices_with_access().collect::<Vec<_>>(), [0]);
+        assert_eq!(
+            fake.stat("cuMemSetAccess"),
+            2,
+            "refused, then the device alone"
+        );
+        handles.extend(map_pages(&mut device, base, page, 1));
+        assert_eq!(fake.stat("cuMemSetAccess"), 3);
+        fake.make_current(0);
+        assert_eq!(fake.memset(base, 1, 2 * page), 0);
+        set_current_context(ptr::null_mut());
+        device.unmap(base, page).expect("unmap");
+        device.unmap(base + page as u64, page).expect("unmap");
+        for handle in handles {
+            device.release_physical(handle).expect("release");
+        }
+        device
+            .free_address_range(base, 2 * page)
+            .expect("free range");
+    });
+}
+
 /// Devices that cannot reach each other (`cuDeviceCanAccessPeer` = 0) are not peers: access is
 /// granted to the owner alone (the driver refuses to name the other), and a copy between them,
 /// which the driver stages through the host, still works.

@@ -428,20 +428,25 @@ impl Device for CudaDevice {
     /// are reachable only by the devices named here (`cudaDeviceEnablePeerAccess` does not
     /// apply to them), and PyTorch does not tell a plugged-in allocator when it enables peer
     /// access; so every capable peer is granted access at once, and a copy or kernel on a peer
-    /// works whenever it comes (see docs/driver.md).
+    /// works whenever it comes (see docs/driver.md). Should the driver refuse the peers, they
+    /// are dropped with one WARN line and the device alone gets access, so that its own
+    /// allocations go on.
     fn set_access(&mut self, ptr: DevicePtr, size: usize) -> Result<(), DeviceError> {
         let _context = self.enter()?;
-        let access: Vec<sys::CUmemAccessDesc> = self
-            .devices_with_access()
-            .map(|device| sys::CUmemAccessDesc {
-                location: device_location(device),
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            })
-            .collect();
-        // SAFETY: `access` holds `access.len()` live descriptors.
-        check_call("cuMemSetAccess", || unsafe {
-            sys::cuMemSetAccess(ptr, size, access.as_ptr(), access.len())
-        })
+        match grant_access(ptr, size, self.devices_with_access()) {
+            Err(why @ DeviceError::Driver { .. }) if !self.peers.is_empty() => {
+                logging::warning(&format!(
+                    "CUDA device {} could not grant its peer devices {:?} access to expandable \
+                     segment pages ({why}); only the device itself gets access from now on, and \
+                     a copy or kernel on another device that touches this device's expandable \
+                     memory will fail",
+                    self.ordinal, self.peers
+                ));
+                self.peers.clear();
+                grant_access(ptr, size, self.devices_with_access())
+            }
+            other => other,
+        }
     }
 
     fn unmap(&mut self, ptr: DevicePtr, size: usize) -> Result<(), DeviceError> {
@@ -563,6 +568,25 @@ fn device_location(ordinal: i32) -> sys::CUmemLocation {
         type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
         __bindgen_anon_1: sys::CUmemLocation_st__bindgen_ty_1 { id: ordinal },
     }
+}
+
+/// `cuMemSetAccess`: read and write access to `[ptr, ptr + size)` for each of `devices`, in
+/// one call.
+fn grant_access(
+    ptr: DevicePtr,
+    size: usize,
+    devices: impl Iterator<Item = i32>,
+) -> Result<(), DeviceError> {
+    let access: Vec<sys::CUmemAccessDesc> = devices
+        .map(|device| sys::CUmemAccessDesc {
+            location: device_location(device),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        })
+        .collect();
+    // SAFETY: `access` holds `access.len()` live descriptors.
+    check_call("cuMemSetAccess", || unsafe {
+        sys::cuMemSetAccess(ptr, size, access.as_ptr(), access.len())
+    })
 }
 
 /// The other devices among the first `count` that can reach `device`'s (number `ordinal`)
