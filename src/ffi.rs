@@ -148,7 +148,8 @@ fn first_use_of(device: c_int) -> Result<&'static LockedAllocator, String> {
     }
     match CudaDevice::new(device) {
         Ok(cuda) => {
-            let mut allocator = DeviceAllocator::new(cuda, device, config.clone());
+            let config = settings_for_device(&cuda, config);
+            let mut allocator = DeviceAllocator::new(cuda, device, config);
             allocator.set_reserve_class_lookup(Box::new(reserve_class_of));
             if history.enabled {
                 allocator.record_history(true, history.max_entries);
@@ -169,6 +170,18 @@ fn first_use_of(device: c_int) -> Result<&'static LockedAllocator, String> {
         .expect("set above, under the creation lock")
         .as_ref()
         .map_err(String::clone)
+}
+
+/// The settings for one device: `expandable_segments:True` needs virtual memory management,
+/// and a device without it gets plain segments and one WARN line, rather than a failure of
+/// every allocation (PyTorch 2.15 fails each one at `cuMemAddressReserve`).
+fn settings_for_device(cuda: &CudaDevice, config: &Config) -> Config {
+    let mut config = config.clone();
+    if config.expandable_segments && !cuda.supports_virtual_memory() {
+        logging::expandable_segments_unsupported(cuda.ordinal(), cuda.name());
+        config.expandable_segments = false;
+    }
+    config
 }
 
 /// Whether a failure to open a device stays for the life of the process, and is kept so that

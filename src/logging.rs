@@ -319,6 +319,17 @@ pub fn library_initialised(version: &str, device_count: i32) {
     info!(target: TARGET, "Allocator: ferrocache {version} initialised for {device_count} device(s); {LOG_LEVEL_VAR}={}", log::max_level());
 }
 
+/// The CUDA driver library every driver call goes to (the one PyTorch loaded, see `driver.rs`).
+pub fn driver_library(path: &str) {
+    info!(target: TARGET, "Allocator: CUDA driver library {path}");
+}
+
+/// `expandable_segments:True` on a device without virtual memory management: its segments come
+/// from `cudaMalloc` instead.
+pub fn expandable_segments_unsupported(device: i32, name: &str) {
+    warn!(target: TARGET, "Allocator: CUDA device {device} ({name}) does not support virtual memory management, which expandable segments need; expandable_segments:True is ignored on it and its segments are allocated with cudaMalloc");
+}
+
 /// A device number that cannot be one (PyTorch's device indices are 0 to 127).
 pub fn invalid_device(why: &str) {
     error!(target: TARGET, "Allocator: {why}; nothing changed");

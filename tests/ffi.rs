@@ -10,7 +10,9 @@ use std::ptr;
 
 use cdylib::Ferrocache;
 use serde_json::Value;
-use support::{FakeCuda, in_own_process, in_own_process_without_libcuda, new_stream};
+use support::{
+    FakeCuda, in_own_process, in_own_process_stderr, in_own_process_without_libcuda, new_stream,
+};
 
 const MIB: usize = 1 << 20;
 
@@ -998,4 +1000,87 @@ fn a_threads_private_pool_works_through_the_c_abi() {
             );
         },
     );
+}
+
+/// With `expandable_segments:True` on two devices, device 0's memory is reachable from device
+/// 1's context (a memset and copies there, as `tensor.to("cuda:1")` and back make them), both
+/// pages mapped before peer access was enabled and pages mapped after. Before ferrocache granted
+/// its peers access, device 1 took an illegal address (a sticky error on a GPU).
+#[test]
+fn expandable_memory_is_reachable_from_a_peer_device() {
+    let env = [
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+        ("FAKE_LIBCUDA_DEVICE_COUNT", "2"),
+    ];
+    in_own_process(
+        "expandable_memory_is_reachable_from_a_peer_device",
+        &env,
+        || {
+            let api = Api::open();
+            let fake = FakeCuda::open();
+            let size = 30 * MIB;
+            let before = api.alloc(size, 0, 0);
+            assert!(!before.is_null(), "{}", api.last_error());
+            let on_peer = api.alloc(size, 1, 0);
+            assert!(!on_peer.is_null(), "{}", api.last_error());
+            let [before, on_peer] = [before, on_peer].map(|p| p as u64);
+
+            fake.make_current(1);
+            assert_eq!(fake.memset(before, 0x11, size), 0, "mapped before");
+            assert_eq!(fake.enable_peer_access(0), 0);
+            let after = api.alloc(size, 0, 0) as u64;
+            assert_ne!(after, 0, "{}", api.last_error());
+            assert_eq!(after, before + size as u64, "new pages of the same segment");
+            assert_eq!(fake.memset(after, 0x22, size), 0, "mapped after");
+            assert_eq!(fake.copy(on_peer, before, size), 0);
+            assert_eq!(fake.copy(after, on_peer, size), 0);
+            fake.make_current(0);
+            assert_eq!(fake.enable_peer_access(1), 0);
+            assert_eq!(fake.copy(on_peer, after, size), 0, "and back");
+            assert_eq!(fake.stat("cuMemAlloc_v2"), 0, "all of it expandable");
+            for block in [before, after, on_peer] {
+                assert_eq!(api.free(block as *mut c_void), 0);
+            }
+        },
+    );
+}
+
+/// `expandable_segments:True` on a device without virtual memory management: every allocation
+/// is served from plain segments (`cudaMalloc`), and one WARN line says why, instead of every
+/// allocation failing at `cuMemCreate`.
+#[test]
+fn expandable_segments_fall_back_to_plain_segments_without_virtual_memory() {
+    let env = [
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+        ("FAKE_LIBCUDA_VMM", "0"),
+        ("TORCH_CUDA_ALLOC_LOG_LEVEL", "WARN"),
+    ];
+    let stderr = in_own_process_stderr(
+        "expandable_segments_fall_back_to_plain_segments_without_virtual_memory",
+        &env,
+        || {
+            let api = Api::open();
+            let fake = FakeCuda::open();
+            for size in [4096, 30 * MIB] {
+                let block = api.alloc(size, 0, 0);
+                assert!(!block.is_null(), "{}", api.last_error());
+                assert_eq!(api.free(block), 0);
+            }
+            assert_eq!(fake.stat("cuMemAlloc_v2"), 2);
+            assert_eq!(fake.stat("cuMemCreate"), 0);
+            assert_eq!(fake.stat("cuMemAddressReserve"), 0);
+        },
+    );
+    if let Some(stderr) = stderr {
+        let warnings: Vec<&str> = stderr
+            .lines()
+            .filter(|line| line.contains("does not support virtual memory management"))
+            .collect();
+        assert_eq!(warnings.len(), 1, "{stderr}");
+        assert!(
+            warnings[0].starts_with("[WARN] Allocator: CUDA device 0 (")
+                && warnings[0].contains("expandable_segments:True is ignored on it"),
+            "{stderr}"
+        );
+    }
 }

@@ -96,7 +96,7 @@ impl Api {
 /// An event made in the current context.
 fn new_event(fake: &FakeCuda) -> u64 {
     let create: unsafe extern "C" fn(*mut *mut c_void, u32) -> c_int =
-        fake_function(fake, "cuEventCreate");
+        fake.function("cuEventCreate");
     let mut event = ptr::null_mut();
     // SAFETY: a live out pointer.
     assert_eq!(unsafe { create(&mut event, 2) }, 0);
@@ -105,7 +105,7 @@ fn new_event(fake: &FakeCuda) -> u64 {
 
 fn record(fake: &FakeCuda, event: u64, stream: u64) -> c_int {
     let record: unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int =
-        fake_function(fake, "cuEventRecord");
+        fake.function("cuEventRecord");
     // SAFETY: plain handles; the fake checks them.
     unsafe {
         record(
@@ -117,7 +117,7 @@ fn record(fake: &FakeCuda, event: u64, stream: u64) -> c_int {
 
 fn wait(fake: &FakeCuda, stream: u64, event: u64) -> c_int {
     let wait: unsafe extern "C" fn(*mut c_void, *mut c_void, u32) -> c_int =
-        fake_function(fake, "cuStreamWaitEvent");
+        fake.function("cuStreamWaitEvent");
     // SAFETY: plain handles; the fake checks them.
     unsafe {
         wait(
@@ -129,21 +129,11 @@ fn wait(fake: &FakeCuda, stream: u64, event: u64) -> c_int {
 }
 
 fn device_alloc(fake: &FakeCuda, size: usize) -> u64 {
-    let alloc: unsafe extern "C" fn(*mut u64, usize) -> c_int =
-        fake_function(fake, "cuMemAlloc_v2");
+    let alloc: unsafe extern "C" fn(*mut u64, usize) -> c_int = fake.function("cuMemAlloc_v2");
     let mut ptr = 0;
     // SAFETY: a live out pointer.
     assert_eq!(unsafe { alloc(&mut ptr, size) }, 0);
     ptr
-}
-
-fn fake_function<T: Copy>(_fake: &FakeCuda, name: &str) -> T {
-    // SAFETY: the fake is loaded (FakeCuda::open); each caller gives the export's C signature.
-    let library = unsafe { libloading::Library::new("libcuda.so") }.expect("load the fake");
-    // SAFETY: as above.
-    let function = *unsafe { library.get::<T>(name.as_bytes()) }.expect("a fake export");
-    // The library stays loaded: FakeCuda holds it.
-    function
 }
 
 // ---- The fake's rules ----------------------------------------------------------------------
@@ -177,7 +167,7 @@ fn calls_that_need_a_current_context_refuse_without_one() {
             fake.make_current(0);
             let ptr = device_alloc(&fake, MIB);
             let set_current: unsafe extern "C" fn(*mut c_void) -> c_int =
-                fake_function(&fake, "cuCtxSetCurrent");
+                fake.function("cuCtxSetCurrent");
             // SAFETY: NULL makes no context current.
             assert_eq!(unsafe { set_current(ptr::null_mut()) }, 0);
             assert_eq!(
@@ -363,8 +353,7 @@ fn record_stream_with_another_devices_stream_records_the_event_in_that_context()
             api.free(other, MIB, 0, 0);
             // Once its event says done, the block is reused, and the fake agrees it is safe.
             fake.make_current(0);
-            let synchronize: unsafe extern "C" fn() -> c_int =
-                fake_function(&fake, "cuCtxSynchronize");
+            let synchronize: unsafe extern "C" fn() -> c_int = fake.function("cuCtxSynchronize");
             // SAFETY: no arguments.
             assert_eq!(unsafe { synchronize() }, 0);
             api.empty_cache();

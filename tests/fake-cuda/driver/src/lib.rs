@@ -22,6 +22,7 @@ mod device;
 mod faults;
 mod memory;
 mod nvml;
+mod peer;
 mod stubs;
 mod sync;
 mod vmm;
@@ -39,14 +40,18 @@ pub const CUDA_SUCCESS: CuResult = 0;
 pub const CUDA_ERROR_INVALID_VALUE: CuResult = 1;
 pub const CUDA_ERROR_OUT_OF_MEMORY: CuResult = 2;
 pub const CUDA_ERROR_NOT_INITIALIZED: CuResult = 3;
+pub const CUDA_ERROR_STUB_LIBRARY: CuResult = 34;
 pub const CUDA_ERROR_NO_DEVICE: CuResult = 100;
 pub const CUDA_ERROR_INVALID_DEVICE: CuResult = 101;
 pub const CUDA_ERROR_INVALID_CONTEXT: CuResult = 201;
+pub const CUDA_ERROR_PEER_ACCESS_UNSUPPORTED: CuResult = 217;
 pub const CUDA_ERROR_INVALID_HANDLE: CuResult = 400;
 pub const CUDA_ERROR_NOT_READY: CuResult = 600;
 pub const CUDA_ERROR_NOT_SUPPORTED: CuResult = 801;
 pub const CUDA_ERROR_ILLEGAL_STATE: CuResult = 401;
 pub const CUDA_ERROR_ILLEGAL_ADDRESS: CuResult = 700;
+pub const CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: CuResult = 704;
+pub const CUDA_ERROR_PEER_ACCESS_NOT_ENABLED: CuResult = 705;
 pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CuResult = 900;
 pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CuResult = 901;
 pub const CUDA_ERROR_STREAM_CAPTURE_UNJOINED: CuResult = 904;
@@ -73,6 +78,11 @@ const ERROR_TEXTS: &[(CuResult, &CStr, &CStr)] = &[
         c"initialization error",
     ),
     (
+        CUDA_ERROR_STUB_LIBRARY,
+        c"CUDA_ERROR_STUB_LIBRARY",
+        c"CUDA driver is a stub library",
+    ),
+    (
         CUDA_ERROR_NO_DEVICE,
         c"CUDA_ERROR_NO_DEVICE",
         c"no CUDA-capable device is detected",
@@ -86,6 +96,11 @@ const ERROR_TEXTS: &[(CuResult, &CStr, &CStr)] = &[
         CUDA_ERROR_INVALID_CONTEXT,
         c"CUDA_ERROR_INVALID_CONTEXT",
         c"invalid device context",
+    ),
+    (
+        CUDA_ERROR_PEER_ACCESS_UNSUPPORTED,
+        c"CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
+        c"peer access is not supported between these two devices",
     ),
     (
         CUDA_ERROR_INVALID_HANDLE,
@@ -106,6 +121,16 @@ const ERROR_TEXTS: &[(CuResult, &CStr, &CStr)] = &[
         CUDA_ERROR_ILLEGAL_ADDRESS,
         c"CUDA_ERROR_ILLEGAL_ADDRESS",
         c"an illegal memory access was encountered",
+    ),
+    (
+        CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
+        c"CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED",
+        c"peer access is already enabled",
+    ),
+    (
+        CUDA_ERROR_PEER_ACCESS_NOT_ENABLED,
+        c"CUDA_ERROR_PEER_ACCESS_NOT_ENABLED",
+        c"peer access has not been enabled",
     ),
     (
         CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
@@ -154,6 +179,10 @@ pub struct Driver {
     device_count: i32,
     /// Bytes of device memory per device (accounting only; host memory backs what is used).
     capacity: u64,
+    /// What every device reports and allows (`FAKE_LIBCUDA_VMM`, ...; see `peer.rs`).
+    features: peer::Features,
+    /// Peer access enabled with `cuCtxEnablePeerAccess`: (accessing device, owning device).
+    peer_links: std::collections::BTreeSet<(i32, i32)>,
     /// Per device: bytes held by `cuMemAlloc` allocations and not yet freed physical handles.
     bytes_in_use: Vec<u64>,
     /// Other processes on the GPUs (`FAKE_NVML_OTHER_PROCESSES`): NVML lists them, and their
@@ -212,6 +241,7 @@ impl Driver {
             driver_version: env_or("FAKE_LIBCUDA_DRIVER_VERSION", 13020),
             device_count,
             capacity,
+            features: peer::Features::from_environment(),
             bytes_in_use: vec![0; usize::try_from(device_count).unwrap_or(0)],
             other_processes: std::env::var("FAKE_NVML_OTHER_PROCESSES")
                 .map(|list| nvml::OtherProcess::parse_list(&list))
@@ -446,6 +476,8 @@ pub unsafe extern "C" fn fake_cuda_stat(name: *const c_char) -> i64 {
         "order_unmaps_checked" => driver.timeline.counts.unmaps_checked,
         "order_violations" => driver.timeline.counts.violations,
         "order_pending_uses" => driver.timeline.pending_uses(),
+        "peer_links" => driver.peer_links.len() as u64,
+        "rdma_capable_physical" => driver.rdma_capable_physical(),
         symbol if symbol.starts_with("cu") || symbol.starts_with("nvml") => {
             driver.calls.get(symbol).copied().unwrap_or(0)
         }

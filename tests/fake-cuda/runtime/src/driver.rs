@@ -16,6 +16,9 @@ unsafe extern "C" {
     pub fn cuDriverGetVersion(version: *mut c_int) -> u32;
     pub fn cuDeviceGetCount(count: *mut c_int) -> u32;
     pub fn cuDeviceGetAttribute(value: *mut c_int, attribute: c_int, device: c_int) -> u32;
+    pub fn cuDeviceCanAccessPeer(can_access: *mut c_int, device: c_int, peer: c_int) -> u32;
+    pub fn cuCtxEnablePeerAccess(peer_context: CuContext, flags: c_uint) -> u32;
+    pub fn cuCtxDisablePeerAccess(peer_context: CuContext) -> u32;
     pub fn cuDeviceTotalMem_v2(bytes: *mut usize, device: c_int) -> u32;
     pub fn cuDeviceGetName(name: *mut c_char, length: c_int, device: c_int) -> u32;
     pub fn cuDevicePrimaryCtxRetain(context: *mut CuContext, device: c_int) -> u32;
@@ -86,7 +89,7 @@ pub fn enter(device: i32) -> Outcome {
 }
 
 /// The retained primary context of `device`; retained once and kept for the process's life.
-fn primary_context(device: i32) -> Result<CuContext, u32> {
+pub fn primary_context(device: i32) -> Result<CuContext, u32> {
     static CONTEXTS: [OnceLock<Result<usize, u32>>; MAX_DEVICES] =
         [const { OnceLock::new() }; MAX_DEVICES];
     let slot = usize::try_from(device)
