@@ -850,6 +850,8 @@ fn expandable_pages_are_reachable_from_a_peer_device() {
             fake.make_current(1);
             assert_eq!(fake.memset(base, 0x5a, 2 * page), 0, "mapped before");
             assert_eq!(fake.copy(on_peer, base, 2 * page), 0);
+            // Copies and memsets are asynchronous: done before the pages are unmapped.
+            assert_eq!(fake.synchronize(), 0);
             assert_eq!(fake.enable_peer_access(0), 0);
             assert_eq!(
                 fake.enable_peer_access(0),
@@ -861,6 +863,7 @@ fn expandable_pages_are_reachable_from_a_peer_device() {
             fake.make_current(1);
             assert_eq!(fake.memset(base, 0x6b, 4 * page), 0, "mapped after");
             assert_eq!(fake.copy(base + 2 * page as u64, on_peer, 2 * page), 0);
+            assert_eq!(fake.synchronize(), 0);
             set_current_context(ptr::null_mut());
 
             device.unmap(base, 4 * page).expect("unmap");
@@ -948,6 +951,7 @@ fn peers_the_driver_refuses_are_dropped() {
         assert_eq!(fake.stat("cuMemSetAccess"), 3);
         fake.make_current(0);
         assert_eq!(fake.memset(base, 1, 2 * page), 0);
+        assert_eq!(fake.synchronize(), 0);
         set_current_context(ptr::null_mut());
         device.unmap(base, page).expect("unmap");
         device.unmap(base + page as u64, page).expect("unmap");

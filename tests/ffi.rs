@@ -1034,6 +1034,8 @@ fn expandable_memory_is_reachable_from_a_peer_device() {
             assert_eq!(fake.memset(after, 0x22, size), 0, "mapped after");
             assert_eq!(fake.copy(on_peer, before, size), 0);
             assert_eq!(fake.copy(after, on_peer, size), 0);
+            // Device 1's copies are asynchronous: done before device 0 writes there too.
+            assert_eq!(fake.synchronize(), 0);
             fake.make_current(0);
             assert_eq!(fake.enable_peer_access(1), 0);
             assert_eq!(fake.copy(on_peer, after, size), 0, "and back");

@@ -353,9 +353,7 @@ fn record_stream_with_another_devices_stream_records_the_event_in_that_context()
             api.free(other, MIB, 0, 0);
             // Once its event says done, the block is reused, and the fake agrees it is safe.
             fake.make_current(0);
-            let synchronize: unsafe extern "C" fn() -> c_int = fake.function("cuCtxSynchronize");
-            // SAFETY: no arguments.
-            assert_eq!(unsafe { synchronize() }, 0);
+            assert_eq!(fake.synchronize(), 0);
             api.empty_cache();
             assert_eq!(fake.stat("order_violations"), 0);
         },

@@ -368,6 +368,13 @@ impl FakeCuda {
         get()
     }
 
+    /// `cuCtxSynchronize`: waits for all work of the current context; the driver's result.
+    pub fn synchronize(&self) -> c_int {
+        let synchronize: unsafe extern "C" fn() -> c_int = self.function("cuCtxSynchronize");
+        // SAFETY: no arguments.
+        unsafe { synchronize() }
+    }
+
     /// `cuMemsetD8Async`: work on `stream` that writes `[ptr, ptr + len)` (a context must be
     /// current for the default streams); the driver's result.
     pub fn memset_async(&self, ptr: u64, len: usize, stream: u64) -> c_int {
