@@ -22,7 +22,7 @@ use std::ffi::{CStr, CString, OsStr, OsString, c_char, c_double, c_int, c_ulongl
 use std::os::unix::ffi::OsStrExt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, Ordering};
 
 use parking_lot::Mutex;
@@ -76,9 +76,11 @@ struct HistorySetting {
     max_entries: usize,
 }
 
-/// The settings, read from the environment once, on the library's first use.
+/// The settings, read from the environment once, on the library's first use, and replaced by
+/// `ferrocache_set_allocator_settings`; devices created later are made with the settings in
+/// effect then.
 struct Settings {
-    config: Result<Config, String>,
+    config: Result<Mutex<Config>, String>,
 }
 
 fn settings() -> &'static Settings {
@@ -88,7 +90,7 @@ fn settings() -> &'static Settings {
         let config = match Config::from_env() {
             Ok(config) => {
                 logging::configuration(&config);
-                Ok(config)
+                Ok(Mutex::new(config))
             }
             Err(err) => {
                 let variable = selected_alloc_conf(|name| {
@@ -103,8 +105,31 @@ fn settings() -> &'static Settings {
     })
 }
 
-fn config() -> Result<&'static Config, String> {
-    settings().config.as_ref().map_err(String::clone)
+/// The settings in effect.
+fn config() -> Result<Config, String> {
+    match &settings().config {
+        Ok(config) => Ok(config.lock().clone()),
+        Err(why) => Err(why.clone()),
+    }
+}
+
+/// `torch.cuda.memory._set_allocator_settings(text)`: the settings in effect become
+/// [`Config::with_runtime_settings`]'s, on every device created so far and those created
+/// later. A refused `text` changes nothing.
+fn set_allocator_settings(text: &str) -> Result<(), String> {
+    let settings = settings().config.as_ref().map_err(String::clone)?;
+    // Under the creation lock, so that no device is made meanwhile with the old settings.
+    let _creation = CREATION.lock();
+    let mut current = settings.lock();
+    let updated = current
+        .with_runtime_settings(text)
+        .map_err(|err| err.message)?;
+    for (_, allocator) in created_allocators() {
+        allocator.lock().replace_config(updated.clone());
+    }
+    logging::settings_changed(&updated);
+    *current = updated;
+    Ok(())
 }
 
 fn device_slot(
@@ -148,7 +173,7 @@ fn first_use_of(device: c_int) -> Result<&'static LockedAllocator, String> {
     }
     match CudaDevice::new(device) {
         Ok(cuda) => {
-            let mut allocator = DeviceAllocator::new(cuda, device, config.clone());
+            let mut allocator = DeviceAllocator::new(cuda, device, config);
             allocator.set_reserve_class_lookup(Box::new(reserve_class_of));
             if history.enabled {
                 allocator.record_history(true, history.max_entries);
@@ -338,9 +363,9 @@ fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_v
     }
     // Before the lock: the gatherer takes the GIL, which a thread waiting for the lock may hold.
     let stack = gather_stack(StackEvent::Alloc);
-    let result = allocator
-        .lock()
-        .malloc_with_stack(size, stream_id(stream), stack);
+    let result = with_user_metadata(&mut allocator.lock(), |allocator| {
+        allocator.malloc_with_stack(size, stream_id(stream), stack)
+    });
     match result {
         Ok(ptr) => Ok(device_pointer(ptr)),
         // A preemptive rejection (throw_on_cudamalloc_oom) is the user's own limit: PyTorch calls
@@ -452,6 +477,60 @@ pub type ferrocache_reserve_class_lookup = Option<ReserveClassLookup>;
 enum StackEvent {
     Alloc = 0,
     Free = 1,
+}
+
+thread_local! {
+    /// What `torch.cuda.memory._set_memory_metadata` set on this thread (PyTorch keeps it per
+    /// thread too); `None` when empty.
+    static USER_METADATA: RefCell<Option<Arc<str>>> = const { RefCell::new(None) };
+}
+
+/// Runs `action` with this thread's metadata given to the trace entries it records.
+#[inline(always)]
+fn with_user_metadata<R>(
+    allocator: &mut DeviceAllocator<CudaDevice>,
+    action: impl FnOnce(&mut DeviceAllocator<CudaDevice>) -> R,
+) -> R {
+    let metadata = USER_METADATA.with_borrow(Clone::clone);
+    if metadata.is_none() {
+        return action(allocator);
+    }
+    let previous = allocator.set_user_metadata(metadata);
+    let result = action(allocator);
+    allocator.set_user_metadata(previous);
+    result
+}
+
+/// `torch.cuda.memory._set_memory_metadata(text)`: the trace entries that this thread's
+/// allocations and frees record from now on carry `text` as `user_metadata`; an empty `text`
+/// clears it. Returns 0, or -1 (last error set) for a NULL or non-UTF-8 `text`.
+///
+/// # Safety
+/// `text` is a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_set_memory_metadata(text: *const c_char) -> c_int {
+    reporting_errors("ferrocache_set_memory_metadata", -1, || {
+        if text.is_null() {
+            return Err("the metadata is NULL".to_string());
+        }
+        // SAFETY: non-NULL, and the caller promises a NUL-terminated string.
+        let text = unsafe { CStr::from_ptr(text) }
+            .to_str()
+            .map_err(|_| "the metadata is not valid UTF-8".to_string())?;
+        let metadata = (!text.is_empty()).then(|| Arc::<str>::from(text));
+        USER_METADATA.set(metadata);
+        Ok(0)
+    })
+}
+
+/// `torch.cuda.memory._get_memory_metadata()`: this thread's metadata ("" when none). Returns
+/// a string to free with `ferrocache_string_free`.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_get_memory_metadata() -> *mut c_char {
+    reporting_errors("ferrocache_get_memory_metadata", ptr::null_mut(), || {
+        let text = USER_METADATA.with_borrow(|m| m.as_deref().unwrap_or("").to_string());
+        Ok(into_c_string(text))
+    })
 }
 
 /// The registered gatherer (NULL: none; recording stacks costs one atomic load then).
@@ -637,7 +716,9 @@ fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
         && let Some(allocator) = created_allocator(device)
     {
         // The guard goes at the end of this statement: a warning never holds up other threads.
-        let freed = allocator.lock().free_with_stack(ptr, stack);
+        let freed = with_user_metadata(&mut allocator.lock(), |allocator| {
+            allocator.free_with_stack(ptr, stack)
+        });
         if let Ok(recorded) = freed {
             report_wrong_claims(claims, device, &recorded);
             return Ok(());
@@ -653,7 +734,7 @@ fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
 fn release_elsewhere(ptr: DevicePtr, claims: &FreeClaims, stack: StackId) -> Result<(), String> {
     settings();
     match with_owner(claims.device, |allocator| {
-        allocator.free_with_stack(ptr, stack)
+        with_user_metadata(allocator, |allocator| allocator.free_with_stack(ptr, stack))
     }) {
         Some((device, recorded)) => {
             report_wrong_claims(claims, device, &recorded);
@@ -1391,6 +1472,42 @@ pub extern "C" fn ferrocache_empty_cache() -> c_int {
 pub extern "C" fn ferrocache_set_memory_fraction(fraction: c_double, device: c_int) -> c_int {
     with_last_error("ferrocache_set_memory_fraction", -1, || {
         set_memory_fraction(fraction, device).map(|()| 0)
+    })
+}
+
+/// `torch.cuda.memory._set_allocator_settings(text)`: parses `text` as PyTorch's
+/// `setAllocatorSettings` does, over the settings in effect (a key not named keeps its value,
+/// except `max_split_size_mb`, `roundup_power2_divisions` and `garbage_collection_threshold`,
+/// which go back to their defaults), and applies the result from each device's next decision
+/// on. Returns 0, or -1 with PyTorch's wording in the last error, nothing changed.
+///
+/// # Safety
+/// `text` is a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_set_allocator_settings(text: *const c_char) -> c_int {
+    with_last_error("ferrocache_set_allocator_settings", -1, || {
+        if text.is_null() {
+            return Err("the allocator settings are NULL".to_string());
+        }
+        // SAFETY: non-NULL, and the caller promises a NUL-terminated string.
+        let text = unsafe { CStr::from_ptr(text) }
+            .to_str()
+            .map_err(|_| "the setting is not valid UTF-8".to_string())?;
+        set_allocator_settings(text).map(|()| 0)
+    })
+}
+
+/// `torch.cuda.get_per_process_memory_fraction(device)`: the limit
+/// `set_per_process_memory_fraction` (or `per_process_memory_fraction`) set on `device`, as a
+/// share of its memory; 1 when none was set. Returns -1 when the device cannot be used (last
+/// error set).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_get_memory_fraction(device: c_int) -> c_double {
+    with_last_error("ferrocache_get_memory_fraction", -1.0, || {
+        allocator(device)?
+            .lock()
+            .memory_fraction()
+            .map_err(|err| err.to_string())
     })
 }
 

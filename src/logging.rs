@@ -300,6 +300,21 @@ pub fn configuration(config: &Config) {
     }
 }
 
+/// `torch.cuda.memory._set_allocator_settings` replaced the settings.
+pub fn settings_changed(config: &Config) {
+    if let Some((_, value)) = &config.source {
+        info!(target: TARGET, "Allocator: settings changed at run time to {value:?}");
+    }
+    if log::log_enabled!(target: TARGET, log::Level::Info) {
+        for line in config.describe().lines() {
+            info!(target: TARGET, "Allocator: settings in effect: {line}");
+        }
+    }
+    for warning in &config.warnings {
+        warn!(target: TARGET, "Allocator: {warning}");
+    }
+}
+
 /// The allocator settings are invalid: every allocation will fail with this message.
 pub fn configuration_invalid(variable: &str, message: &str) {
     error!(target: TARGET, "Allocator: {variable} is invalid, so every allocation will fail: {message}");

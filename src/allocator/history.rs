@@ -4,6 +4,7 @@
 use super::DeviceAllocator;
 use crate::device::{Device, DevicePtr, StreamId};
 use serde::Serialize;
+use std::sync::Arc;
 
 /// A caller's stack trace, named by an id that the caller hands out (see
 /// [`DeviceAllocator::malloc_with_stack`]); 0 means none. The allocator only stores it.
@@ -37,6 +38,9 @@ pub struct TraceEntry {
     /// The caller's stack, as an id the caller gave (0: none). The Python package hands out
     /// these ids and turns them into PyTorch's `frames` when it reads a snapshot.
     pub stack_id: StackId,
+    /// What `torch.cuda.memory._set_memory_metadata` set on the thread that caused the entry
+    /// (`user_metadata` in snapshots; absent when none was set).
+    pub user_metadata: Option<Arc<str>>,
 }
 
 impl Serialize for TraceEntry {
@@ -57,6 +61,9 @@ impl Serialize for TraceEntry {
         if self.stack_id != 0 {
             map.serialize_entry("stack_id", &self.stack_id)?;
         }
+        if let Some(metadata) = &self.user_metadata {
+            map.serialize_entry("user_metadata", metadata.as_ref())?;
+        }
         map.end()
     }
 }
@@ -73,6 +80,8 @@ pub struct History {
     /// `segment_alloc` or `oom` carries the stack of the allocation that caused it, as in
     /// PyTorch).
     current_stack: StackId,
+    /// The caller's metadata, given to every entry the malloc or free in progress records.
+    current_metadata: Option<Arc<str>>,
 }
 
 fn now_us() -> i64 {
@@ -114,6 +123,7 @@ impl History {
             stream,
             time_us: now_us(),
             stack_id: self.current_stack,
+            user_metadata: self.current_metadata.clone(),
         };
         if self.entries.len() < self.max_entries {
             self.entries.push(entry);
@@ -127,6 +137,12 @@ impl History {
     #[inline]
     pub fn set_current_stack(&mut self, stack: StackId) -> StackId {
         std::mem::replace(&mut self.current_stack, stack)
+    }
+
+    /// Sets the metadata that the entries recorded from now on carry; returns the previous.
+    #[inline]
+    pub fn set_current_metadata(&mut self, metadata: Option<Arc<str>>) -> Option<Arc<str>> {
+        std::mem::replace(&mut self.current_metadata, metadata)
     }
 
     #[inline]
@@ -295,6 +311,7 @@ mod tests {
             stream: 0,
             time_us: 1,
             stack_id: 0,
+            user_metadata: None,
         };
         let oom = serde_json::to_value(entry(TraceAction::Oom)).unwrap();
         assert_eq!(oom["device_free"], 42);

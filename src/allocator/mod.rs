@@ -40,6 +40,7 @@ use rustc_hash::FxHashMap;
 use stats::DeviceStats;
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::fmt;
+use std::sync::Arc;
 
 /// PyTorch's out-of-memory error, with the figures its message quotes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -259,6 +260,15 @@ impl<D: Device> DeviceAllocator<D> {
         &self.config
     }
 
+    /// Replaces the settings, as `torch.cuda.memory._set_allocator_settings` does for PyTorch's
+    /// allocator: each decision from the next one on reads the new values (PyTorch reads its
+    /// settings at each decision). What PyTorch took from the settings once, when the device's
+    /// allocator was made, stays: the memory-fraction limit that `per_process_memory_fraction`
+    /// set and the `max_split_size` statistic.
+    pub fn replace_config(&mut self, config: Config) {
+        self.config = config;
+    }
+
     /// Tells the allocator where to ask for the reserve class of a stream
     /// (`expandable_segments_reserve_by_class`); without it every stream is untagged.
     pub fn set_reserve_class_lookup(&mut self, lookup: ReserveClassLookup) {
@@ -380,6 +390,13 @@ impl<D: Device> DeviceAllocator<D> {
         let result = self.malloc(size, stream);
         self.history.set_current_stack(previous);
         result
+    }
+
+    /// Sets the metadata (`torch.cuda.memory._set_memory_metadata`) that the trace entries
+    /// recorded from now on carry; returns the previous one, to put back after the call.
+    #[inline(always)]
+    pub fn set_user_metadata(&mut self, metadata: Option<Arc<str>>) -> Option<Arc<str>> {
+        self.history.set_current_metadata(metadata)
     }
 
     /// [`free_returning_info`](Self::free_returning_info) on behalf of the caller's stack
@@ -1274,6 +1291,15 @@ impl<D: Device> DeviceAllocator<D> {
         let info = self.device.mem_get_info()?;
         self.allowed_memory_maximum = policy::memory_fraction_limit(fraction, info.total);
         Ok(())
+    }
+
+    /// `getMemoryFraction`: the limit `set_memory_fraction` set, as a share of the device's
+    /// memory (1 when none was set), computed from the limit in bytes as PyTorch does.
+    pub fn memory_fraction(&mut self) -> Result<f64, AllocError> {
+        let Some(limit) = self.allowed_memory_maximum else {
+            return Ok(1.0);
+        };
+        Ok(limit as f64 / self.device_total()? as f64)
     }
 
     // ----------------------------------------------------------------------------------------
