@@ -78,6 +78,15 @@ void rust_release_pool(int device, std::pair<unsigned long long, unsigned long l
 extern "C" {
 #endif // __cplusplus
 
+// `torch.cuda.memory.caching_allocator_enable(enabled)` (PyTorch's `enable`): with 0, the
+// allocations made from now on go to the driver at their exact size and back at their free,
+// outside the cache and its statistics; with non-zero, caching resumes (allocations made
+// meanwhile still go back to the driver). Returns 0.
+int ferrocache_set_caching_enabled(int enabled);
+
+// Whether caching is on (PyTorch's `isEnabled`): 1 or 0.
+int ferrocache_caching_enabled(void);
+
 // `torch.cuda.memory._set_memory_metadata(text)`: the trace entries that this thread's
 // allocations and frees record from now on carry `text` as `user_metadata`; an empty `text`
 // clears it. Returns 0, or -1 (last error set) for a NULL or non-UTF-8 `text`.
@@ -191,6 +200,18 @@ int ferrocache_release_pool(int device, unsigned long long pool_first, unsigned 
 // pool with one reference, or gives an existing one another. Returns 0, or -1 (last error set)
 // when the device is unusable or the id is `(0, 0)` (the ordinary pools').
 int ferrocache_create_or_incref_pool(int device, unsigned long long pool_first, unsigned long long pool_second);
+
+// PyTorch's `setUseOnOOM` and `setNoSplit`, as `torch.cuda.MemPool(use_on_oom=...,
+// no_split=...)` calls them: with `use_on_oom` non-zero, an allocation outside every private
+// pool that would run out of memory may take one of the pool's cached blocks; with `no_split`
+// non-zero, the pool's blocks are handed out whole. Returns 0, or -1 (last error set) when
+// there is no such pool.
+int ferrocache_set_pool_options(int device, unsigned long long pool_first, unsigned long long pool_second, int use_on_oom, int no_split);
+
+// PyTorch's `emptyCache(mempool_id)`, as `torch.cuda.MemPool`'s destructor calls it: the
+// private pool's cached memory goes back to the device once nothing refers to the pool and
+// none of its blocks is live. Returns 0, or -1 (last error set).
+int ferrocache_empty_pool_cache(int device, unsigned long long pool_first, unsigned long long pool_second);
 
 // PyTorch's `getPoolUseCount`: the references the private pool holds. Returns -1 (last error
 // set) when there is no such pool (never created, or gone after `empty_cache`).

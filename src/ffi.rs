@@ -22,8 +22,8 @@ use std::ffi::{CStr, CString, OsStr, OsString, c_char, c_double, c_int, c_ulongl
 use std::os::unix::ffi::OsStrExt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, Ordering};
 
 use parking_lot::Mutex;
 
@@ -361,6 +361,9 @@ fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_v
         logging::call_failed("allocation", &why);
         return Err(AllocFailure::Other(why.to_string()));
     }
+    if !CACHING_ENABLED.load(Ordering::Relaxed) {
+        return allocate_uncached(size, device, stream, allocator);
+    }
     // Before the lock: the gatherer takes the GIL, which a thread waiting for the lock may hold.
     let stack = gather_stack(StackEvent::Alloc);
     let result = with_user_metadata(&mut allocator.lock(), |allocator| {
@@ -386,6 +389,82 @@ fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_v
             Err(AllocFailure::Other(message))
         }
     }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Caching turned off (`torch.cuda.memory.caching_allocator_disabled()`)
+// ------------------------------------------------------------------------------------------------
+
+/// PyTorch's `enable(false)` turns this off: allocations then go to the driver and back, at
+/// their exact size, outside the cache and its statistics (PyTorch's `uncached_allocate` and
+/// `uncached_delete`).
+static CACHING_ENABLED: AtomicBool = AtomicBool::new(true);
+/// The live allocations made while caching was off, with their devices.
+static UNCACHED: Mutex<Vec<(DevicePtr, c_int)>> = Mutex::new(Vec::new());
+/// How many there are: a free looks in [`UNCACHED`] only when some are live.
+static UNCACHED_LIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// `uncached_allocate`: straight from the driver, at the size asked.
+#[cold]
+#[inline(never)]
+fn allocate_uncached(
+    size: usize,
+    device: c_int,
+    stream: cudaStream_t,
+    allocator: &LockedAllocator,
+) -> Result<*mut c_void, AllocFailure> {
+    let ptr = allocator
+        .lock()
+        .device_mut()
+        .malloc(size, stream_id(stream))
+        .map_err(|err| {
+            let message = format!("CUDA error while caching is disabled: {err}");
+            logging::call_failed("allocation", &message);
+            AllocFailure::Other(message)
+        })?;
+    UNCACHED.lock().push((ptr, device));
+    UNCACHED_LIVE.fetch_add(1, Ordering::Relaxed);
+    Ok(device_pointer(ptr))
+}
+
+/// The device of `ptr` if it was allocated while caching was off; it is forgotten.
+#[cold]
+#[inline(never)]
+fn take_uncached(ptr: DevicePtr) -> Option<c_int> {
+    let mut live = UNCACHED.lock();
+    let index = live.iter().position(|&(p, _)| p == ptr)?;
+    let (_, device) = live.swap_remove(index);
+    UNCACHED_LIVE.fetch_sub(1, Ordering::Relaxed);
+    Some(device)
+}
+
+/// `uncached_delete`: straight back to the driver.
+#[cold]
+#[inline(never)]
+fn free_uncached(ptr: DevicePtr, device: c_int) -> Result<(), String> {
+    allocator(device)?
+        .lock()
+        .device_mut()
+        .free(ptr)
+        .map_err(|err| err.to_string())
+}
+
+/// `torch.cuda.memory.caching_allocator_enable(enabled)` (PyTorch's `enable`): with 0, the
+/// allocations made from now on go to the driver at their exact size and back at their free,
+/// outside the cache and its statistics; with non-zero, caching resumes (allocations made
+/// meanwhile still go back to the driver). Returns 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_set_caching_enabled(enabled: c_int) -> c_int {
+    guarded("ferrocache_set_caching_enabled", -1, || {
+        CACHING_ENABLED.store(enabled != 0, Ordering::Relaxed);
+        0
+    })
+}
+
+/// Whether caching is on (PyTorch's `isEnabled`): 1 or 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_caching_enabled() -> c_int {
+    c_int::from(CACHING_ENABLED.load(Ordering::Relaxed))
 }
 
 /// After an out-of-memory (with the allocator's lock released): one ERROR line naming the
@@ -710,6 +789,11 @@ struct FreeClaims {
 /// one hash-map removal on the usual path.
 #[inline]
 fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
+    if UNCACHED_LIVE.load(Ordering::Relaxed) > 0
+        && let Some(device) = take_uncached(ptr)
+    {
+        return free_uncached(ptr, device);
+    }
     // Before any lock, as in `allocate`.
     let stack = gather_stack(StackEvent::Free);
     if let Some(device) = claims.device
@@ -1217,6 +1301,48 @@ pub extern "C" fn ferrocache_create_or_incref_pool(
             .lock()
             .create_or_incref_pool(pool_id(pool_first, pool_second));
         result.map(|_| 0).map_err(|err| err.to_string())
+    })
+}
+
+/// PyTorch's `setUseOnOOM` and `setNoSplit`, as `torch.cuda.MemPool(use_on_oom=...,
+/// no_split=...)` calls them: with `use_on_oom` non-zero, an allocation outside every private
+/// pool that would run out of memory may take one of the pool's cached blocks; with `no_split`
+/// non-zero, the pool's blocks are handed out whole. Returns 0, or -1 (last error set) when
+/// there is no such pool.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_set_pool_options(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+    use_on_oom: c_int,
+    no_split: c_int,
+) -> c_int {
+    with_last_error("ferrocache_set_pool_options", -1, || {
+        let id = pool_id(pool_first, pool_second);
+        let result = allocator(device)?
+            .lock()
+            .set_pool_options(id, use_on_oom != 0, no_split != 0);
+        result.map(|()| 0).map_err(|err| err.to_string())
+    })
+}
+
+/// PyTorch's `emptyCache(mempool_id)`, as `torch.cuda.MemPool`'s destructor calls it: the
+/// private pool's cached memory goes back to the device once nothing refers to the pool and
+/// none of its blocks is live. Returns 0, or -1 (last error set).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_empty_pool_cache(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+) -> c_int {
+    with_last_error("ferrocache_empty_pool_cache", -1, || {
+        let Some(allocator) = created_allocator(device) else {
+            return Ok(0);
+        };
+        let result = allocator
+            .lock()
+            .empty_pool_cache(pool_id(pool_first, pool_second));
+        result.map(|()| 0).map_err(|err| err.to_string())
     })
 }
 

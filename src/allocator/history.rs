@@ -39,14 +39,14 @@ pub struct TraceEntry {
     /// these ids and turns them into PyTorch's `frames` when it reads a snapshot.
     pub stack_id: StackId,
     /// What `torch.cuda.memory._set_memory_metadata` set on the thread that caused the entry
-    /// (`user_metadata` in snapshots; absent when none was set).
+    /// (`user_metadata` in snapshots; "" when none was set).
     pub user_metadata: Option<Arc<str>>,
 }
 
 impl Serialize for TraceEntry {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeMap;
-        let mut map = serializer.serialize_map(Some(7))?;
+        let mut map = serializer.serialize_map(Some(8))?;
         map.serialize_entry("action", &self.action)?;
         let address_key = if self.action == TraceAction::Oom {
             "device_free"
@@ -61,9 +61,8 @@ impl Serialize for TraceEntry {
         if self.stack_id != 0 {
             map.serialize_entry("stack_id", &self.stack_id)?;
         }
-        if let Some(metadata) = &self.user_metadata {
-            map.serialize_entry("user_metadata", metadata.as_ref())?;
-        }
+        // PyTorch writes it on every entry, "" when the thread set none.
+        map.serialize_entry("user_metadata", self.user_metadata.as_deref().unwrap_or(""))?;
         map.end()
     }
 }

@@ -148,6 +148,7 @@ pub struct ImportedBlock {
 }
 
 /// The search for a cached block: PyTorch's `AllocParams`.
+#[derive(Clone, Copy)]
 struct Request {
     /// The rounded size.
     size: usize,
@@ -365,14 +366,16 @@ impl<D: Device> DeviceAllocator<D> {
             private_pool,
             alloc_size: policy::allocation_size(rounded, &self.config),
         };
+        let mut request = request;
         let id = match self.get_free_block(&request) {
             Some(id) => id,
             None => match self.take_from_other_stream(&request)? {
                 Some(id) => id,
-                None => self.allocate_new_block(&request, size)?,
+                None => self.allocate_new_block(&mut request, size)?,
             },
         };
-        let split = policy::should_split(self.arena.get(id).size, rounded, pool, &self.config);
+        let split = !self.never_splits(request.private_pool)
+            && policy::should_split(self.arena.get(id).size, rounded, pool, &self.config);
         Ok(self.alloc_found_block(id, &request, size, split))
     }
 
@@ -416,9 +419,10 @@ impl<D: Device> DeviceAllocator<D> {
     /// The miss path of `malloc`: garbage collection, then the device, with PyTorch's two
     /// retries, then the out-of-memory error. A preemptive rejection (`throw_on_cudamalloc_oom`)
     /// of the first try fails at once, with no retry.
+    /// A block taken from a `use_on_oom` private pool makes `request` that pool's.
     fn allocate_new_block(
         &mut self,
-        request: &Request,
+        request: &mut Request,
         orig_size: usize,
     ) -> Result<BlockId, AllocError> {
         self.preemptively_rejected = false;
@@ -444,6 +448,12 @@ impl<D: Device> DeviceAllocator<D> {
             if let Some(id) = self.alloc_block(request, true)? {
                 return Ok(id);
             }
+        }
+        if request.private_pool.is_none()
+            && let Some((pool, id)) = self.free_block_of_use_on_oom_pools(request)
+        {
+            request.private_pool = Some(pool);
+            return Ok(id);
         }
         if self.preemptively_rejected {
             return Err(self.preemptive_rejection(request, orig_size));
