@@ -1476,6 +1476,55 @@ fn describe_divisions(divisions: &[usize; K_ROUNDUP_POWER_OF_TWO_INTERVALS]) -> 
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn settings_changed_at_run_time_keep_what_pytorch_keeps_and_reset_what_it_resets() {
+        let start = Config::parse(
+            "max_split_size_mb:64,roundup_power2_divisions:4,garbage_collection_threshold:0.6,\
+             max_non_split_rounding_mb:40,throw_on_cudamalloc_oom:True",
+        )
+        .unwrap();
+        let changed = start
+            .with_runtime_settings("expandable_segments:True")
+            .unwrap();
+        assert!(changed.expandable_segments);
+        // Reset at every parse by PyTorch's AcceleratorAllocatorConfig::parseArgs.
+        assert_eq!(changed.max_split_size, usize::MAX);
+        assert_eq!(changed.roundup_power2_divisions, [0; 16]);
+        assert_eq!(changed.garbage_collection_threshold, 0.0);
+        assert_eq!(changed.max_non_split_rounding_size, 20 * MB);
+        // Kept: a CUDA key not named.
+        assert!(changed.throw_on_cudamalloc_oom);
+        assert_eq!(
+            changed.source,
+            Some((
+                "PYTORCH_CUDA_ALLOC_CONF".into(),
+                "expandable_segments:True".into()
+            ))
+        );
+        let again = changed
+            .with_runtime_settings("expandable_segments:False,max_split_size_mb:40")
+            .unwrap();
+        assert!(!again.expandable_segments);
+        assert_eq!(again.max_split_size, 40 * MB);
+    }
+
+    #[test]
+    fn a_refused_runtime_setting_names_pytorchs_reason() {
+        let start = Config::parse("max_split_size_mb:64").unwrap();
+        let err = start
+            .with_runtime_settings("max_split_size_mb:10")
+            .unwrap_err();
+        assert_eq!(
+            err.message,
+            "CachingAllocator option max_split_size_mb too small, must be >= 20"
+        );
+        let err = start
+            .with_runtime_settings("expandable_segments:true")
+            .unwrap_err();
+        assert!(err.message.contains("Expected 'True' or 'False'"), "{err}");
+    }
+
     use super::*;
     use crate::policy::roundup_power2_divisions;
     use std::collections::HashMap;

@@ -214,6 +214,10 @@ pub struct DeviceAllocator<D: Device> {
     /// The reserve classes warned of as having no entry in
     /// `expandable_segments_reserve_by_class` (PyTorch warns once per class).
     warned_reserve_classes: HashSet<String>,
+    /// Whether [`replace_config`](Self::replace_config) was called: the oversize counters then
+    /// count by the `max_split_size` of each moment, as PyTorch's do, and no longer match the
+    /// blocks by today's.
+    settings_replaced: bool,
 }
 
 /// Answers the reserve class PyTorch's C++ API gave a stream (empty: none).
@@ -247,6 +251,7 @@ impl<D: Device> DeviceAllocator<D> {
             preemptively_rejected: false,
             reserve_classes: None,
             warned_reserve_classes: HashSet::new(),
+            settings_replaced: false,
             config,
         };
         if let Some(fraction) = allocator.config.per_process_memory_fraction
@@ -268,6 +273,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// set and the `max_split_size` statistic.
     pub fn replace_config(&mut self, config: Config) {
         self.config = config;
+        self.settings_replaced = true;
     }
 
     /// Tells the allocator where to ask for the reserve class of a stream
@@ -816,7 +822,7 @@ impl<D: Device> DeviceAllocator<D> {
         self.stats.allocation.decrease(pool, 1);
         self.stats.allocated_bytes.decrease(pool, size as u64);
         if policy::is_oversize(size, &self.config) {
-            self.stats.oversize_allocations.decrease(1);
+            self.stats.oversize_allocations.decrease_may_go_negative(1);
         }
         self.history.record(
             TraceAction::FreeRequested,
@@ -1181,7 +1187,7 @@ impl<D: Device> DeviceAllocator<D> {
         self.stats.segment.decrease(pool, 1);
         self.stats.reserved_bytes.decrease(pool, size as u64);
         if policy::is_oversize(size, &self.config) {
-            self.stats.oversize_segments.decrease(1);
+            self.stats.oversize_segments.decrease_may_go_negative(1);
         }
         self.history
             .record(TraceAction::SegmentFree, ptr, size, stream);
