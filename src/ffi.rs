@@ -589,13 +589,8 @@ fn with_user_metadata<R>(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ferrocache_set_memory_metadata(text: *const c_char) -> c_int {
     reporting_errors("ferrocache_set_memory_metadata", -1, || {
-        if text.is_null() {
-            return Err("the metadata is NULL".to_string());
-        }
-        // SAFETY: non-NULL, and the caller promises a NUL-terminated string.
-        let text = unsafe { CStr::from_ptr(text) }
-            .to_str()
-            .map_err(|_| "the metadata is not valid UTF-8".to_string())?;
+        // SAFETY: passed on from our caller, who promises the same.
+        let text = unsafe { text_argument(text, "the metadata") }?;
         let metadata = (!text.is_empty()).then(|| Arc::<str>::from(text));
         USER_METADATA.set(metadata);
         Ok(0)
@@ -1612,13 +1607,8 @@ pub extern "C" fn ferrocache_set_memory_fraction(fraction: c_double, device: c_i
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ferrocache_set_allocator_settings(text: *const c_char) -> c_int {
     with_last_error("ferrocache_set_allocator_settings", -1, || {
-        if text.is_null() {
-            return Err("the allocator settings are NULL".to_string());
-        }
-        // SAFETY: non-NULL, and the caller promises a NUL-terminated string.
-        let text = unsafe { CStr::from_ptr(text) }
-            .to_str()
-            .map_err(|_| "the setting is not valid UTF-8".to_string())?;
+        // SAFETY: passed on from our caller, who promises the same.
+        let text = unsafe { text_argument(text, "the allocator setting") }?;
         set_allocator_settings(text).map(|()| 0)
     })
 }
@@ -1651,6 +1641,20 @@ pub extern "C" fn ferrocache_check_invariants() -> c_int {
         }
         Ok(0)
     })
+}
+
+/// A string argument, named `what` in the error for NULL or text that is not UTF-8.
+///
+/// # Safety
+/// `text` is NULL or a NUL-terminated string that outlives the returned reference.
+unsafe fn text_argument<'a>(text: *const c_char, what: &str) -> Result<&'a str, String> {
+    if text.is_null() {
+        return Err(format!("{what} is NULL"));
+    }
+    // SAFETY: non-NULL, and the caller promises a NUL-terminated string.
+    unsafe { CStr::from_ptr(text) }
+        .to_str()
+        .map_err(|_| format!("{what} is not valid UTF-8"))
 }
 
 /// Reads a `PYTORCH_CUDA_ALLOC_CONF` value, or the process environment when `text` is NULL.

@@ -287,17 +287,7 @@ pub fn configuration(config: &Config) {
     if let Some((variable, value)) = &config.source {
         info!(target: TARGET, "Allocator: settings from {variable}={value:?}");
     }
-    if log::log_enabled!(target: TARGET, log::Level::Info) {
-        for line in config.describe().lines() {
-            info!(target: TARGET, "Allocator: settings in effect: {line}");
-        }
-    }
-    if !config.ignored_keys.is_empty() {
-        info!(target: TARGET, "Allocator: keys accepted as PyTorch does but not used by ferrocache: {}", config.ignored_keys.join(", "));
-    }
-    for warning in &config.warnings {
-        warn!(target: TARGET, "Allocator: {warning}");
-    }
+    settings_in_effect(config);
 }
 
 /// `torch.cuda.memory._set_allocator_settings` replaced the settings.
@@ -305,10 +295,19 @@ pub fn settings_changed(config: &Config) {
     if let Some((_, value)) = &config.source {
         info!(target: TARGET, "Allocator: settings changed at run time to {value:?}");
     }
+    settings_in_effect(config);
+}
+
+/// Each setting that differs from PyTorch's defaults, the keys ferrocache accepts but does not
+/// use, and the warnings.
+fn settings_in_effect(config: &Config) {
     if log::log_enabled!(target: TARGET, log::Level::Info) {
         for line in config.describe().lines() {
             info!(target: TARGET, "Allocator: settings in effect: {line}");
         }
+    }
+    if !config.ignored_keys.is_empty() {
+        info!(target: TARGET, "Allocator: keys accepted as PyTorch does but not used by ferrocache: {}", config.ignored_keys.join(", "));
     }
     for warning in &config.warnings {
         warn!(target: TARGET, "Allocator: {warning}");

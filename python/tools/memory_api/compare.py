@@ -157,7 +157,9 @@ def _scenarios(torch: Any, scratch: Path) -> dict[str, Callable[[], Any]]:
     def processes() -> Any:
         import re
 
-        return re.sub(r"process\s+\d+", "process PID", memory.list_gpu_processes())
+        # Each program is a process of its own, with its own pid and its own use of the GPU.
+        text = re.sub(r"process\s+\d+", "process PID", memory.list_gpu_processes())
+        return re.sub(r"uses\s+[\d.]+ MB", "uses N MB", text)
 
     def mem_get_info() -> Any:
         free, total = memory.mem_get_info()
