@@ -1,8 +1,10 @@
 """Private memory pools: ``torch.cuda.MemPool`` / ``torch.cuda.use_mem_pool`` for ferrocache.
 
 PyTorch refuses ``torch.cuda.MemPool()`` with a plugged-in allocator ("pluggable does not yet
-support createOrIncrefPool"). These give the same capability over the pools ferrocache keeps
-for CUDA graph captures::
+support createOrIncrefPool"), so :func:`ferrocache.install` puts :class:`TorchMemPool` and
+:func:`use_mem_pool` in place of ``torch.cuda.MemPool`` and ``torch.cuda.use_mem_pool``: PyTorch's
+names and semantics over the pools ferrocache keeps for CUDA graph captures. :class:`MemPool`
+and :func:`mem_pool` are the same pools without PyTorch::
 
     pool = ferrocache.MemPool()
     with ferrocache.mem_pool(pool):

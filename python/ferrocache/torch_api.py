@@ -8,6 +8,12 @@ same names, in ``torch.cuda.memory`` and in ``torch.cuda`` (where each exists), 
 :data:`TORCH_ACCELERATOR_FUNCTIONS` those of ``torch.accelerator`` (PyTorch >= 2.9), which
 answer for the CUDA device only and otherwise call PyTorch's own.
 
+:data:`TORCH_POOL_NAMES` puts ferrocache's private pools under PyTorch's ``MemPool`` and
+``use_mem_pool``, and :data:`TORCH_C_FUNCTIONS` / :data:`TORCH_C_WRAPPED` replace the ``torch._C``
+functions that PyTorch's own Python functions call (settings changed at run time, the memory
+fraction asked back, memory metadata, caching turned off), so that every caller reaches
+ferrocache, however it got to the function.
+
 A name this PyTorch lacks is skipped. Functions left as they are, because they already reach
 ferrocache through the plugged-in allocator: ``empty_cache``, ``set_per_process_memory_fraction``,
 ``caching_allocator_alloc`` / ``caching_allocator_delete``, ``mem_get_info``, and
