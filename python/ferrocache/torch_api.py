@@ -198,9 +198,11 @@ TORCH_C_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "_cuda_cudaCachingAllocator_enable": _enable_caching,
     "_cuda_cudaCachingAllocator_is_enabled": _caching_enabled,
 }
-#: ``torch._C`` functions that keep working and are followed by ferrocache's.
+#: ``torch._C`` functions that keep working and are followed by ferrocache's. PyTorch before
+#: 2.9 sets the allocator settings through ``_cuda_cudaCachingAllocator_set_allocator_settings``.
 TORCH_C_WRAPPED: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "_accelerator_setAllocatorSettings": _allocator_settings_for_both,
+    "_cuda_cudaCachingAllocator_set_allocator_settings": _allocator_settings_for_both,
 }
 #: ``torch.cuda.memory`` (and ``torch.cuda``) names that PyTorch's classes and context managers
 #: of private pools take under ferrocache.
