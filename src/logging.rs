@@ -287,6 +287,20 @@ pub fn configuration(config: &Config) {
     if let Some((variable, value)) = &config.source {
         info!(target: TARGET, "Allocator: settings from {variable}={value:?}");
     }
+    settings_in_effect(config);
+}
+
+/// `torch.cuda.memory._set_allocator_settings` replaced the settings.
+pub fn settings_changed(config: &Config) {
+    if let Some((_, value)) = &config.source {
+        info!(target: TARGET, "Allocator: settings changed at run time to {value:?}");
+    }
+    settings_in_effect(config);
+}
+
+/// Each setting that differs from PyTorch's defaults, the keys ferrocache accepts but does not
+/// use, and the warnings.
+fn settings_in_effect(config: &Config) {
     if log::log_enabled!(target: TARGET, log::Level::Info) {
         for line in config.describe().lines() {
             info!(target: TARGET, "Allocator: settings in effect: {line}");

@@ -1086,3 +1086,106 @@ fn expandable_segments_fall_back_to_plain_segments_without_virtual_memory() {
         );
     }
 }
+
+type FractionFn = unsafe extern "C" fn(c_int) -> c_double;
+type EnableFn = unsafe extern "C" fn(c_int) -> c_int;
+
+#[test]
+fn settings_fraction_metadata_and_caching_off_through_the_c_abi() {
+    let total = (256 * MIB).to_string();
+    let env = [("FAKE_LIBCUDA_TOTAL_MEM", total.as_str())];
+    in_own_process(
+        "settings_fraction_metadata_and_caching_off_through_the_c_abi",
+        &env,
+        || {
+            let api = Api::open();
+            let fake = FakeCuda::open();
+            // Settings at run time: the next segment follows them; a refusal changes nothing.
+            let set: ConfigFn = api.library.function("ferrocache_set_allocator_settings");
+            let text = CString::new("max_split_size_mb:40").unwrap();
+            // SAFETY: a NUL-terminated string.
+            assert_eq!(unsafe { set(text.as_ptr()) }, 0, "{}", api.last_error());
+            let bad = CString::new("max_split_size_mb:10").unwrap();
+            // SAFETY: a NUL-terminated string.
+            assert_eq!(unsafe { set(bad.as_ptr()) }, -1);
+            assert_eq!(
+                api.last_error(),
+                "CachingAllocator option max_split_size_mb too small, must be >= 20"
+            );
+            // SAFETY: NULL, which the function refuses.
+            assert_eq!(unsafe { set(ptr::null()) }, -1);
+            let big = api.alloc(100 * MIB, 0, 0);
+            assert_eq!(api.free(big), 0);
+            let small = api.alloc(10 * MIB, 0, 0);
+            assert_eq!(
+                api.stat("num_device_alloc"),
+                2,
+                "max_split_size_mb:40 still holds"
+            );
+            assert_eq!(api.free(small), 0);
+            assert_eq!(
+                api.snapshot().unwrap()["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"],
+                "max_split_size_mb:40"
+            );
+
+            // The fraction, asked back.
+            let fraction: FractionFn = api.library.function("ferrocache_get_memory_fraction");
+            // SAFETY: plain values.
+            assert_eq!(unsafe { fraction(0) }, 1.0);
+            api.rust_memory_fraction(0.25, 0);
+            // SAFETY: plain values.
+            assert_eq!(unsafe { fraction(0) }, 0.25);
+            // SAFETY: plain values (a device that cannot be).
+            assert_eq!(unsafe { fraction(-3) }, -1.0);
+            api.rust_memory_fraction(1.0, 0);
+
+            // Metadata on this thread's trace entries only.
+            let set_metadata: ConfigFn = api.library.function("ferrocache_set_memory_metadata");
+            let get_metadata: OwnedStringFn =
+                api.library.function("ferrocache_get_memory_metadata");
+            api.record_history(true, 100);
+            let phase = CString::new("phase 2").unwrap();
+            // SAFETY: a NUL-terminated string; the returned one is freed by take_string.
+            assert_eq!(unsafe { set_metadata(phase.as_ptr()) }, 0);
+            // SAFETY: no arguments; the string is given back by take_string.
+            assert_eq!(
+                api.take_string(unsafe { get_metadata() }).unwrap(),
+                "phase 2"
+            );
+            let tagged = api.alloc(4096, 0, 0);
+            let other = std::thread::spawn(|| {
+                let api = Api::open();
+                let untagged = api.alloc(4096, 0, 0);
+                assert_eq!(api.free(untagged), 0);
+            });
+            other.join().unwrap();
+            assert_eq!(api.free(tagged), 0);
+            let entries = api.snapshot().unwrap()["device_traces"][0].clone();
+            let metadata: Vec<&str> = entries
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["action"] == "alloc")
+                .map(|e| e["user_metadata"].as_str().unwrap())
+                .collect();
+            assert_eq!(
+                metadata,
+                ["phase 2", ""],
+                "the other thread's allocation has none"
+            );
+
+            // Caching off: straight to the driver and back, outside the statistics.
+            let enable: EnableFn = api.library.function("ferrocache_set_caching_enabled");
+            let allocs = api.stat("num_device_alloc");
+            let calls = fake.stat("cuMemAlloc_v2");
+            // SAFETY: plain values.
+            assert_eq!(unsafe { enable(0) }, 0);
+            let raw = api.alloc(1000, 0, 0);
+            assert_eq!(fake.stat("cuMemAlloc_v2"), calls + 1);
+            assert_eq!(api.free(raw), 0);
+            assert_eq!(api.stat("num_device_alloc"), allocs);
+            // SAFETY: plain values.
+            assert_eq!(unsafe { enable(1) }, 0);
+        },
+    );
+}

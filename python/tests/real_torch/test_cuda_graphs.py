@@ -134,22 +134,22 @@ def test_graphs_sharing_a_pool_reuse_each_others_blocks_and_nobody_else_gets_the
     assert out["ordinary"] == [[0, 0], [0, 0]]
 
 
-def test_mem_pool_is_refused_by_pytorch_and_offered_by_ferrocache() -> None:
+def test_torch_mem_pool_and_ferrocache_mem_pool_are_ferrocaches_private_pools() -> None:
+    """PyTorch refuses its own MemPool with a plugged-in allocator; install() puts ferrocache's
+    in its place (test_memory_api_real.py compares it with PyTorch's allocator)."""
     out = run_graphs(
         """
-        try:
-            torch.cuda.MemPool()
-            refused = None
-        except RuntimeError as err:
-            refused = str(err)
+        theirs = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(theirs):
+            u = torch.empty(N, dtype=torch.uint8, device="cuda")
         with ferrocache.mem_pool() as pool:
             t = torch.empty(N, dtype=torch.uint8, device="cuda")
         outside = torch.empty(N, dtype=torch.uint8, device="cuda")
-        result({"refused": refused, "pool": list(pool.id), "t_pool": pool_of(t.data_ptr()),
-                "outside": pool_of(outside.data_ptr())})
+        result({"torch pool": list(theirs.id), "u_pool": pool_of(u.data_ptr()), "pool": list(pool.id),
+                "t_pool": pool_of(t.data_ptr()), "outside": pool_of(outside.data_ptr())})
         """
     )
-    assert out["refused"] and "does not yet support createOrIncrefPool" in out["refused"]
+    assert out["u_pool"] == out["torch pool"] == [0, 1]
     assert out["t_pool"] == out["pool"] != [0, 0]
     assert out["outside"] == [0, 0]
 

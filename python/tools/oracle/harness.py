@@ -6,7 +6,8 @@ their offsets in the fake's address range), the same address for each allocation
 
 A program is a list of ops (JSON): ``alloc`` (``torch.empty`` of ``size`` bytes on stream
 ``stream``, named ``id``), ``free``, ``record_stream``, ``empty_cache``, ``fraction``
-(``set_per_process_memory_fraction``). :func:`random_program` draws one from a seed,
+(``set_per_process_memory_fraction``), ``settings`` (``_set_allocator_settings`` of ``value``,
+the settings changed at run time). :func:`random_program` draws one from a seed,
 :mod:`oracle.shapes` draws one shaped like training, :mod:`oracle.traces` makes one of a recorded
 snapshot; :func:`compare` runs it both ways and returns the first divergence, or None.
 
