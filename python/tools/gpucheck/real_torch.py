@@ -36,7 +36,8 @@ ON_ANY_GPU = (
     ("test_cuda_graphs.py", "test_allocations_inside_a_capture_come_from_the_graphs_pool"),
     ("test_cuda_graphs.py", "test_a_block_freed_during_capture_is_not_handed_out_until_the_graph_is_reset"),
     ("test_cuda_graphs.py", "test_graphs_sharing_a_pool_reuse_each_others_blocks_and_nobody_else_gets_them"),
-    ("test_cuda_graphs.py", "test_mem_pool_is_refused_by_pytorch_and_offered_by_ferrocache"),
+    ("test_cuda_graphs.py", "test_torch_mem_pool_and_ferrocache_mem_pool_are_ferrocaches_private_pools"),
+    ("test_cuda_graphs.py", "test_a_capture_over_two_streams_replays_its_work_into_the_graphs_memory"),
     ("test_settings_real.py", "test_every_key_is_accepted_or_refused_as_by_pytorch"),
     ("test_settings_real.py", "test_snapshot_allocator_settings_are_pytorchs"),
 )
