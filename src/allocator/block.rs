@@ -5,7 +5,7 @@
 //! block can be freed, merged or moved between pools without any unsafe code.
 
 use super::history::StackId;
-use super::private_pool::PrivatePoolIndex;
+use super::private_pool::Owner;
 use crate::device::{DevicePtr, StreamId};
 use crate::policy::PoolKind;
 
@@ -15,6 +15,32 @@ pub struct BlockId(pub u32);
 
 /// The index of an expandable segment in the allocator's list of them.
 pub type ExpandableId = u32;
+
+/// What a segment's memory is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backing {
+    /// One device allocation (`cudaMalloc`).
+    #[default]
+    Plain,
+    /// A range of an expandable segment, pages mapped on demand.
+    Expandable(ExpandableId),
+}
+
+impl Backing {
+    /// The expandable segment, when the backing is one.
+    #[inline(always)]
+    pub fn expandable(self) -> Option<ExpandableId> {
+        match self {
+            Backing::Expandable(id) => Some(id),
+            _ => None,
+        }
+    }
+
+    #[inline(always)]
+    pub fn is_expandable(self) -> bool {
+        matches!(self, Backing::Expandable(_))
+    }
+}
 
 /// How PyTorch orders cached blocks of the same stream and size: the lower allocation-order
 /// counter first, then the lower address (`BlockComparatorSizeCounterAddress`, PyTorch 2.12
@@ -49,8 +75,8 @@ pub struct Block {
     pub stream: StreamId,
     /// The pool the block's segment belongs to.
     pub pool: PoolKind,
-    /// The private pool (CUDA graph capture) the segment belongs to; `None`: the ordinary pools.
-    pub private_pool: Option<PrivatePoolIndex>,
+    /// Whose pools the segment's free blocks go to.
+    pub owner: Owner,
     /// Handed out to the program.
     pub allocated: bool,
     /// Backed by physical memory. Always true outside expandable segments.
@@ -65,8 +91,8 @@ pub struct Block {
     pub stream_uses: Vec<StreamId>,
     /// The pool's free-block search count when the block was cached (garbage collection age).
     pub gc_count_base: u64,
-    /// The expandable segment holding the block, if any.
-    pub expandable: Option<ExpandableId>,
+    /// What the block's segment is made of.
+    pub backing: Backing,
     /// The stack of the allocation that last handed the block out (0: none recorded).
     pub stack_id: StackId,
     /// PyTorch's allocation-order counter for the block, counted per allocator from 1: under
@@ -83,7 +109,7 @@ impl Block {
             requested_size: 0,
             stream,
             pool,
-            private_pool: None,
+            owner: Owner::Ordinary,
             allocated: false,
             mapped: true,
             prev: None,
@@ -91,7 +117,7 @@ impl Block {
             event_count: 0,
             stream_uses: Vec::new(),
             gc_count_base: 0,
-            expandable: None,
+            backing: Backing::Plain,
             stack_id: 0,
             segment_order: 0,
         }
@@ -101,8 +127,8 @@ impl Block {
     /// expandable segment and segment order), not yet linked into the chain.
     pub fn sibling(&self, ptr: DevicePtr, size: usize) -> Block {
         Block {
-            private_pool: self.private_pool,
-            expandable: self.expandable,
+            owner: self.owner,
+            backing: self.backing,
             segment_order: self.segment_order,
             ..Block::new(ptr, size, self.stream, self.pool)
         }

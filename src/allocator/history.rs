@@ -209,7 +209,7 @@ impl<D: Device> DeviceAllocator<D> {
                 stream: head.stream,
                 segment_type: head.pool.segment_type(),
                 segment_pool_id: self.pool_id_of(head),
-                is_expandable: head.expandable.is_some(),
+                is_expandable: head.backing.is_expandable(),
                 frames: Vec::new(),
                 blocks: Vec::new(),
             };

@@ -31,11 +31,11 @@ use crate::config::Config;
 use crate::device::{Device, DeviceError, DevicePtr, EventHandle, StreamId};
 use crate::logging;
 use crate::policy::{self, PoolKind, TieRule};
-use block::{Block, BlockArena, BlockId, ExpandableId};
+use block::{Backing, Block, BlockArena, BlockId, ExpandableId};
 use cross_stream::CrossStreamCounts;
 use expandable::{ExpandableSegment, LeftoverPage, PageRange};
 use history::{History, StackId, TraceAction};
-use private_pool::{BlockPools, Capture, MempoolId, PrivatePoolIndex};
+use private_pool::{BlockPools, Capture, MempoolId, Owner};
 use rustc_hash::FxHashMap;
 use stats::DeviceStats;
 use std::collections::{BTreeMap, HashSet, VecDeque};
@@ -152,8 +152,8 @@ struct Request {
     size: usize,
     stream: StreamId,
     pool: PoolKind,
-    /// The private pool to serve it from; `None`: the ordinary pools.
-    private_pool: Option<PrivatePoolIndex>,
+    /// Whose pools serve it.
+    owner: Owner,
     /// The segment size to ask the device for on a miss.
     alloc_size: usize,
 }
@@ -326,7 +326,7 @@ impl<D: Device> DeviceAllocator<D> {
             requested_size: b.requested_size,
             stream: b.stream,
             pool: b.pool,
-            private_pool: b.private_pool.map(|index| self.pools.private(index).id),
+            private_pool: b.owner.private().map(|index| self.pools.private(index).id),
         }
     }
 
@@ -337,12 +337,12 @@ impl<D: Device> DeviceAllocator<D> {
     /// Allocates `size` bytes (0 is served as 512) for use on `stream`.
     #[inline(always)]
     pub fn malloc(&mut self, size: usize, stream: StreamId) -> Result<DevicePtr, AllocError> {
-        let private_pool = if self.captures.is_empty() {
+        let owner = if self.captures.is_empty() {
             // Event queries are illegal during a capture, so completed frees wait until after.
             if self.pending_event_count > 0 || !self.events_to_record.is_empty() {
                 self.process_events()?;
             }
-            None
+            Owner::Ordinary
         } else {
             self.private_pool_for(stream)?
         };
@@ -352,7 +352,7 @@ impl<D: Device> DeviceAllocator<D> {
             size: rounded,
             stream,
             pool,
-            private_pool,
+            owner,
             alloc_size: policy::allocation_size(rounded, &self.config),
         };
         let id = match self.get_free_block(&request) {
@@ -437,13 +437,13 @@ impl<D: Device> DeviceAllocator<D> {
     /// `get_free_block`: the best-fitting cached block of the request's stream, if one may serve.
     #[inline(always)]
     fn get_free_block(&mut self, request: &Request) -> Option<BlockId> {
-        let pool = self.pools.get_mut(request.private_pool, request.pool);
+        let pool = self.pools.get_mut(request.owner, request.pool);
         if self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0 {
             pool.get_free_blocks_call_count += 1;
         }
         let arena = &self.arena;
         let mut id = pool.best_fit(request.stream, request.size)?;
-        if arena.get(id).expandable.is_some() {
+        if arena.get(id).backing.is_expandable() {
             let mut successors = pool.fitting(request.stream, request.size).skip(1);
             if self.config.expandable_segments {
                 // Best fit by what a block can grow to: its size plus the unmapped space after
@@ -457,21 +457,21 @@ impl<D: Device> DeviceAllocator<D> {
                             .map_or(0, |n| n.size)
                 };
                 for next in successors {
-                    if arena.get(id).expandable.is_none() || growable(next) >= growable(id) {
+                    if !arena.get(id).backing.is_expandable() || growable(next) >= growable(id) {
                         break;
                     }
                     id = next;
                 }
             } else {
                 // Expandable segments were switched off: serve only from ordinary segments.
-                id = successors.find(|&id| arena.get(id).expandable.is_none())?;
+                id = successors.find(|&id| !arena.get(id).backing.is_expandable())?;
             }
         }
         let block = arena.get(id);
         // PyTorch applies the oversize rules to expandable blocks too, though they always split
         // (which grows reserved memory without bound, pytorch#123548); the opt-in
         // FERROCACHE_EXPANDABLE_IGNORE_MAX_SPLIT leaves them out.
-        let exempt = block.expandable.is_some() && self.config.expandable_ignore_max_split;
+        let exempt = block.backing.is_expandable() && self.config.expandable_ignore_max_split;
         if !exempt && !policy::may_serve(block.size, request.size, &self.config) {
             return None;
         }
@@ -491,7 +491,7 @@ impl<D: Device> DeviceAllocator<D> {
         let pool = request.pool;
         let (already_split, expandable, block_ptr, block_size) = {
             let b = self.arena.get(id);
-            (b.is_split(), b.expandable.is_some(), b.ptr, b.size)
+            (b.is_split(), b.backing.is_expandable(), b.ptr, b.size)
         };
         let id = if split {
             // The allocated part is a new block at the front; the original becomes the rest.
@@ -501,9 +501,7 @@ impl<D: Device> DeviceAllocator<D> {
             rest.ptr += request.size as u64;
             rest.size -= request.size;
             let rest_size = rest.size;
-            self.pools
-                .get_mut(request.private_pool, pool)
-                .insert(id, rest);
+            self.pools.get_mut(request.owner, pool).insert(id, rest);
             if !expandable {
                 if already_split {
                     // An inactive split block shrinks by the allocated size.
@@ -589,8 +587,8 @@ impl<D: Device> DeviceAllocator<D> {
             Err(err) => return Err(err.into()),
         };
         let id = self.adopt_segment(ptr, size, request.stream, request.pool);
-        self.arena.get_mut(id).private_pool = request.private_pool;
-        self.count_segment_taken(request.private_pool);
+        self.arena.get_mut(id).owner = request.owner;
+        self.count_segment_taken(request.owner);
         Ok(Some(id))
     }
 
@@ -783,7 +781,10 @@ impl<D: Device> DeviceAllocator<D> {
             requested_size: block.requested_size,
             stream: block.stream,
             pool: block.pool,
-            private_pool: block.private_pool.map(|index| self.pools.private(index).id),
+            private_pool: block
+                .owner
+                .private()
+                .map(|index| self.pools.private(index).id),
         };
         let (pool, size) = (info.pool, info.size);
         self.stats.allocation.decrease(pool, 1);
@@ -825,7 +826,7 @@ impl<D: Device> DeviceAllocator<D> {
             b.requested_size,
             b.stream,
             b.pool,
-            b.expandable.is_some(),
+            b.backing.is_expandable(),
         );
         let (prev, next) = (b.prev, b.next);
         self.history
@@ -845,7 +846,7 @@ impl<D: Device> DeviceAllocator<D> {
             inactive_split_bytes += block.size as i64;
         }
         let merged_size = block.size;
-        let owner = block.private_pool;
+        let owner = block.owner;
         self.pools.get_mut(owner, pool).insert(id, block);
         if merged_size != original_size {
             logging::new_free_block(merged_size);
@@ -1078,24 +1079,20 @@ impl<D: Device> DeviceAllocator<D> {
             self.synchronize_and_free_events()?;
             self.release_leftovers()?;
             self.coalesce_across_streams()?;
-            self.release_blocks(None, PoolKind::Large)?;
-            self.release_blocks(None, PoolKind::Small)?;
+            self.release_blocks(Owner::Ordinary, PoolKind::Large)?;
+            self.release_blocks(Owner::Ordinary, PoolKind::Small)?;
         }
         self.release_unreferenced_private_pools()
     }
 
     /// `release_blocks`: releases every unsplit cached segment of the block pool, and unmaps the
     /// free pages of its expandable segments.
-    fn release_blocks(
-        &mut self,
-        owner: Option<PrivatePoolIndex>,
-        pool: PoolKind,
-    ) -> Result<(), DeviceError> {
+    fn release_blocks(&mut self, owner: Owner, pool: PoolKind) -> Result<(), DeviceError> {
         let mut whole = Vec::new();
         let mut to_unmap = Vec::new();
         for id in self.pools.get(owner, pool).cached() {
             let b = self.arena.get(id);
-            if b.expandable.is_some() {
+            if b.backing.is_expandable() {
                 to_unmap.push(id);
             } else if !b.is_split() {
                 whole.push(id);
@@ -1105,7 +1102,7 @@ impl<D: Device> DeviceAllocator<D> {
             self.release_block(id)?;
         }
         for id in to_unmap {
-            let segment_id = self.arena.get(id).expandable;
+            let segment_id = self.arena.get(id).backing.expandable();
             self.unmap_block(id)?;
             // As in PyTorch, a segment left with nothing mapped gives its address range back
             // at once, before the next block is unmapped.
@@ -1123,7 +1120,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// of it is mapped.
     fn wholly_unmapped_block(
         &self,
-        owner: Option<PrivatePoolIndex>,
+        owner: Owner,
         pool: PoolKind,
         segment: ExpandableId,
     ) -> Option<BlockId> {
@@ -1133,7 +1130,7 @@ impl<D: Device> DeviceAllocator<D> {
         }
         self.pools.get(owner, pool).unmapped_blocks().find(|&id| {
             let b = self.arena.get(id);
-            b.expandable == Some(segment) && !b.is_split()
+            b.backing == Backing::Expandable(segment) && !b.is_split()
         })
     }
 
@@ -1141,14 +1138,14 @@ impl<D: Device> DeviceAllocator<D> {
     fn release_block(&mut self, id: BlockId) -> Result<(), DeviceError> {
         let (ptr, size, stream, pool) = {
             let b = self.arena.get(id);
-            debug_assert!(b.expandable.is_none() && !b.is_split() && b.is_available());
+            debug_assert!(!b.backing.is_expandable() && !b.is_split() && b.is_available());
             (b.ptr, b.size, b.stream, b.pool)
         };
         // The device first: if it refuses, the segment stays cached and nothing changes.
         self.device.free(ptr)?;
         let block = self.arena.remove(id);
         self.pools.of_block_mut(&block).remove(id, &block);
-        self.count_segment_returned(block.private_pool);
+        self.count_segment_returned(block.owner);
         self.total_allocated_memory -= size;
         self.stats.num_device_free += 1;
         self.stats.segment.decrease(pool, 1);
@@ -1169,11 +1166,11 @@ impl<D: Device> DeviceAllocator<D> {
     /// graph may replay into its free blocks (PyTorch releases them; see [`private_pool`]).
     fn release_available_cached_blocks(&mut self, request: &Request) -> Result<bool, DeviceError> {
         let max_split_size = self.config.max_split_size;
-        if max_split_size == usize::MAX || request.private_pool.is_some() {
+        if max_split_size == usize::MAX || request.owner != Owner::Ordinary {
             return Ok(false);
         }
         let wanted = request.size.max(max_split_size);
-        let pool = self.pools.get(None, request.pool);
+        let pool = self.pools.get(Owner::Ordinary, request.pool);
         let arena = &self.arena;
         // Only whole segments go back to the device. PyTorch never caches a split block this
         // large (requests below max_split_size never get one, larger ones never split it), but
@@ -1181,7 +1178,7 @@ impl<D: Device> DeviceAllocator<D> {
         // setting): it is passed over like an expandable one.
         let releasable = |id: BlockId| {
             let b = arena.get(id);
-            b.expandable.is_none() && !b.is_split()
+            !b.backing.is_expandable() && !b.is_split()
         };
         let covering = pool
             .best_fit(request.stream, wanted)
@@ -1222,10 +1219,10 @@ impl<D: Device> DeviceAllocator<D> {
             return Ok(());
         }
         let target = self.total_allocated_memory - gc_threshold;
-        let large = self.pools.get(None, PoolKind::Large);
+        let large = self.pools.get(Owner::Ordinary, PoolKind::Large);
         let clock = large.get_free_blocks_call_count;
         let age = |b: &Block| clock - b.gc_count_base;
-        let freeable = |b: &Block| !b.is_split() && b.expandable.is_none();
+        let freeable = |b: &Block| !b.is_split() && !b.backing.is_expandable();
         let mut total_age: u64 = 0;
         let mut freeable_count: u64 = 0;
         for id in large.cached() {
@@ -1242,7 +1239,7 @@ impl<D: Device> DeviceAllocator<D> {
             // so collection does not run again at once.
             let victims: Vec<BlockId> = self
                 .pools
-                .get(None, PoolKind::Large)
+                .get(Owner::Ordinary, PoolKind::Large)
                 .cached()
                 .into_iter()
                 .filter(|&id| {

@@ -55,6 +55,27 @@ pub type StreamFilter = Box<dyn Fn(StreamId) -> Result<bool, String> + Send>;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PrivatePoolIndex(pub u32);
 
+/// Whose memory a segment is, and so which block pools its free blocks go to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum Owner {
+    /// The ordinary small and large pools.
+    #[default]
+    Ordinary,
+    /// A private pool (a CUDA graph capture, a shared pool handle).
+    Private(PrivatePoolIndex),
+}
+
+impl Owner {
+    /// The private pool, when the owner is one.
+    #[inline]
+    pub fn private(self) -> Option<PrivatePoolIndex> {
+        match self {
+            Owner::Private(index) => Some(index),
+            Owner::Ordinary => None,
+        }
+    }
+}
+
 /// One private pool: PyTorch's `PrivatePool`.
 #[derive(Debug)]
 pub struct PrivatePool {
@@ -118,25 +139,25 @@ impl Default for BlockPools {
 impl BlockPools {
     /// The block pool of `kind` in the private pool `owner`, or the ordinary one for `None`.
     #[inline]
-    pub fn get(&self, owner: Option<PrivatePoolIndex>, kind: PoolKind) -> &BlockPool {
+    pub fn get(&self, owner: Owner, kind: PoolKind) -> &BlockPool {
         match owner {
-            None => &self.ordinary[kind_index(kind)],
-            Some(index) => &self.private(index).blocks[kind_index(kind)],
+            Owner::Ordinary => &self.ordinary[kind_index(kind)],
+            Owner::Private(index) => &self.private(index).blocks[kind_index(kind)],
         }
     }
 
     #[inline]
-    pub fn get_mut(&mut self, owner: Option<PrivatePoolIndex>, kind: PoolKind) -> &mut BlockPool {
+    pub fn get_mut(&mut self, owner: Owner, kind: PoolKind) -> &mut BlockPool {
         match owner {
-            None => &mut self.ordinary[kind_index(kind)],
-            Some(index) => &mut self.private_mut(index).blocks[kind_index(kind)],
+            Owner::Ordinary => &mut self.ordinary[kind_index(kind)],
+            Owner::Private(index) => &mut self.private_mut(index).blocks[kind_index(kind)],
         }
     }
 
     /// The block pool a block belongs to.
     #[inline]
     pub fn of_block_mut(&mut self, block: &Block) -> &mut BlockPool {
-        self.get_mut(block.private_pool, block.pool)
+        self.get_mut(block.owner, block.pool)
     }
 
     pub fn private(&self, index: PrivatePoolIndex) -> &PrivatePool {
@@ -202,12 +223,15 @@ impl BlockPools {
             .filter_map(|(i, p)| p.as_ref().map(|p| (PrivatePoolIndex(i as u32), p)))
     }
 
-    /// Every block pool with the private pool it belongs to (`None`: ordinary), ordinary first.
-    pub fn all_with_owner(&self) -> impl Iterator<Item = (Option<PrivatePoolIndex>, &BlockPool)> {
+    /// Every block pool with its owner, ordinary first.
+    pub fn all_with_owner(&self) -> impl Iterator<Item = (Owner, &BlockPool)> {
         let private = self
             .private_pools()
-            .flat_map(|(index, pool)| pool.blocks.iter().map(move |b| (Some(index), b)));
-        self.ordinary.iter().map(|b| (None, b)).chain(private)
+            .flat_map(|(index, pool)| pool.blocks.iter().map(move |b| (Owner::Private(index), b)));
+        self.ordinary
+            .iter()
+            .map(|b| (Owner::Ordinary, b))
+            .chain(private)
     }
 
     /// Every block pool, ordinary first.
@@ -377,13 +401,10 @@ impl<D: Device> DeviceAllocator<D> {
     /// PyTorch's `get_pool`, the private half: the pool of the first capture whose filter
     /// accepts `stream`, or `None` for the ordinary pools.
     #[inline]
-    pub(super) fn private_pool_for(
-        &self,
-        stream: StreamId,
-    ) -> Result<Option<PrivatePoolIndex>, AllocError> {
+    pub(super) fn private_pool_for(&self, stream: StreamId) -> Result<Owner, AllocError> {
         for capture in &self.captures {
             match (capture.filter)(stream) {
-                Ok(true) => return Ok(Some(capture.pool)),
+                Ok(true) => return Ok(Owner::Private(capture.pool)),
                 Ok(false) => {}
                 Err(message) => {
                     return Err(AllocError::StreamFilter {
@@ -393,26 +414,27 @@ impl<D: Device> DeviceAllocator<D> {
                 }
             }
         }
-        Ok(None)
+        Ok(Owner::Ordinary)
     }
 
     /// The id a block's memory is reported under (`segment_pool_id`).
     pub(super) fn pool_id_of(&self, block: &Block) -> MempoolId {
         block
-            .private_pool
+            .owner
+            .private()
             .map_or(ORDINARY_POOL_ID, |index| self.pools.private(index).id)
     }
 
     /// A new segment (or expandable address range) now belongs to `owner`.
-    pub(super) fn count_segment_taken(&mut self, owner: Option<PrivatePoolIndex>) {
-        if let Some(index) = owner {
+    pub(super) fn count_segment_taken(&mut self, owner: Owner) {
+        if let Owner::Private(index) = owner {
             self.pools.private_mut(index).segment_count += 1;
         }
     }
 
     /// A segment of `owner` went back to the device.
-    pub(super) fn count_segment_returned(&mut self, owner: Option<PrivatePoolIndex>) {
-        if let Some(index) = owner {
+    pub(super) fn count_segment_returned(&mut self, owner: Owner) {
+        if let Owner::Private(index) = owner {
             self.pools.private_mut(index).segment_count -= 1;
         }
     }
@@ -443,15 +465,15 @@ impl<D: Device> DeviceAllocator<D> {
             .map(|(index, _)| index)
             .collect();
         for index in unreferenced {
-            self.release_blocks(Some(index), PoolKind::Small)?;
-            self.release_blocks(Some(index), PoolKind::Large)?;
+            self.release_blocks(Owner::Private(index), PoolKind::Small)?;
+            self.release_blocks(Owner::Private(index), PoolKind::Large)?;
             // Nobody can allocate from a pool nothing refers to: an expandable range of it with
             // nothing mapped (its first growth failed) goes back too, which the ordinary pools
             // keep for the next request of the stream.
             for kind in [PoolKind::Small, PoolKind::Large] {
                 let unmapped: Vec<BlockId> = self
                     .pools
-                    .get(Some(index), kind)
+                    .get(Owner::Private(index), kind)
                     .unmapped_blocks()
                     .filter(|&id| !self.arena.get(id).is_split())
                     .collect();
@@ -475,7 +497,7 @@ impl<D: Device> DeviceAllocator<D> {
             .arena
             .iter()
             .filter(|(_, b)| b.mapped && !b.is_available())
-            .filter_map(|(_, b)| b.private_pool)
+            .filter_map(|(_, b)| b.owner.private())
             .collect();
         pools.sort_unstable();
         pools.dedup();
