@@ -24,7 +24,13 @@ pub enum Backing {
     Plain,
     /// A range of an expandable segment, pages mapped on demand.
     Expandable(ExpandableId),
+    /// A reserved range with one physical allocation mapped into it (`cuMemAddressReserve`,
+    /// `cuMemCreate`, `cuMemMap`), so that the memory can sleep while the addresses stay.
+    Vmm(VmmId),
 }
+
+/// The index of a VMM-backed segment in the allocator's list of them.
+pub type VmmId = u32;
 
 impl Backing {
     /// The expandable segment, when the backing is one.
@@ -93,6 +99,9 @@ pub struct Block {
     pub gc_count_base: u64,
     /// What the block's segment is made of.
     pub backing: Backing,
+    /// The block's segment sleeps: its physical memory is given back, its addresses kept.
+    /// A sleeping free block serves no request until its segment wakes.
+    pub asleep: bool,
     /// The stack of the allocation that last handed the block out (0: none recorded).
     pub stack_id: StackId,
     /// PyTorch's allocation-order counter for the block, counted per allocator from 1: under
@@ -120,6 +129,7 @@ impl Block {
             backing: Backing::Plain,
             stack_id: 0,
             segment_order: 0,
+            asleep: false,
         }
     }
 
@@ -129,6 +139,7 @@ impl Block {
         Block {
             owner: self.owner,
             backing: self.backing,
+            asleep: self.asleep,
             segment_order: self.segment_order,
             ..Block::new(ptr, size, self.stream, self.pool)
         }

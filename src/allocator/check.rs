@@ -63,6 +63,7 @@ impl<D: Device> DeviceAllocator<D> {
                     || (b.stream != head.stream && !self.config.cross_stream)
                     || b.backing != head.backing
                     || b.owner != head.owner
+                    || b.asleep != head.asleep
                 {
                     return Err(format!("block {:#x} disagrees with its segment", b.ptr));
                 }
@@ -137,9 +138,11 @@ impl<D: Device> DeviceAllocator<D> {
             match head.backing.expandable() {
                 None => {
                     recomputed.segment.increase(pool, 1);
-                    recomputed
-                        .reserved_bytes
-                        .increase(pool, segment_size as u64);
+                    if !head.asleep {
+                        recomputed
+                            .reserved_bytes
+                            .increase(pool, segment_size as u64);
+                    }
                     if policy::is_oversize(segment_size, &self.config) {
                         recomputed.oversize_segments.increase(1);
                     }

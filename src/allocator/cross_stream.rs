@@ -66,7 +66,10 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// Whether a miss of `request` in its own stream's cache may look at other streams.
     fn cross_stream_applies(&self, request: &Request) -> bool {
-        self.config.cross_stream && self.captures.is_empty() && request.owner == Owner::Ordinary
+        self.config.cross_stream
+            && self.captures.is_empty()
+            && request.owner == Owner::Ordinary
+            && self.sleeping_segments == 0
     }
 
     /// The hook on a miss in the stream's own cache: a block taken from another stream, already

@@ -195,7 +195,8 @@ impl<D: Device> DeviceAllocator<D> {
         let mut out = Vec::new();
         for (_, head) in self.arena.iter() {
             // A segment (or mapped range) starts at a mapped block with no mapped block before.
-            let starts_range = head.mapped && head.prev.is_none_or(|p| !self.arena.get(p).mapped);
+            let starts_range =
+                head.mapped && !head.asleep && head.prev.is_none_or(|p| !self.arena.get(p).mapped);
             if !starts_range {
                 continue;
             }

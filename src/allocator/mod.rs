@@ -25,6 +25,7 @@ mod import;
 mod live;
 pub mod pool;
 pub mod private_pool;
+pub mod sleep;
 pub mod stats;
 
 use crate::config::Config;
@@ -212,6 +213,12 @@ pub struct DeviceAllocator<D: Device> {
     /// The reserve classes warned of as having no entry in
     /// `expandable_segments_reserve_by_class` (PyTorch warns once per class).
     warned_reserve_classes: HashSet<String>,
+    /// New ordinary segments are VMM-backed, so that they can sleep (see [`sleep`]).
+    sleepable: bool,
+    /// VMM-backed segments; `None` marks a released slot.
+    vmm_segments: Vec<Option<sleep::VmmSegment>>,
+    /// VMM-backed segments asleep now.
+    sleeping_segments: usize,
 }
 
 /// Answers the reserve class PyTorch's C++ API gave a stream (empty: none).
@@ -245,6 +252,9 @@ impl<D: Device> DeviceAllocator<D> {
             preemptively_rejected: false,
             reserve_classes: None,
             warned_reserve_classes: HashSet::new(),
+            sleepable: false,
+            vmm_segments: Vec::new(),
+            sleeping_segments: 0,
             config,
         };
         if let Some(fraction) = allocator.config.per_process_memory_fraction
@@ -337,12 +347,29 @@ impl<D: Device> DeviceAllocator<D> {
     /// Allocates `size` bytes (0 is served as 512) for use on `stream`.
     #[inline(always)]
     pub fn malloc(&mut self, size: usize, stream: StreamId) -> Result<DevicePtr, AllocError> {
+        self.malloc_tagged(size, stream, None)
+    }
+
+    /// [`malloc`](Self::malloc) under tag `tag` (`ferrocache.region`): outside a capture, the
+    /// allocation comes from the tag's own pools, whose segments are VMM-backed and never
+    /// shared with another tag, so that the tag can sleep alone. A capture's private pool
+    /// still takes the allocations on its streams (a graph's memory stays the graph's).
+    #[inline(always)]
+    pub fn malloc_tagged(
+        &mut self,
+        size: usize,
+        stream: StreamId,
+        tag: Option<u32>,
+    ) -> Result<DevicePtr, AllocError> {
         let owner = if self.captures.is_empty() {
             // Event queries are illegal during a capture, so completed frees wait until after.
             if self.pending_event_count > 0 || !self.events_to_record.is_empty() {
                 self.process_events()?;
             }
-            Owner::Ordinary
+            match tag {
+                None => Owner::Ordinary,
+                Some(tag) => self.tagged_owner(tag),
+            }
         } else {
             self.private_pool_for(stream)?
         };
@@ -443,6 +470,12 @@ impl<D: Device> DeviceAllocator<D> {
         }
         let arena = &self.arena;
         let mut id = pool.best_fit(request.stream, request.size)?;
+        if arena.get(id).asleep {
+            // A sleeping segment's free blocks wait for its wake: the next fit serves.
+            id = pool
+                .fitting(request.stream, request.size)
+                .find(|&id| !arena.get(id).asleep)?;
+        }
         if arena.get(id).backing.is_expandable() {
             let mut successors = pool.fitting(request.stream, request.size).skip(1);
             if self.config.expandable_segments {
@@ -457,14 +490,20 @@ impl<D: Device> DeviceAllocator<D> {
                             .map_or(0, |n| n.size)
                 };
                 for next in successors {
-                    if !arena.get(id).backing.is_expandable() || growable(next) >= growable(id) {
+                    if !arena.get(id).backing.is_expandable()
+                        || arena.get(next).asleep
+                        || growable(next) >= growable(id)
+                    {
                         break;
                     }
                     id = next;
                 }
             } else {
                 // Expandable segments were switched off: serve only from ordinary segments.
-                id = successors.find(|&id| !arena.get(id).backing.is_expandable())?;
+                id = successors.find(|&id| {
+                    let b = arena.get(id);
+                    !b.backing.is_expandable() && !b.asleep
+                })?;
             }
         }
         let block = arena.get(id);
@@ -581,13 +620,22 @@ impl<D: Device> DeviceAllocator<D> {
         if self.config.expandable_segments {
             return self.try_allocate_expandable_block(request);
         }
-        let ptr = match self.device.malloc(size, request.stream) {
-            Ok(ptr) => ptr,
-            Err(DeviceError::OutOfMemory) => return Ok(None),
-            Err(err) => return Err(err.into()),
+        let (ptr, backing) = if self.sleepable {
+            match self.new_vmm_segment(size)? {
+                Some(made) => made,
+                None => return Ok(None),
+            }
+        } else {
+            match self.device.malloc(size, request.stream) {
+                Ok(ptr) => (ptr, Backing::Plain),
+                Err(DeviceError::OutOfMemory) => return Ok(None),
+                Err(err) => return Err(err.into()),
+            }
         };
         let id = self.adopt_segment(ptr, size, request.stream, request.pool);
-        self.arena.get_mut(id).owner = request.owner;
+        let block = self.arena.get_mut(id);
+        block.owner = request.owner;
+        block.backing = backing;
         self.count_segment_taken(request.owner);
         Ok(Some(id))
     }
@@ -1081,6 +1129,10 @@ impl<D: Device> DeviceAllocator<D> {
             self.coalesce_across_streams()?;
             self.release_blocks(Owner::Ordinary, PoolKind::Large)?;
             self.release_blocks(Owner::Ordinary, PoolKind::Small)?;
+            for tag in self.pools.tag_indices() {
+                self.release_blocks(Owner::Tagged(tag), PoolKind::Large)?;
+                self.release_blocks(Owner::Tagged(tag), PoolKind::Small)?;
+            }
         }
         self.release_unreferenced_private_pools()
     }
@@ -1094,7 +1146,7 @@ impl<D: Device> DeviceAllocator<D> {
             let b = self.arena.get(id);
             if b.backing.is_expandable() {
                 to_unmap.push(id);
-            } else if !b.is_split() {
+            } else if !b.is_split() && !b.asleep {
                 whole.push(id);
             }
         }
@@ -1139,10 +1191,14 @@ impl<D: Device> DeviceAllocator<D> {
         let (ptr, size, stream, pool) = {
             let b = self.arena.get(id);
             debug_assert!(!b.backing.is_expandable() && !b.is_split() && b.is_available());
+            debug_assert!(!b.asleep);
             (b.ptr, b.size, b.stream, b.pool)
         };
         // The device first: if it refuses, the segment stays cached and nothing changes.
-        self.device.free(ptr)?;
+        match self.arena.get(id).backing {
+            Backing::Vmm(vmm) => self.release_vmm_segment(vmm)?,
+            _ => self.device.free(ptr)?,
+        }
         let block = self.arena.remove(id);
         self.pools.of_block_mut(&block).remove(id, &block);
         self.count_segment_returned(block.owner);
@@ -1178,7 +1234,7 @@ impl<D: Device> DeviceAllocator<D> {
         // setting): it is passed over like an expandable one.
         let releasable = |id: BlockId| {
             let b = arena.get(id);
-            !b.backing.is_expandable() && !b.is_split()
+            !b.backing.is_expandable() && !b.is_split() && !b.asleep
         };
         let covering = pool
             .best_fit(request.stream, wanted)
@@ -1222,7 +1278,7 @@ impl<D: Device> DeviceAllocator<D> {
         let large = self.pools.get(Owner::Ordinary, PoolKind::Large);
         let clock = large.get_free_blocks_call_count;
         let age = |b: &Block| clock - b.gc_count_base;
-        let freeable = |b: &Block| !b.is_split() && !b.backing.is_expandable();
+        let freeable = |b: &Block| !b.is_split() && !b.backing.is_expandable() && !b.asleep;
         let mut total_age: u64 = 0;
         let mut freeable_count: u64 = 0;
         for id in large.cached() {

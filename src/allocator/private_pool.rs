@@ -63,7 +63,13 @@ pub enum Owner {
     Ordinary,
     /// A private pool (a CUDA graph capture, a shared pool handle).
     Private(PrivatePoolIndex),
+    /// The pools of a tag (`ferrocache.region(tag)`), whose memory sleeps and wakes together.
+    Tagged(TagIndex),
 }
+
+/// Where a tag's pools sit in the allocator's table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TagIndex(pub u32);
 
 impl Owner {
     /// The private pool, when the owner is one.
@@ -71,7 +77,7 @@ impl Owner {
     pub fn private(self) -> Option<PrivatePoolIndex> {
         match self {
             Owner::Private(index) => Some(index),
-            Owner::Ordinary => None,
+            Owner::Ordinary | Owner::Tagged(_) => None,
         }
     }
 }
@@ -109,6 +115,9 @@ pub struct BlockPools {
     /// Private pools by index; `None` marks a slot whose pool was forgotten.
     private: Vec<Option<PrivatePool>>,
     by_id: FxHashMap<MempoolId, PrivatePoolIndex>,
+    /// Each tag's small and large pools, with the tag's id; never forgotten (a tag is a name
+    /// the program chose, a handful per process).
+    tagged: Vec<(u32, [BlockPool; 2])>,
 }
 
 /// The slot of a pool kind in a pair of block pools.
@@ -132,6 +141,7 @@ impl Default for BlockPools {
             ordinary: block_pool_pair(),
             private: Vec::new(),
             by_id: FxHashMap::default(),
+            tagged: Vec::new(),
         }
     }
 }
@@ -143,6 +153,7 @@ impl BlockPools {
         match owner {
             Owner::Ordinary => &self.ordinary[kind_index(kind)],
             Owner::Private(index) => &self.private(index).blocks[kind_index(kind)],
+            Owner::Tagged(index) => &self.tagged[index.0 as usize].1[kind_index(kind)],
         }
     }
 
@@ -151,6 +162,7 @@ impl BlockPools {
         match owner {
             Owner::Ordinary => &mut self.ordinary[kind_index(kind)],
             Owner::Private(index) => &mut self.private_mut(index).blocks[kind_index(kind)],
+            Owner::Tagged(index) => &mut self.tagged[index.0 as usize].1[kind_index(kind)],
         }
     }
 
@@ -223,15 +235,46 @@ impl BlockPools {
             .filter_map(|(i, p)| p.as_ref().map(|p| (PrivatePoolIndex(i as u32), p)))
     }
 
+    /// The pools of tag `tag`, made on first use.
+    pub fn tag_index(&mut self, tag: u32) -> TagIndex {
+        let index = match self.tagged.iter().position(|(t, _)| *t == tag) {
+            Some(index) => index,
+            None => {
+                self.tagged.push((tag, block_pool_pair()));
+                self.tagged.len() - 1
+            }
+        };
+        TagIndex(index as u32)
+    }
+
+    /// The tag whose pools sit at `index`.
+    pub fn tag_of(&self, index: TagIndex) -> u32 {
+        self.tagged[index.0 as usize].0
+    }
+
+    /// Every tag with pools, by index.
+    pub fn tag_indices(&self) -> impl Iterator<Item = TagIndex> + use<> {
+        (0..self.tagged.len() as u32).map(TagIndex)
+    }
+
     /// Every block pool with its owner, ordinary first.
     pub fn all_with_owner(&self) -> impl Iterator<Item = (Owner, &BlockPool)> {
         let private = self
             .private_pools()
             .flat_map(|(index, pool)| pool.blocks.iter().map(move |b| (Owner::Private(index), b)));
+        let tagged = self
+            .tagged
+            .iter()
+            .enumerate()
+            .flat_map(|(index, (_, pair))| {
+                pair.iter()
+                    .map(move |b| (Owner::Tagged(TagIndex(index as u32)), b))
+            });
         self.ordinary
             .iter()
             .map(|b| (Owner::Ordinary, b))
             .chain(private)
+            .chain(tagged)
     }
 
     /// Every block pool, ordinary first.
@@ -240,7 +283,8 @@ impl BlockPools {
             self.private
                 .iter()
                 .flatten()
-                .flat_map(|pool| pool.blocks.iter()),
+                .flat_map(|pool| pool.blocks.iter())
+                .chain(self.tagged.iter().flat_map(|(_, pair)| pair.iter())),
         )
     }
 }
