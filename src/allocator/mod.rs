@@ -409,6 +409,22 @@ impl<D: Device> DeviceAllocator<D> {
         result
     }
 
+    /// [`malloc_with_stack`](Self::malloc_with_stack) under tag `tag` (see
+    /// [`malloc_tagged`](Self::malloc_tagged)).
+    #[inline(always)]
+    pub fn malloc_tagged_with_stack(
+        &mut self,
+        size: usize,
+        stream: StreamId,
+        tag: Option<u32>,
+        stack: StackId,
+    ) -> Result<DevicePtr, AllocError> {
+        let previous = self.history.set_current_stack(stack);
+        let result = self.malloc_tagged(size, stream, tag);
+        self.history.set_current_stack(previous);
+        result
+    }
+
     /// [`free_returning_info`](Self::free_returning_info) on behalf of the caller's stack
     /// `stack`: the `free_requested` and `free_completed` entries it records carry it.
     #[inline(always)]
