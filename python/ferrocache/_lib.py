@@ -78,6 +78,10 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_release_pool": (c_int, (c_int, c_ulonglong, c_ulonglong)),
     "ferrocache_create_or_incref_pool": (c_int, (c_int, c_ulonglong, c_ulonglong)),
     "ferrocache_pool_use_count": (c_int, (c_int, c_ulonglong, c_ulonglong)),
+    # Sleep and wake: a tag (NULL: none), tags separated by newlines (NULL: all), backup.
+    "ferrocache_set_thread_tag": (c_int, (c_char_p,)),
+    "ferrocache_sleep": (c_void_p, (c_char_p, c_int)),
+    "ferrocache_wake": (c_void_p, (c_char_p,)),
 }
 
 #: PyTorch's CUDA graph pool hooks. Their parameter types are C++ (``std::pair``,
