@@ -27,6 +27,9 @@ use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle};
 use crate::logging;
 use std::time::{Duration, Instant};
 
+/// What the log says when the device refuses to take memory back.
+const LEFTOVER: &str = "the device refused to take memory back; empty_cache retries it";
+
 /// A VMM-backed segment.
 #[derive(Debug)]
 pub struct VmmSegment {
@@ -187,14 +190,17 @@ impl<D: Device> DeviceAllocator<D> {
         Ok(handle)
     }
 
+    /// Releases physical memory; what the device refuses is kept, retried by `empty_cache`.
     fn release_or_keep(&mut self, handle: PhysicalHandle, mapped_at: Option<(DevicePtr, usize)>) {
-        if self.device.release_physical(handle).is_err() {
+        if let Err(err) = self.device.release_physical(handle) {
+            logging::device_error(LEFTOVER, &err);
             self.leftover_pages.push(LeftoverPage { mapped_at, handle });
         }
     }
 
     fn unmap_and_release_or_keep(&mut self, base: DevicePtr, size: usize, handle: PhysicalHandle) {
-        if self.device.unmap(base, size).is_err() {
+        if let Err(err) = self.device.unmap(base, size) {
+            logging::device_error(LEFTOVER, &err);
             self.leftover_pages.push(LeftoverPage {
                 mapped_at: Some((base, size)),
                 handle,
@@ -205,7 +211,8 @@ impl<D: Device> DeviceAllocator<D> {
     }
 
     fn free_range_or_keep(&mut self, ptr: DevicePtr, size: usize) {
-        if self.device.free_address_range(ptr, size).is_err() {
+        if let Err(err) = self.device.free_address_range(ptr, size) {
+            logging::device_error(LEFTOVER, &err);
             self.leftover_ranges.push(PageRange { ptr, size });
         }
     }
