@@ -105,6 +105,16 @@ impl Model {
         !self.allocator.device().is_accessible(live.ptr, live.size)
     }
 
+    /// The program writes `bytes` at `ptr`, stepping past faults injected for the allocator.
+    fn poke(&mut self, ptr: DevicePtr, bytes: &[u8]) {
+        while self
+            .allocator
+            .device_mut()
+            .copy_from_host(ptr, bytes)
+            .is_err()
+        {}
+    }
+
     /// The live allocations a sleep or wake of `which` covers.
     fn covered(&self, which: usize) -> Vec<usize> {
         (0..self.live.len())
@@ -131,10 +141,7 @@ impl Model {
                         );
                     }
                     let byte = 0xA5;
-                    self.allocator
-                        .device_mut()
-                        .copy_from_host(ptr, &[byte; CHECKED][..CHECKED.min(size)])
-                        .unwrap();
+                    self.poke(ptr, &[byte; CHECKED][..CHECKED.min(size)]);
                     self.live.push(Live {
                         ptr,
                         size,
@@ -155,10 +162,7 @@ impl Model {
                     let live = self.live[index];
                     if !self.asleep(&live) {
                         let n = CHECKED.min(live.size);
-                        self.allocator
-                            .device_mut()
-                            .copy_from_host(live.ptr, &vec![byte; n])
-                            .unwrap();
+                        self.poke(live.ptr, &vec![byte; n]);
                         self.live[index].byte = byte;
                     }
                 }
@@ -234,10 +238,13 @@ impl Model {
             if whole {
                 let n = CHECKED.min(live.size);
                 let mut bytes = vec![0; n];
-                self.allocator
+                // The program's own copies step past faults injected for the allocator's.
+                while self
+                    .allocator
                     .device_mut()
                     .copy_to_host(live.ptr, &mut bytes)
-                    .unwrap();
+                    .is_err()
+                {}
                 prop_assert_eq!(bytes, vec![live.byte; n], "bytes of {:#x}", live.ptr);
             }
         }
