@@ -169,6 +169,20 @@ impl Block {
     }
 }
 
+/// Puts `item` in the first free slot of `slots` (or a new one at the end); returns its index.
+pub(crate) fn place_in_free_slot<T>(slots: &mut Vec<Option<T>>, item: T) -> usize {
+    match slots.iter().position(Option::is_none) {
+        Some(free) => {
+            slots[free] = Some(item);
+            free
+        }
+        None => {
+            slots.push(Some(item));
+            slots.len() - 1
+        }
+    }
+}
+
 /// Owns every block; freed slots are reused.
 #[derive(Debug, Default)]
 pub struct BlockArena {

@@ -380,16 +380,7 @@ impl<D: Device> DeviceAllocator<D> {
         block.mapped = false;
         block.owner = owner;
         block.segment_order = self.order_of_new_segment();
-        let segment_id = match self.expandable_segments.iter().position(Option::is_none) {
-            Some(free) => {
-                self.expandable_segments[free] = Some(segment);
-                free
-            }
-            None => {
-                self.expandable_segments.push(Some(segment));
-                self.expandable_segments.len() - 1
-            }
-        };
+        let segment_id = super::block::place_in_free_slot(&mut self.expandable_segments, segment);
         block.backing = Backing::Expandable(segment_id as ExpandableId);
         let id = self.arena.insert(block);
         self.pools

@@ -203,16 +203,7 @@ impl BlockPools {
             segment_count: 0,
             blocks: block_pool_pair(),
         };
-        let index = match self.private.iter().position(Option::is_none) {
-            Some(free) => {
-                self.private[free] = Some(pool);
-                free
-            }
-            None => {
-                self.private.push(Some(pool));
-                self.private.len() - 1
-            }
-        };
+        let index = super::block::place_in_free_slot(&mut self.private, pool);
         let index = PrivatePoolIndex(index as u32);
         self.by_id.insert(id, index);
         index

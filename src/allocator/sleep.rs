@@ -158,16 +158,7 @@ impl<D: Device> DeviceAllocator<D> {
             handle: Some(handle),
             backup: None,
         };
-        let id = match self.vmm_segments.iter().position(Option::is_none) {
-            Some(free) => {
-                self.vmm_segments[free] = Some(segment);
-                free
-            }
-            None => {
-                self.vmm_segments.push(Some(segment));
-                self.vmm_segments.len() - 1
-            }
-        };
+        let id = super::block::place_in_free_slot(&mut self.vmm_segments, segment);
         Ok(Some((base, Backing::Vmm(id as VmmId))))
     }
 
@@ -282,115 +273,140 @@ impl<D: Device> DeviceAllocator<D> {
             .expect("a live VMM segment")
     }
 
-    /// Puts the memory of `tags` to sleep: waits for the device, copies each segment to host
-    /// memory when `backup` (otherwise its contents are dropped), unmaps it and releases its
-    /// physical memory. Addresses, blocks and live allocations stay. Segments already asleep
-    /// are left as they are.
-    pub fn sleep(&mut self, tags: Tags<'_>, backup: bool) -> Result<SleepReport, SleepError> {
+    /// Runs `per_segment` on each segment of `tags` (its first block and VMM segment, if
+    /// any) after `prepare`, refused during a capture, timed, and stopped at the first driver
+    /// failure with what was done by then.
+    fn each_segment(
+        &mut self,
+        tags: Tags<'_>,
+        prepare: impl FnOnce(&mut Self) -> Result<(), DeviceError>,
+        mut per_segment: impl FnMut(
+            &mut Self,
+            BlockId,
+            Option<VmmId>,
+            &mut SleepReport,
+        ) -> Result<(), DeviceError>,
+    ) -> Result<SleepReport, SleepError> {
         if !self.captures.is_empty() {
             return Err(SleepError::Capturing);
         }
         let started = Instant::now();
         let mut report = SleepReport::default();
-        let fail = |error, mut done: SleepReport| {
-            done.elapsed = started.elapsed();
-            SleepError::Device { error, done }
-        };
+        let outcome = prepare(self).and_then(|()| {
+            self.segments_of(tags)
+                .into_iter()
+                .try_for_each(|(head, vmm)| per_segment(self, head, vmm, &mut report))
+        });
+        report.elapsed = started.elapsed();
+        match outcome {
+            Ok(()) => Ok(report),
+            Err(error) => Err(SleepError::Device {
+                error,
+                done: report,
+            }),
+        }
+    }
+
+    /// Puts the memory of `tags` to sleep: waits for the device, copies each segment to host
+    /// memory when `backup` (otherwise its contents are dropped), unmaps it and releases its
+    /// physical memory. Addresses, blocks and live allocations stay. Segments already asleep
+    /// are left as they are.
+    pub fn sleep(&mut self, tags: Tags<'_>, backup: bool) -> Result<SleepReport, SleepError> {
         // Unmapping does not wait for kernels still using the memory, and a backup must see
         // their results: everything queued so far finishes first.
-        self.synchronize_and_free_events()
-            .map_err(|err| fail(err, report))?;
-        self.device
-            .synchronize_device()
-            .map_err(|err| fail(err, report))?;
-        for (head, vmm) in self.segments_of(tags) {
-            let Some(vmm) = vmm else {
-                report.skipped_bytes += self.segment_size(head);
-                continue;
-            };
-            let segment = self.vmm(vmm);
-            let Some(handle) = segment.handle else {
-                continue;
-            };
-            let (base, size, mapped_size) = (segment.base, segment.size, segment.mapped_size);
-            let saved = if backup {
-                let mut bytes = vec![0; size];
-                self.device
-                    .copy_to_host(base, &mut bytes)
-                    .map_err(|err| fail(err, report))?;
-                Some(bytes)
-            } else {
-                None
-            };
-            self.device
-                .unmap(base, mapped_size)
-                .map_err(|err| fail(err, report))?;
-            // Unmapped: the segment sleeps. A release the device refuses leaves the memory
-            // held until a later `empty_cache` retries it, not the segment awake.
-            self.release_or_keep(handle, None);
-            let copied = saved.as_ref().map_or(0, Vec::len);
-            let segment = self.vmm_mut(vmm);
-            segment.handle = None;
-            segment.backup = saved;
-            let pool = self.arena.get(head).pool;
-            report.blocks += self.set_segment_asleep(head, true);
-            report.segments += 1;
-            report.bytes += size;
-            report.copied_bytes += copied;
-            self.sleeping_segments += 1;
-            self.total_allocated_memory -= size;
-            self.stats.reserved_bytes.decrease(pool, size as u64);
-        }
-        report.elapsed = started.elapsed();
+        let prepare = |this: &mut Self| {
+            this.synchronize_and_free_events()?;
+            this.device.synchronize_device()
+        };
+        let report = self.each_segment(tags, prepare, |this, head, vmm, report| {
+            this.sleep_segment(head, vmm, backup, report)
+        })?;
         logging::slept(&report, backup);
         Ok(report)
+    }
+
+    fn sleep_segment(
+        &mut self,
+        head: BlockId,
+        vmm: Option<VmmId>,
+        backup: bool,
+        report: &mut SleepReport,
+    ) -> Result<(), DeviceError> {
+        let Some(vmm) = vmm else {
+            report.skipped_bytes += self.segment_size(head);
+            return Ok(());
+        };
+        let segment = self.vmm(vmm);
+        let Some(handle) = segment.handle else {
+            return Ok(());
+        };
+        let (base, size, mapped_size) = (segment.base, segment.size, segment.mapped_size);
+        let saved = if backup {
+            let mut bytes = vec![0; size];
+            self.device.copy_to_host(base, &mut bytes)?;
+            Some(bytes)
+        } else {
+            None
+        };
+        self.device.unmap(base, mapped_size)?;
+        // Unmapped: the segment sleeps. A release the device refuses leaves the memory held
+        // until a later `empty_cache` retries it, not the segment awake.
+        self.release_or_keep(handle, None);
+        report.copied_bytes += saved.as_ref().map_or(0, Vec::len);
+        let segment = self.vmm_mut(vmm);
+        segment.handle = None;
+        segment.backup = saved;
+        let pool = self.arena.get(head).pool;
+        report.blocks += self.set_segment_asleep(head, true);
+        report.segments += 1;
+        report.bytes += size;
+        self.sleeping_segments += 1;
+        self.total_allocated_memory -= size;
+        self.stats.reserved_bytes.decrease(pool, size as u64);
+        Ok(())
     }
 
     /// Wakes the memory of `tags`: creates physical memory again, maps it at the same
     /// addresses, grants access and copies back what was backed up. Segments awake are left as
     /// they are.
     pub fn wake(&mut self, tags: Tags<'_>) -> Result<SleepReport, SleepError> {
-        if !self.captures.is_empty() {
-            return Err(SleepError::Capturing);
-        }
-        let started = Instant::now();
-        let mut report = SleepReport::default();
-        let fail = |error, mut done: SleepReport| {
-            done.elapsed = started.elapsed();
-            SleepError::Device { error, done }
-        };
-        for (head, vmm) in self.segments_of(tags) {
-            let Some(vmm) = vmm else { continue };
-            let segment = self.vmm(vmm);
-            if segment.handle.is_some() {
-                continue;
-            }
-            let (base, size, mapped_size) = (segment.base, segment.size, segment.mapped_size);
-            let handle = self
-                .map_physical(base, mapped_size)
-                .map_err(|err| fail(err, report))?;
-            let backup = self.vmm_mut(vmm).backup.take();
-            if let Some(bytes) = &backup
-                && let Err(err) = self.device.copy_from_host(base, bytes)
-            {
-                // The segment goes back to sleep whole, its backup kept for the next try.
-                self.unmap_and_release_or_keep(base, mapped_size, handle);
-                self.vmm_mut(vmm).backup = backup;
-                return Err(fail(err, report));
-            }
-            report.copied_bytes += backup.as_ref().map_or(0, Vec::len);
-            self.vmm_mut(vmm).handle = Some(handle);
-            let pool = self.arena.get(head).pool;
-            report.blocks += self.set_segment_asleep(head, false);
-            report.segments += 1;
-            report.bytes += size;
-            self.sleeping_segments -= 1;
-            self.total_allocated_memory += size;
-            self.stats.reserved_bytes.increase(pool, size as u64);
-        }
-        report.elapsed = started.elapsed();
+        let report = self.each_segment(tags, |_| Ok(()), Self::wake_segment)?;
         logging::woke(&report);
         Ok(report)
+    }
+
+    fn wake_segment(
+        &mut self,
+        head: BlockId,
+        vmm: Option<VmmId>,
+        report: &mut SleepReport,
+    ) -> Result<(), DeviceError> {
+        let Some(vmm) = vmm else { return Ok(()) };
+        let segment = self.vmm(vmm);
+        if segment.handle.is_some() {
+            return Ok(());
+        }
+        let (base, size, mapped_size) = (segment.base, segment.size, segment.mapped_size);
+        let handle = self.map_physical(base, mapped_size)?;
+        let backup = self.vmm_mut(vmm).backup.take();
+        if let Some(bytes) = &backup
+            && let Err(err) = self.device.copy_from_host(base, bytes)
+        {
+            // The segment goes back to sleep whole, its backup kept for the next try.
+            self.unmap_and_release_or_keep(base, mapped_size, handle);
+            self.vmm_mut(vmm).backup = backup;
+            return Err(err);
+        }
+        report.copied_bytes += backup.as_ref().map_or(0, Vec::len);
+        self.vmm_mut(vmm).handle = Some(handle);
+        let pool = self.arena.get(head).pool;
+        report.blocks += self.set_segment_asleep(head, false);
+        report.segments += 1;
+        report.bytes += size;
+        self.sleeping_segments -= 1;
+        self.total_allocated_memory += size;
+        self.stats.reserved_bytes.increase(pool, size as u64);
+        Ok(())
     }
 
     /// The bytes of the segment whose first block is `head`.
