@@ -340,7 +340,8 @@ fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_v
     }
     // Before the lock: the gatherer takes the GIL, which a thread waiting for the lock may hold.
     let stack = gather_stack(StackEvent::Alloc);
-    let tag = THREAD_TAG.with(Cell::get);
+    // A thread being torn down allocates untagged.
+    let tag = THREAD_TAG.try_with(Cell::get).ok().flatten();
     let result = allocator
         .lock()
         .malloc_tagged_with_stack(size, stream_id(stream), tag, stack);
