@@ -92,6 +92,12 @@ fn sleep_with_backup_gives_the_memory_back_and_wake_restores_it_at_the_same_addr
             !a.device().is_accessible(ptr, size),
             "{ptr:#x} still mapped"
         );
+        // Touching sleeping memory is the program's error, and the device says so.
+        let touched = a.device_mut().copy_to_host(ptr, &mut [0; 8]);
+        assert!(matches!(
+            touched,
+            Err(DeviceError::Driver { code: 700, .. })
+        ));
     }
     checked(&a);
 
@@ -300,4 +306,17 @@ fn a_release_the_device_refuses_during_sleep_is_retried_by_empty_cache() {
     for &(ptr, size) in &live {
         assert_eq!(read(&mut a, ptr, size), pattern(ptr, size));
     }
+}
+
+#[test]
+fn sleep_and_wake_are_refused_during_a_capture() {
+    let mut a = sleepable();
+    fill(&mut a, None);
+    a.begin_allocate_to_pool((1, 0), Box::new(|_| Ok(true)))
+        .unwrap();
+    assert_eq!(a.sleep(Tags::All, true), Err(SleepError::Capturing));
+    assert_eq!(a.wake(Tags::All), Err(SleepError::Capturing));
+    a.end_allocate_to_pool((1, 0)).unwrap();
+    assert!(a.sleep(Tags::All, true).unwrap().segments > 0);
+    checked(&a);
 }
