@@ -78,6 +78,27 @@ void rust_release_pool(int device, std::pair<unsigned long long, unsigned long l
 extern "C" {
 #endif // __cplusplus
 
+// `torch.cuda.memory.caching_allocator_enable(enabled)` (PyTorch's `enable`): with 0, the
+// allocations made from now on go to the driver at their exact size and back at their free,
+// outside the cache and its statistics; with non-zero, caching resumes (allocations made
+// meanwhile still go back to the driver). Returns 0.
+int ferrocache_set_caching_enabled(int enabled);
+
+// Whether caching is on (PyTorch's `isEnabled`): 1 or 0.
+int ferrocache_caching_enabled(void);
+
+// `torch.cuda.memory._set_memory_metadata(text)`: the trace entries that this thread's
+// allocations and frees record from now on carry `text` as `user_metadata`; an empty `text`
+// clears it. Returns 0, or -1 (last error set) for a NULL or non-UTF-8 `text`.
+//
+// # Safety
+// `text` is a NUL-terminated string.
+int ferrocache_set_memory_metadata(const char *text);
+
+// `torch.cuda.memory._get_memory_metadata()`: this thread's metadata ("" when none). Returns
+// a string to free with `ferrocache_string_free`.
+char *ferrocache_get_memory_metadata(void);
+
 // Registers `gatherer` (NULL: none), which every allocation (and every free too when
 // `on_free` is non-zero) calls before it takes any lock; the id it returns is kept with the
 // block and the trace entries, and `ferrocache_snapshot` reports it as `stack_id`. The Python
@@ -180,6 +201,18 @@ int ferrocache_release_pool(int device, unsigned long long pool_first, unsigned 
 // when the device is unusable or the id is `(0, 0)` (the ordinary pools').
 int ferrocache_create_or_incref_pool(int device, unsigned long long pool_first, unsigned long long pool_second);
 
+// PyTorch's `setUseOnOOM` and `setNoSplit`, as `torch.cuda.MemPool(use_on_oom=...,
+// no_split=...)` calls them: with `use_on_oom` non-zero, an allocation outside every private
+// pool that would run out of memory may take one of the pool's cached blocks; with `no_split`
+// non-zero, the pool's blocks are handed out whole. Returns 0, or -1 (last error set) when
+// there is no such pool.
+int ferrocache_set_pool_options(int device, unsigned long long pool_first, unsigned long long pool_second, int use_on_oom, int no_split);
+
+// PyTorch's `emptyCache(mempool_id)`, as `torch.cuda.MemPool`'s destructor calls it: the
+// private pool's cached memory goes back to the device once nothing refers to the pool and
+// none of its blocks is live. Returns 0, or -1 (last error set).
+int ferrocache_empty_pool_cache(int device, unsigned long long pool_first, unsigned long long pool_second);
+
 // PyTorch's `getPoolUseCount`: the references the private pool holds. Returns -1 (last error
 // set) when there is no such pool (never created, or gone after `empty_cache`).
 int ferrocache_pool_use_count(int device, unsigned long long pool_first, unsigned long long pool_second);
@@ -265,6 +298,22 @@ int ferrocache_empty_cache(void);
 // `torch.cuda.set_per_process_memory_fraction(fraction, device)`. Returns 0, or -1 (last error
 // set: a fraction outside [0, 1], an unusable device).
 int ferrocache_set_memory_fraction(double fraction, int device);
+
+// `torch.cuda.memory._set_allocator_settings(text)`: parses `text` as PyTorch's
+// `setAllocatorSettings` does, over the settings in effect (a key not named keeps its value,
+// except `max_split_size_mb`, `roundup_power2_divisions` and `garbage_collection_threshold`,
+// which go back to their defaults), and applies the result from each device's next decision
+// on. Returns 0, or -1 with PyTorch's wording in the last error, nothing changed.
+//
+// # Safety
+// `text` is a NUL-terminated string.
+int ferrocache_set_allocator_settings(const char *text);
+
+// `torch.cuda.get_per_process_memory_fraction(device)`: the limit
+// `set_per_process_memory_fraction` (or `per_process_memory_fraction`) set on `device`, as a
+// share of its memory; 1 when none was set. Returns -1 when the device cannot be used (last
+// error set).
+double ferrocache_get_memory_fraction(int device);
 
 // Checks every device allocator's structural invariants and recomputes its statistics from its
 // block table (a full walk: for tests and debugging). Returns 0, or -1 with what is wrong in

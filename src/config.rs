@@ -268,6 +268,11 @@ fn parse_major_minor(text: &str) -> Option<(u32, u32)> {
 /// `PYTORCH_CUDA_ALLOC_CONF`).
 pub const CROSS_STREAM_VAR: &str = "FERROCACHE_CROSS_STREAM";
 
+/// ferrocache's own variable naming where a snapshot is written at the first out-of-memory
+/// (read by the Python package, `python/ferrocache/oom.py`; `ferrocache run --snapshot-on-oom`
+/// sets it).
+pub const SNAPSHOT_ON_OOM_VAR: &str = "FERROCACHE_SNAPSHOT_ON_OOM";
+
 /// ferrocache's own variable that exempts blocks of expandable segments from
 /// `max_split_size_mb` ([`Config::expandable_ignore_max_split`]).
 pub const EXPANDABLE_IGNORE_MAX_SPLIT_VAR: &str = "FERROCACHE_EXPANDABLE_IGNORE_MAX_SPLIT";
@@ -357,6 +362,35 @@ impl Config {
         parser.accelerator_pass()?;
         parser.cuda_pass()?;
         Ok(parser.config)
+    }
+
+    /// The settings after `torch.cuda.memory._set_allocator_settings(text)` (PyTorch's
+    /// `setAllocatorSettings`), which parses `text` over the settings in effect rather than
+    /// over the defaults: a key `text` names takes its new value, and every other key keeps
+    /// its value, except those [`reset_before_each_parse`] resets. ferrocache's own settings
+    /// and the PyTorch being modelled stay. [`Config::source`] becomes `text`, as PyTorch's
+    /// `last_allocator_settings` does.
+    ///
+    /// A refused `text` changes nothing: PyTorch keeps what it parsed before the bad key
+    /// (and the resets), ferrocache keeps every setting as it was.
+    pub fn with_runtime_settings(&self, text: &str) -> Result<Config> {
+        let mut start = self.clone();
+        reset_before_each_parse(&mut start);
+        start.warnings.clear();
+        let mut parser = Parser {
+            tokens: Tokens::new(text),
+            config: start,
+        };
+        parser.large_segment_pass()?;
+        parser.accelerator_pass()?;
+        parser.cuda_pass()?;
+        let mut config = parser.config;
+        let variable = self
+            .source
+            .as_ref()
+            .map_or(ALLOC_CONF_VARS[0], |(name, _)| name.as_str());
+        config.source = Some((variable.to_string(), text.to_string()));
+        Ok(config)
     }
 
     /// Reads the settings from the process environment; see [`Config::from_vars`].
@@ -543,6 +577,17 @@ impl Config {
             "roundup_power2_divisions": Value::Object(divisions),
         })
     }
+}
+
+/// `AcceleratorAllocatorConfig::parseArgs` starts each parse by putting `max_split_size_mb`,
+/// `roundup_power2_divisions` and `garbage_collection_threshold` back to their defaults ("reset
+/// to its default value if not explicitly set each time"); its large-segment pass then makes
+/// `max_non_split_rounding_mb` `large_segment_size_mb` again. Every other key keeps its value.
+fn reset_before_each_parse(config: &mut Config) {
+    let default = Config::default();
+    config.max_split_size = default.max_split_size;
+    config.roundup_power2_divisions = default.roundup_power2_divisions;
+    config.garbage_collection_threshold = default.garbage_collection_threshold;
 }
 
 /// The first of [`ALLOC_CONF_VARS`] that is set, with its value: the variable PyTorch parses.
@@ -1436,6 +1481,55 @@ fn describe_divisions(divisions: &[usize; K_ROUNDUP_POWER_OF_TWO_INTERVALS]) -> 
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn settings_changed_at_run_time_keep_what_pytorch_keeps_and_reset_what_it_resets() {
+        let start = Config::parse(
+            "max_split_size_mb:64,roundup_power2_divisions:4,garbage_collection_threshold:0.6,\
+             max_non_split_rounding_mb:40,throw_on_cudamalloc_oom:True",
+        )
+        .unwrap();
+        let changed = start
+            .with_runtime_settings("expandable_segments:True")
+            .unwrap();
+        assert!(changed.expandable_segments);
+        // Reset at every parse by PyTorch's AcceleratorAllocatorConfig::parseArgs.
+        assert_eq!(changed.max_split_size, usize::MAX);
+        assert_eq!(changed.roundup_power2_divisions, [0; 16]);
+        assert_eq!(changed.garbage_collection_threshold, 0.0);
+        assert_eq!(changed.max_non_split_rounding_size, 20 * MB);
+        // Kept: a CUDA key not named.
+        assert!(changed.throw_on_cudamalloc_oom);
+        assert_eq!(
+            changed.source,
+            Some((
+                "PYTORCH_CUDA_ALLOC_CONF".into(),
+                "expandable_segments:True".into()
+            ))
+        );
+        let again = changed
+            .with_runtime_settings("expandable_segments:False,max_split_size_mb:40")
+            .unwrap();
+        assert!(!again.expandable_segments);
+        assert_eq!(again.max_split_size, 40 * MB);
+    }
+
+    #[test]
+    fn a_refused_runtime_setting_names_pytorchs_reason() {
+        let start = Config::parse("max_split_size_mb:64").unwrap();
+        let err = start
+            .with_runtime_settings("max_split_size_mb:10")
+            .unwrap_err();
+        assert_eq!(
+            err.message,
+            "CachingAllocator option max_split_size_mb too small, must be >= 20"
+        );
+        let err = start
+            .with_runtime_settings("expandable_segments:true")
+            .unwrap_err();
+        assert!(err.message.contains("Expected 'True' or 'False'"), "{err}");
+    }
+
     use super::*;
     use crate::policy::roundup_power2_divisions;
     use std::collections::HashMap;

@@ -22,8 +22,8 @@ use std::ffi::{CStr, CString, OsStr, OsString, c_char, c_double, c_int, c_ulongl
 use std::os::unix::ffi::OsStrExt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
@@ -77,9 +77,11 @@ struct HistorySetting {
     max_entries: usize,
 }
 
-/// The settings, read from the environment once, on the library's first use.
+/// The settings, read from the environment once, on the library's first use, and replaced by
+/// `ferrocache_set_allocator_settings`; devices created later are made with the settings in
+/// effect then.
 struct Settings {
-    config: Result<Config, String>,
+    config: Result<Mutex<Config>, String>,
 }
 
 fn settings() -> &'static Settings {
@@ -89,7 +91,7 @@ fn settings() -> &'static Settings {
         let config = match Config::from_env() {
             Ok(config) => {
                 logging::configuration(&config);
-                Ok(config)
+                Ok(Mutex::new(config))
             }
             Err(err) => {
                 let variable = selected_alloc_conf(|name| {
@@ -104,8 +106,33 @@ fn settings() -> &'static Settings {
     })
 }
 
-fn config() -> Result<&'static Config, String> {
-    settings().config.as_ref().map_err(String::clone)
+/// The settings in effect.
+fn config() -> Result<Config, String> {
+    match &settings().config {
+        Ok(config) => Ok(config.lock().clone()),
+        Err(why) => Err(why.clone()),
+    }
+}
+
+/// `torch.cuda.memory._set_allocator_settings(text)`: the settings in effect become
+/// [`Config::with_runtime_settings`]'s, on every device created so far and those created
+/// later. A refused `text` changes nothing.
+fn set_allocator_settings(text: &str) -> Result<(), String> {
+    let settings = settings().config.as_ref().map_err(String::clone)?;
+    // Under the creation lock, so that no device is made meanwhile with the old settings.
+    let _creation = CREATION.lock();
+    let mut current = settings.lock();
+    let updated = current
+        .with_runtime_settings(text)
+        .map_err(|err| err.message)?;
+    for (_, allocator) in created_allocators() {
+        let mut allocator = allocator.lock();
+        let config = settings_for_device(allocator.device(), &updated);
+        allocator.replace_config(config);
+    }
+    logging::settings_changed(&updated);
+    *current = updated;
+    Ok(())
 }
 
 fn device_slot(
@@ -149,7 +176,8 @@ fn first_use_of(device: c_int) -> Result<&'static LockedAllocator, String> {
     }
     match CudaDevice::new(device) {
         Ok(cuda) => {
-            let mut allocator = DeviceAllocator::new(cuda, device, config.clone());
+            let config = settings_for_device(&cuda, &config);
+            let mut allocator = DeviceAllocator::new(cuda, device, config);
             allocator.set_reserve_class_lookup(Box::new(reserve_class_of));
             allocator.set_sleepable(sleep_ability_requested());
             if history.enabled {
@@ -171,6 +199,18 @@ fn first_use_of(device: c_int) -> Result<&'static LockedAllocator, String> {
         .expect("set above, under the creation lock")
         .as_ref()
         .map_err(String::clone)
+}
+
+/// The settings for one device: `expandable_segments:True` needs virtual memory management,
+/// and a device without it gets plain segments and one WARN line, rather than a failure of
+/// every allocation (PyTorch 2.15 fails each one at `cuMemAddressReserve`).
+fn settings_for_device(cuda: &CudaDevice, config: &Config) -> Config {
+    let mut config = config.clone();
+    if config.expandable_segments && !cuda.supports_virtual_memory() {
+        logging::expandable_segments_unsupported(cuda.ordinal(), cuda.name());
+        config.expandable_segments = false;
+    }
+    config
 }
 
 /// Whether a failure to open a device stays for the life of the process, and is kept so that
@@ -338,13 +378,16 @@ fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_v
         logging::call_failed("allocation", &why);
         return Err(AllocFailure::Other(why.to_string()));
     }
+    if !CACHING_ENABLED.load(Ordering::Relaxed) {
+        return allocate_uncached(size, device, stream, allocator);
+    }
     // Before the lock: the gatherer takes the GIL, which a thread waiting for the lock may hold.
     let stack = gather_stack(StackEvent::Alloc);
     // A thread being torn down allocates untagged.
     let tag = THREAD_TAG.try_with(Cell::get).ok().flatten();
-    let result = allocator
-        .lock()
-        .malloc_tagged_with_stack(size, stream_id(stream), tag, stack);
+    let result = with_user_metadata(&mut allocator.lock(), |allocator| {
+        allocator.malloc_tagged_with_stack(size, stream_id(stream), tag, stack)
+    });
     match result {
         Ok(ptr) => Ok(device_pointer(ptr)),
         // A preemptive rejection (throw_on_cudamalloc_oom) is the user's own limit: PyTorch calls
@@ -365,6 +408,82 @@ fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_v
             Err(AllocFailure::Other(message))
         }
     }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Caching turned off (`torch.cuda.memory.caching_allocator_disabled()`)
+// ------------------------------------------------------------------------------------------------
+
+/// PyTorch's `enable(false)` turns this off: allocations then go to the driver and back, at
+/// their exact size, outside the cache and its statistics (PyTorch's `uncached_allocate` and
+/// `uncached_delete`).
+static CACHING_ENABLED: AtomicBool = AtomicBool::new(true);
+/// The live allocations made while caching was off, with their devices.
+static UNCACHED: Mutex<Vec<(DevicePtr, c_int)>> = Mutex::new(Vec::new());
+/// How many there are: a free looks in [`UNCACHED`] only when some are live.
+static UNCACHED_LIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// `uncached_allocate`: straight from the driver, at the size asked.
+#[cold]
+#[inline(never)]
+fn allocate_uncached(
+    size: usize,
+    device: c_int,
+    stream: cudaStream_t,
+    allocator: &LockedAllocator,
+) -> Result<*mut c_void, AllocFailure> {
+    let ptr = allocator
+        .lock()
+        .device_mut()
+        .malloc(size, stream_id(stream))
+        .map_err(|err| {
+            let message = format!("CUDA error while caching is disabled: {err}");
+            logging::call_failed("allocation", &message);
+            AllocFailure::Other(message)
+        })?;
+    UNCACHED.lock().push((ptr, device));
+    UNCACHED_LIVE.fetch_add(1, Ordering::Relaxed);
+    Ok(device_pointer(ptr))
+}
+
+/// The device of `ptr` if it was allocated while caching was off; it is forgotten.
+#[cold]
+#[inline(never)]
+fn take_uncached(ptr: DevicePtr) -> Option<c_int> {
+    let mut live = UNCACHED.lock();
+    let index = live.iter().position(|&(p, _)| p == ptr)?;
+    let (_, device) = live.swap_remove(index);
+    UNCACHED_LIVE.fetch_sub(1, Ordering::Relaxed);
+    Some(device)
+}
+
+/// `uncached_delete`: straight back to the driver.
+#[cold]
+#[inline(never)]
+fn free_uncached(ptr: DevicePtr, device: c_int) -> Result<(), String> {
+    allocator(device)?
+        .lock()
+        .device_mut()
+        .free(ptr)
+        .map_err(|err| err.to_string())
+}
+
+/// `torch.cuda.memory.caching_allocator_enable(enabled)` (PyTorch's `enable`): with 0, the
+/// allocations made from now on go to the driver at their exact size and back at their free,
+/// outside the cache and its statistics; with non-zero, caching resumes (allocations made
+/// meanwhile still go back to the driver). Returns 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_set_caching_enabled(enabled: c_int) -> c_int {
+    guarded("ferrocache_set_caching_enabled", -1, || {
+        CACHING_ENABLED.store(enabled != 0, Ordering::Relaxed);
+        0
+    })
+}
+
+/// Whether caching is on (PyTorch's `isEnabled`): 1 or 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_caching_enabled() -> c_int {
+    c_int::from(CACHING_ENABLED.load(Ordering::Relaxed))
 }
 
 /// After an out-of-memory (with the allocator's lock released): one ERROR line naming the
@@ -456,6 +575,55 @@ pub type ferrocache_reserve_class_lookup = Option<ReserveClassLookup>;
 enum StackEvent {
     Alloc = 0,
     Free = 1,
+}
+
+thread_local! {
+    /// What `torch.cuda.memory._set_memory_metadata` set on this thread (PyTorch keeps it per
+    /// thread too); `None` when empty.
+    static USER_METADATA: RefCell<Option<Arc<str>>> = const { RefCell::new(None) };
+}
+
+/// Runs `action` with this thread's metadata given to the trace entries it records.
+#[inline(always)]
+fn with_user_metadata<R>(
+    allocator: &mut DeviceAllocator<CudaDevice>,
+    action: impl FnOnce(&mut DeviceAllocator<CudaDevice>) -> R,
+) -> R {
+    let metadata = USER_METADATA.with_borrow(Clone::clone);
+    if metadata.is_none() {
+        return action(allocator);
+    }
+    let previous = allocator.set_user_metadata(metadata);
+    let result = action(allocator);
+    allocator.set_user_metadata(previous);
+    result
+}
+
+/// `torch.cuda.memory._set_memory_metadata(text)`: the trace entries that this thread's
+/// allocations and frees record from now on carry `text` as `user_metadata`; an empty `text`
+/// clears it. Returns 0, or -1 (last error set) for a NULL or non-UTF-8 `text`.
+///
+/// # Safety
+/// `text` is a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_set_memory_metadata(text: *const c_char) -> c_int {
+    reporting_errors("ferrocache_set_memory_metadata", -1, || {
+        // SAFETY: passed on from our caller, who promises the same.
+        let text = unsafe { text_argument(text, "the metadata") }?;
+        let metadata = (!text.is_empty()).then(|| Arc::<str>::from(text));
+        USER_METADATA.set(metadata);
+        Ok(0)
+    })
+}
+
+/// `torch.cuda.memory._get_memory_metadata()`: this thread's metadata ("" when none). Returns
+/// a string to free with `ferrocache_string_free`.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_get_memory_metadata() -> *mut c_char {
+    reporting_errors("ferrocache_get_memory_metadata", ptr::null_mut(), || {
+        let text = USER_METADATA.with_borrow(|m| m.as_deref().unwrap_or("").to_string());
+        Ok(into_c_string(text))
+    })
 }
 
 /// The registered gatherer (NULL: none; recording stacks costs one atomic load then).
@@ -635,13 +803,20 @@ struct FreeClaims {
 /// one hash-map removal on the usual path.
 #[inline]
 fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
+    if UNCACHED_LIVE.load(Ordering::Relaxed) > 0
+        && let Some(device) = take_uncached(ptr)
+    {
+        return free_uncached(ptr, device);
+    }
     // Before any lock, as in `allocate`.
     let stack = gather_stack(StackEvent::Free);
     if let Some(device) = claims.device
         && let Some(allocator) = created_allocator(device)
     {
         // The guard goes at the end of this statement: a warning never holds up other threads.
-        let freed = allocator.lock().free_with_stack(ptr, stack);
+        let freed = with_user_metadata(&mut allocator.lock(), |allocator| {
+            allocator.free_with_stack(ptr, stack)
+        });
         if let Ok(recorded) = freed {
             report_wrong_claims(claims, device, &recorded);
             return Ok(());
@@ -657,7 +832,7 @@ fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
 fn release_elsewhere(ptr: DevicePtr, claims: &FreeClaims, stack: StackId) -> Result<(), String> {
     settings();
     match with_owner(claims.device, |allocator| {
-        allocator.free_with_stack(ptr, stack)
+        with_user_metadata(allocator, |allocator| allocator.free_with_stack(ptr, stack))
     }) {
         Some((device, recorded)) => {
             report_wrong_claims(claims, device, &recorded);
@@ -1143,6 +1318,48 @@ pub extern "C" fn ferrocache_create_or_incref_pool(
     })
 }
 
+/// PyTorch's `setUseOnOOM` and `setNoSplit`, as `torch.cuda.MemPool(use_on_oom=...,
+/// no_split=...)` calls them: with `use_on_oom` non-zero, an allocation outside every private
+/// pool that would run out of memory may take one of the pool's cached blocks; with `no_split`
+/// non-zero, the pool's blocks are handed out whole. Returns 0, or -1 (last error set) when
+/// there is no such pool.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_set_pool_options(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+    use_on_oom: c_int,
+    no_split: c_int,
+) -> c_int {
+    with_last_error("ferrocache_set_pool_options", -1, || {
+        let id = pool_id(pool_first, pool_second);
+        let result = allocator(device)?
+            .lock()
+            .set_pool_options(id, use_on_oom != 0, no_split != 0);
+        result.map(|()| 0).map_err(|err| err.to_string())
+    })
+}
+
+/// PyTorch's `emptyCache(mempool_id)`, as `torch.cuda.MemPool`'s destructor calls it: the
+/// private pool's cached memory goes back to the device once nothing refers to the pool and
+/// none of its blocks is live. Returns 0, or -1 (last error set).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_empty_pool_cache(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+) -> c_int {
+    with_last_error("ferrocache_empty_pool_cache", -1, || {
+        let Some(allocator) = created_allocator(device) else {
+            return Ok(0);
+        };
+        let result = allocator
+            .lock()
+            .empty_pool_cache(pool_id(pool_first, pool_second));
+        result.map(|()| 0).map_err(|err| err.to_string())
+    })
+}
+
 /// PyTorch's `getPoolUseCount`: the references the private pool holds. Returns -1 (last error
 /// set) when there is no such pool (never created, or gone after `empty_cache`).
 #[unsafe(no_mangle)]
@@ -1565,6 +1782,37 @@ pub extern "C" fn ferrocache_set_memory_fraction(fraction: c_double, device: c_i
     })
 }
 
+/// `torch.cuda.memory._set_allocator_settings(text)`: parses `text` as PyTorch's
+/// `setAllocatorSettings` does, over the settings in effect (a key not named keeps its value,
+/// except `max_split_size_mb`, `roundup_power2_divisions` and `garbage_collection_threshold`,
+/// which go back to their defaults), and applies the result from each device's next decision
+/// on. Returns 0, or -1 with PyTorch's wording in the last error, nothing changed.
+///
+/// # Safety
+/// `text` is a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_set_allocator_settings(text: *const c_char) -> c_int {
+    with_last_error("ferrocache_set_allocator_settings", -1, || {
+        // SAFETY: passed on from our caller, who promises the same.
+        let text = unsafe { text_argument(text, "the allocator setting") }?;
+        set_allocator_settings(text).map(|()| 0)
+    })
+}
+
+/// `torch.cuda.get_per_process_memory_fraction(device)`: the limit
+/// `set_per_process_memory_fraction` (or `per_process_memory_fraction`) set on `device`, as a
+/// share of its memory; 1 when none was set. Returns -1 when the device cannot be used (last
+/// error set).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_get_memory_fraction(device: c_int) -> c_double {
+    with_last_error("ferrocache_get_memory_fraction", -1.0, || {
+        allocator(device)?
+            .lock()
+            .memory_fraction()
+            .map_err(|err| err.to_string())
+    })
+}
+
 /// Checks every device allocator's structural invariants and recomputes its statistics from its
 /// block table (a full walk: for tests and debugging). Returns 0, or -1 with what is wrong in
 /// the last error.
@@ -1579,6 +1827,20 @@ pub extern "C" fn ferrocache_check_invariants() -> c_int {
         }
         Ok(0)
     })
+}
+
+/// A string argument, named `what` in the error for NULL or text that is not UTF-8.
+///
+/// # Safety
+/// `text` is NULL or a NUL-terminated string that outlives the returned reference.
+unsafe fn text_argument<'a>(text: *const c_char, what: &str) -> Result<&'a str, String> {
+    if text.is_null() {
+        return Err(format!("{what} is NULL"));
+    }
+    // SAFETY: non-NULL, and the caller promises a NUL-terminated string.
+    unsafe { CStr::from_ptr(text) }
+        .to_str()
+        .map_err(|_| format!("{what} is not valid UTF-8"))
 }
 
 /// Reads a `PYTORCH_CUDA_ALLOC_CONF` value, or the process environment when `text` is NULL.

@@ -301,6 +301,20 @@ pub fn configuration(config: &Config) {
     if let Some((variable, value)) = &config.source {
         info!(target: TARGET, "Allocator: settings from {variable}={value:?}");
     }
+    settings_in_effect(config);
+}
+
+/// `torch.cuda.memory._set_allocator_settings` replaced the settings.
+pub fn settings_changed(config: &Config) {
+    if let Some((_, value)) = &config.source {
+        info!(target: TARGET, "Allocator: settings changed at run time to {value:?}");
+    }
+    settings_in_effect(config);
+}
+
+/// Each setting that differs from PyTorch's defaults, the keys ferrocache accepts but does not
+/// use, and the warnings.
+fn settings_in_effect(config: &Config) {
     if log::log_enabled!(target: TARGET, log::Level::Info) {
         for line in config.describe().lines() {
             info!(target: TARGET, "Allocator: settings in effect: {line}");
@@ -331,6 +345,17 @@ pub fn device_unavailable(device: i32, why: &str) {
 /// The library was initialised by PyTorch's `init` hook.
 pub fn library_initialised(version: &str, device_count: i32) {
     info!(target: TARGET, "Allocator: ferrocache {version} initialised for {device_count} device(s); {LOG_LEVEL_VAR}={}", log::max_level());
+}
+
+/// The CUDA driver library every driver call goes to (the one PyTorch loaded, see `driver.rs`).
+pub fn driver_library(path: &str) {
+    info!(target: TARGET, "Allocator: CUDA driver library {path}");
+}
+
+/// `expandable_segments:True` on a device without virtual memory management: its segments come
+/// from `cudaMalloc` instead.
+pub fn expandable_segments_unsupported(device: i32, name: &str) {
+    warn!(target: TARGET, "Allocator: CUDA device {device} ({name}) does not support virtual memory management, which expandable segments need; expandable_segments:True is ignored on it and its segments are allocated with cudaMalloc");
 }
 
 /// A device number that cannot be one (PyTorch's device indices are 0 to 127).

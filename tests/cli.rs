@@ -12,7 +12,7 @@ mod traces;
 use command::{ferrocache, stderr, stdout};
 use traces::traces_dir;
 
-const JSON_KEYS: [&str; 16] = [
+const JSON_KEYS: [&str; 17] = [
     "trace",
     "cross_stream_reuses",
     "conf",
@@ -29,6 +29,7 @@ const JSON_KEYS: [&str; 16] = [
     "native_segment_allocs",
     "matching_segment_allocs",
     "events_per_second",
+    "self_check",
 ];
 
 /// A scratch directory of this test process.
@@ -106,6 +107,7 @@ fn json_rows_have_exactly_the_documented_keys() {
     for row in &rows {
         assert_keys(row);
         // The demo has no PyTorch recording.
+        assert!(row["self_check"].is_null());
         assert!(row["native_peak_reserved_bytes"].is_null());
         assert!(row["native_segment_allocs"].is_null());
         assert!(row["matching_segment_allocs"].is_null());
@@ -178,6 +180,24 @@ fn shared_traces_replay_as_pytorch_did() {
             row["native_peak_reserved_bytes"]
         );
         assert_eq!(row["ooms"], 0);
+        // The self-check: every decision, release and placement as PyTorch's, at its peak.
+        let check = &row["self_check"];
+        assert_eq!(check["reproduced"], true, "{check}");
+        assert_eq!(check["placements_matching"], check["placements_checked"]);
+        assert_eq!(
+            check["peak_reserved_bytes"],
+            row["native_peak_reserved_bytes"]
+        );
+    }
+    // The text says so, one line per recording, whatever the settings replayed.
+    let mut args = vec!["replay", "--conf", "expandable_segments:True"];
+    args.extend(paths.iter().map(String::as_str));
+    let text = stdout(&ferrocache(&args));
+    for path in &paths {
+        assert!(
+            text.contains(&format!("self-check: {path}: reproduced: ")),
+            "{text}"
+        );
     }
 }
 

@@ -106,6 +106,7 @@ fn info_forms() -> Vec<(&'static str, Regex)> {
         ("released", format!(r"^\[INFO\] Allocator: segment {ptr} \(size {size}\) released to the device$")),
         ("setting", r"^\[INFO\] Allocator: settings in effect: all allocator settings are PyTorch's defaults$".to_string()),
         ("init", r"^\[INFO\] Allocator: ferrocache \d+\.\d+\.\d+\S* initialised for 1 device\(s\); TORCH_CUDA_ALLOC_LOG_LEVEL=INFO$".to_string()),
+        ("driver", r"^\[INFO\] Allocator: CUDA driver library /\S*/libcuda\.so\S*$".to_string()),
     ]
     .into_iter()
     .map(|(name, pattern)| (name, Regex::new(&pattern).expect("a valid pattern")))

@@ -11,7 +11,8 @@ use cudarc::driver::sys;
 use ferrocache::device::cuda::CudaDevice;
 use ferrocache::device::{Device, DeviceError, ProcessMemory};
 use support::{
-    FakeCuda, in_own_process, in_own_process_without_libcuda, in_own_process_without_nvml,
+    FakeCuda, in_own_process, in_own_process_with_library_path, in_own_process_without_libcuda,
+    in_own_process_without_nvml, stub_libcuda_dir,
 };
 
 const MIB: usize = 1 << 20;
@@ -544,9 +545,10 @@ fn events_are_not_ready_then_ready() {
         device
             .synchronize_stream(0)
             .expect("synchronize the legacy stream");
+        // The stream's context is asked first, and the driver refuses the unknown handle.
         match device.record_event(0xdead_0000) {
             Err(DeviceError::Driver { call, code, .. }) => {
-                assert_eq!((call, code), ("cuEventRecord", CUDA_ERROR_INVALID_HANDLE));
+                assert_eq!((call, code), ("cuStreamGetCtx", CUDA_ERROR_INVALID_HANDLE));
             }
             other => panic!("recording on an unknown stream should fail, got {other:?}"),
         }
@@ -802,4 +804,364 @@ fn smoke() {
     device
         .free_address_range(base, 4 * page)
         .expect("free_address_range");
+}
+
+// ---- Peers, device features and the driver library ------------------------------------------
+
+const CUDA_ERROR_ILLEGAL_ADDRESS: u32 = 700;
+const CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: u32 = 704;
+
+/// Maps `pages` fresh pages of `device` at `base + offset` and grants access as ferrocache does.
+fn map_pages(device: &mut CudaDevice, base: u64, offset: usize, pages: usize) -> Vec<u64> {
+    let page = device.page_granularity().expect("granularity");
+    let mut handles = Vec::new();
+    for index in 0..pages {
+        let handle = device.create_physical(page).expect("create");
+        let at = base + (offset + index * page) as u64;
+        device.map(at, page, handle).expect("map");
+        handles.push(handle);
+    }
+    device
+        .set_access(base + offset as u64, pages * page)
+        .expect("set_access");
+    handles
+}
+
+/// Pages an expandable segment of device 0 maps are reachable by device 1, both those mapped
+/// before peer access was enabled and those mapped after: a memset and a copy made in device
+/// 1's context touch them. Before ferrocache granted its peers access, the first memset failed
+/// with an illegal address, as on a GPU.
+#[test]
+fn expandable_pages_are_reachable_from_a_peer_device() {
+    let env = [("FAKE_LIBCUDA_DEVICE_COUNT", "2")];
+    in_own_process(
+        "expandable_pages_are_reachable_from_a_peer_device",
+        &env,
+        || {
+            let fake = FakeCuda::open();
+            let mut device = open_device();
+            let page = device.page_granularity().expect("granularity");
+            assert_eq!(device.devices_with_access().collect::<Vec<_>>(), [0, 1]);
+            let base = device.reserve_address_range(8 * page).expect("reserve");
+            let mut handles = map_pages(&mut device, base, 0, 2);
+
+            let mut peer = CudaDevice::new(1).expect("device 1");
+            let on_peer = peer.malloc(2 * page, 0).expect("malloc on device 1");
+            fake.make_current(1);
+            assert_eq!(fake.memset(base, 0x5a, 2 * page), 0, "mapped before");
+            assert_eq!(fake.copy(on_peer, base, 2 * page), 0);
+            // Copies and memsets are asynchronous: done before the pages are unmapped.
+            assert_eq!(fake.synchronize(), 0);
+            assert_eq!(fake.enable_peer_access(0), 0);
+            assert_eq!(
+                fake.enable_peer_access(0),
+                CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+            );
+            set_current_context(ptr::null_mut());
+
+            handles.extend(map_pages(&mut device, base, 2 * page, 2));
+            fake.make_current(1);
+            assert_eq!(fake.memset(base, 0x6b, 4 * page), 0, "mapped after");
+            assert_eq!(fake.copy(base + 2 * page as u64, on_peer, 2 * page), 0);
+            assert_eq!(fake.synchronize(), 0);
+            set_current_context(ptr::null_mut());
+
+            device.unmap(base, 4 * page).expect("unmap");
+            for handle in handles {
+                device.release_physical(handle).expect("release");
+            }
+            device.free_address_range(base, 8 * page).expect("free");
+            peer.free(on_peer).expect("free on device 1");
+        },
+    );
+}
+
+/// The fake's rule that the test above relies on: pages granted to device 0 alone are an
+/// illegal address for device 1, enabled peer access or not, while memory from `cuMemAlloc`
+/// is reachable.
+#[test]
+fn pages_granted_to_one_device_are_an_illegal_address_for_another() {
+    let env = [("FAKE_LIBCUDA_DEVICE_COUNT", "2")];
+    in_own_process(
+        "pages_granted_to_one_device_are_an_illegal_address_for_another",
+        &env,
+        || {
+            let fake = FakeCuda::open();
+            let mut device = open_device();
+            let page = device.page_granularity().expect("granularity");
+            let base = device.reserve_address_range(page).expect("reserve");
+            let handle = device.create_physical(page).expect("create");
+            device.map(base, page, handle).expect("map");
+            // Access for device 0 only, as ferrocache granted it before.
+            let location = sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                __bindgen_anon_1: sys::CUmemLocation_st__bindgen_ty_1 { id: 0 },
+            };
+            let access = sys::CUmemAccessDesc {
+                location,
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            fake.make_current(0);
+            // SAFETY: one live descriptor.
+            let result = unsafe { sys::cuMemSetAccess(base, page, &access, 1) };
+            assert_eq!(result, sys::CUresult::CUDA_SUCCESS);
+            assert_eq!(fake.memset(base, 1, page), 0, "the owner reaches it");
+            let plain = device.malloc(page, 0).expect("malloc");
+            fake.make_current(1);
+            assert_eq!(fake.memset(base, 1, page), CUDA_ERROR_ILLEGAL_ADDRESS);
+            assert_eq!(fake.enable_peer_access(0), 0);
+            assert_eq!(
+                fake.memset(base, 1, page),
+                CUDA_ERROR_ILLEGAL_ADDRESS,
+                "peer access does not apply to mapped pages"
+            );
+            assert_eq!(
+                fake.memset(plain, 1, page),
+                0,
+                "it does to cuMemAlloc memory"
+            );
+            set_current_context(ptr::null_mut());
+            device.free(plain).expect("free");
+            device.unmap(base, page).expect("unmap");
+            device.release_physical(handle).expect("release");
+            device.free_address_range(base, page).expect("free range");
+        },
+    );
+}
+
+/// Should the driver refuse to grant the peers access, they are dropped (with a WARN line) and
+/// the device alone gets access: its own allocations go on.
+#[test]
+fn peers_the_driver_refuses_are_dropped() {
+    let env = [("FAKE_LIBCUDA_DEVICE_COUNT", "2")];
+    in_own_process("peers_the_driver_refuses_are_dropped", &env, || {
+        let fake = FakeCuda::open();
+        let mut device = open_device();
+        let page = device.page_granularity().expect("granularity");
+        let base = device.reserve_address_range(2 * page).expect("reserve");
+        fake.fail_next("cuMemSetAccess", CUDA_ERROR_INVALID_VALUE as u32);
+        let mut handles = map_pages(&mut device, base, 0, 1);
+        assert_eq!(device.devices_with_access().collect::<Vec<_>>(), [0]);
+        assert_eq!(
+            fake.stat("cuMemSetAccess"),
+            2,
+            "refused, then the device alone"
+        );
+        handles.extend(map_pages(&mut device, base, page, 1));
+        assert_eq!(fake.stat("cuMemSetAccess"), 3);
+        fake.make_current(0);
+        assert_eq!(fake.memset(base, 1, 2 * page), 0);
+        assert_eq!(fake.synchronize(), 0);
+        set_current_context(ptr::null_mut());
+        device.unmap(base, page).expect("unmap");
+        device.unmap(base + page as u64, page).expect("unmap");
+        for handle in handles {
+            device.release_physical(handle).expect("release");
+        }
+        device
+            .free_address_range(base, 2 * page)
+            .expect("free range");
+    });
+}
+
+/// Devices that cannot reach each other (`cuDeviceCanAccessPeer` = 0) are not peers: access is
+/// granted to the owner alone (the driver refuses to name the other), and a copy between them,
+/// which the driver stages through the host, still works.
+#[test]
+fn devices_that_cannot_reach_each_other_are_not_granted_access() {
+    let env = [
+        ("FAKE_LIBCUDA_DEVICE_COUNT", "2"),
+        ("FAKE_LIBCUDA_PEER_ACCESS", "0"),
+    ];
+    in_own_process(
+        "devices_that_cannot_reach_each_other_are_not_granted_access",
+        &env,
+        || {
+            let fake = FakeCuda::open();
+            let mut device = open_device();
+            assert_eq!(device.devices_with_access().collect::<Vec<_>>(), [0]);
+            let page = device.page_granularity().expect("granularity");
+            let base = device.reserve_address_range(page).expect("reserve");
+            let handles = map_pages(&mut device, base, 0, 1);
+            // A copy between them is staged through the host by the driver: it works.
+            let mut other = CudaDevice::new(1).expect("device 1");
+            let on_other = other.malloc(page, 0).expect("malloc on device 1");
+            fake.make_current(1);
+            assert_eq!(fake.copy(on_other, base, page), 0);
+            set_current_context(ptr::null_mut());
+            other.free(on_other).expect("free on device 1");
+            device.unmap(base, page).expect("unmap");
+            device.release_physical(handles[0]).expect("release");
+            device.free_address_range(base, page).expect("free range");
+        },
+    );
+}
+
+/// Creates one physical page on device 0 under `env`: it must succeed, with `rdma_capable`
+/// pages made GPUDirect RDMA capable.
+fn physical_page_under(test: &str, env: &[(&str, &str)], rdma_capable: i64) {
+    in_own_process(test, env, || {
+        let fake = FakeCuda::open();
+        let mut device = open_device();
+        let page = device.page_granularity().expect("granularity");
+        let handle = device.create_physical(page).expect("cuMemCreate");
+        assert_eq!(fake.stat("rdma_capable_physical"), rdma_capable);
+        device.release_physical(handle).expect("release");
+    });
+}
+
+/// Physical pages are GPUDirect RDMA capable where the device supports that with VMM, as
+/// PyTorch makes them (NCCL's zero-copy across nodes needs it).
+#[test]
+fn physical_pages_are_rdma_capable_where_the_device_supports_it() {
+    physical_page_under(
+        "physical_pages_are_rdma_capable_where_the_device_supports_it",
+        &[],
+        1,
+    );
+}
+
+/// ... and plain where it does not: the fake refuses the flag there, as the attribute says.
+#[test]
+fn physical_pages_are_plain_where_the_device_lacks_rdma_with_vmm() {
+    physical_page_under(
+        "physical_pages_are_plain_where_the_device_lacks_rdma_with_vmm",
+        &[("FAKE_LIBCUDA_RDMA_WITH_VMM", "0")],
+        0,
+    );
+}
+
+/// No shareable handle type is asked for (nothing exports ferrocache's memory), so a device
+/// without POSIX file descriptor handles works too.
+#[test]
+fn physical_pages_need_no_shareable_handle_type() {
+    physical_page_under(
+        "physical_pages_need_no_shareable_handle_type",
+        &[("FAKE_LIBCUDA_POSIX_FD_HANDLES", "0")],
+        1,
+    );
+}
+
+/// A device without virtual memory management: the calls behind expandable segments are
+/// refused, and `page_granularity` says why without asking the driver.
+#[test]
+fn a_device_without_virtual_memory_says_so() {
+    let env = [("FAKE_LIBCUDA_VMM", "0")];
+    in_own_process("a_device_without_virtual_memory_says_so", &env, || {
+        let fake = FakeCuda::open();
+        let mut device = open_device();
+        assert!(!device.supports_virtual_memory());
+        match device.page_granularity() {
+            Err(DeviceError::Unavailable(message)) => {
+                assert!(
+                    message.contains("does not support virtual memory"),
+                    "{message}"
+                );
+            }
+            other => panic!("expected Unavailable, got {other:?}"),
+        }
+        assert_eq!(fake.stat("cuMemGetAllocationGranularity"), 0);
+        assert!(matches!(
+            device.reserve_address_range(2 * MIB),
+            Err(DeviceError::Driver { code: 801, .. })
+        ));
+    });
+}
+
+/// A CUDA toolkit's `stubs/libcuda.so` ahead of the driver on the library path: ferrocache
+/// opens `libcuda.so.1`, the driver, and never the stub (cudarc's loader took `libcuda.so`
+/// first, and every call then failed with CUDA_ERROR_STUB_LIBRARY).
+#[test]
+fn a_stub_ahead_on_the_library_path_is_passed_over() {
+    let dirs = [stub_libcuda_dir(), support::fake_libcuda_dir()];
+    in_own_process_with_library_path(
+        "a_stub_ahead_on_the_library_path_is_passed_over",
+        &dirs,
+        &[],
+        || {
+            let mut device = open_device();
+            let ptr = device.malloc(MIB, 0).expect("malloc");
+            device.free(ptr).expect("free");
+            let fake = FakeCuda::open();
+            assert_eq!(fake.stat("cuMemAlloc_v2"), 1, "the fake served it");
+        },
+    );
+}
+
+/// The driver PyTorch loaded is the one ferrocache uses, even when the library path would
+/// yield only a stub.
+#[test]
+fn the_driver_already_loaded_is_used() {
+    let dirs = [stub_libcuda_dir()];
+    in_own_process_with_library_path("the_driver_already_loaded_is_used", &dirs, &[], || {
+        let fake_path = support::fake_libcuda_dir().join("libcuda.so.1");
+        // SAFETY: the fake has no initialisers; loaded as PyTorch's runtime would load it.
+        let fake = unsafe { libloading::Library::new(&fake_path) }.expect("load the fake");
+        let mut device = open_device();
+        let ptr = device.malloc(MIB, 0).expect("malloc");
+        device.free(ptr).expect("free");
+        // SAFETY: the fake's `fake_cuda_stat(const char*)`.
+        let stat = unsafe {
+            fake.get::<unsafe extern "C" fn(*const std::ffi::c_char) -> i64>(b"fake_cuda_stat")
+        }
+        .expect("fake_cuda_stat");
+        // SAFETY: a NUL-terminated string.
+        assert_eq!(unsafe { stat(c"cuMemAlloc_v2".as_ptr()) }, 1);
+    });
+}
+
+/// Only a stub to be found: one message that says what it is and what to do, each time.
+#[test]
+fn a_stub_alone_is_refused_with_one_clear_message() {
+    let dirs = [stub_libcuda_dir()];
+    in_own_process_with_library_path(
+        "a_stub_alone_is_refused_with_one_clear_message",
+        &dirs,
+        &[],
+        || {
+            for _ in 0..2 {
+                match CudaDevice::new(0) {
+                    Err(DeviceError::Unavailable(message)) => {
+                        assert!(message.contains("libcuda.so is a stub"), "{message}");
+                        assert!(message.contains("CUDA_ERROR_STUB_LIBRARY"), "{message}");
+                        assert!(message.contains("LD_LIBRARY_PATH"), "{message}");
+                    }
+                    other => panic!("expected Unavailable, got {other:?}"),
+                }
+            }
+        },
+    );
+}
+
+/// Two different driver libraries loaded in the process: ferrocache cannot know which one
+/// PyTorch uses, and says so, naming both.
+#[test]
+fn two_drivers_loaded_are_refused_with_one_clear_message() {
+    let dirs = [support::fake_libcuda_dir()];
+    in_own_process_with_library_path(
+        "two_drivers_loaded_are_refused_with_one_clear_message",
+        &dirs,
+        &[],
+        || {
+            let stub_path = stub_libcuda_dir().join("libcuda.so");
+            // SAFETY: both have no initialisers.
+            let _fake = unsafe { libloading::Library::new("libcuda.so.1") }.expect("the fake");
+            // SAFETY: as above.
+            let _stub = unsafe { libloading::Library::new(&stub_path) }.expect("the stub");
+            match CudaDevice::new(0) {
+                Err(DeviceError::Unavailable(message)) => {
+                    assert!(
+                        message.contains("two different CUDA driver libraries are loaded"),
+                        "{message}"
+                    );
+                    assert!(
+                        message.contains(&stub_path.display().to_string()),
+                        "{message}"
+                    );
+                    assert!(message.contains("libcuda.so.1"), "{message}");
+                }
+                other => panic!("expected Unavailable, got {other:?}"),
+            }
+        },
+    );
 }

@@ -1025,18 +1025,18 @@ const FIXED: [(&str, u64, &str, usize); 13] = [
     // A sticky error was logged again by every later call.
     ("segments", 11, "cuMemAlloc_v2", 4),
     // empty_cache left pooled events alive; destroying them may fail too.
-    ("segments", 78, "cuEventDestroy_v2", 2),
+    ("segments", 80, "cuEventDestroy_v2", 2),
     // During a capture: a capture error from the query on a capturing stream, and a sticky
     // error inside the relaxed capture mode, which was logged again when leaving it.
-    ("segments", 52, "cuStreamIsCapturing", 3),
-    ("segments", 54, "cuMemAlloc_v2", 4),
-    ("segments", 55, "cuThreadExchangeStreamCaptureMode", 4),
+    ("segments", 54, "cuStreamIsCapturing", 3),
+    ("segments", 56, "cuMemAlloc_v2", 4),
+    ("segments", 57, "cuThreadExchangeStreamCaptureMode", 4),
     // A page whose release failed was forgotten, its memory lost.
     ("expandable", 76, "cuMemRelease", 1),
     ("expandable", 75, "cuCtxGetCurrent", 0),
-    ("expandable", 141, "cuMemRelease", 3),
+    ("expandable", 142, "cuMemRelease", 3),
     // An injected out-of-memory inside the out-of-memory step is that step's error.
-    ("expandable", 127, "cuMemCreate", 0),
+    ("expandable", 128, "cuMemCreate", 0),
     // After a sticky error, allocations still asked the capture's stream filter (PyTorch's
     // code, which asks CUDA), and a cache hit still succeeded.
     ("capture", 17, "cuCtxGetCurrent", 4),
@@ -1058,10 +1058,14 @@ fn the_runs_that_went_wrong_before_stay_fixed() {
         let clean = run_once(TEST, which, 0, clean_kind, false)
             .unwrap_or_else(|why| panic!("the clean {which} run: {why}"));
         for &(program, index, call, kind) in FIXED.iter().filter(|f| f.0 == which) {
+            let near: Vec<usize> = (0..clean.names.len())
+                .filter(|&i| clean.names[i] == call)
+                .map(|i| i + 1)
+                .collect();
             assert_eq!(
                 clean.names[index as usize - 1],
                 call,
-                "call {index} of the {program} program"
+                "call {index} of the {program} program ({call} is now call {near:?})"
             );
             let kind = KINDS[kind];
             let run = run_once(TEST, which, index, kind, kind.sticky || call == "cuInit")

@@ -10,7 +10,9 @@ use std::ptr;
 
 use cdylib::Ferrocache;
 use serde_json::Value;
-use support::{FakeCuda, in_own_process, in_own_process_without_libcuda, new_stream};
+use support::{
+    FakeCuda, in_own_process, in_own_process_stderr, in_own_process_without_libcuda, new_stream,
+};
 
 const MIB: usize = 1 << 20;
 
@@ -996,6 +998,194 @@ fn a_threads_private_pool_works_through_the_c_abi() {
                 api.last_error(),
                 "endAllocateToPool: not currently recording to mempool_id (0, 42)"
             );
+        },
+    );
+}
+
+/// With `expandable_segments:True` on two devices, device 0's memory is reachable from device
+/// 1's context (a memset and copies there, as `tensor.to("cuda:1")` and back make them), both
+/// pages mapped before peer access was enabled and pages mapped after. Before ferrocache granted
+/// its peers access, device 1 took an illegal address (a sticky error on a GPU).
+#[test]
+fn expandable_memory_is_reachable_from_a_peer_device() {
+    let env = [
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+        ("FAKE_LIBCUDA_DEVICE_COUNT", "2"),
+    ];
+    in_own_process(
+        "expandable_memory_is_reachable_from_a_peer_device",
+        &env,
+        || {
+            let api = Api::open();
+            let fake = FakeCuda::open();
+            let size = 30 * MIB;
+            let before = api.alloc(size, 0, 0);
+            assert!(!before.is_null(), "{}", api.last_error());
+            let on_peer = api.alloc(size, 1, 0);
+            assert!(!on_peer.is_null(), "{}", api.last_error());
+            let [before, on_peer] = [before, on_peer].map(|p| p as u64);
+
+            fake.make_current(1);
+            assert_eq!(fake.memset(before, 0x11, size), 0, "mapped before");
+            assert_eq!(fake.enable_peer_access(0), 0);
+            let after = api.alloc(size, 0, 0) as u64;
+            assert_ne!(after, 0, "{}", api.last_error());
+            assert_eq!(after, before + size as u64, "new pages of the same segment");
+            assert_eq!(fake.memset(after, 0x22, size), 0, "mapped after");
+            assert_eq!(fake.copy(on_peer, before, size), 0);
+            assert_eq!(fake.copy(after, on_peer, size), 0);
+            // Device 1's copies are asynchronous: done before device 0 writes there too.
+            assert_eq!(fake.synchronize(), 0);
+            fake.make_current(0);
+            assert_eq!(fake.enable_peer_access(1), 0);
+            assert_eq!(fake.copy(on_peer, after, size), 0, "and back");
+            assert_eq!(fake.stat("cuMemAlloc_v2"), 0, "all of it expandable");
+            for block in [before, after, on_peer] {
+                assert_eq!(api.free(block as *mut c_void), 0);
+            }
+        },
+    );
+}
+
+/// `expandable_segments:True` on a device without virtual memory management: every allocation
+/// is served from plain segments (`cudaMalloc`), and one WARN line says why, instead of every
+/// allocation failing at `cuMemCreate`.
+#[test]
+fn expandable_segments_fall_back_to_plain_segments_without_virtual_memory() {
+    let env = [
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+        ("FAKE_LIBCUDA_VMM", "0"),
+        ("TORCH_CUDA_ALLOC_LOG_LEVEL", "WARN"),
+    ];
+    let stderr = in_own_process_stderr(
+        "expandable_segments_fall_back_to_plain_segments_without_virtual_memory",
+        &env,
+        || {
+            let api = Api::open();
+            let fake = FakeCuda::open();
+            for size in [4096, 30 * MIB] {
+                let block = api.alloc(size, 0, 0);
+                assert!(!block.is_null(), "{}", api.last_error());
+                assert_eq!(api.free(block), 0);
+            }
+            assert_eq!(fake.stat("cuMemAlloc_v2"), 2);
+            assert_eq!(fake.stat("cuMemCreate"), 0);
+            assert_eq!(fake.stat("cuMemAddressReserve"), 0);
+        },
+    );
+    if let Some(stderr) = stderr {
+        let warnings: Vec<&str> = stderr
+            .lines()
+            .filter(|line| line.contains("does not support virtual memory management"))
+            .collect();
+        assert_eq!(warnings.len(), 1, "{stderr}");
+        assert!(
+            warnings[0].starts_with("[WARN] Allocator: CUDA device 0 (")
+                && warnings[0].contains("expandable_segments:True is ignored on it"),
+            "{stderr}"
+        );
+    }
+}
+
+type FractionFn = unsafe extern "C" fn(c_int) -> c_double;
+type EnableFn = unsafe extern "C" fn(c_int) -> c_int;
+
+#[test]
+fn settings_fraction_metadata_and_caching_off_through_the_c_abi() {
+    let total = (256 * MIB).to_string();
+    let env = [("FAKE_LIBCUDA_TOTAL_MEM", total.as_str())];
+    in_own_process(
+        "settings_fraction_metadata_and_caching_off_through_the_c_abi",
+        &env,
+        || {
+            let api = Api::open();
+            let fake = FakeCuda::open();
+            // Settings at run time: the next segment follows them; a refusal changes nothing.
+            let set: ConfigFn = api.library.function("ferrocache_set_allocator_settings");
+            let text = CString::new("max_split_size_mb:40").unwrap();
+            // SAFETY: a NUL-terminated string.
+            assert_eq!(unsafe { set(text.as_ptr()) }, 0, "{}", api.last_error());
+            let bad = CString::new("max_split_size_mb:10").unwrap();
+            // SAFETY: a NUL-terminated string.
+            assert_eq!(unsafe { set(bad.as_ptr()) }, -1);
+            assert_eq!(
+                api.last_error(),
+                "CachingAllocator option max_split_size_mb too small, must be >= 20"
+            );
+            // SAFETY: NULL, which the function refuses.
+            assert_eq!(unsafe { set(ptr::null()) }, -1);
+            let big = api.alloc(100 * MIB, 0, 0);
+            assert_eq!(api.free(big), 0);
+            let small = api.alloc(10 * MIB, 0, 0);
+            assert_eq!(
+                api.stat("num_device_alloc"),
+                2,
+                "max_split_size_mb:40 still holds"
+            );
+            assert_eq!(api.free(small), 0);
+            assert_eq!(
+                api.snapshot().unwrap()["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"],
+                "max_split_size_mb:40"
+            );
+
+            // The fraction, asked back.
+            let fraction: FractionFn = api.library.function("ferrocache_get_memory_fraction");
+            // SAFETY: plain values.
+            assert_eq!(unsafe { fraction(0) }, 1.0);
+            api.rust_memory_fraction(0.25, 0);
+            // SAFETY: plain values.
+            assert_eq!(unsafe { fraction(0) }, 0.25);
+            // SAFETY: plain values (a device that cannot be).
+            assert_eq!(unsafe { fraction(-3) }, -1.0);
+            api.rust_memory_fraction(1.0, 0);
+
+            // Metadata on this thread's trace entries only.
+            let set_metadata: ConfigFn = api.library.function("ferrocache_set_memory_metadata");
+            let get_metadata: OwnedStringFn =
+                api.library.function("ferrocache_get_memory_metadata");
+            api.record_history(true, 100);
+            let phase = CString::new("phase 2").unwrap();
+            // SAFETY: a NUL-terminated string; the returned one is freed by take_string.
+            assert_eq!(unsafe { set_metadata(phase.as_ptr()) }, 0);
+            // SAFETY: no arguments; the string is given back by take_string.
+            assert_eq!(
+                api.take_string(unsafe { get_metadata() }).unwrap(),
+                "phase 2"
+            );
+            let tagged = api.alloc(4096, 0, 0);
+            let other = std::thread::spawn(|| {
+                let api = Api::open();
+                let untagged = api.alloc(4096, 0, 0);
+                assert_eq!(api.free(untagged), 0);
+            });
+            other.join().unwrap();
+            assert_eq!(api.free(tagged), 0);
+            let entries = api.snapshot().unwrap()["device_traces"][0].clone();
+            let metadata: Vec<&str> = entries
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["action"] == "alloc")
+                .map(|e| e["user_metadata"].as_str().unwrap())
+                .collect();
+            assert_eq!(
+                metadata,
+                ["phase 2", ""],
+                "the other thread's allocation has none"
+            );
+
+            // Caching off: straight to the driver and back, outside the statistics.
+            let enable: EnableFn = api.library.function("ferrocache_set_caching_enabled");
+            let allocs = api.stat("num_device_alloc");
+            let calls = fake.stat("cuMemAlloc_v2");
+            // SAFETY: plain values.
+            assert_eq!(unsafe { enable(0) }, 0);
+            let raw = api.alloc(1000, 0, 0);
+            assert_eq!(fake.stat("cuMemAlloc_v2"), calls + 1);
+            assert_eq!(api.free(raw), 0);
+            assert_eq!(api.stat("num_device_alloc"), allocs);
+            // SAFETY: plain values.
+            assert_eq!(unsafe { enable(1) }, 0);
         },
     );
 }

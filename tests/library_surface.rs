@@ -12,7 +12,7 @@ use regex::Regex;
 /// The C ABI: `rust_malloc` and the CUDA graph pool hooks (C++), `rust_free` and the other hooks
 /// PyTorch takes, the `ferrocache_*` functions of the Python package, and the command line the
 /// `ferrocache` binary runs.
-const EXPORTS: [&str; 40] = [
+const EXPORTS: [&str; 48] = [
     "ferrocache_alloc",
     "ferrocache_attach_oom_observer",
     "ferrocache_begin_allocate_current_thread_to_pool",
@@ -34,6 +34,14 @@ const EXPORTS: [&str; 40] = [
     "ferrocache_reset_accumulated_stats",
     "ferrocache_reset_peak_stats",
     "ferrocache_set_memory_fraction",
+    "ferrocache_get_memory_fraction",
+    "ferrocache_set_allocator_settings",
+    "ferrocache_set_memory_metadata",
+    "ferrocache_get_memory_metadata",
+    "ferrocache_set_caching_enabled",
+    "ferrocache_caching_enabled",
+    "ferrocache_set_pool_options",
+    "ferrocache_empty_pool_cache",
     "ferrocache_set_oom_thrower",
     "ferrocache_set_reserve_class_lookup",
     "ferrocache_set_stack_gatherer",

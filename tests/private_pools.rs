@@ -419,3 +419,90 @@ fn expandable_segments_of_a_pool_are_its_own() {
     assert!(a.private_pools().is_empty());
     checked(&a);
 }
+
+/// `torch.cuda.MemPool(use_on_oom=True)`'s pool, id `(0, 1)` as PyTorch numbers user pools.
+const USER_POOL: MempoolId = (0, 1);
+
+#[test]
+fn a_use_on_oom_pool_lends_its_cached_block_to_an_allocation_that_would_run_out() {
+    let mut a = allocator(GIB);
+    a.set_memory_fraction(300.0 / 1024.0).unwrap();
+    a.create_or_incref_pool(USER_POOL).unwrap();
+    // torch.cuda.use_mem_pool: a reference for the block, on the stream used outside it too.
+    a.begin_allocate_to_pool(USER_POOL, on(OTHER)).unwrap();
+    let in_pool = a.malloc(200 * MIB, OTHER).unwrap();
+    a.end_allocate_to_pool(USER_POOL).unwrap();
+    a.release_pool(USER_POOL).unwrap();
+    a.free(in_pool).unwrap();
+    // 200 MiB cached in the pool; 150 MiB more would pass the 300 MiB limit.
+    assert!(
+        a.malloc(150 * MIB, OTHER).is_err(),
+        "without use_on_oom: out of memory"
+    );
+    a.set_pool_options(USER_POOL, true, false).unwrap();
+    let lent = a.malloc(150 * MIB, OTHER).unwrap();
+    assert_eq!(lent, in_pool, "the pool's cached block serves it");
+    assert_eq!(pool_of(&a, lent), Some(USER_POOL));
+    a.free(lent).unwrap();
+    assert_eq!(
+        a.reserved_bytes(),
+        200 * MIB,
+        "the block went back to the pool"
+    );
+    checked(&a);
+}
+
+#[test]
+fn a_no_split_pool_hands_its_blocks_out_whole() {
+    let mut a = allocator(GIB);
+    a.create_or_incref_pool(USER_POOL).unwrap();
+    a.set_pool_options(USER_POOL, false, true).unwrap();
+    a.begin_allocate_to_pool(USER_POOL, on(CAPTURE)).unwrap();
+    let first = a.malloc(100_000, CAPTURE).unwrap();
+    let second = a.malloc(100_000, CAPTURE).unwrap();
+    a.end_allocate_to_pool(USER_POOL).unwrap();
+    let sizes: Vec<u64> = a.segments().iter().map(|s| s.total_size).collect();
+    assert_eq!(
+        sizes,
+        [2 * MIB as u64, 2 * MIB as u64],
+        "one small segment each"
+    );
+    assert_eq!(a.allocation_info(first).unwrap().size, 2 * MIB);
+    assert_ne!(
+        a.base_allocation(first).unwrap().0,
+        a.base_allocation(second).unwrap().0
+    );
+    checked(&a);
+}
+
+#[test]
+fn emptying_a_released_pool_returns_its_free_segments_even_while_one_block_lives() {
+    let mut a = allocator(GIB);
+    a.create_or_incref_pool(USER_POOL).unwrap();
+    a.begin_allocate_to_pool(USER_POOL, on(CAPTURE)).unwrap();
+    let kept = a.malloc(30 * MIB, CAPTURE).unwrap();
+    let scratch = a.malloc(4096, CAPTURE).unwrap();
+    a.end_allocate_to_pool(USER_POOL).unwrap();
+    a.release_pool(USER_POOL).unwrap();
+    a.free(scratch).unwrap();
+    let ordinary = a.malloc(4096, OTHER).unwrap();
+    a.free(ordinary).unwrap();
+    a.empty_pool_cache(USER_POOL).unwrap();
+    assert_eq!(
+        a.reserved_bytes(),
+        34 * MIB,
+        "a referenced pool keeps its memory"
+    );
+    a.release_pool(USER_POOL).unwrap();
+    a.empty_pool_cache(USER_POOL).unwrap();
+    assert_eq!(
+        a.reserved_bytes(),
+        32 * MIB,
+        "the pool's free small segment went back; the ordinary pools kept theirs"
+    );
+    a.free(kept).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.reserved_bytes(), 0);
+    assert_eq!(a.pool_use_count(USER_POOL), None, "the pool is forgotten");
+    checked(&a);
+}

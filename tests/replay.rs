@@ -5,7 +5,7 @@ use ferrocache::config::Config;
 use ferrocache::policy::PoolKind;
 use ferrocache::replay::{
     self, DeviceWorkload, NativeFigures, Op, ReplayOptions, ReplayReport, StartAllocation,
-    StartSegment, StartState, Workload, demo,
+    StartSegment, StartState, Workload, demo, faithful,
 };
 
 #[path = "common/traces.rs"]
@@ -257,24 +257,18 @@ fn a_small_gpu_makes_the_demo_retry_and_release() {
 /// A workload with nothing but the given operations over `allocations` ids.
 fn bare(ops: Vec<Op>, allocations: usize) -> DeviceWorkload {
     DeviceWorkload {
-        device: 0,
-        start_segments: Vec::new(),
-        start_allocations: Vec::new(),
         allocations: vec![
             replay::Allocation {
                 address: 0,
                 requested_size: 0,
                 stream: 0,
                 live_at_start: false,
+                placed: None,
             };
             allocations
         ],
         ops,
-        op_origins: Vec::new(),
-        segment_decisions: Vec::new(),
-        figures: replay::Figures::default(),
-        timeline: Vec::new(),
-        diagnostics: replay::Diagnostics::default(),
+        ..DeviceWorkload::default()
     }
 }
 
@@ -404,17 +398,18 @@ fn native_recordings_that_begin_with_empty_cache_replay_every_decision() {
         assert_clean(name, &workload, &report);
         let native = NativeFigures::of(&workload);
         assert!(native.segment_allocs > 10, "{name}");
-        assert!(
-            report.mismatches.is_empty(),
-            "{name}: {:#?}",
-            report.mismatches.first()
+        assert_reproduced(name, &workload, &report);
+        let check = faithful::self_check(
+            &workload,
+            &Config::parse(conf).unwrap(),
+            replay::DEFAULT_CAPACITY,
         );
+        assert!(check.reproduced(), "{name}: {}", check.describe());
+        assert_eq!(check.matching_segment_frees, check.segment_frees, "{name}");
         assert_eq!(
-            report.matching_segment_allocs, native.segment_allocs,
+            check.placements_matching, check.placements_checked,
             "{name}"
         );
-        assert_eq!(report.segment_allocs, native.segment_allocs, "{name}");
-        assert_eq!(report.peak_reserved, native.peak_reserved, "{name}");
     }
 }
 
@@ -439,4 +434,193 @@ fn expandable_start_segments_are_imported_as_expandable_segments() {
         report.start.imported_segments,
         workload.start_segments.len()
     );
+}
+
+// ------------------------------------------------------------------------------------------------
+// Recordings of a layer-by-layer calibration run (tests/data/calibration, made by
+// python/tools/calibration_recording.py through PyTorch on the fake CUDA): blocks live at the
+// start, an empty_cache() per layer, and start segments that PyTorch made in another order than
+// their addresses.
+// ------------------------------------------------------------------------------------------------
+
+/// A committed calibration recording and the setting it was recorded under.
+const CALIBRATION: [(&str, &str); 4] = [
+    ("calibration.pickle", ""),
+    ("calibration_two_devices.pickle", ""),
+    ("calibration_expandable.pickle", "expandable_segments:True"),
+    ("calibration_torch_2_11.pickle", ""),
+];
+
+fn calibration(name: &str) -> DeviceWorkload {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/calibration")
+        .join(name);
+    let snapshot = replay::load(&path).expect("the committed recording loads");
+    let mut workload = Workload::reconstruct(&snapshot);
+    assert_eq!(workload.devices.len(), 1, "{name}: one device replayed");
+    workload.devices.remove(0)
+}
+
+/// PyTorch's decisions made identically, no other, and the recorded peak reached.
+fn assert_reproduced(name: &str, workload: &DeviceWorkload, report: &ReplayReport) {
+    let native = NativeFigures::of(workload);
+    assert!(
+        report.mismatches.is_empty(),
+        "{name}: {} of {} decisions; the first difference: {:#?}",
+        report.matching_segment_allocs,
+        native.segment_allocs,
+        report.mismatches.first()
+    );
+    assert_eq!(
+        report.matching_segment_allocs, native.segment_allocs,
+        "{name}"
+    );
+    assert_eq!(report.segment_allocs, native.segment_allocs, "{name}");
+    assert_eq!(report.peak_reserved, native.peak_reserved, "{name}");
+}
+
+/// The regression test of issue 28 item 5. PyTorch 2.13 and later break ties between equal
+/// cached blocks by the segment made first; these recordings start with two equal cached
+/// blocks whose older segment lies at the higher address. Imported in address order, the
+/// replay took the other block at the first layer, and a 384 MiB request PyTorch served from
+/// its cache took a new segment (31 of 47 decisions on calibration.pickle).
+#[test]
+fn calibration_recordings_make_every_decision_pytorch_made() {
+    for (name, conf) in CALIBRATION {
+        let workload = calibration(name);
+        assert!(
+            workload.figures.live_at_start_blocks > 0 || name.contains("2_11"),
+            "{name}"
+        );
+        let report = run(&workload, conf, StartState::Reconstructed);
+        assert_clean(name, &workload, &report);
+        assert_reproduced(name, &workload, &report);
+    }
+}
+
+#[test]
+fn calibration_recordings_pass_the_self_check_release_for_release() {
+    for (name, conf) in CALIBRATION {
+        let workload = calibration(name);
+        let check = faithful::self_check(
+            &workload,
+            &Config::parse(conf).unwrap(),
+            replay::DEFAULT_CAPACITY,
+        );
+        assert!(check.reproduced(), "{name}: {}", check.describe());
+        assert_eq!(check.matching_segment_frees, check.segment_frees, "{name}");
+        assert!(check.segment_frees > 0, "{name}: every layer gives back");
+        assert_eq!(
+            check.placements_matching,
+            check.placements_checked,
+            "{name}: {}",
+            check.describe()
+        );
+        assert!(check.first_difference.is_none(), "{name}");
+        assert!(check.describe().starts_with("reproduced: "), "{name}");
+    }
+    // One empty_cache() per layer, each releasing what PyTorch released.
+    let workload = calibration("calibration.pickle");
+    assert_eq!(workload.figures.empty_caches, 3);
+}
+
+#[test]
+fn start_segments_are_imported_in_the_order_pytorch_made_them() {
+    let workload = calibration("calibration.pickle");
+    let address_order: Vec<usize> = (0..workload.start_segments.len()).collect();
+    assert_ne!(workload.start_order, address_order);
+    // The logits' segment (the higher address) was made first.
+    let first = workload.start_order[0];
+    assert!(workload.start_segments[first].address > workload.start_segments[1 - first].address);
+    let report = run(&workload, "", StartState::Reconstructed);
+    assert_eq!(report.first_misplacement, None);
+    assert!(report.placements_checked > 500);
+}
+
+#[test]
+fn imported_in_address_order_the_replay_departs_and_says_where() {
+    let mut workload = calibration("calibration.pickle");
+    workload.start_order = (0..workload.start_segments.len()).collect();
+    workload.tie_rule = None;
+    let check = faithful::self_check(&workload, &Config::default(), replay::DEFAULT_CAPACITY);
+    assert!(!check.reproduced());
+    assert_eq!(check.recorded_peak_reserved, workload.figures.peak_reserved);
+    assert!(check.peak_reserved > check.recorded_peak_reserved);
+    // The first departure is the tie: the layer's outputs in the other of two equal blocks.
+    let difference = check.first_difference.clone().unwrap();
+    assert!(
+        difference.starts_with(
+            "op 0 (trace entry 0), a request of 196.0 MiB: PyTorch placed it in start segment 1 \
+             at offset 0, ferrocache in start segment 0"
+        ),
+        "{difference}"
+    );
+    // The first decision made differently follows: the issue's large request before the first
+    // empty_cache(), served from PyTorch's cache, took a new segment.
+    let report = run(&workload, "", StartState::Reconstructed);
+    let first = &report.mismatches[0];
+    assert_eq!(first.requested, Some(384 * MIB));
+    assert!(first.pytorch_sizes.is_empty());
+    assert_eq!(
+        (first.ferrocache_count, first.ferrocache_bytes),
+        (1, 384 * MIB)
+    );
+    let first_empty_cache = workload.ops.iter().position(|op| *op == Op::EmptyCache);
+    assert!(first.op_index < first_empty_cache);
+    assert!(check.describe().starts_with("NOT reproduced: "));
+}
+
+#[test]
+fn the_tie_rule_is_found_from_the_recordings_own_decisions() {
+    use ferrocache::policy::TieRule;
+    // Recorded by PyTorch 2.11: the lower address wins a tie.
+    let workload = calibration("calibration_torch_2_11.pickle");
+    assert_eq!(workload.tie_rule, Some(TieRule::Address));
+    // Under 2.15's rule the same recording departs at its first layer.
+    let mut assumed = workload.clone();
+    assumed.tie_rule = Some(TieRule::SegmentOrder);
+    let report = run(&assumed, "", StartState::Reconstructed);
+    assert!(report.matching_segment_allocs < NativeFigures::of(&workload).segment_allocs);
+    // Recorded by PyTorch 2.15: the segment made first.
+    assert_eq!(
+        calibration("calibration.pickle").tie_rule,
+        Some(TieRule::SegmentOrder)
+    );
+    let check = faithful::self_check(&workload, &Config::default(), replay::DEFAULT_CAPACITY);
+    assert!(check.tie_rule_found);
+    assert!(
+        check.describe().contains(
+            "the lower address (PyTorch up to 2.11) (found from the recording's decisions)"
+        ),
+        "{}",
+        check.describe()
+    );
+}
+
+/// The shared traces: every segment decision and every allocation's place as PyTorch's, at
+/// PyTorch's peak.
+#[test]
+fn shared_traces_pass_the_self_check_allocation_for_allocation() {
+    use ferrocache::policy::TieRule::{Address, SegmentOrder};
+    // Their placements tell the rule: eor_nn and cs336 were recorded by a PyTorch that broke
+    // ties by address; bcrafton's rule out only the block rule of 2.12.
+    for (name, alike) in [
+        ("eor_nn.pickle", &[Address][..]),
+        ("cs336_memory_ctx128_forward.pickle", &[Address][..]),
+        ("bcrafton_0c0e8a7.pickle", &[SegmentOrder, Address][..]),
+    ] {
+        let Some(workload) = trace(name) else { return };
+        assert_eq!(workload.tie_rules_alike, alike, "{name}");
+        let check = faithful::self_check(&workload, &Config::default(), replay::DEFAULT_CAPACITY);
+        assert_eq!(check.tie_rule, alike[0], "{name}");
+        assert_eq!(check.tie_rule_found, alike.len() == 1, "{name}");
+        assert!(check.reproduced(), "{name}: {}", check.describe());
+        assert!(check.placements_checked > 1000, "{name}");
+        assert_eq!(
+            check.placements_matching,
+            check.placements_checked,
+            "{name}: {}",
+            check.describe()
+        );
+    }
 }

@@ -11,8 +11,11 @@ use std::time::Instant;
 
 #[path = "common/properties.rs"]
 mod properties;
+#[path = "common/snapshot_json.rs"]
+mod snapshot_json;
 #[path = "common/traces.rs"]
 mod traces;
+use snapshot_json::written_back;
 use traces::traces_dir;
 
 const MIB: u64 = 1 << 20;
@@ -681,4 +684,70 @@ fn random_traces_reconstruct_without_panicking() {
         cases < 100 || reconstructed * 6 > 2 * cases,
         "many random traces should be readable"
     );
+}
+
+/// A committed calibration recording (tests/data/calibration).
+fn calibration_snapshot(name: &str) -> replay::Snapshot {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/calibration")
+        .join(name);
+    replay::load(&path).expect("the committed recording loads")
+}
+
+/// The self-check of every device of a snapshot, under PyTorch's defaults.
+fn self_checks(snapshot: &replay::Snapshot) -> Vec<(usize, replay::faithful::Reproduction)> {
+    Workload::reconstruct(snapshot)
+        .devices
+        .iter()
+        .map(|d| {
+            let check =
+                replay::faithful::self_check(d, &Config::default(), replay::DEFAULT_CAPACITY);
+            (d.device, check)
+        })
+        .collect()
+}
+
+#[test]
+fn several_device_traces_with_one_filled_replay_that_device() {
+    let snapshot = calibration_snapshot("calibration_two_devices.pickle");
+    assert_eq!(snapshot.device_traces.len(), 2);
+    assert!(snapshot.device_traces[0].is_empty());
+    let workload = Workload::reconstruct(&snapshot);
+    // Device 0 holds a segment made before recording, and nothing happened on it.
+    assert_eq!(workload.idle_devices, vec![0]);
+    assert_eq!(workload.devices.len(), 1);
+    assert_eq!(workload.devices[0].device, 1);
+    let checks = self_checks(&snapshot);
+    assert!(checks[0].1.reproduced(), "{}", checks[0].1.describe());
+    assert!(checks[0].1.segment_allocs > 10);
+    // Segments that do not name their device belong to the one traced device.
+    let older = written_back(&snapshot, true, false, None);
+    let older = replay::parse_snapshot(&older, "older.json").unwrap();
+    assert!(older.segments.iter().all(|s| s.device == 1));
+    let workload = Workload::reconstruct(&older);
+    assert!(workload.idle_devices.is_empty());
+    assert_eq!(
+        self_checks(&older)[0].1.segment_allocs,
+        checks[0].1.segment_allocs
+    );
+}
+
+#[test]
+fn recordings_without_time_us_replay_alike() {
+    let snapshot = calibration_snapshot("calibration.pickle");
+    let with_time =
+        replay::parse_snapshot(&written_back(&snapshot, true, true, None), "t.json").unwrap();
+    let without =
+        replay::parse_snapshot(&written_back(&snapshot, false, true, None), "n.json").unwrap();
+    assert!(without.device_traces[0].iter().all(|e| e.time_us == 0));
+    assert!(with_time.device_traces[0].iter().any(|e| e.time_us != 0));
+    let (a, b) = (self_checks(&with_time), self_checks(&without));
+    assert!(b[0].1.reproduced(), "{}", b[0].1.describe());
+    assert_eq!(a, b);
+    let (a, b) = (
+        Workload::reconstruct(&with_time),
+        Workload::reconstruct(&without),
+    );
+    assert_eq!(a.devices[0].ops, b.devices[0].ops);
+    assert_eq!(a.devices[0].start_order, b.devices[0].start_order);
 }

@@ -8,9 +8,12 @@ use std::path::{Path, PathBuf};
 
 #[path = "common/command.rs"]
 mod command;
+#[path = "common/snapshot_json.rs"]
+mod snapshot_json;
 #[path = "common/traces.rs"]
 mod traces;
 use command::{ferrocache, stderr, stdout};
+use snapshot_json::written_back;
 use traces::traces_dir;
 
 const SHARED_TRACES: [&str; 3] = [
@@ -572,4 +575,120 @@ fn help_lists_tune() {
     let output = ferrocache(&["tune", "--help"]);
     assert!(stdout(&output).contains("--capacity-gib"));
     assert!(stdout(&output).contains("--job"));
+}
+
+/// The committed calibration recordings (tests/data/calibration), each under its setting.
+fn calibration_recordings() -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/calibration");
+    [
+        "calibration",
+        "calibration_two_devices",
+        "calibration_expandable",
+        "calibration_torch_2_11",
+    ]
+    .iter()
+    .map(|name| dir.join(format!("{name}.pickle")))
+    .collect()
+}
+
+/// What tune's JSON says of its recording's self-check: reproduced, and savings claimed.
+fn assert_self_check_passed(tuned: &Value, trace: &str) {
+    let check = &tuned["traces"][0]["self_check"];
+    assert_eq!(check["reproduced"], true, "{trace}: {check}");
+    assert_eq!(
+        check["matching_segment_allocs"], check["segment_allocs"],
+        "{trace}"
+    );
+    assert_eq!(
+        check["matching_segment_frees"], check["segment_frees"],
+        "{trace}"
+    );
+    assert_eq!(
+        check["peak_reserved_bytes"], check["recorded_peak_reserved_bytes"],
+        "{trace}"
+    );
+    assert_eq!(tuned["savings_claimed"], true, "{trace}");
+    assert!(tuned["not_claimed_because"].is_null(), "{trace}");
+}
+
+#[test]
+fn calibration_recordings_pass_the_self_check_and_get_a_recommendation() {
+    for trace in calibration_recordings() {
+        let tuned = tune_and_confirm(&trace, &[]);
+        assert_self_check_passed(&tuned, &trace.display().to_string());
+        // The replay says the same.
+        let path = trace.display().to_string();
+        let rows = replay_rows(&[&path]);
+        assert_eq!(rows[0]["self_check"], tuned["traces"][0]["self_check"]);
+    }
+    let trace = calibration_recordings()[3].display().to_string();
+    let tuned = tune_json(&[&trace]);
+    assert_eq!(tuned["traces"][0]["self_check"]["tie_rule"], "address");
+    assert_eq!(tuned["traces"][0]["self_check"]["tie_rule_found"], true);
+    let output = ferrocache(&["tune", &trace]);
+    // The text is wrapped: compare it word by word.
+    let text = stdout(&output)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert!(
+        text.contains(&format!(
+            "Self-check, {trace}: reproduced: 12 of PyTorch's 12 segment_alloc and 10 of its 10 \
+             segment_free made identically"
+        )),
+        "{text}"
+    );
+}
+
+#[test]
+fn shared_traces_pass_the_self_check_in_tune_and_replay() {
+    let Some(dir) = traces_dir() else { return };
+    for name in SHARED_TRACES {
+        let path = dir.join(name).display().to_string();
+        let tuned = tune_json(&[&path]);
+        assert_self_check_passed(&tuned, name);
+        let output = ferrocache(&["replay", &path]);
+        assert!(
+            stdout(&output).contains(&format!("self-check: {path}: reproduced: ")),
+            "{}",
+            stdout(&output)
+        );
+    }
+}
+
+/// A snapshot whose recorded setting is not the one its decisions were made under (settings
+/// changed at run time leave no trace): its replay departs, and tune says so instead of
+/// claiming savings.
+#[test]
+fn tune_claims_no_saving_on_a_recording_its_replay_does_not_reproduce() {
+    let path = calibration_recordings().remove(0);
+    let snapshot = ferrocache::replay::load(&path).unwrap();
+    let settings = serde_json::json!({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:100",
+                                      "max_split_size": 100u64 << 20});
+    let dir = scratch("unreproduced");
+    let file = dir.join("changed_at_run_time.json");
+    std::fs::write(&file, written_back(&snapshot, true, true, Some(settings))).unwrap();
+    let file = file.display().to_string();
+    let tuned = tune_json(&[&file]);
+    assert_eq!(tuned["traces"][0]["self_check"]["reproduced"], false);
+    assert_eq!(tuned["savings_claimed"], false);
+    assert!(tuned["recommended_conf"].is_null());
+    assert!(tuned["saving_vs_defaults"].is_null());
+    let because = tuned["not_claimed_because"].as_str().unwrap();
+    assert!(
+        because.contains("does not reproduce the recording")
+            && because.contains("first difference"),
+        "{because}"
+    );
+    let output = ferrocache(&["tune", &file]);
+    assert!(output.status.success());
+    let text = stdout(&output);
+    assert!(
+        text.contains("No setting is recommended: the replay of"),
+        "{text}"
+    );
+    assert!(!text.contains("export PYTORCH_CUDA_ALLOC_CONF"), "{text}");
+    assert!(text.contains(": NOT reproduced: "), "{text}");
+    let output = ferrocache(&["replay", &file]);
+    assert!(stdout(&output).contains(": NOT reproduced: "));
 }

@@ -60,6 +60,14 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_reset_accumulated_stats": (c_int, (c_int,)),
     "ferrocache_empty_cache": (c_int, ()),
     "ferrocache_set_memory_fraction": (c_int, (c_double, c_int)),
+    "ferrocache_get_memory_fraction": (c_double, (c_int,)),
+    # torch.cuda.memory._set_allocator_settings and the per-thread memory metadata.
+    "ferrocache_set_allocator_settings": (c_int, (c_char_p,)),
+    "ferrocache_set_memory_metadata": (c_int, (c_char_p,)),
+    "ferrocache_get_memory_metadata": (c_void_p, ()),
+    # torch.cuda.memory.caching_allocator_enable / caching_allocator_disabled.
+    "ferrocache_set_caching_enabled": (c_int, (c_int,)),
+    "ferrocache_caching_enabled": (c_int, ()),
     # Function pointers as addresses (snapshot.py's stack gatherer, torch_api.py's OOM shim).
     "ferrocache_set_stack_gatherer": (c_int, (c_void_p, c_int)),
     "ferrocache_set_oom_thrower": (c_int, (c_void_p,)),
@@ -78,6 +86,9 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_release_pool": (c_int, (c_int, c_ulonglong, c_ulonglong)),
     "ferrocache_create_or_incref_pool": (c_int, (c_int, c_ulonglong, c_ulonglong)),
     "ferrocache_pool_use_count": (c_int, (c_int, c_ulonglong, c_ulonglong)),
+    "ferrocache_empty_pool_cache": (c_int, (c_int, c_ulonglong, c_ulonglong)),
+    # Device, pool id, use_on_oom, no_split.
+    "ferrocache_set_pool_options": (c_int, (c_int, c_ulonglong, c_ulonglong, c_int, c_int)),
     # Sleep and wake: a tag (NULL: none), tags separated by newlines (NULL: all), backup.
     "ferrocache_set_thread_tag": (c_int, (c_char_p,)),
     "ferrocache_sleep": (c_void_p, (c_char_p, c_int)),
@@ -106,6 +117,10 @@ _SETTINGS_FREE = frozenset(
         "ferrocache_set_reserve_class_lookup",
         "ferrocache_attach_oom_observer",
         "ferrocache_detach_oom_observer",
+        "ferrocache_set_memory_metadata",
+        "ferrocache_get_memory_metadata",
+        "ferrocache_set_caching_enabled",
+        "ferrocache_caching_enabled",
     }
 )
 

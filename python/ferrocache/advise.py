@@ -33,7 +33,8 @@ class Advice:
     """What :func:`advise` found. ``str(advice)`` is the table ``ferrocache tune`` prints."""
 
     #: The ``PYTORCH_CUDA_ALLOC_CONF`` value to set ("" is PyTorch's defaults), or None when
-    #: no setting tried fits in the GPU's memory.
+    #: no setting tried fits in the GPU's memory, or when the replay of the recorded work does
+    #: not reproduce it (``data["not_claimed_because"]`` says why).
     recommended_conf: Optional[str]
     #: ferrocache's own variables to set with it (``{"FERROCACHE_CROSS_STREAM": "1"}``), or {}.
     recommended_env: dict[str, str]

@@ -8,6 +8,12 @@ same names, in ``torch.cuda.memory`` and in ``torch.cuda`` (where each exists), 
 :data:`TORCH_ACCELERATOR_FUNCTIONS` those of ``torch.accelerator`` (PyTorch >= 2.9), which
 answer for the CUDA device only and otherwise call PyTorch's own.
 
+:data:`TORCH_POOL_NAMES` puts ferrocache's private pools under PyTorch's ``MemPool`` and
+``use_mem_pool``, and :data:`TORCH_C_FUNCTIONS` / :data:`TORCH_C_WRAPPED` replace the ``torch._C``
+functions that PyTorch's own Python functions call (settings changed at run time, the memory
+fraction asked back, memory metadata, caching turned off), so that every caller reaches
+ferrocache, however it got to the function.
+
 A name this PyTorch lacks is skipped. Functions left as they are, because they already reach
 ferrocache through the plugged-in allocator: ``empty_cache``, ``set_per_process_memory_fraction``,
 ``caching_allocator_alloc`` / ``caching_allocator_delete``, ``mem_get_info``, and
@@ -34,8 +40,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Optional
 
-from . import _lib, _ranks, _torch, memory, snapshot
+from . import _lib, _ranks, _torch, memory, pools, snapshot
 from ._torch import Device
+from .errors import library_error
 
 # ------------------------------------------------------------------------------------------------
 # The functions
@@ -122,6 +129,89 @@ TORCH_CUDA_FUNCTIONS: dict[str, Callable[..., Any]] = {
 }
 
 
+# ------------------------------------------------------------------------------------------------
+# torch._C: what PyTorch's own Python functions call
+# ------------------------------------------------------------------------------------------------
+
+
+def _get_memory_fraction(device: int) -> float:
+    """``torch._C._cuda_getMemoryFraction`` (``torch.cuda.get_per_process_memory_fraction``):
+    the device's limit over its memory, 1 when none was set."""
+    fraction = _lib.function("ferrocache_get_memory_fraction")(int(device))
+    if fraction < 0:
+        raise library_error(_lib.last_error(), "get_per_process_memory_fraction")
+    return float(fraction)
+
+
+def _set_memory_metadata(metadata: str) -> None:
+    """``torch._C._cuda_setMemoryMetadata`` (``torch.cuda.memory._set_memory_metadata``, which
+    turns a dict into JSON first): this thread's trace entries carry it as ``user_metadata``."""
+    if not isinstance(metadata, str):
+        raise TypeError(f"_cuda_setMemoryMetadata(): expected a str, not {type(metadata).__name__}")
+    _lib.call_status("ferrocache_set_memory_metadata", metadata.encode("utf-8"))
+
+
+def _get_memory_metadata() -> str:
+    """``torch._C._cuda_getMemoryMetadata``: this thread's metadata, "" when none."""
+    return _lib.call_string("ferrocache_get_memory_metadata")
+
+
+def _memory_metadata_supported() -> bool:
+    """``torch._C._cuda_memoryMetadataSupported``: ferrocache records the metadata."""
+    return True
+
+
+def _enable_caching(enabled: bool) -> None:
+    """``torch._C._cuda_cudaCachingAllocator_enable`` (``caching_allocator_enable`` and
+    ``caching_allocator_disabled``): off, allocations go to the driver and back at their exact
+    size, outside the cache and its statistics, as PyTorch's do."""
+    _lib.function("ferrocache_set_caching_enabled")(1 if enabled else 0)
+
+
+def _caching_enabled() -> bool:
+    """``torch._C._cuda_cudaCachingAllocator_is_enabled``."""
+    return bool(_lib.function("ferrocache_caching_enabled")())
+
+
+def _allocator_settings_for_both(theirs: Callable[[str], Any]) -> Callable[[str], None]:
+    """``torch._C._accelerator_setAllocatorSettings`` (what
+    ``torch.cuda.memory._set_allocator_settings`` calls): PyTorch's parser first, so that the
+    PyTorch in use accepts or refuses the setting in its own words and keeps its own record of
+    it (its host allocator reads it too); then ferrocache applies it, from each device's next
+    decision on."""
+
+    @functools.wraps(theirs)
+    def set_allocator_settings(env: str) -> None:
+        theirs(env)
+        if _lib.function("ferrocache_set_allocator_settings")(env.encode("utf-8")) != 0:
+            raise ValueError(_lib.last_error())
+
+    return set_allocator_settings
+
+
+#: ``torch._C`` name -> ferrocache's function, or a function of PyTorch's that gives it.
+TORCH_C_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "_cuda_getMemoryFraction": _get_memory_fraction,
+    "_cuda_setMemoryMetadata": _set_memory_metadata,
+    "_cuda_getMemoryMetadata": _get_memory_metadata,
+    "_cuda_memoryMetadataSupported": _memory_metadata_supported,
+    "_cuda_cudaCachingAllocator_enable": _enable_caching,
+    "_cuda_cudaCachingAllocator_is_enabled": _caching_enabled,
+}
+#: ``torch._C`` functions that keep working and are followed by ferrocache's. PyTorch before
+#: 2.9 sets the allocator settings through ``_cuda_cudaCachingAllocator_set_allocator_settings``.
+TORCH_C_WRAPPED: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "_accelerator_setAllocatorSettings": _allocator_settings_for_both,
+    "_cuda_cudaCachingAllocator_set_allocator_settings": _allocator_settings_for_both,
+}
+#: ``torch.cuda.memory`` (and ``torch.cuda``) names that PyTorch's classes and context managers
+#: of private pools take under ferrocache.
+TORCH_POOL_NAMES: dict[str, Any] = {
+    "MemPool": pools.TorchMemPool,
+    "use_mem_pool": pools.use_mem_pool,
+}
+
+
 def _for_cuda_only(ours: Callable[..., Any], theirs: Callable[..., Any]) -> Callable[..., Any]:
     """A ``torch.accelerator`` function answered by ferrocache when the accelerator (or the
     device given) is CUDA, by PyTorch's own otherwise."""
@@ -178,6 +268,18 @@ def patch_torch_cuda(torch: ModuleType) -> list[str]:
         _replace(cuda_memory, name, function)
         if hasattr(torch.cuda, name):
             _replace(torch.cuda, name, function)
+    for name, replacement in TORCH_POOL_NAMES.items():
+        for module in (cuda_memory, torch.cuda):
+            if hasattr(module, name):
+                _replace(module, name, replacement)
+    native = getattr(torch, "_C", None)
+    for name, function in TORCH_C_FUNCTIONS.items():
+        if hasattr(native, name):
+            _replace(native, name, function)
+    for name, wrap in TORCH_C_WRAPPED.items():
+        theirs = getattr(native, name, None)
+        if theirs is not None:
+            _replace(native, name, wrap(theirs))
     accelerator = getattr(torch, "accelerator", None)
     for name, function in TORCH_ACCELERATOR_FUNCTIONS.items():
         for module in (accelerator, getattr(accelerator, "memory", None)):
@@ -311,6 +413,9 @@ __all__ = [
     "OOM_SHIM_ENV",
     "TORCH_ACCELERATOR_FUNCTIONS",
     "TORCH_CUDA_FUNCTIONS",
+    "TORCH_C_FUNCTIONS",
+    "TORCH_C_WRAPPED",
+    "TORCH_POOL_NAMES",
     "build_oom_shim",
     "connect_oom_error",
     "patch_torch_cuda",

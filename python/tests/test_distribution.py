@@ -73,6 +73,8 @@ def test_it_carries_the_library_and_the_command(distribution: importlib.metadata
     # The binary is linked to the copied library, by the name it has in the wheel.
     assert libraries[0].name in needed_libraries(binaries[0])
     assert installed(distribution, r"ferrocache/__init__\.py")
+    # ferrocache run's startup hook, which the launcher finds beside the library.
+    assert installed(distribution, r"ferrocache/_startup/sitecustomize\.py")
 
 
 def test_its_native_files_need_no_newer_glibc_than_the_tag_says(

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "python" / "tools"))
 
-from gpucheck import bench, checks, cli  # noqa: E402
+from gpucheck import bench, checks, cli, real_torch, workloads  # noqa: E402
 from gpucheck.report import ERROR, FAIL, MEASURED, PASS, SKIPPED, CheckResult, Report, Table  # noqa: E402
 
 GPU_CHECK = REPO / "scripts" / "gpu-check"
@@ -31,9 +33,11 @@ def fake_torch(root: Path, body: str) -> Path:
 
 
 def gpu_check(args: list[str], pythonpath: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """scripts/gpu-check with ``--out OUT``'s results page beside it, never over docs/."""
     env = dict(os.environ, PYTHONPATH=str(pythonpath))
+    out = Path(args[args.index("--out") + 1])
     return subprocess.run(
-        [sys.executable, str(GPU_CHECK), "--python", sys.executable, *args],
+        [sys.executable, str(GPU_CHECK), "--python", sys.executable, "--results", str(out / "page.md"), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -43,7 +47,9 @@ def gpu_check(args: list[str], pythonpath: Path, timeout: float = 240) -> subpro
 
 def test_arguments() -> None:
     args = cli.parse_args([])
-    assert args.out == Path("gpu-check-out") and args.steps == 30 and args.budget == 450
+    assert args.out == Path("gpu-check-out") and args.steps == 60 and args.budget == 450
+    assert args.results == REPO / "docs" / "gpu-results.md"
+    assert args.steps - checks.WARMUP_STEPS >= checks.TIMED_STEPS
     args = cli.parse_args(["--out", "x", "--steps", "3", "--skip-install"])
     assert (args.out, args.steps, args.skip_install) == (Path("x"), 3, True)
     with pytest.raises(SystemExit):
@@ -57,7 +63,10 @@ def test_without_pytorch_it_says_so_and_exits_2(tmp_path: Path) -> None:
     assert "cannot run: no usable PyTorch: import torch failed: this PyTorch is broken" in process.stderr
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["problem"].startswith("no usable PyTorch")
-    assert "**Could not run: no usable PyTorch" in (tmp_path / "out" / "report.md").read_text()
+    page = (tmp_path / "out" / "page.md").read_text()
+    assert "**Could not run: no usable PyTorch" in page
+    assert (tmp_path / "out" / "gpu-results.md").read_text() == page
+    assert process.stdout.splitlines()[-1].startswith("gpu-check: could not run in ")
 
 
 def test_without_a_gpu_it_says_so_and_exits_2(tmp_path: Path) -> None:
@@ -81,8 +90,9 @@ def test_without_a_gpu_it_says_so_and_exits_2(tmp_path: Path) -> None:
 
 
 def test_the_whole_run_with_a_pytorch_that_only_claims_a_gpu(tmp_path: Path) -> None:
-    """Builds and installs ferrocache into a venv as on a GPU machine; every workload then fails
-    on this stand-in PyTorch, and the report must show each item as an error, not as passed."""
+    """Installs ferrocache as on a GPU machine (the wheel where FERROCACHE_WHEEL names one, else
+    the installed package); every workload then fails on this stand-in PyTorch, and the report
+    must show each item as failed or skipped, never as passed."""
     path = fake_torch(
         tmp_path / "lib",
         """
@@ -90,7 +100,7 @@ def test_the_whole_run_with_a_pytorch_that_only_claims_a_gpu(tmp_path: Path) -> 
         class version:
             cuda = "12.8"
         class _Props:
-            name, total_memory = "Fake GPU", 80 * 2**30
+            name, total_memory, major, minor = "Fake GPU", 80 * 2**30, 9, 0
         class cuda:
             is_available = staticmethod(lambda: True)
             device_count = staticmethod(lambda: 1)
@@ -99,24 +109,28 @@ def test_the_whole_run_with_a_pytorch_that_only_claims_a_gpu(tmp_path: Path) -> 
     )
     out = tmp_path / "out"
     process = gpu_check(
-        ["--out", str(out), "--steps", "1", "--bench-repetitions", "1", "--bench-iterations", "1"], path
-    )
+        ["--out", str(out), "--steps", "1", "--bench-repetitions", "1", "--bench-iterations", "1",
+         "--tests", "test_install_makes_ferrocache_pytorchs_allocator_once"],
+        path,
+    )  # fmt: skip
     assert process.returncode == 1, process.stderr
     report = json.loads((out / "report.json").read_text())
     assert report["problem"] is None
-    assert report["environment"]["device"] == "Fake GPU"
-    assert report["environment"]["ferrocache"].startswith("0.")  # imported from the new venv
-    assert str(out / "venv") in report["environment"]["ferrocache"]
+    assert report["environment"]["device"] == "Fake GPU" and report["environment"]["capability"] == "9.0"
+    assert report["environment"]["ferrocache"].startswith("0.")
     statuses = {c["key"]: c["status"] for c in report["checks"]}
     assert list(statuses) == [
-        "losses", "peaks", "streams", "oom", "empty_cache", "host_cost", "example", "replay", "tune",
+        "real_torch", "step_time", "losses", "peaks", "streams", "oom", "empty_cache", "expandable",
+        "cross_stream", "graphs", "peer", "memory_api", "host_cost", "example", "replay", "tune",
     ]  # fmt: skip
-    for key in ("losses", "streams", "oom", "empty_cache", "host_cost", "replay", "tune"):
-        assert statuses[key] == ERROR, (key, report["checks"])
-    assert statuses["example"] == FAIL
-    markdown = (out / "report.md").read_text()
-    assert "| 1 | Same training, same losses (native vs ferrocache) | **ERROR** |" in markdown
-    assert (out / "logs" / "pip-install.log").is_file() and (out / "logs" / "train-native.log").is_file()
+    assert PASS not in statuses.values() and MEASURED not in statuses.values(), statuses
+    assert statuses["peer"] == SKIPPED and statuses["step_time"] == ERROR
+    summary = process.stdout.splitlines()[-1]
+    assert summary.startswith("gpu-check: 0 passed, ") and " skipped in " in summary, summary
+    assert summary.endswith("; step time ferrocache/native n/a (the training failed: see the results page)")
+    page = (out / "page.md").read_text()
+    assert "| 2 | Training step time, ferrocache / native (median) | **ERROR** |" in page
+    assert (out / "logs" / "train-native.log").is_file()
 
 
 def test_verdict_on_losses() -> None:
@@ -311,6 +325,86 @@ for line in sys.stdin:
 """
 
 
+def test_without_pytest_the_tests_are_skipped_with_how_to_bring_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")  # no site-packages: no pytest
+    python.chmod(0o755)
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path, python=str(python))
+    monkeypatch.delenv(cli.WHEEL_ENV, raising=False)
+    result = cli.run_real_torch_tests(ctx)
+    assert result.status == SKIPPED
+    assert result.summary == (
+        f"pytest is not installed for {python}: put its wheels beside the ferrocache wheel "
+        "(python3 -m pip download -d dist/ pytest exceptiongroup tomli)"
+    )
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    (dist / "pytest-0-py3-none-any.whl").write_bytes(b"not a wheel")
+    monkeypatch.setenv(cli.WHEEL_ENV, str(dist / "ferrocache-0.1.0-py3-none-any.whl"))
+    assert cli.ensure_pytest(ctx) == f"pytest's wheels in {dist} did not unpack: File is not a zip file"
+    assert ctx.site is not None
+    shutil.rmtree(ctx.site)
+
+
+def test_the_wheel_is_unpacked_without_pip_and_its_command_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on the GPU machine: FERROCACHE_WHEEL unpacked into a directory first on PYTHONPATH, and
+    the ``ferrocache`` command found there (scripts/test-all's wheel stage sets the variable)."""
+    wheel = os.environ.get(cli.WHEEL_ENV)
+    if not wheel:
+        pytest.skip("FERROCACHE_WHEEL is not set (scripts/test-all sets it for the wheel's stage)")
+    monkeypatch.delenv(cli.COMMAND_ENV, raising=False)
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path)
+    try:
+        assert cli.install(ctx) == sys.executable
+        imported = cli.probe_ferrocache(sys.executable, ctx.env())
+        assert ctx.site is not None and str(ctx.site) in imported, imported
+        command = cli.ferrocache_command(ctx)
+        assert command == str(ctx.site / "ferrocache.scripts" / "ferrocache")
+        version = subprocess.run([command, "--version"], capture_output=True, text=True, env=ctx.env())
+        assert version.stdout.startswith("ferrocache 0."), version
+    finally:
+        if ctx.site is not None:
+            shutil.rmtree(ctx.site)
+
+
+def test_a_step_that_would_not_fit_the_budget_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path), "--budget", "100"]), Report(started="now"), tmp_path)
+    ran = []
+    cli.guarded(ctx, "peer", lambda: ran.append(1) or CheckResult("peer", "p", PASS, ""), needs=40)
+    ctx.remaining = lambda: 30.0  # type: ignore[method-assign]
+    cli.guarded(ctx, "memory_api", lambda: ran.append(2) or CheckResult("memory_api", "m", PASS, ""), needs=40)
+    assert ran == [1]
+    skipped = ctx.report.checks[1]
+    assert skipped.status == SKIPPED
+    assert skipped.summary == "time budget: 30 s left of 100, the step needs about 40"
+    assert ctx.report.summary_line().startswith("gpu-check: 1 passed, 0 failed, 1 skipped in ")
+
+
+def test_commands_side_by_side_and_the_group_killed_at_the_deadline(tmp_path: Path) -> None:
+    child = tmp_path / "child.pid"
+    sleeper = f"import os, subprocess, sys; p = subprocess.Popen(['sleep', '60']); open({str(child)!r}, 'w').write(str(p.pid)); p.wait()"
+    commands = [
+        ([sys.executable, "-c", "print('quick')"], tmp_path / "quick.log"),
+        ([sys.executable, "-c", sleeper], tmp_path / "slow.log"),
+    ]
+    assert cli._run_all_logged(commands, timeout=5) == [0, None]
+    assert (tmp_path / "quick.log").read_text().endswith("\nquick\n")
+    stat = Path(f"/proc/{int(child.read_text())}/stat")
+    for _ in range(50):  # the sleep, pytest's child in the real thing, went with its group
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":  # dead, not yet reaped
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the grandchild outlived the deadline")
+    with pytest.raises(subprocess.TimeoutExpired):
+        cli._run_logged([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "x.log", timeout=1)
+
+
 def test_interleaved_workers(tmp_path: Path) -> None:
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
@@ -330,10 +424,154 @@ def test_interleaved_workers(tmp_path: Path) -> None:
 def test_the_workloads_module_parses_its_arguments() -> None:
     from gpucheck import workloads
 
-    args = workloads.parse_args(["train", "--allocator", "ferrocache-expandable", "--out", "r.json"])
-    assert args.workload == "train" and workloads.FERROCACHE_CONF[args.allocator] == "expandable_segments:True"
+    args = workloads.parse_args(["peer", "--allocator", "ferrocache-expandable", "--out", "r.json"])
+    assert args.workload == "peer" and workloads.ALLOCATORS[args.allocator].conf == "expandable_segments:True"
+    assert workloads.ALLOCATORS["ferrocache-cross-stream"] == workloads.Allocator(True, None, True)
+    assert workloads.ALLOCATORS["native-expandable"].ferrocache is False
     with pytest.raises(SystemExit):
         workloads.parse_args(["train", "--allocator", "jemalloc"])
+
+
+def test_only_a_kernel_on_the_fake_counts_as_skipped_on_the_fake(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = RuntimeError("CUDA error: no kernel image is available for execution on the device\nmore")
+    monkeypatch.setattr(workloads, "on_fake_cuda", lambda: True)
+    assert workloads.fake_cannot_run(kernel) == "needs kernels, which the fake CUDA cannot run"
+    assert workloads.fake_cannot_run(RuntimeError("CUDA error: an illegal memory access")) is None
+    monkeypatch.setattr(workloads, "on_fake_cuda", lambda: False)
+    assert workloads.fake_cannot_run(kernel) is None, "on a GPU it is a failure"
+
+
+def test_the_chosen_real_torch_tests_exist() -> None:
+    """A renamed or removed test must not shorten the GPU's list silently."""
+    assert real_torch.chosen(1) == [*real_torch.ON_ANY_GPU, *real_torch.ON_ONE_GPU]
+    assert real_torch.chosen(2) == [*real_torch.ON_ANY_GPU, *real_torch.ON_TWO_GPUS]
+    chosen = real_torch.chosen(1) + list(real_torch.ON_TWO_GPUS)
+    for file, function in chosen:
+        source = (REPO / real_torch.DIRECTORY / file).read_text()
+        assert f"def {function}(" in source, (file, function)
+    assert real_torch.node_ids(chosen[:1]) == [
+        "python/tests/real_torch/test_install_real.py::test_install_makes_ferrocache_pytorchs_allocator_once"
+    ]
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="python.tests.real_torch.test_drop_in" name="test_a" time="1.5"/>
+<testcase classname="python.tests.real_torch.test_drop_in" name="test_b[x]" time="0.2">
+<failure message="AssertionError: 1 != 2&#10;more">trace</failure></testcase>
+<testcase classname="python.tests.real_torch.test_cuda_graphs" name="test_c" time="0.1">
+<skipped message="this torch cannot capture" /></testcase>
+</testsuite></testsuites>"""
+
+
+def test_real_torch_results_from_junit(tmp_path: Path) -> None:
+    xml = tmp_path / "r.xml"
+    xml.write_text(JUNIT)
+    cases = real_torch.results(xml)
+    assert [(c["name"], c["outcome"], c["why"]) for c in cases] == [
+        ("test_drop_in::test_a", "passed", ""),
+        ("test_drop_in::test_b[x]", "failed", "AssertionError: 1 != 2"),
+        ("test_cuda_graphs::test_c", "skipped", "this torch cannot capture"),
+    ]
+    result = checks.real_torch(cases)
+    assert result.status == FAIL and result.summary == "1 passed, 1 failed, 1 skipped"
+    assert result.counts() == {"passed": 1, "failed": 1, "skipped": 1}
+    assert checks.real_torch(cases[:1]).status == PASS
+    stopped = checks.real_torch(cases[:1], "stopped after 200 s (logs/real-torch-1.log)")
+    assert stopped.status == ERROR and stopped.summary == "1 passed; stopped after 200 s (logs/real-torch-1.log)"
+    assert stopped.counts() == {"passed": 1, "failed": 1, "skipped": 0}
+
+
+def test_verdict_on_step_time() -> None:
+    warm = [1.0] * checks.WARMUP_STEPS
+    runs = {
+        "native": {"step_seconds": warm + [0.010] * 50},
+        "ferrocache": {"step_seconds": warm + [0.011] * 49 + [5.0]},
+        "ferrocache-expandable": {"error": "boom"},
+    }
+    result = checks.step_time(runs)
+    assert result.status == MEASURED and result.data["ratio"] == pytest.approx(1.1)
+    assert result.summary == "ferrocache/native 1.10 (11.00 ms vs 10.00 ms, median of 50 steps after 5 warm-up)"
+    short = checks.step_time({"native": {"step_seconds": warm + [0.01]}, "ferrocache": {"step_seconds": warm + [0.01]}})
+    assert short.summary.endswith("; fewer than 50 steps timed")
+    assert checks.step_time({"native": {"error": "exit status 1"}}).status == ERROR
+    fake = checks.step_time({"native": {checks.ON_FAKE: "needs kernels"}})
+    assert fake.status == SKIPPED and fake.summary == "skipped on the fake: needs kernels"
+    assert checks.losses({"native": {checks.ON_FAKE: "needs kernels"}}).status == SKIPPED
+
+
+def test_verdicts_on_cross_stream_graphs_and_expandable() -> None:
+    good_graphs = {"replays": 5, "correct": True, "others_intact": True, "pool": [1, 2]}
+    features = {
+        "native": {"cross_stream": {"reused": False, "correct": True}, "graphs": good_graphs},
+        "ferrocache": {"cross_stream": {"reused": False, "correct": True}, "graphs": good_graphs},
+        "ferrocache-cross-stream": {"cross_stream": {"reused": True, "correct": True}},
+    }
+    assert checks.cross_stream(features).status == PASS
+    assert checks.graphs(features).status == PASS
+    unwaited = {**features, "ferrocache-cross-stream": {"cross_stream": {"reused": True, "correct": False}}}
+    assert checks.cross_stream(unwaited).status == FAIL
+    moved_without_mode = {**features, "ferrocache": {"cross_stream": {"reused": True, "correct": True}}}
+    assert checks.cross_stream(moved_without_mode).status == FAIL
+    assert checks.graphs({"ferrocache": {"graphs": {**good_graphs, "correct": False}}}).status == FAIL
+    assert checks.graphs({"ferrocache": {"graphs": {**good_graphs, "others_intact": False}}}).status == FAIL
+    on_fake = {"ferrocache-cross-stream": {"cross_stream": {checks.ON_FAKE: "needs kernels"}}}
+    assert checks.cross_stream(on_fake).status == SKIPPED
+    expandable = {
+        "streams": {"correct": True, "reused_while_pending": False},
+        "graphs": good_graphs,
+        "empty_cache": {"size": 100, "free_start": 1000, "free_holding": 900, "free_cached": 900,
+                        "free_emptied": 1000, "reserved_cached": 100, "reserved_emptied": 0},
+        "oom": {checks.ON_FAKE: "needs kernels"},
+    }  # fmt: skip
+    result = checks.expandable({"ferrocache-expandable": expandable})
+    assert result.status == PASS and result.summary == "3 of 4 parts passed (1 skipped)"
+    broken = checks.expandable({"ferrocache-expandable": {**expandable, "graphs": {"error": "Traceback\nboom"}}})
+    assert broken.status == ERROR and broken.summary.endswith(": boom")
+
+
+def test_verdict_on_the_peer_copy() -> None:
+    assert checks.peer({}, 1).summary == "needs 2 GPUs, this machine has 1"
+    good = {"copies": {"before_peer_access": True, "after_peer_access": True}, "converting": {"correct": True}}
+    assert checks.peer({"native": good, "ferrocache-expandable": good}, 2).status == PASS
+    faulted = {"native": good, "ferrocache-expandable": {"error": "exit status -6: illegal memory access"}}
+    result = checks.peer(faulted, 2)
+    assert result.status == ERROR and "ferrocache-expandable copies: exit status -6" in result.summary
+    wrong = {"native": good, "ferrocache": {**good, "copies": {"before_peer_access": True, "after_peer_access": False}}}
+    assert checks.peer(wrong, 2).status == FAIL
+    fake = {"native": {**good, "converting": {checks.ON_FAKE: "needs kernels"}}}
+    result = checks.peer(fake, 2)
+    assert result.status == PASS and result.summary.endswith("the converting copy skipped on the fake")
+
+
+def test_verdict_on_the_memory_api_table() -> None:
+    assert checks.memory_api({"skipped": "not in this checkout"}).status == SKIPPED
+    table = "| function | native | ferrocache |\n|---|---|---|\n| memory_allocated | 0 | 0 |"
+    result = checks.memory_api({"returncode": 0, "stdout": table + "\n"})
+    assert result.status == MEASURED and result.summary == "1 rows side by side" and result.text == table
+    assert checks.memory_api({"returncode": 1, "stderr_tail": "boom"}).status == ERROR
+
+
+def test_the_summary_line_counts_each_test_and_quotes_the_step_time() -> None:
+    report = Report(started="now", seconds=312.4)
+    tests = checks.real_torch([{"name": f"t{i}", "outcome": "passed", "seconds": 1.0} for i in range(20)])
+    step = CheckResult("step_time", "t", MEASURED, "s", data={"ratio": 0.987})
+    report.checks = [tests, step, CheckResult("peer", "p", SKIPPED, "1 GPU"), CheckResult("x", "x", PASS, "")]
+    assert report.summary_line() == "gpu-check: 22 passed, 0 failed, 1 skipped in 312 s; step time ferrocache/native 0.99"
+    report.checks = [CheckResult("step_time", "t", SKIPPED, "skipped on the fake: needs kernels")]
+    assert report.summary_line() == (
+        "gpu-check: 0 passed, 0 failed, 1 skipped in 312 s; step time ferrocache/native n/a "
+        "(skipped on the fake: needs kernels)"
+    )
+
+
+def test_the_results_page_goes_to_docs_and_a_copy_to_the_output(tmp_path: Path) -> None:
+    report = Report(started="now", environment={"device": "NVIDIA H200"})
+    report.checks = [CheckResult("memory_api", "api", MEASURED, "1 rows", text="| a |\n|---|\n| b |")]
+    report.write(tmp_path / "out", tmp_path / "docs" / "gpu-results.md")
+    page = (tmp_path / "docs" / "gpu-results.md").read_text()
+    assert page == (tmp_path / "out" / "gpu-results.md").read_text()
+    assert "| device | NVIDIA H200 |" in page and "## 1. api\n\n| a |\n|---|\n| b |\n" in page
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["checks"][0]["text"].startswith("| a |")
 
 
 def test_the_example_without_cuda_says_so(tmp_path: Path) -> None:

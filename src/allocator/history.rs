@@ -4,6 +4,7 @@
 use super::DeviceAllocator;
 use crate::device::{Device, DevicePtr, StreamId};
 use serde::Serialize;
+use std::sync::Arc;
 
 /// A caller's stack trace, named by an id that the caller hands out (see
 /// [`DeviceAllocator::malloc_with_stack`]); 0 means none. The allocator only stores it.
@@ -37,12 +38,15 @@ pub struct TraceEntry {
     /// The caller's stack, as an id the caller gave (0: none). The Python package hands out
     /// these ids and turns them into PyTorch's `frames` when it reads a snapshot.
     pub stack_id: StackId,
+    /// What `torch.cuda.memory._set_memory_metadata` set on the thread that caused the entry
+    /// (`user_metadata` in snapshots; "" when none was set).
+    pub user_metadata: Option<Arc<str>>,
 }
 
 impl Serialize for TraceEntry {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeMap;
-        let mut map = serializer.serialize_map(Some(7))?;
+        let mut map = serializer.serialize_map(Some(8))?;
         map.serialize_entry("action", &self.action)?;
         let address_key = if self.action == TraceAction::Oom {
             "device_free"
@@ -57,6 +61,8 @@ impl Serialize for TraceEntry {
         if self.stack_id != 0 {
             map.serialize_entry("stack_id", &self.stack_id)?;
         }
+        // PyTorch writes it on every entry, "" when the thread set none.
+        map.serialize_entry("user_metadata", self.user_metadata.as_deref().unwrap_or(""))?;
         map.end()
     }
 }
@@ -73,6 +79,8 @@ pub struct History {
     /// `segment_alloc` or `oom` carries the stack of the allocation that caused it, as in
     /// PyTorch).
     current_stack: StackId,
+    /// The caller's metadata, given to every entry the malloc or free in progress records.
+    current_metadata: Option<Arc<str>>,
 }
 
 fn now_us() -> i64 {
@@ -114,6 +122,7 @@ impl History {
             stream,
             time_us: now_us(),
             stack_id: self.current_stack,
+            user_metadata: self.current_metadata.clone(),
         };
         if self.entries.len() < self.max_entries {
             self.entries.push(entry);
@@ -127,6 +136,12 @@ impl History {
     #[inline]
     pub fn set_current_stack(&mut self, stack: StackId) -> StackId {
         std::mem::replace(&mut self.current_stack, stack)
+    }
+
+    /// Sets the metadata that the entries recorded from now on carry; returns the previous.
+    #[inline]
+    pub fn set_current_metadata(&mut self, metadata: Option<Arc<str>>) -> Option<Arc<str>> {
+        std::mem::replace(&mut self.current_metadata, metadata)
     }
 
     #[inline]
@@ -296,6 +311,7 @@ mod tests {
             stream: 0,
             time_us: 1,
             stack_id: 0,
+            user_metadata: None,
         };
         let oom = serde_json::to_value(entry(TraceAction::Oom)).unwrap();
         assert_eq!(oom["device_free"], 42);

@@ -41,6 +41,7 @@ use rustc_hash::FxHashMap;
 use stats::DeviceStats;
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::fmt;
+use std::sync::Arc;
 
 /// PyTorch's out-of-memory error, with the figures its message quotes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,6 +149,7 @@ pub struct ImportedBlock {
 }
 
 /// The search for a cached block: PyTorch's `AllocParams`.
+#[derive(Clone, Copy)]
 struct Request {
     /// The rounded size.
     size: usize,
@@ -219,6 +221,10 @@ pub struct DeviceAllocator<D: Device> {
     vmm_segments: Vec<Option<sleep::VmmSegment>>,
     /// VMM-backed segments asleep now.
     sleeping_segments: usize,
+    /// Whether [`replace_config`](Self::replace_config) was called: the oversize counters then
+    /// count by the `max_split_size` of each moment, as PyTorch's do, and no longer match the
+    /// blocks by today's.
+    settings_replaced: bool,
 }
 
 /// Answers the reserve class PyTorch's C++ API gave a stream (empty: none).
@@ -255,6 +261,7 @@ impl<D: Device> DeviceAllocator<D> {
             sleepable: false,
             vmm_segments: Vec::new(),
             sleeping_segments: 0,
+            settings_replaced: false,
             config,
         };
         if let Some(fraction) = allocator.config.per_process_memory_fraction
@@ -267,6 +274,16 @@ impl<D: Device> DeviceAllocator<D> {
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// Replaces the settings, as `torch.cuda.memory._set_allocator_settings` does for PyTorch's
+    /// allocator: each decision from the next one on reads the new values (PyTorch reads its
+    /// settings at each decision). What PyTorch took from the settings once, when the device's
+    /// allocator was made, stays: the memory-fraction limit that `per_process_memory_fraction`
+    /// set and the `max_split_size` statistic.
+    pub fn replace_config(&mut self, config: Config) {
+        self.config = config;
+        self.settings_replaced = true;
     }
 
     /// Tells the allocator where to ask for the reserve class of a stream
@@ -382,14 +399,16 @@ impl<D: Device> DeviceAllocator<D> {
             owner,
             alloc_size: policy::allocation_size(rounded, &self.config),
         };
+        let mut request = request;
         let id = match self.get_free_block(&request) {
             Some(id) => id,
             None => match self.take_from_other_stream(&request)? {
                 Some(id) => id,
-                None => self.allocate_new_block(&request, size)?,
+                None => self.allocate_new_block(&mut request, size)?,
             },
         };
-        let split = policy::should_split(self.arena.get(id).size, rounded, pool, &self.config);
+        let split = !self.never_splits(request.owner)
+            && policy::should_split(self.arena.get(id).size, rounded, pool, &self.config);
         Ok(self.alloc_found_block(id, &request, size, split))
     }
 
@@ -425,6 +444,13 @@ impl<D: Device> DeviceAllocator<D> {
         result
     }
 
+    /// Sets the metadata (`torch.cuda.memory._set_memory_metadata`) that the trace entries
+    /// recorded from now on carry; returns the previous one, to put back after the call.
+    #[inline(always)]
+    pub fn set_user_metadata(&mut self, metadata: Option<Arc<str>>) -> Option<Arc<str>> {
+        self.history.set_current_metadata(metadata)
+    }
+
     /// [`free_returning_info`](Self::free_returning_info) on behalf of the caller's stack
     /// `stack`: the `free_requested` and `free_completed` entries it records carry it.
     #[inline(always)]
@@ -442,9 +468,10 @@ impl<D: Device> DeviceAllocator<D> {
     /// The miss path of `malloc`: garbage collection, then the device, with PyTorch's two
     /// retries, then the out-of-memory error. A preemptive rejection (`throw_on_cudamalloc_oom`)
     /// of the first try fails at once, with no retry.
+    /// A block taken from a `use_on_oom` private pool makes `request` that pool's.
     fn allocate_new_block(
         &mut self,
-        request: &Request,
+        request: &mut Request,
         orig_size: usize,
     ) -> Result<BlockId, AllocError> {
         self.preemptively_rejected = false;
@@ -470,6 +497,12 @@ impl<D: Device> DeviceAllocator<D> {
             if let Some(id) = self.alloc_block(request, true)? {
                 return Ok(id);
             }
+        }
+        if request.owner == Owner::Ordinary
+            && let Some((pool, id)) = self.free_block_of_use_on_oom_pools(request)
+        {
+            request.owner = Owner::Private(pool);
+            return Ok(id);
         }
         if self.preemptively_rejected {
             return Err(self.preemptive_rejection(request, orig_size));
@@ -854,7 +887,7 @@ impl<D: Device> DeviceAllocator<D> {
         self.stats.allocation.decrease(pool, 1);
         self.stats.allocated_bytes.decrease(pool, size as u64);
         if policy::is_oversize(size, &self.config) {
-            self.stats.oversize_allocations.decrease(1);
+            self.stats.oversize_allocations.decrease_may_go_negative(1);
         }
         self.history.record(
             TraceAction::FreeRequested,
@@ -1223,7 +1256,7 @@ impl<D: Device> DeviceAllocator<D> {
         self.stats.segment.decrease(pool, 1);
         self.stats.reserved_bytes.decrease(pool, size as u64);
         if policy::is_oversize(size, &self.config) {
-            self.stats.oversize_segments.decrease(1);
+            self.stats.oversize_segments.decrease_may_go_negative(1);
         }
         self.history
             .record(TraceAction::SegmentFree, ptr, size, stream);
@@ -1343,6 +1376,15 @@ impl<D: Device> DeviceAllocator<D> {
         let info = self.device.mem_get_info()?;
         self.allowed_memory_maximum = policy::memory_fraction_limit(fraction, info.total);
         Ok(())
+    }
+
+    /// `getMemoryFraction`: the limit `set_memory_fraction` set, as a share of the device's
+    /// memory (1 when none was set), computed from the limit in bytes as PyTorch does.
+    pub fn memory_fraction(&mut self) -> Result<f64, AllocError> {
+        let Some(limit) = self.allowed_memory_maximum else {
+            return Ok(1.0);
+        };
+        Ok(limit as f64 / self.device_total()? as f64)
     }
 
     // ----------------------------------------------------------------------------------------

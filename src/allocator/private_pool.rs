@@ -33,7 +33,7 @@
 
 use super::block::{Block, BlockId};
 use super::pool::BlockPool;
-use super::{AllocError, DeviceAllocator};
+use super::{AllocError, DeviceAllocator, Request};
 use crate::device::{Device, DeviceError, StreamId};
 use crate::logging;
 use crate::policy::PoolKind;
@@ -92,6 +92,13 @@ pub struct PrivatePool {
     /// PyTorch counts device allocations (`cudaMalloc_count`); counting segments gives the same
     /// answer to the one question asked of it, whether the pool still holds any memory.
     pub segment_count: usize,
+    /// `torch.cuda.MemPool(use_on_oom=True)`: an allocation outside every private pool that
+    /// would run out of memory may take one of this pool's cached blocks (PyTorch's
+    /// `use_on_oom_pools`).
+    pub use_on_oom: bool,
+    /// `torch.cuda.MemPool(no_split=True)`: the pool's blocks are handed out whole, never split
+    /// (PyTorch's `no_split_pools`).
+    pub no_split: bool,
     /// The pool's free blocks, small and large.
     blocks: [BlockPool; 2],
 }
@@ -201,6 +208,8 @@ impl BlockPools {
             id,
             use_count: 1,
             segment_count: 0,
+            use_on_oom: false,
+            no_split: false,
             blocks: block_pool_pair(),
         };
         let index = super::block::place_in_free_slot(&mut self.private, pool);
@@ -362,6 +371,51 @@ impl<D: Device> DeviceAllocator<D> {
         })
     }
 
+    /// PyTorch's `setUseOnOOM` and `setNoSplit`, which `torch.cuda.MemPool(use_on_oom=...,
+    /// no_split=...)` calls once it made the pool: the options last as long as the pool.
+    pub fn set_pool_options(
+        &mut self,
+        id: MempoolId,
+        use_on_oom: bool,
+        no_split: bool,
+    ) -> Result<(), PoolError> {
+        let index = self.pools.find(id).ok_or(PoolError::Unknown(id))?;
+        let pool = self.pools.private_mut(index);
+        pool.use_on_oom = use_on_oom;
+        pool.no_split = no_split;
+        Ok(())
+    }
+
+    /// The last resort of an allocation outside every private pool that would run out of
+    /// memory (PyTorch's loop over `use_on_oom_pools`): the cached block of a `use_on_oom` pool
+    /// that `get_free_block` would pick for it, with the pool; the first pool that has one.
+    pub(super) fn free_block_of_use_on_oom_pools(
+        &mut self,
+        request: &Request,
+    ) -> Option<(PrivatePoolIndex, BlockId)> {
+        let candidates: Vec<PrivatePoolIndex> = self
+            .pools
+            .private_pools()
+            .filter(|(_, pool)| pool.use_on_oom)
+            .map(|(index, _)| index)
+            .collect();
+        candidates.into_iter().find_map(|index| {
+            let in_pool = Request {
+                owner: Owner::Private(index),
+                ..*request
+            };
+            Some((index, self.get_free_block(&in_pool)?))
+        })
+    }
+
+    /// Whether the blocks of `owner` are handed out whole (`no_split`).
+    #[inline(always)]
+    pub(super) fn never_splits(&self, owner: Owner) -> bool {
+        owner
+            .private()
+            .is_some_and(|index| self.pools.private(index).no_split)
+    }
+
     /// `beginAllocateToPool`: from now until [`end_allocate_to_pool`](Self::end_allocate_to_pool),
     /// allocations on streams that `filter` accepts are served from pool `id` (created, or
     /// given one more reference).
@@ -493,10 +547,32 @@ impl<D: Device> DeviceAllocator<D> {
             return Ok(());
         }
         let holding_live_blocks = self.private_pools_with_live_blocks();
+        self.release_unreferenced_pools_among(|_| true, &holding_live_blocks)
+    }
+
+    /// PyTorch's `emptyCache(mempool_id)`, which `torch.cuda.MemPool`'s destructor calls after
+    /// it dropped its reference: if nothing refers to pool `id` any more, its wholly free
+    /// cached segments go back to the device, as PyTorch's do, even while another of its
+    /// blocks is live (nothing can allocate from the pool again; the live block's segment
+    /// returns at an `empty_cache` after it is freed). The ordinary pools and the other private
+    /// pools keep theirs. An unknown or referenced pool is nothing to do.
+    pub fn empty_pool_cache(&mut self, id: MempoolId) -> Result<(), DeviceError> {
+        self.release_unreferenced_pools_among(|pool| pool.id == id, &[])
+    }
+
+    /// Releases the cached memory of the unreferenced private pools that `chosen` picks, except
+    /// those in `holding_live_blocks`.
+    fn release_unreferenced_pools_among(
+        &mut self,
+        chosen: impl Fn(&PrivatePool) -> bool,
+        holding_live_blocks: &[PrivatePoolIndex],
+    ) -> Result<(), DeviceError> {
         let unreferenced: Vec<PrivatePoolIndex> = self
             .pools
             .private_pools()
-            .filter(|(index, pool)| pool.use_count == 0 && !holding_live_blocks.contains(index))
+            .filter(|(index, pool)| {
+                chosen(pool) && pool.use_count == 0 && !holding_live_blocks.contains(index)
+            })
             .map(|(index, _)| index)
             .collect();
         for index in unreferenced {

@@ -26,11 +26,19 @@ impl Stat {
         self.allocated += amount as i64;
     }
 
+    /// `decrease` where PyTorch's own count can go below zero: the oversize counters, which
+    /// PyTorch decreases by the `max_split_size_mb` in effect at the free, so that a smaller one
+    /// set at run time (`_set_allocator_settings`) uncounts blocks it never counted.
+    #[inline]
+    pub fn decrease_may_go_negative(&mut self, amount: u64) {
+        self.current -= amount as i64;
+        self.freed += amount as i64;
+    }
+
     #[inline]
     pub fn decrease(&mut self, amount: u64) {
-        self.current -= amount as i64;
+        self.decrease_may_go_negative(amount);
         debug_assert!(self.current >= 0, "negative statistic (logic error)");
-        self.freed += amount as i64;
     }
 
     pub fn reset_accumulated(&mut self) {

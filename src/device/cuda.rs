@@ -1,22 +1,21 @@
-//! The real GPU: [`Device`] on the CUDA driver API, through cudarc's raw bindings (`sys`).
+//! The real GPU: [`Device`] on the CUDA driver API, with cudarc's types and the functions of the
+//! driver library that `driver.rs` chose (the one PyTorch loaded; see there why not cudarc's).
 //!
-//! cudarc loads libcuda at the first driver call and resolves each symbol at that symbol's first
-//! call, and it panics when either is missing. [`CudaDevice::new`] therefore loads the library
-//! itself first, the same way and by the same names as cudarc, and checks every symbol this
-//! module uses, so that a missing or too old driver is an [`DeviceError::Unavailable`] and never
-//! a panic. Every call still runs under `catch_unwind`, as a second line of defence.
+//! [`CudaDevice::new`] loads that library and checks every symbol this module uses, so that a
+//! missing, stub or too old driver is an [`DeviceError::Unavailable`] and never a crash. Every
+//! call still runs under `catch_unwind`, as a second line of defence.
 //!
 //! All work happens in the device's primary context, the one PyTorch uses; [`ContextGuard`] makes
 //! it current for the length of one operation when it is not already, and puts the caller's
 //! context back afterwards.
 
+use std::collections::HashMap;
 use std::ffi::CStr;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
 use std::sync::OnceLock;
 
-use cudarc::driver::sys;
-
+use super::driver::{self, sys};
 use super::nvml::{self, PciLocation};
 use super::{
     DeviceError, DevicePtr, EventHandle, MemInfo, PhysicalHandle, ProcessMemory, StreamId,
@@ -28,45 +27,7 @@ use crate::logging;
 const MIN_DRIVER_VERSION: i32 = 12000;
 
 /// Every driver function this module calls (a unit test checks the list against the source).
-/// cudarc resolves symbols lazily and panics on a missing one, so [`CudaDevice::new`] checks
-/// them all up front; the C ABI tests count calls to them all.
-pub const REQUIRED_SYMBOLS: &[&str] = &[
-    "cuInit",
-    "cuDriverGetVersion",
-    "cuGetErrorString",
-    "cuDeviceGetCount",
-    "cuDeviceGet",
-    "cuDeviceGetName",
-    "cuDeviceGetAttribute",
-    "cuDevicePrimaryCtxRetain",
-    "cuDevicePrimaryCtxRelease_v2",
-    "cuCtxGetCurrent",
-    "cuCtxPushCurrent_v2",
-    "cuCtxPopCurrent_v2",
-    "cuMemAlloc_v2",
-    "cuMemFree_v2",
-    "cuMemGetInfo_v2",
-    "cuStreamIsCapturing",
-    "cuThreadExchangeStreamCaptureMode",
-    "cuStreamSynchronize",
-    "cuEventCreate",
-    "cuEventDestroy_v2",
-    "cuEventRecord",
-    "cuEventQuery",
-    "cuEventSynchronize",
-    "cuStreamWaitEvent",
-    "cuMemGetAllocationGranularity",
-    "cuMemAddressReserve",
-    "cuMemAddressFree",
-    "cuMemCreate",
-    "cuMemRelease",
-    "cuMemMap",
-    "cuMemSetAccess",
-    "cuMemUnmap",
-    "cuCtxSynchronize",
-    "cuMemcpyDtoH_v2",
-    "cuMemcpyHtoD_v2",
-];
+pub use super::driver::sys::REQUIRED_SYMBOLS;
 
 /// One GPU, driven through the CUDA driver API in its primary context.
 #[derive(Debug)]
@@ -77,14 +38,21 @@ pub struct CudaDevice {
     driver_version: i32,
     context: sys::CUcontext,
     supports_virtual_memory: bool,
-    /// Physical memory is created exportable as a POSIX file descriptor, like PyTorch does, when
-    /// the device supports it.
-    supports_posix_fd_handles: bool,
+    /// Physical memory is made GPUDirect RDMA capable where the device supports that with VMM,
+    /// as PyTorch's `ExpandableSegment::map` does (NCCL's zero-copy across nodes needs it).
+    supports_rdma_with_vmm: bool,
+    /// The other devices that can reach this one's memory (`cuDeviceCanAccessPeer`): each is
+    /// granted access to every page an expandable segment maps, see [`Device::set_access`].
+    peers: Vec<i32>,
     granularity: Option<usize>,
     /// Where the GPU sits on the PCI bus (how NVML finds it), asked at the first out-of-memory.
     pci: Option<PciLocation>,
-    /// Events that [`Device::release_event`] gave back, ready for the next record.
-    idle_events: Vec<sys::CUevent>,
+    /// Events that [`Device::release_event`] gave back, ready for the next record on a stream
+    /// of the same context.
+    idle_events: Vec<(sys::CUcontext, sys::CUevent)>,
+    /// The context each event was made in: an event can be recorded only on a stream of its
+    /// own context, and `record_stream` may name another device's stream.
+    event_contexts: HashMap<usize, sys::CUcontext>,
 }
 
 // SAFETY: the raw pointers are driver handles (a primary context and events), which belong to
@@ -97,13 +65,17 @@ impl CudaDevice {
     /// need, that it is for CUDA 12.0 or newer, and that the device exists; then retains the
     /// device's primary context.
     pub fn new(ordinal: i32) -> Result<CudaDevice, DeviceError> {
-        load_driver_library()?;
+        driver::load().map_err(DeviceError::Unavailable)?;
 
         let mut driver_version = 0;
         // SAFETY: the out pointer is a live local.
-        check_call("cuDriverGetVersion", || unsafe {
+        let result = invoke("cuDriverGetVersion", || unsafe {
             sys::cuDriverGetVersion(&mut driver_version)
         })?;
+        if result == sys::CUresult::CUDA_ERROR_STUB_LIBRARY {
+            return Err(DeviceError::Unavailable(driver::stub_message()));
+        }
+        check("cuDriverGetVersion", result)?;
         if driver_version < MIN_DRIVER_VERSION {
             return Err(DeviceError::Unavailable(format!(
                 "ferrocache needs an NVIDIA driver for CUDA 12.0 or newer, but the installed \
@@ -151,10 +123,11 @@ impl CudaDevice {
             device,
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
         )? != 0;
-        let supports_posix_fd_handles = device_attribute(
+        let supports_rdma_with_vmm = device_attribute(
             device,
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
         )? != 0;
+        let peers = peers_of(device, ordinal, count)?;
 
         let mut context: sys::CUcontext = ptr::null_mut();
         // SAFETY: the out pointer is a live local; `device` came from cuDeviceGet.
@@ -169,10 +142,12 @@ impl CudaDevice {
             driver_version,
             context,
             supports_virtual_memory,
-            supports_posix_fd_handles,
+            supports_rdma_with_vmm,
+            peers,
             granularity: None,
             pci: None,
             idle_events: Vec::new(),
+            event_contexts: HashMap::new(),
         })
     }
 
@@ -217,29 +192,57 @@ impl CudaDevice {
         ContextGuard::enter(self.context)
     }
 
-    /// Where physical memory lives and who may access it: this device.
-    fn location(&self) -> sys::CUmemLocation {
-        sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            __bindgen_anon_1: sys::CUmemLocation_st__bindgen_ty_1 { id: self.ordinal },
+    /// The context `stream` belongs to, where events recorded on it must be made. A stream
+    /// that `record_stream` names can be another device's, as PyTorch allows; the default
+    /// streams (the NULL handle, `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`) carry no device,
+    /// so they are taken as this device's own.
+    fn context_of_stream(&self, stream: StreamId) -> Result<sys::CUcontext, DeviceError> {
+        if stream <= DEFAULT_STREAM_HANDLES {
+            return Ok(self.context);
         }
+        let mut context: sys::CUcontext = ptr::null_mut();
+        // SAFETY: the out pointer is a live local; `stream` is a stream handle from PyTorch.
+        check_call("cuStreamGetCtx", || unsafe {
+            sys::cuStreamGetCtx(stream_handle(stream), &mut context)
+        })?;
+        Ok(context)
     }
 
-    /// The properties of expandable-segment pages: pinned device memory on this device.
+    /// An idle event of `context`, or a new one made there (the context is current).
+    fn event_in(&mut self, context: sys::CUcontext) -> Result<sys::CUevent, DeviceError> {
+        if let Some(i) = self.idle_events.iter().position(|&(c, _)| c == context) {
+            return Ok(self.idle_events.swap_remove(i).1);
+        }
+        let mut event: sys::CUevent = ptr::null_mut();
+        // Timing is never read, and events without it are cheaper to record and query.
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: the out pointer is a live local; `context` is current.
+        check_call("cuEventCreate", || unsafe {
+            sys::cuEventCreate(&mut event, flags)
+        })?;
+        self.event_contexts.insert(event as usize, context);
+        Ok(event)
+    }
+
+    /// The devices that may access physical memory of this device: itself, then its peers.
+    pub fn devices_with_access(&self) -> impl Iterator<Item = i32> {
+        std::iter::once(self.ordinal).chain(self.peers.iter().copied())
+    }
+
+    /// The properties of expandable-segment pages: pinned device memory on this device, GPUDirect
+    /// RDMA capable where the device supports it (as PyTorch sets them). No shareable handle
+    /// type is requested: nothing exports ferrocache's memory to another process (PyTorch's
+    /// plugged-in allocator interface has no IPC), and a handle type the device lacks would fail
+    /// every `cuMemCreate`.
     fn allocation_properties(&self) -> sys::CUmemAllocationProp {
-        let handle_type = if self.supports_posix_fd_handles {
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        } else {
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
-        };
         sys::CUmemAllocationProp {
             type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-            requestedHandleTypes: handle_type,
-            location: self.location(),
+            requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            location: device_location(self.ordinal),
             win32HandleMetaData: ptr::null_mut(),
             allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
                 compressionType: 0,
-                gpuDirectRDMACapable: 0,
+                gpuDirectRDMACapable: u8::from(self.supports_rdma_with_vmm),
                 usage: 0,
                 reserved: [0; 4],
             },
@@ -252,7 +255,7 @@ impl Drop for CudaDevice {
         // Errors are ignored: at process exit the driver may already be shut down, and there is
         // nobody left to tell.
         if let Ok(_context) = self.enter() {
-            for event in self.idle_events.drain(..) {
+            for (_, event) in self.idle_events.drain(..) {
                 // SAFETY: an event we created and nobody else holds.
                 let _ = invoke("cuEventDestroy_v2", || unsafe {
                     sys::cuEventDestroy_v2(event)
@@ -302,26 +305,18 @@ impl Device for CudaDevice {
     }
 
     fn record_event(&mut self, stream: StreamId) -> Result<EventHandle, DeviceError> {
-        let _context = self.enter()?;
-        let event = match self.idle_events.pop() {
-            Some(event) => event,
-            None => {
-                let mut event: sys::CUevent = ptr::null_mut();
-                // Timing is never read, and events without it are cheaper to record and query.
-                let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-                // SAFETY: the out pointer is a live local; the primary context is current.
-                check_call("cuEventCreate", || unsafe {
-                    sys::cuEventCreate(&mut event, flags)
-                })?;
-                event
-            }
-        };
-        // SAFETY: `event` is one of ours; `stream` is a stream handle from PyTorch.
+        // The event is made and recorded in the stream's own context: the driver refuses to
+        // record an event of one context on a stream of another.
+        let context = self.context_of_stream(stream)?;
+        let _context = ContextGuard::enter(context)?;
+        let event = self.event_in(context)?;
+        // SAFETY: `event` is one of ours, of the stream's context; `stream` is a stream handle
+        // from PyTorch.
         let recorded = check_call("cuEventRecord", || unsafe {
             sys::cuEventRecord(event, stream_handle(stream))
         });
         if let Err(error) = recorded {
-            self.idle_events.push(event);
+            self.idle_events.push((context, event));
             return Err(error);
         }
         Ok(event as EventHandle)
@@ -349,7 +344,12 @@ impl Device for CudaDevice {
     }
 
     fn release_event(&mut self, event: EventHandle) {
-        self.idle_events.push(event_handle(event));
+        let context = self
+            .event_contexts
+            .get(&(event as usize))
+            .copied()
+            .unwrap_or(self.context);
+        self.idle_events.push((context, event_handle(event)));
     }
 
     fn destroy_idle_events(&mut self) -> Result<(), DeviceError> {
@@ -357,13 +357,14 @@ impl Device for CudaDevice {
             return Ok(());
         }
         let _context = self.enter()?;
-        while let Some(&event) = self.idle_events.last() {
+        while let Some(&(_, event)) = self.idle_events.last() {
             // SAFETY: an event we created and nobody else holds. One the driver refuses to
             // destroy stays in the pool, to be used or destroyed later.
             check_call("cuEventDestroy_v2", || unsafe {
                 sys::cuEventDestroy_v2(event)
             })?;
             self.idle_events.pop();
+            self.event_contexts.remove(&(event as usize));
         }
         Ok(())
     }
@@ -459,16 +460,29 @@ impl Device for CudaDevice {
         })
     }
 
+    /// Read and write access for this device and every peer that can reach it. Mapped pages
+    /// are reachable only by the devices named here (`cudaDeviceEnablePeerAccess` does not
+    /// apply to them), and PyTorch does not tell a plugged-in allocator when it enables peer
+    /// access; so every capable peer is granted access at once, and a copy or kernel on a peer
+    /// works whenever it comes (see docs/driver.md). Should the driver refuse the peers, they
+    /// are dropped with one WARN line and the device alone gets access, so that its own
+    /// allocations go on.
     fn set_access(&mut self, ptr: DevicePtr, size: usize) -> Result<(), DeviceError> {
         let _context = self.enter()?;
-        let access = sys::CUmemAccessDesc {
-            location: self.location(),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: one live descriptor, and a count of one.
-        check_call("cuMemSetAccess", || unsafe {
-            sys::cuMemSetAccess(ptr, size, &access, 1)
-        })
+        match grant_access(ptr, size, self.devices_with_access()) {
+            Err(why @ DeviceError::Driver { .. }) if !self.peers.is_empty() => {
+                logging::warning(&format!(
+                    "CUDA device {} could not grant its peer devices {:?} access to expandable \
+                     segment pages ({why}); only the device itself gets access from now on, and \
+                     a copy or kernel on another device that touches this device's expandable \
+                     memory will fail",
+                    self.ordinal, self.peers
+                ));
+                self.peers.clear();
+                grant_access(ptr, size, self.devices_with_access())
+            }
+            other => other,
+        }
     }
 
     fn unmap(&mut self, ptr: DevicePtr, size: usize) -> Result<(), DeviceError> {
@@ -606,6 +620,56 @@ fn is_capture_error(result: sys::CUresult) -> bool {
         .contains(&(result as u32))
 }
 
+/// Where physical memory lives, or who may access it: device `ordinal`.
+fn device_location(ordinal: i32) -> sys::CUmemLocation {
+    sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        __bindgen_anon_1: sys::CUmemLocation_st__bindgen_ty_1 { id: ordinal },
+    }
+}
+
+/// `cuMemSetAccess`: read and write access to `[ptr, ptr + size)` for each of `devices`, in
+/// one call.
+fn grant_access(
+    ptr: DevicePtr,
+    size: usize,
+    devices: impl Iterator<Item = i32>,
+) -> Result<(), DeviceError> {
+    let access: Vec<sys::CUmemAccessDesc> = devices
+        .map(|device| sys::CUmemAccessDesc {
+            location: device_location(device),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        })
+        .collect();
+    // SAFETY: `access` holds `access.len()` live descriptors.
+    check_call("cuMemSetAccess", || unsafe {
+        sys::cuMemSetAccess(ptr, size, access.as_ptr(), access.len())
+    })
+}
+
+/// The other devices among the first `count` that can reach `device`'s (number `ordinal`)
+/// memory directly (`cuDeviceCanAccessPeer(peer, device)`), the peers PyTorch could enable
+/// access for. One device asks the driver nothing.
+fn peers_of(device: sys::CUdevice, ordinal: i32, count: i32) -> Result<Vec<i32>, DeviceError> {
+    let mut peers = Vec::new();
+    for other in (0..count).filter(|&other| other != ordinal) {
+        let mut peer: sys::CUdevice = 0;
+        // SAFETY: the out pointer is a live local; the ordinal is below the device count.
+        check_call("cuDeviceGet", || unsafe {
+            sys::cuDeviceGet(&mut peer, other)
+        })?;
+        let mut can_access = 0;
+        // SAFETY: the out pointer is a live local; both devices came from cuDeviceGet.
+        check_call("cuDeviceCanAccessPeer", || unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can_access, peer, device)
+        })?;
+        if can_access != 0 {
+            peers.push(other);
+        }
+    }
+    Ok(peers)
+}
+
 fn device_attribute(
     device: sys::CUdevice,
     attribute: sys::CUdevice_attribute,
@@ -618,6 +682,10 @@ fn device_attribute(
     Ok(value)
 }
 
+/// The handles of the default streams: NULL and `CU_STREAM_LEGACY` (the legacy default stream)
+/// and `CU_STREAM_PER_THREAD`.
+const DEFAULT_STREAM_HANDLES: StreamId = 2;
+
 /// A `cudaStream_t` value as the driver's handle type; 0 is the legacy default stream.
 fn stream_handle(stream: StreamId) -> sys::CUstream {
     ptr::without_provenance_mut(stream as usize)
@@ -627,8 +695,8 @@ fn event_handle(event: EventHandle) -> sys::CUevent {
     ptr::without_provenance_mut(event as usize)
 }
 
-/// Runs one cudarc call and returns the driver's code; a panic (which only a symbol missing
-/// despite [`load_driver_library`]'s check could cause) becomes an error instead of unwinding.
+/// Runs one driver call and returns the driver's code; a panic (which no driver function should
+/// cause) becomes an error instead of unwinding.
 fn invoke(
     call: &'static str,
     driver_call: impl FnOnce() -> sys::CUresult,
@@ -639,8 +707,7 @@ fn invoke(
     }
     catch_unwind(AssertUnwindSafe(driver_call)).map_err(|_| {
         DeviceError::Unavailable(format!(
-            "the CUDA driver call {call} could not be made (cudarc panicked; does the driver \
-             library lack the symbol?)"
+            "the CUDA driver call {call} could not be made (it panicked)"
         ))
     })
 }
@@ -735,106 +802,14 @@ fn error_string(result: sys::CUresult) -> String {
     }
 }
 
-/// Makes sure the driver library that cudarc will load is there and complete, once per process.
-fn load_driver_library() -> Result<(), DeviceError> {
-    static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
-    LOADED
-        .get_or_init(|| {
-            let candidates = cudarc::get_lib_name_candidates("cuda");
-            let (name, library) = open_first(&candidates)?;
-            check_symbols(&name, &library, REQUIRED_SYMBOLS)?;
-            // Kept open for the life of the process: cudarc holds its own handle to the same
-            // library, and closing ours would be pointless churn.
-            std::mem::forget(library);
-            Ok(())
-        })
-        .clone()
-        .map_err(DeviceError::Unavailable)
-}
-
-/// Opens the first library in `candidates` that loads, in order: the same search that cudarc's
-/// loader makes, so it finds the same library.
-fn open_first(candidates: &[String]) -> Result<(String, libloading::Library), String> {
-    let mut failures = Vec::new();
-    for candidate in candidates {
-        // SAFETY: loading libcuda runs its initialisers, which is what loading a driver means;
-        // cudarc would do the same at its first call.
-        match unsafe { libloading::Library::new(candidate) } {
-            Ok(library) => return Ok((candidate.clone(), library)),
-            Err(e) => failures.push(with_source(&e)),
-        }
-    }
-    // "No such file" for every name is the common case; anything else (a broken or foreign
-    // library) is the more useful thing to show.
-    let reason = failures
-        .iter()
-        .find(|f| !f.contains("No such file"))
-        .or(failures.first())
-        .cloned()
-        .unwrap_or_else(|| "no names to try".to_string());
-    Err(format!(
-        "ferrocache could not load the CUDA driver library libcuda.so (also tried {} other \
-         names, including libcuda.so.1): {reason}; is an NVIDIA driver installed, and is the \
-         directory holding libcuda.so.1 on the library search path?",
-        candidates.len().saturating_sub(1)
-    ))
-}
-
-/// libloading's errors say only "dlopen failed"; the reason (dlerror's text) is their source.
-fn with_source(error: &libloading::Error) -> String {
-    match std::error::Error::source(error) {
-        Some(source) => source.to_string(),
-        None => error.to_string(),
-    }
-}
-
-/// Checks that `library` exports every name in `symbols`; names all the missing ones.
-fn check_symbols(
-    name: &str,
-    library: &libloading::Library,
-    symbols: &[&str],
-) -> Result<(), String> {
-    let missing: Vec<&str> = symbols
-        .iter()
-        .copied()
-        // SAFETY: we only look the symbol up; its type is never used.
-        .filter(|symbol| unsafe { library.get::<*const ()>(symbol.as_bytes()) }.is_err())
-        .collect();
-    if missing.is_empty() {
-        Ok(())
-    } else {
-        Err(format!(
-            "the CUDA driver library {name} lacks {}, which ferrocache needs; is the NVIDIA \
-             driver older than CUDA 12.0?",
-            missing.join(", ")
-        ))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn a_missing_library_is_reported_by_name_without_panicking() {
-        let candidates = vec![
-            "libferrocache-no-such-driver.so".to_string(),
-            "libferrocache-no-such-driver.so.1".to_string(),
-        ];
-        let message = open_first(&candidates).err().unwrap_or_default();
-        assert!(message.contains("could not load the CUDA driver library libcuda.so"));
-        // dlerror's words, not just libloading's "dlopen failed".
-        assert!(
-            message.contains("cannot open shared object file"),
-            "{message}"
-        );
-        assert!(message.contains("libferrocache-no-such-driver.so"));
-        assert!(message.contains("NVIDIA driver installed"));
-    }
-
-    #[test]
     fn every_driver_function_called_is_checked_up_front() {
-        // A call missing from REQUIRED_SYMBOLS would be a cudarc panic on an old driver.
+        // A call missing from REQUIRED_SYMBOLS would go to cudarc's own function, which loads a
+        // library of its own choosing.
         for after in include_str!("cuda.rs").split("sys::cu").skip(1) {
             let rest: String = after
                 .chars()
@@ -848,18 +823,5 @@ mod tests {
                 );
             }
         }
-    }
-
-    #[test]
-    fn missing_symbols_are_all_named() {
-        let (name, library) = open_first(&["libc.so.6".to_string()]).expect("libc is always there");
-        let message = check_symbols(&name, &library, &["malloc", "cuNoSuchA", "cuNoSuchB"])
-            .err()
-            .unwrap_or_default();
-        assert!(
-            message.contains("libc.so.6 lacks cuNoSuchA, cuNoSuchB"),
-            "{message}"
-        );
-        assert!(check_symbols(&name, &library, &["malloc", "free"]).is_ok());
     }
 }

@@ -5,6 +5,7 @@
 //! anything about the allocator.
 
 pub mod cuda;
+mod driver;
 mod nvml;
 pub mod sim;
 

@@ -137,6 +137,8 @@ pub struct SimDevice {
     /// What NVML would list besides this process, once [`SimDevice::report_processes`] said
     /// so; `None`: nobody answers, as without NVML.
     other_processes: Option<Vec<ProcessMemory>>,
+    /// Where the next `malloc` goes if that range is free ([`SimDevice::prefer_next_address`]).
+    preferred: Option<DevicePtr>,
 }
 
 fn invalid(call: &'static str, what: &str) -> DeviceError {
@@ -166,6 +168,7 @@ impl SimDevice {
             next_event: 1,
             streams: HashMap::new(),
             complete_immediately: false,
+            preferred: None,
             waits: Vec::new(),
             record_waits: true,
             faults: HashMap::new(),
@@ -403,9 +406,34 @@ impl SimDevice {
         Ok(())
     }
 
+    /// The next `malloc` returns `ptr` when `[ptr, ptr + size)` is free (else it places as
+    /// usual); `None` forgets an earlier wish. A replay asks for the addresses PyTorch's
+    /// segments had, so that ties broken by address break as they did in PyTorch.
+    pub fn prefer_next_address(&mut self, ptr: Option<DevicePtr>) {
+        self.preferred = ptr;
+    }
+
+    /// The preferred address, when `size` bytes fit there.
+    fn take_preferred(&mut self, size: u64) -> Option<DevicePtr> {
+        let ptr = self.preferred.take().filter(|&p| p != 0)?;
+        let end = ptr.checked_add(size)?;
+        let overlaps = self
+            .occupied
+            .range(..end)
+            .next_back()
+            .is_some_and(|(_, &occupied_end)| occupied_end > ptr);
+        (!overlaps).then_some(ptr)
+    }
+
     /// First fit in the address space, 2 MiB aligned, so freed ranges are reused.
     fn place(&mut self, size: usize) -> DevicePtr {
         let size = (size as u64).div_ceil(ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT;
+        if let Some(ptr) = self.take_preferred(size) {
+            // Outside the first-fit search's bookkeeping: `no_gap_below` only ever rises
+            // over ranges that the search itself filled.
+            self.occupied.insert(ptr, ptr + size);
+            return ptr;
+        }
         let mut cursor = self.no_gap_below;
         let mut first_gap = None;
         for (&start, &end) in self.occupied.range(cursor..) {

@@ -20,12 +20,25 @@
 //! accumulated reserved bytes), which costs two loads per `malloc` instead of a trace. A PyTorch
 //! segment decision matches when ferrocache, in the malloc of the same op, made as many device
 //! allocations of the same total size; when both made exactly one, that is the same size.
+//! Releases are matched the same way (`num_device_free` and the freed bytes around each
+//! `malloc` and `empty_cache`, against PyTorch's `segment_free` runs by op), and every
+//! allocation the trace made in an ordinary segment is checked at PyTorch's offset in the same
+//! segment (a start segment, or the one ferrocache made for PyTorch's decision): the
+//! [`super::faithful`] self-check, and how the start order is found.
+//!
+//! **PyTorch's addresses.** From the reconstructed start, every start segment, and every segment
+//! made for a request PyTorch made one for, is placed at PyTorch's address where that range is
+//! free ([`SimDevice::prefer_next_address`]), so that ties broken by address (PyTorch up to
+//! 2.11) break as they did; start segments are imported in `DeviceWorkload::start_order`.
 
-use super::workload::{DeviceWorkload, Op, SegmentDecision, StartAllocation, StartSegment};
+use super::workload::{
+    DeviceWorkload, Op, Placement, SegmentDecision, SegmentDecisionKind, SegmentRef,
+    StartAllocation, StartSegment,
+};
 use crate::allocator::{AllocError, DeviceAllocator, ImportedBlock};
 use crate::config::Config;
 use crate::device::sim::SimDevice;
-use crate::policy::K_MIN_BLOCK_SIZE;
+use crate::policy::{K_MIN_BLOCK_SIZE, TieRule};
 use std::time::{Duration, Instant};
 
 /// The simulated GPU's memory unless told otherwise: an 80 GiB card (A100/H100).
@@ -90,6 +103,31 @@ pub struct SegmentMismatch {
     pub ferrocache_bytes: u64,
 }
 
+/// Segments PyTorch and ferrocache gave back in one op that differ (in bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleaseMismatch {
+    /// The `EmptyCache` op, or the `Alloc` whose malloc released them; `None` for PyTorch's
+    /// release in a malloc that then failed.
+    pub op_index: Option<usize>,
+    pub trace_index: Option<usize>,
+    pub pytorch_segments: usize,
+    pub pytorch_bytes: u64,
+    pub ferrocache_segments: u64,
+    pub ferrocache_bytes: u64,
+}
+
+/// An allocation ferrocache placed elsewhere than PyTorch did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Misplacement {
+    pub op_index: usize,
+    pub trace_index: Option<usize>,
+    pub requested: u64,
+    /// Where PyTorch placed it.
+    pub pytorch: Placement,
+    /// The start segment ferrocache placed it in, if it did (index into `start_segments`).
+    pub ferrocache_start_segment: Option<usize>,
+}
+
 /// What the start state needed and what did not fit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StartReport {
@@ -138,6 +176,19 @@ pub struct ReplayReport {
     pub matching_segment_allocs: u64,
     /// Every malloc where the two differ, in op order.
     pub mismatches: Vec<SegmentMismatch>,
+    /// Segments PyTorch gave back (`segment_free` + `segment_unmap`) while recording, and how
+    /// many of them ferrocache gave back in the same op, the same bytes.
+    pub native_segment_releases: u64,
+    pub matching_segment_releases: u64,
+    /// Every op where the two gave back different bytes, in op order.
+    pub release_mismatches: Vec<ReleaseMismatch>,
+    /// Allocations whose place PyTorch's segment is known for in the replay, and how many of
+    /// them ferrocache placed at PyTorch's offset in the same segment.
+    pub placements_checked: u64,
+    pub placements_matching: u64,
+    pub first_misplacement: Option<Misplacement>,
+    /// How ties between equal cached blocks were broken.
+    pub tie_rule: TieRule,
     /// Blocks taken from another stream's cache (cross-stream reuse; one event wait each).
     pub cross_stream_reuses: u64,
     /// Wall time of the operations loop.
@@ -189,12 +240,153 @@ fn ratio(numerator: u64, denominator: u64) -> f64 {
     }
 }
 
-/// A malloc in which ferrocache took memory from the device.
+/// A malloc in which ferrocache took memory from the device, or an op in which it gave
+/// memory back.
 #[derive(Debug, Clone, Copy)]
 struct DeviceAllocation {
     op_index: usize,
     count: u32,
     bytes: u64,
+}
+
+/// The device counters an op is measured by.
+#[derive(Debug, Clone, Copy)]
+struct DeviceCounts {
+    allocs: i64,
+    allocated: i64,
+    frees: i64,
+    freed: i64,
+}
+
+impl DeviceCounts {
+    fn of(allocator: &DeviceAllocator<SimDevice>) -> DeviceCounts {
+        let stats = allocator.stats();
+        DeviceCounts {
+            allocs: stats.num_device_alloc,
+            allocated: stats.reserved_bytes.all.allocated,
+            frees: stats.num_device_free,
+            freed: stats.reserved_bytes.all.freed,
+        }
+    }
+}
+
+/// Notes what ferrocache took from and gave back to the device in op `op_index`.
+fn note_device_calls(
+    op_index: usize,
+    before: DeviceCounts,
+    after: DeviceCounts,
+    taken: &mut Vec<DeviceAllocation>,
+    given_back: &mut Vec<DeviceAllocation>,
+) {
+    if after.allocs != before.allocs {
+        taken.push(DeviceAllocation {
+            op_index,
+            count: (after.allocs - before.allocs) as u32,
+            bytes: (after.allocated - before.allocated) as u64,
+        });
+    }
+    if after.frees != before.frees {
+        given_back.push(DeviceAllocation {
+            op_index,
+            count: (after.frees - before.frees) as u32,
+            bytes: (after.freed - before.freed) as u64,
+        });
+    }
+}
+
+/// Where each of PyTorch's segments lies in the replay, to check that every allocation lands
+/// where PyTorch put it.
+struct SegmentMap {
+    /// Per start segment, ferrocache's address for it (imported ordinary segments only).
+    start: Vec<Option<u64>>,
+    /// Imported start segments by ferrocache's address: (address, size, start segment).
+    start_by_address: Vec<(u64, u64, usize)>,
+    /// Per segment decision, the segment ferrocache made for it (when it made one alike).
+    decisions: Vec<Option<u64>>,
+    /// The next decision not yet passed.
+    next_decision: usize,
+}
+
+impl SegmentMap {
+    fn new(workload: &DeviceWorkload, start: Vec<Option<u64>>) -> SegmentMap {
+        let mut start_by_address: Vec<(u64, u64, usize)> = start
+            .iter()
+            .enumerate()
+            .filter_map(|(i, base)| base.map(|b| (b, workload.start_segments[i].size, i)))
+            .collect();
+        start_by_address.sort_unstable();
+        SegmentMap {
+            start,
+            start_by_address,
+            decisions: vec![None; workload.segment_decisions.len()],
+            next_decision: 0,
+        }
+    }
+
+    /// After the malloc of op `op_index` returned `ptr`: when PyTorch made one segment for it
+    /// and ferrocache one of the same size (`made`), the two are the same segment.
+    fn note_malloc(
+        &mut self,
+        decisions: &[SegmentDecision],
+        op_index: usize,
+        ptr: u64,
+        made: Option<&DeviceAllocation>,
+    ) {
+        let first = self.next_decision;
+        while self.next_decision < decisions.len()
+            && decisions[self.next_decision]
+                .serves_op
+                .is_none_or(|op| op <= op_index)
+        {
+            self.next_decision += 1;
+        }
+        let here: Vec<usize> = (first..self.next_decision)
+            .filter(|&d| decisions[d].serves_op == Some(op_index))
+            .collect();
+        if let ([decision], Some(made)) = (here.as_slice(), made)
+            && made.op_index == op_index
+            && made.count == 1
+            && made.bytes == decisions[*decision].size
+        {
+            self.decisions[*decision] = Some(ptr);
+        }
+    }
+
+    /// The address of the one segment PyTorch made in the malloc of op `op_index`, if it made
+    /// exactly one (`cudaMalloc`, not mapped pages).
+    fn pytorch_segment_for(&self, decisions: &[SegmentDecision], op_index: usize) -> Option<u64> {
+        let mut found = None;
+        for decision in decisions[self.next_decision.min(decisions.len())..]
+            .iter()
+            .take_while(|d| d.serves_op.is_none_or(|op| op <= op_index))
+            .filter(|d| d.serves_op == Some(op_index))
+        {
+            if found.is_some() || decision.kind != SegmentDecisionKind::Alloc {
+                return None;
+            }
+            found = Some(decision.address);
+        }
+        found
+    }
+
+    /// Where PyTorch's placement lies in the replay, when its segment is known there.
+    fn address_of(&self, placement: Placement) -> Option<u64> {
+        let base = match placement.segment {
+            SegmentRef::Start(i) => *self.start.get(i as usize)?,
+            SegmentRef::Decision(d) => *self.decisions.get(d as usize)?,
+        }?;
+        base.checked_add(placement.offset)
+    }
+
+    /// The start segment that holds `ptr` in the replay.
+    fn start_segment_of(&self, ptr: u64) -> Option<usize> {
+        let i = self
+            .start_by_address
+            .partition_point(|&(base, _, _)| base <= ptr)
+            .checked_sub(1)?;
+        let (base, size, segment) = self.start_by_address[i];
+        (ptr - base < size).then_some(segment)
+    }
 }
 
 /// Replays `workload` under `config` on a new simulated GPU.
@@ -203,17 +395,31 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
     let mut device = SimDevice::new(capacity);
     // Traces record no cross-stream waits: work is complete as soon as it is submitted.
     device.set_complete_immediately(true);
-    let mut allocator = DeviceAllocator::new(device, 0, config.clone());
-    let mut report = ReplayReport::default();
+    let mut config = config.clone();
+    // Ties break as the recording's PyTorch broke them, whatever the setting replayed.
+    if let Some(rule) = workload.tie_rule {
+        config.tie_rule = rule;
+    }
+    let mut report = ReplayReport {
+        tie_rule: config.tie_rule,
+        ..ReplayReport::default()
+    };
+    let mut allocator = DeviceAllocator::new(device, 0, config);
 
     // Pointer of each allocation id; 0 = not live (the simulated GPU never hands out 0).
     let mut pointers = vec![0u64; workload.allocations.len()];
+    let mut start_bases = vec![None; workload.start_segments.len()];
     report.start = match options.start {
-        StartState::Reconstructed => reconstructed_start(&mut allocator, workload, &mut pointers),
+        StartState::Reconstructed => {
+            reconstructed_start(&mut allocator, workload, &mut pointers, &mut start_bases)
+        }
         StartState::Fresh => {
             fresh_start(&mut allocator, &workload.start_allocations, &mut pointers)
         }
     };
+    let mut segments = SegmentMap::new(workload, start_bases);
+    // From the reconstructed start, segments go where PyTorch's were, as far as known.
+    let faithful_addresses = options.start == StartState::Reconstructed;
     let device_allocs_at_start = allocator.stats().num_device_alloc;
 
     if options.record_timeline {
@@ -221,21 +427,32 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
         report.timeline.push(memory_point(&allocator));
     }
     let mut device_allocations: Vec<DeviceAllocation> = Vec::new();
+    let mut device_releases: Vec<DeviceAllocation> = Vec::new();
     let started = Instant::now();
     for (op_index, op) in workload.ops.iter().enumerate() {
+        let before = DeviceCounts::of(&allocator);
+        let allocations_before = device_allocations.len();
+        // For an allocation: its id, requested size and where ferrocache put it (0: nowhere).
+        let mut allocated: Option<(u32, u64, u64)> = None;
         match *op {
             Op::Alloc { id, size, stream } => {
                 report.events += 1;
-                let stats = allocator.stats();
-                let (allocs_before, bytes_before) =
-                    (stats.num_device_alloc, stats.reserved_bytes.all.allocated);
+                if faithful_addresses {
+                    // A segment made here lands where PyTorch's did (ties by address).
+                    let address =
+                        segments.pytorch_segment_for(&workload.segment_decisions, op_index);
+                    allocator.device_mut().prefer_next_address(address);
+                }
                 let result = if size > LARGEST_SANE_REQUEST {
                     None
                 } else {
                     Some(allocator.malloc(size as usize, stream))
                 };
+                allocator.device_mut().prefer_next_address(None);
+                let mut placed_at = 0;
                 match result {
                     Some(Ok(ptr)) => {
+                        placed_at = ptr;
                         if let Some(slot) = pointers.get_mut(id as usize) {
                             *slot = ptr;
                         }
@@ -247,14 +464,7 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
                         | AllocError::StreamFilter { .. },
                     )) => report.device_errors += 1,
                 }
-                let stats = allocator.stats();
-                if stats.num_device_alloc != allocs_before {
-                    device_allocations.push(DeviceAllocation {
-                        op_index,
-                        count: (stats.num_device_alloc - allocs_before) as u32,
-                        bytes: (stats.reserved_bytes.all.allocated - bytes_before) as u64,
-                    });
-                }
+                allocated = Some((id, size, placed_at));
             }
             Op::Free { id } => {
                 report.events += 1;
@@ -276,6 +486,34 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
             }
             Op::Oom { .. } => report.native_ooms += 1,
         }
+        note_device_calls(
+            op_index,
+            before,
+            DeviceCounts::of(&allocator),
+            &mut device_allocations,
+            &mut device_releases,
+        );
+        if let Some((id, size, placed_at)) = allocated {
+            segments.note_malloc(
+                &workload.segment_decisions,
+                op_index,
+                placed_at,
+                device_allocations.get(allocations_before),
+            );
+            if let Some(placement) = workload
+                .allocations
+                .get(id as usize)
+                .and_then(|allocation| allocation.placed)
+            {
+                check_placement(
+                    &mut report,
+                    &segments,
+                    workload,
+                    (op_index, size, placement),
+                    placed_at,
+                );
+            }
+        }
         if options.record_timeline {
             report.timeline.push(memory_point(&allocator));
         }
@@ -295,7 +533,42 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
     let (matching, mismatches) = compare_decisions(workload, &device_allocations);
     report.matching_segment_allocs = matching;
     report.mismatches = mismatches;
+    let (matching, mismatches) = compare_releases(workload, &device_releases);
+    report.native_segment_releases = workload
+        .segment_releases
+        .iter()
+        .map(|r| r.segments as u64)
+        .sum();
+    report.matching_segment_releases = matching;
+    report.release_mismatches = mismatches;
     report
+}
+
+/// Counts an allocation PyTorch placed in a segment the replay knows, and notes the first
+/// one ferrocache placed elsewhere. `op` is the op's index, its requested size and PyTorch's
+/// placement; `ptr` ferrocache's address (0 when it failed).
+fn check_placement(
+    report: &mut ReplayReport,
+    segments: &SegmentMap,
+    workload: &DeviceWorkload,
+    (op_index, requested, placement): (usize, u64, Placement),
+    ptr: u64,
+) {
+    let Some(expected) = segments.address_of(placement) else {
+        return;
+    };
+    report.placements_checked += 1;
+    if ptr == expected {
+        report.placements_matching += 1;
+    } else if report.first_misplacement.is_none() {
+        report.first_misplacement = Some(Misplacement {
+            op_index,
+            trace_index: workload.op_origins.get(op_index).map(|o| o.trace_index),
+            requested,
+            pytorch: placement,
+            ferrocache_start_segment: segments.start_segment_of(ptr),
+        });
+    }
 }
 
 fn memory_point(allocator: &DeviceAllocator<SimDevice>) -> MemoryPoint {
@@ -344,10 +617,13 @@ fn fresh_start(
     report
 }
 
+/// Imports the start segments in `workload.start_order` (the order PyTorch made them in, as far
+/// as the recording tells), noting in `bases` where each ordinary one landed.
 fn reconstructed_start(
     allocator: &mut DeviceAllocator<SimDevice>,
     workload: &DeviceWorkload,
     pointers: &mut [u64],
+    bases: &mut [Option<u64>],
 ) -> StartReport {
     let mut report = StartReport::default();
     let segments = &workload.start_segments;
@@ -381,10 +657,18 @@ fn reconstructed_start(
             &mut report,
         );
     }
-    for (index, (segment, allocations)) in segments.iter().zip(&by_segment).enumerate() {
+    // Every segment once: the order given, then any it left out.
+    let order = workload
+        .start_order
+        .iter()
+        .copied()
+        .chain(0..segments.len());
+    for index in order.filter(|&i| i < segments.len()) {
+        let (segment, allocations) = (&segments[index], &by_segment[index]);
         if imported[index] {
             continue;
         }
+        imported[index] = true;
         let (fitting, rest) = fit_in_segment(segment, allocations);
         misplaced.extend(rest);
         let blocks: Vec<ImportedBlock> = fitting
@@ -392,16 +676,22 @@ fn reconstructed_start(
             .map(|a| ImportedBlock {
                 offset: a.offset as usize,
                 size: a.size as usize,
-                requested_size: a.requested_size as usize,
+                requested_size: requested_within_block(a),
             })
             .collect();
+        // At PyTorch's address, where it is free: ties by address break as in PyTorch.
+        allocator
+            .device_mut()
+            .prefer_next_address(Some(segment.address));
         let imported = usize::try_from(segment.size).ok().and_then(|size| {
             allocator
                 .import_segment(size, segment.stream, segment.pool, &blocks)
                 .ok()
         });
+        allocator.device_mut().prefer_next_address(None);
         match imported {
-            Some((_, placed)) => {
+            Some((base, placed)) => {
+                bases[index] = Some(base);
                 report.imported_segments += 1;
                 report.placed_allocations += placed.len();
                 for (allocation, ptr) in fitting.iter().zip(placed) {
@@ -468,7 +758,7 @@ fn import_expandable_segments<'a>(
                 blocks.push(ImportedBlock {
                     offset: (segment.address - first + allocation.offset) as usize,
                     size: allocation.size as usize,
-                    requested_size: allocation.requested_size as usize,
+                    requested_size: requested_within_block(allocation),
                 });
                 placed.push(allocation);
             }
@@ -494,6 +784,12 @@ fn import_expandable_segments<'a>(
         }
     }
     misplaced
+}
+
+/// An imported block's requested size: never more than the block (as in PyTorch; a hostile
+/// snapshot's larger figure would overflow the statistics).
+fn requested_within_block(allocation: &StartAllocation) -> usize {
+    allocation.requested_size.min(allocation.size) as usize
 }
 
 /// Splits a segment's allocations into those whose recorded place is possible (aligned, inside
@@ -598,6 +894,72 @@ fn compare_decisions(
     }
     for extra in &ours[our_index..] {
         mismatches.push(mismatch(Some(extra.op_index), Vec::new(), Some(extra)));
+    }
+    (matching, mismatches)
+}
+
+/// Counts the segments PyTorch gave back that ferrocache gave back in the same op, the same
+/// bytes in all, and lists the ops where the two differ. Both lists are in op order.
+fn compare_releases(
+    workload: &DeviceWorkload,
+    ours: &[DeviceAllocation],
+) -> (u64, Vec<ReleaseMismatch>) {
+    let trace_index = |op: Option<usize>| {
+        op.and_then(|i| workload.op_origins.get(i))
+            .map(|o| o.trace_index)
+    };
+    let mismatch =
+        |op_index: Option<usize>, pytorch: (usize, u64), ours: Option<&DeviceAllocation>| {
+            ReleaseMismatch {
+                op_index,
+                trace_index: trace_index(op_index),
+                pytorch_segments: pytorch.0,
+                pytorch_bytes: pytorch.1,
+                ferrocache_segments: ours.map_or(0, |a| u64::from(a.count)),
+                ferrocache_bytes: ours.map_or(0, |a| a.bytes),
+            }
+        };
+    // PyTorch's releases by op (a malloc's retry and an empty_cache never share one).
+    let mut groups: Vec<(Option<usize>, usize, u64)> = Vec::new();
+    for release in &workload.segment_releases {
+        match groups.last_mut() {
+            Some((op, segments, bytes))
+                if release.op_index.is_some() && *op == release.op_index =>
+            {
+                *segments += release.segments;
+                *bytes = bytes.saturating_add(release.bytes);
+            }
+            _ => groups.push((release.op_index, release.segments, release.bytes)),
+        }
+    }
+    let mut matching = 0u64;
+    let mut mismatches = Vec::new();
+    let mut our_index = 0;
+    for (op, segments, bytes) in groups {
+        let Some(op) = op else {
+            mismatches.push(mismatch(None, (segments, bytes), None));
+            continue;
+        };
+        while our_index < ours.len() && ours[our_index].op_index < op {
+            mismatches.push(mismatch(
+                Some(ours[our_index].op_index),
+                (0, 0),
+                Some(&ours[our_index]),
+            ));
+            our_index += 1;
+        }
+        let ours_here = ours.get(our_index).filter(|a| a.op_index == op);
+        if ours_here.is_some() {
+            our_index += 1;
+        }
+        if ours_here.is_some_and(|a| a.bytes == bytes) {
+            matching += segments as u64;
+        } else {
+            mismatches.push(mismatch(Some(op), (segments, bytes), ours_here));
+        }
+    }
+    for extra in &ours[our_index..] {
+        mismatches.push(mismatch(Some(extra.op_index), (0, 0), Some(extra)));
     }
     (matching, mismatches)
 }

@@ -21,6 +21,7 @@
 pub mod demo;
 pub mod demo_fsdp;
 pub mod engine;
+pub mod faithful;
 pub mod job;
 mod op_list;
 pub mod pickle;
@@ -30,8 +31,8 @@ pub mod snapshot;
 pub mod workload;
 
 pub use engine::{
-    DEFAULT_CAPACITY, MemoryPoint, NativeFigures, ReplayOptions, ReplayReport, SegmentMismatch,
-    StartReport, StartState, replay,
+    DEFAULT_CAPACITY, MemoryPoint, Misplacement, NativeFigures, ReleaseMismatch, ReplayOptions,
+    ReplayReport, SegmentMismatch, StartReport, StartState, replay,
 };
 pub use job::{JobSummary, RankError, assign_ranks, rank_of_path};
 pub use pickle::{Document, PickleError, PickleErrorKind, PickleValue, ValueRef};
@@ -41,11 +42,24 @@ pub use snapshot::{
     parse_snapshot,
 };
 pub use workload::{
-    Allocation, BlockSizeSource, DeviceWorkload, Diagnostics, Figures, Op, OpOrigin,
-    SegmentDecision, SegmentDecisionKind, StartAllocation, StartSegment, TimelinePoint, Workload,
+    Allocation, BlockSizeSource, DeviceWorkload, Diagnostics, Figures, Op, OpOrigin, Placement,
+    SegmentDecision, SegmentDecisionKind, SegmentRef, SegmentRelease, StartAllocation,
+    StartSegment, TimelinePoint, Workload,
 };
 
 use std::fmt;
+
+/// Bytes as GiB from 1 GiB up, else as MiB.
+pub fn bytes(value: u64) -> String {
+    const MIB: f64 = (1u64 << 20) as f64;
+    const GIB: f64 = (1u64 << 30) as f64;
+    let v = value as f64;
+    if v >= GIB {
+        format!("{:.2} GiB", v / GIB)
+    } else {
+        format!("{:.1} MiB", v / MIB)
+    }
+}
 
 /// What kind of problem stopped a snapshot from being read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,9 +1,7 @@
 //! The op list a built-in demo workload is written into (`demo`, `demo_fsdp`): allocations and
 //! frees in program order, with the figures the replayer reports against.
 
-use super::workload::{
-    Allocation, DeviceWorkload, Diagnostics, Figures, Op, OpOrigin, StartAllocation,
-};
+use super::workload::{Allocation, DeviceWorkload, Figures, Op, OpOrigin};
 
 /// A demo program under construction.
 #[derive(Default)]
@@ -23,6 +21,7 @@ impl OpList {
             requested_size: size,
             stream,
             live_at_start: false,
+            placed: None,
         });
         self.ops.push(Op::Alloc { id, size, stream });
         self.requested += size;
@@ -53,18 +52,14 @@ impl OpList {
             .collect();
         DeviceWorkload {
             device: 0,
-            start_segments: Vec::new(),
-            start_allocations: Vec::<StartAllocation>::new(),
             allocations: self.allocations,
             ops: self.ops,
             op_origins,
-            segment_decisions: Vec::new(),
             figures: Figures {
                 end_requested: self.requested,
                 ..self.figures
             },
-            timeline: Vec::new(),
-            diagnostics: Diagnostics::default(),
+            ..DeviceWorkload::default()
         }
     }
 }

@@ -225,8 +225,10 @@ impl Snapshot {
 
         let segment_items = seq(segments_value, "segments")?;
         let mut segments = Vec::with_capacity(segment_items.len().min(max_entries));
+        let mut devices_named = false;
         for (i, item) in segment_items.enumerate() {
             budget.take(item)?;
+            devices_named |= item.get("device").is_some();
             segments.push(segment(item, &format!("segments[{i}]"), &mut budget)?);
         }
 
@@ -243,6 +245,10 @@ impl Snapshot {
             device_traces.push(trace);
         }
 
+        if !devices_named {
+            attribute_segments_to_the_traced_device(&mut segments, &device_traces);
+        }
+
         let allocator_settings = root
             .get("allocator_settings")
             .filter(|v| !v.is_none())
@@ -253,6 +259,17 @@ impl Snapshot {
             device_traces,
             allocator_settings,
         })
+    }
+}
+
+/// Segments that do not say their device (older snapshots) belong to the one device whose trace
+/// is filled, when only one is: a snapshot of `cuda:1` lists an empty trace for device 0.
+fn attribute_segments_to_the_traced_device(segments: &mut [Segment], traces: &[Vec<TraceEvent>]) {
+    let mut filled = traces.iter().enumerate().filter(|(_, t)| !t.is_empty());
+    if let (Some((device, _)), None) = (filled.next(), filled.next()) {
+        for segment in segments {
+            segment.device = device;
+        }
     }
 }
 

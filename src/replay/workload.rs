@@ -44,7 +44,7 @@
 
 use super::snapshot::{Action, BlockStatus, Snapshot, TraceEvent};
 use crate::config::Config;
-use crate::policy::{self, K_LARGE_BUFFER, K_SMALL_BUFFER, K_SMALL_SIZE, PoolKind};
+use crate::policy::{self, K_LARGE_BUFFER, K_SMALL_BUFFER, K_SMALL_SIZE, PoolKind, TieRule};
 use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -119,6 +119,26 @@ pub struct Allocation {
     pub requested_size: u64,
     pub stream: u64,
     pub live_at_start: bool,
+    /// Where PyTorch placed it, for an allocation the trace made in an ordinary segment: the
+    /// segment and the offset in it. A faithful replay places it at the same offset of the
+    /// same segment.
+    pub placed: Option<Placement>,
+}
+
+/// One of PyTorch's segments, as a replay knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SegmentRef {
+    /// `start_segments[i]`: it existed when recording began.
+    Start(u32),
+    /// `segment_decisions[i]`: PyTorch made it while recording.
+    Decision(u32),
+}
+
+/// Where PyTorch placed an allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    pub segment: SegmentRef,
+    pub offset: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,6 +164,21 @@ pub struct SegmentDecision {
     pub serves_op: Option<usize>,
     /// Bytes of cached segments the same malloc released first (after a failed `cudaMalloc`).
     pub released_before: u64,
+}
+
+/// Segments PyTorch gave back together: in an `empty_cache()` call, or in a malloc that
+/// released cached segments after a failed `cudaMalloc` (its retry). What a faithful replay
+/// must give back in the same op.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentRelease {
+    /// Index into `ops` of the [`Op::EmptyCache`], or of the [`Op::Alloc`] whose malloc
+    /// released them; `None` when that malloc failed (its op is an `Oom`).
+    pub op_index: Option<usize>,
+    /// `segment_free` + `segment_unmap` entries.
+    pub segments: usize,
+    pub bytes: u64,
+    /// Where the first of them is in the trace.
+    pub trace_index: usize,
 }
 
 /// Requested and reserved bytes after a trace event that changed either.
@@ -257,7 +292,7 @@ impl Diagnostics {
 }
 
 /// One device's workload.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct DeviceWorkload {
     pub device: usize,
     /// Segments when recording began, by address.
@@ -272,6 +307,21 @@ pub struct DeviceWorkload {
     pub op_origins: Vec<OpOrigin>,
     /// The segments PyTorch created, in order.
     pub segment_decisions: Vec<SegmentDecision>,
+    /// The segments PyTorch gave back, in order.
+    pub segment_releases: Vec<SegmentRelease>,
+    /// The order in which PyTorch made the start segments (indices into `start_segments`),
+    /// oldest first: the order a reconstructed start imports them in, since PyTorch 2.13 breaks
+    /// ties between equal cached blocks by it. Address order unless the recording's own
+    /// decisions showed otherwise ([`super::faithful`]).
+    pub start_order: Vec<usize>,
+    /// The tie rule of the PyTorch that made the recording, when its decisions tell
+    /// ([`super::faithful`]); every replay of the workload then decides ties by it. `None`:
+    /// no rule reproduces the recording better than another, and the replay follows its
+    /// settings' rule.
+    pub tie_rule: Option<TieRule>,
+    /// The rules that reproduce the recording equally well, the one used first; empty when
+    /// they were not tried (an inconsistent reconstruction, a built workload).
+    pub tie_rules_alike: Vec<TieRule>,
     pub figures: Figures,
     pub timeline: Vec<TimelinePoint>,
     pub diagnostics: Diagnostics,
@@ -284,22 +334,34 @@ pub struct Workload {
     pub config: Config,
     /// Whether the snapshot recorded its allocator settings.
     pub settings_recorded: bool,
-    /// Devices that have trace events or segments, by device index.
+    /// Devices that have trace events, by device index.
     pub devices: Vec<DeviceWorkload>,
+    /// Devices that hold segments but have no trace events: nothing happened on them while
+    /// recording (a snapshot lists every device's trace, most of them empty on a process that
+    /// recorded one GPU), so there is nothing to replay.
+    pub idle_devices: Vec<usize>,
 }
 
 impl Workload {
+    /// The workload of `snapshot`, with the order PyTorch made its start segments in and its
+    /// tie rule found from its decisions ([`super::faithful`]); where they do not tell, the
+    /// rule of `FERROCACHE_PYTORCH_VERSION` (PyTorch 2.15's when unset) is assumed.
     pub fn reconstruct(snapshot: &Snapshot) -> Workload {
         let config = snapshot.config();
-        let mut device_ids: BTreeSet<usize> = snapshot.segments.iter().map(|s| s.device).collect();
-        device_ids.extend(
-            snapshot
-                .device_traces
-                .iter()
-                .enumerate()
-                .filter(|(_, trace)| !trace.is_empty())
-                .map(|(d, _)| d),
-        );
+        let assumed = crate::config::tie_rule_from_env();
+        let device_ids: BTreeSet<usize> = snapshot
+            .device_traces
+            .iter()
+            .enumerate()
+            .filter(|(_, trace)| !trace.is_empty())
+            .map(|(d, _)| d)
+            .collect();
+        let idle_devices: BTreeSet<usize> = snapshot
+            .segments
+            .iter()
+            .map(|s| s.device)
+            .filter(|d| !device_ids.contains(d))
+            .collect();
         let devices = device_ids
             .into_iter()
             .map(|device| {
@@ -308,13 +370,16 @@ impl Workload {
                     .get(device)
                     .map(Vec::as_slice)
                     .unwrap_or(&[]);
-                reconstruct_device(snapshot, device, trace, &config)
+                let mut workload = reconstruct_device(snapshot, device, trace, &config);
+                super::faithful::settle(&mut workload, &config, assumed);
+                workload
             })
             .collect();
         Workload {
             config,
             settings_recorded: snapshot.allocator_settings.is_some(),
             devices,
+            idle_devices: idle_devices.into_iter().collect(),
         }
     }
 
@@ -354,6 +419,9 @@ struct Range {
     stream: u64,
     pool: PoolKind,
     expandable: bool,
+    /// Which segment it is, in the forward pass (`None` for expandable ranges and in the
+    /// backward walk).
+    owner: Option<SegmentRef>,
 }
 
 /// Segments (or mapped ranges) by start address.
@@ -430,6 +498,7 @@ impl Ranges {
             stream,
             pool: pool_of_segment(size, true),
             expandable: true,
+            owner: None,
         };
         let joins = |r: &Range| r.expandable && r.stream == stream;
         if let Some((&prev_start, &prev)) = self.0.range(..addr).next_back()
@@ -486,6 +555,7 @@ fn start_state(
                 PoolKind::Large
             },
             expandable: segment.is_expandable,
+            owner: None,
         };
         if !ranges.insert(segment.address, range) {
             diagnostics.segment_mismatches += 1;
@@ -552,6 +622,7 @@ fn start_state(
                     stream: event.stream,
                     pool: pool_of_segment(event.size, false),
                     expandable: false,
+                    owner: None,
                 };
                 if !ranges.insert(event.addr, range) {
                     diagnostics.segment_mismatches += 1;
@@ -590,6 +661,9 @@ struct Forward {
     decisions: Vec<SegmentDecision>,
     /// Decisions waiting for the alloc they were made for.
     awaiting_alloc: Vec<usize>,
+    releases: Vec<SegmentRelease>,
+    /// A retry's release waiting for the alloc whose malloc made it.
+    awaiting_release: Option<usize>,
     run: Option<ReleaseRun>,
     requested: u64,
     reserved: u64,
@@ -637,13 +711,22 @@ impl Forward {
         let Some(run) = self.run.take() else {
             return 0;
         };
+        let mut release = SegmentRelease {
+            op_index: None,
+            segments: run.segments,
+            bytes: run.bytes,
+            trace_index: run.origin.trace_index,
+        };
         if by_malloc && !self.released_everything() {
             diagnostics.retry_released_segments += run.segments;
+            self.awaiting_release = Some(self.releases.len());
         } else {
             self.figures.empty_caches += 1;
+            release.op_index = Some(self.ops.len());
             self.ops.push(Op::EmptyCache);
             self.op_origins.push(run.origin);
         }
+        self.releases.push(release);
         for (op, origin) in run.held {
             self.ops.push(op);
             self.op_origins.push(origin);
@@ -688,7 +771,7 @@ fn reconstruct_device(
     config: &Config,
 ) -> DeviceWorkload {
     let mut diagnostics = Diagnostics::default();
-    let (ranges, live) = start_state(snapshot, device, trace, &mut diagnostics);
+    let (mut ranges, live) = start_state(snapshot, device, trace, &mut diagnostics);
 
     let start_segments: Vec<StartSegment> = ranges
         .0
@@ -701,6 +784,9 @@ fn reconstruct_device(
             is_expandable: r.expandable,
         })
         .collect();
+    for (index, range) in ranges.0.values_mut().enumerate() {
+        range.owner = Some(SegmentRef::Start(index as u32));
+    }
     let mut start_blocks: Vec<(u64, LiveBlock)> = live.into_iter().collect();
     start_blocks.sort_unstable_by_key(|&(addr, _)| addr);
 
@@ -710,6 +796,8 @@ fn reconstruct_device(
         allocations: Vec::with_capacity(start_blocks.len() + trace.len() / 2),
         decisions: Vec::new(),
         awaiting_alloc: Vec::new(),
+        releases: Vec::new(),
+        awaiting_release: None,
         run: None,
         requested: 0,
         reserved: start_segments
@@ -729,6 +817,7 @@ fn reconstruct_device(
             requested_size: block.requested,
             stream: block.stream,
             live_at_start: true,
+            placed: None,
         });
         forward.requested = forward.requested.saturating_add(block.requested);
         if block.pending {
@@ -776,11 +865,22 @@ fn reconstruct_device(
                     forward.free(old, origin);
                 }
                 let id = forward.allocations.len() as u32;
+                let placed = forward
+                    .segments
+                    .containing(event.addr)
+                    .and_then(|(start, range)| {
+                        let segment = range.owner.filter(|_| !range.expandable)?;
+                        Some(Placement {
+                            segment,
+                            offset: event.addr - start,
+                        })
+                    });
                 forward.allocations.push(Allocation {
                     address: event.addr,
                     requested_size: event.size,
                     stream: event.stream,
                     live_at_start: false,
+                    placed,
                 });
                 live_ids.insert(event.addr, id);
                 allocated_addresses.insert(event.addr);
@@ -791,6 +891,9 @@ fn reconstruct_device(
                 for decision in std::mem::take(&mut forward.awaiting_alloc) {
                     forward.decisions[decision].serves_op = Some(op_index);
                     forward.decisions[decision].pool = pool;
+                }
+                if let Some(release) = forward.awaiting_release.take() {
+                    forward.releases[release].op_index = Some(op_index);
                 }
                 forward.requested = forward.requested.saturating_add(event.size);
                 forward.figures.allocs += 1;
@@ -852,6 +955,7 @@ fn reconstruct_device(
                         stream: event.stream,
                         pool: pool_of_segment(event.size, false),
                         expandable: false,
+                        owner: Some(SegmentRef::Decision(forward.decisions.len() as u32)),
                     };
                     forward.segments.insert(event.addr, range);
                     SegmentDecisionKind::Alloc
@@ -885,6 +989,7 @@ fn reconstruct_device(
             Action::Oom => {
                 forward.close_run(true, &mut diagnostics);
                 forward.awaiting_alloc.clear();
+                forward.awaiting_release = None;
                 forward.figures.ooms += 1;
                 forward.emit(
                     Op::Oom {
@@ -948,12 +1053,16 @@ fn reconstruct_device(
 
     DeviceWorkload {
         device,
+        start_order: (0..start_segments.len()).collect(),
         start_segments,
         start_allocations,
         allocations: forward.allocations,
         ops: forward.ops,
         op_origins: forward.op_origins,
         segment_decisions: forward.decisions,
+        segment_releases: forward.releases,
+        tie_rule: None,
+        tie_rules_alike: Vec::new(),
         figures: forward.figures,
         timeline: forward.timeline,
         diagnostics,

@@ -24,6 +24,7 @@ pub use space::{Candidate, SearchSpace, same_policy};
 
 use crate::config::Config;
 use crate::policy::TieRule;
+use crate::replay::faithful::{self, Reproduction};
 use crate::replay::{
     self, DeviceWorkload, MemoryPoint, Op, ReplayOptions, ReplayReport, Snapshot, StartState,
     Workload,
@@ -426,6 +427,50 @@ pub struct SubjectInfo {
     pub live_at_start: u64,
     /// The request the recording ran out of memory for, served in the search.
     pub served_oom: Option<u64>,
+    /// How closely its replay under the setting it was recorded with (PyTorch's defaults when
+    /// it does not say), from the reconstructed start, reproduced it: the search's figures are
+    /// only as good as that.
+    pub reproduction: Reproduction,
+}
+
+impl Tuning {
+    /// The recordings whose replay does not reproduce them: what a setting saves on them is
+    /// not claimed.
+    pub fn unreproduced(&self) -> impl Iterator<Item = &SubjectInfo> {
+        self.subjects
+            .iter()
+            .filter(|s| !s.reproduction.reproduced())
+    }
+
+    /// Whether the savings found can be claimed: every recording's replay reproduces it.
+    pub fn claims_savings(&self) -> bool {
+        self.unreproduced().next().is_none()
+    }
+}
+
+/// The self-check of `subject` ([`faithful::self_check`]): its workload as recorded (a request
+/// it ran out of memory for unserved again), under the setting it ran with.
+fn self_check(subject: &Subject, capacity: u64) -> Reproduction {
+    let recorded = subject
+        .recorded
+        .as_ref()
+        .map(|c| c.config.clone())
+        .unwrap_or_default();
+    if subject.served_oom.is_none() {
+        return faithful::self_check(&subject.workload, &recorded, capacity);
+    }
+    let mut workload = subject.workload.clone();
+    let served = workload.allocations.len().checked_sub(1);
+    if let Some(op) = workload
+        .ops
+        .iter_mut()
+        .rev()
+        .find(|op| matches!(op, Op::Alloc { id, .. } if Some(*id as usize) == served))
+        && let Op::Alloc { size, stream, .. } = *op
+    {
+        *op = Op::Oom { size, stream };
+    }
+    faithful::self_check(&workload, &recorded, capacity)
 }
 
 /// Searches the settings space of `subjects` (see the module docs). `subjects` must not be
@@ -532,6 +577,7 @@ pub fn tune_candidates(
                 peak_requested: s.workload.figures.peak_requested,
                 live_at_start: s.workload.figures.live_at_start_requested,
                 served_oom: s.served_oom,
+                reproduction: self_check(s, options.capacity),
             })
             .collect(),
         ranked: evaluated,
@@ -651,6 +697,7 @@ pub fn serve_final_oom(workload: &mut DeviceWorkload) -> Option<u64> {
         requested_size: size,
         stream,
         live_at_start: false,
+        placed: None,
     });
     workload.ops[at] = Op::Alloc { id, size, stream };
     Some(size)

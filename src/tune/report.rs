@@ -10,7 +10,6 @@ use std::fmt::Write;
 /// Candidates shown in the table, besides the defaults and the recorded setting.
 pub const TOP: usize = 10;
 const GIB: f64 = (1u64 << 30) as f64;
-const MIB: f64 = (1u64 << 20) as f64;
 
 /// What the text needs beyond the search itself.
 #[derive(Debug, Clone, Default)]
@@ -22,15 +21,7 @@ pub struct TextOptions {
     pub top: Option<usize>,
 }
 
-/// Bytes as GiB from 1 GiB up, else as MiB.
-pub fn bytes(value: u64) -> String {
-    let v = value as f64;
-    if v >= GIB {
-        format!("{:.2} GiB", v / GIB)
-    } else {
-        format!("{:.1} MiB", v / MIB)
-    }
-}
+pub use crate::replay::bytes;
 
 /// 12345 as "12,345".
 pub fn grouped(value: u64) -> String {
@@ -169,8 +160,49 @@ pub fn text(tuning: &Tuning, options: &TextOptions) -> String {
         per_subject(&mut out, tuning);
     }
     let _ = writeln!(out);
+    for subject in &tuning.subjects {
+        let _ = writeln!(
+            out,
+            "{}",
+            wrap(
+                &format!(
+                    "Self-check, {}: {}.",
+                    subject.name,
+                    subject.reproduction.describe()
+                ),
+                100
+            )
+        );
+    }
+    let _ = writeln!(out);
     answer(&mut out, tuning, options);
     out
+}
+
+/// Why no saving is claimed, when a recording's replay does not reproduce it; `None` when
+/// every one does.
+pub fn not_claimed_because(tuning: &Tuning) -> Option<String> {
+    let unreproduced: Vec<&str> = tuning.unreproduced().map(|s| s.name.as_str()).collect();
+    let first = tuning.unreproduced().next()?;
+    Some(format!(
+        "the replay of {} does not reproduce the recording under the setting it ran with \
+         ({} of PyTorch's {} segment_alloc and {} of its {} segment_free made identically, \
+         peak reserved {} against {} recorded{}), so what a setting would save there is not \
+         known; the table shows what the replays did, not what PyTorch would do",
+        unreproduced.join(", "),
+        first.reproduction.matching_segment_allocs,
+        first.reproduction.segment_allocs,
+        first.reproduction.matching_segment_frees,
+        first.reproduction.segment_frees,
+        bytes(first.reproduction.peak_reserved),
+        bytes(first.reproduction.recorded_peak_reserved),
+        first
+            .reproduction
+            .first_difference
+            .as_ref()
+            .map(|d| format!("; the first difference: {d}"))
+            .unwrap_or_default()
+    ))
 }
 
 /// The ranked rows: the best `top`, then the defaults and the recorded setting where they are
@@ -277,7 +309,8 @@ fn per_subject(out: &mut String, tuning: &Tuning) {
 }
 
 /// Writes rows as aligned columns: the first `left` columns left-aligned, the rest right.
-fn write_rows(out: &mut String, rows: &[Vec<String>], left: usize) {
+/// The command line's tables use it too.
+pub(crate) fn write_rows(out: &mut String, rows: &[Vec<String>], left: usize) {
     let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> = (0..columns)
         .map(|c| {
@@ -306,6 +339,14 @@ fn write_rows(out: &mut String, rows: &[Vec<String>], left: usize) {
 
 /// The lines to paste, what they save, and how to check them.
 fn answer(out: &mut String, tuning: &Tuning, options: &TextOptions) {
+    if let Some(reason) = not_claimed_because(tuning) {
+        let _ = writeln!(
+            out,
+            "{}",
+            wrap(&format!("No setting is recommended: {reason}."), 100)
+        );
+        return;
+    }
     let capacity = bytes(tuning.options.capacity);
     let Some(best) = tuning.recommendation() else {
         let first = &tuning.ranked[0];
@@ -467,7 +508,8 @@ fn percent_saved(value: u64, reference: u64) -> Option<f64> {
 
 /// The search as one JSON object (`ferrocache tune --json`; `ferrocache.advise()`'s data).
 pub fn json(tuning: &Tuning) -> Value {
-    let best = tuning.recommendation();
+    // Nothing is recommended or saved where a replay does not reproduce its recording.
+    let best = tuning.recommendation().filter(|_| tuning.claims_savings());
     let defaults = tuning.defaults();
     let recorded = tuning.recorded();
     let peak = best.map(Evaluated::worst_peak_reserved);
@@ -500,6 +542,7 @@ pub fn json(tuning: &Tuning) -> Value {
                 "events": s.events,
                 "peak_requested_bytes": s.peak_requested,
                 "served_oom_bytes": s.served_oom,
+                "self_check": s.reproduction.json(),
             })
         })
         .collect();
@@ -522,6 +565,8 @@ pub fn json(tuning: &Tuning) -> Value {
         "recorded_peak_reserved_bytes": recorded.map(Evaluated::worst_peak_reserved),
         "saving_vs_defaults": saving(Some(defaults)),
         "saving_vs_recorded": saving(recorded),
+        "savings_claimed": tuning.claims_savings(),
+        "not_claimed_because": not_claimed_because(tuning),
         "capacity_bytes": tuning.options.capacity,
         "capacity_source": tuning.options.capacity_source.as_str(),
         "start": match tuning.options.start {

@@ -64,7 +64,70 @@ pub fn in_own_process_without_libcuda(test: &str, body: impl FnOnce()) {
     run(test, &empty.display().to_string(), &[], body);
 }
 
+/// Runs `body` in a child process whose library search path is `dirs`, in order (e.g. a stub
+/// libcuda's directory ahead of the fake's).
+pub fn in_own_process_with_library_path(
+    test: &str,
+    dirs: &[&Path],
+    env: &[(&str, &str)],
+    body: impl FnOnce(),
+) {
+    let path: Vec<String> = dirs.iter().map(|dir| dir.display().to_string()).collect();
+    run(test, &path.join(":"), env, body);
+}
+
+/// Builds, once per test process, a stand-in for a CUDA toolkit's `stubs/libcuda.so`: every
+/// driver function ferrocache calls answers `CUDA_ERROR_STUB_LIBRARY` (34), as NVIDIA's stub
+/// does. Its soname is `libcuda.so.1`, like the stub's. Returns its directory, which holds
+/// `libcuda.so` only.
+pub fn stub_libcuda_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("libcuda-stub");
+        std::fs::create_dir_all(&dir).expect("create the stub's directory");
+        let mut source = String::from("/* CUDA_ERROR_STUB_LIBRARY for every call. */\n");
+        for symbol in ferrocache::device::cuda::REQUIRED_SYMBOLS {
+            source.push_str(&format!("int {symbol}(void) {{ return 34; }}\n"));
+        }
+        let id = std::process::id();
+        let c_file = dir.join(format!("stub-{id}.c"));
+        std::fs::write(&c_file, source).expect("write the stub's source");
+        let partial = dir.join(format!("libcuda.so.partial-{id}"));
+        let cc = std::env::var_os("CC").unwrap_or_else(|| "cc".into());
+        let status = Command::new(&cc)
+            .args(["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o"])
+            .arg(&partial)
+            .arg(&c_file)
+            .status()
+            .unwrap_or_else(|e| panic!("run {} (a C compiler is needed): {e}", cc.display()));
+        assert!(status.success(), "building the stub libcuda failed");
+        std::fs::rename(&partial, dir.join("libcuda.so")).expect("move the stub into place");
+        let _ = std::fs::remove_file(&c_file);
+        dir
+    })
+}
+
 fn run(test: &str, library_path: &str, env: &[(&str, &str)], body: impl FnOnce()) {
+    run_capturing(test, library_path, env, body);
+}
+
+/// Like [`in_own_process`], and gives the parent the child's stderr (where ferrocache logs);
+/// `None` in the child.
+pub fn in_own_process_stderr(
+    test: &str,
+    env: &[(&str, &str)],
+    body: impl FnOnce(),
+) -> Option<String> {
+    let library_path = fake_libcuda_dir().display().to_string();
+    run_capturing(test, &library_path, env, body)
+}
+
+fn run_capturing(
+    test: &str,
+    library_path: &str,
+    env: &[(&str, &str)],
+    body: impl FnOnce(),
+) -> Option<String> {
     if is_child_for(test) {
         // Panics that something catches (cudarc's, under catch_unwind) must not go unnoticed.
         let default_hook = std::panic::take_hook();
@@ -74,12 +137,15 @@ fn run(test: &str, library_path: &str, env: &[(&str, &str)], body: impl FnOnce()
         }));
         body();
         assert_eq!(PANICS.load(Ordering::SeqCst), 0, "something panicked");
-        return;
+        return None;
     }
     let output = Command::new(std::env::current_exe().expect("the test binary's path"))
         .args([test, "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD_VARIABLE, test)
         .env("LD_LIBRARY_PATH", library_path)
+        // Every use of memory that work of another stream may still touch aborts the child
+        // (tests/fake-cuda/README.md, "Asynchrony"); a test of the check itself turns it off.
+        .env("FAKE_CUDA_ORDER_FATAL", "1")
         .envs(env.iter().copied())
         .output()
         .expect("run the test binary again");
@@ -90,6 +156,7 @@ fn run(test: &str, library_path: &str, env: &[(&str, &str)], body: impl FnOnce()
         "the child process for {test} failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
         output.status
     );
+    Some(stderr.into_owned())
 }
 
 /// Whether this process is the child that runs `test` (see [`in_own_process`]): for a test
@@ -187,13 +254,63 @@ pub struct FakeCuda {
 
 impl FakeCuda {
     pub fn open() -> FakeCuda {
-        // SAFETY: in a child process libcuda.so is the fake, already loaded by cudarc or safe
-        // to load (it has no initialisers); dlopen hands back the same library.
-        let library = unsafe { libloading::Library::new("libcuda.so") }.expect("load the fake");
+        // SAFETY: in a child process libcuda.so.1 is the fake (the name a driver installs and
+        // ferrocache prefers, never a stub), already loaded or safe to load (it has no
+        // initialisers); dlopen hands back the same library.
+        let library = unsafe { libloading::Library::new("libcuda.so.1") }.expect("load the fake");
         FakeCuda { library }
     }
 
-    fn function<T: Copy>(&self, name: &str) -> T {
+    /// Makes `device`'s primary context current on this thread (retaining it), as the CUDA
+    /// runtime does for a call on that device.
+    pub fn make_current(&self, device: c_int) {
+        let init: unsafe extern "C" fn(u32) -> c_int = self.function("cuInit");
+        let retain: unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int =
+            self.function("cuDevicePrimaryCtxRetain");
+        let set_current: unsafe extern "C" fn(*mut c_void) -> c_int =
+            self.function("cuCtxSetCurrent");
+        let mut context = std::ptr::null_mut();
+        // SAFETY: the driver API's signatures; a live out pointer.
+        unsafe {
+            assert_eq!(init(0), 0);
+            assert_eq!(retain(&mut context, device), 0);
+            assert_eq!(set_current(context), 0);
+        }
+    }
+
+    /// `cuCtxEnablePeerAccess` from the current context to `peer`'s primary context: the driver
+    /// call under `cudaDeviceEnablePeerAccess(peer)`. The driver's code.
+    pub fn enable_peer_access(&self, peer: c_int) -> u32 {
+        let retain: unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int =
+            self.function("cuDevicePrimaryCtxRetain");
+        let enable: unsafe extern "C" fn(*mut c_void, u32) -> u32 =
+            self.function("cuCtxEnablePeerAccess");
+        let mut context = std::ptr::null_mut();
+        // SAFETY: the driver API's signatures; a live out pointer.
+        unsafe {
+            assert_eq!(retain(&mut context, peer), 0);
+            enable(context, 0)
+        }
+    }
+
+    /// `cuMemsetD8` of `len` bytes at device address `ptr` in the current context: device-side
+    /// access, as a kernel or copy engine of the current context's device makes it. The
+    /// driver's code.
+    pub fn memset(&self, ptr: u64, value: u8, len: usize) -> u32 {
+        let memset: unsafe extern "C" fn(u64, u8, usize) -> u32 = self.function("cuMemsetD8_v2");
+        // SAFETY: the driver checks the range.
+        unsafe { memset(ptr, value, len) }
+    }
+
+    /// `cuMemcpyDtoD` in the current context; the driver's code.
+    pub fn copy(&self, dst: u64, src: u64, len: usize) -> u32 {
+        let copy: unsafe extern "C" fn(u64, u64, usize) -> u32 = self.function("cuMemcpyDtoD_v2");
+        // SAFETY: the driver checks both ranges.
+        unsafe { copy(dst, src, len) }
+    }
+
+    /// The fake's export `name`, with the C signature `T` the caller gives.
+    pub fn function<T: Copy>(&self, name: &str) -> T {
         // SAFETY: each caller names a fake export and gives its exact C signature.
         *unsafe { self.library.get::<T>(name.as_bytes()) }
             .unwrap_or_else(|e| panic!("the fake libcuda lacks {name}: {e}"))
@@ -250,35 +367,47 @@ impl FakeCuda {
         let get: extern "C" fn() -> u32 = self.function("fake_cuda_capture_mode");
         get()
     }
+
+    /// `cuCtxSynchronize`: waits for all work of the current context; the driver's result.
+    pub fn synchronize(&self) -> c_int {
+        let synchronize: unsafe extern "C" fn() -> c_int = self.function("cuCtxSynchronize");
+        // SAFETY: no arguments.
+        unsafe { synchronize() }
+    }
+
+    /// `cuMemsetD8Async`: work on `stream` that writes `[ptr, ptr + len)` (a context must be
+    /// current for the default streams); the driver's result.
+    pub fn memset_async(&self, ptr: u64, len: usize, stream: u64) -> c_int {
+        let memset: unsafe extern "C" fn(u64, u8, usize, *mut c_void) -> c_int =
+            self.function("cuMemsetD8Async");
+        // SAFETY: plain values; the fake checks the range and the stream.
+        unsafe { memset(ptr, 0x5a, len, stream as usize as *mut c_void) }
+    }
+
+    /// A driver function of the fake that takes one handle (`cuStreamSynchronize`,
+    /// `cuEventQuery`, ...); its result.
+    pub fn call_with_handle(&self, name: &str, handle: u64) -> c_int {
+        let function: unsafe extern "C" fn(*mut c_void) -> c_int = self.function(name);
+        // SAFETY: a plain handle value; the fake checks it.
+        unsafe { function(handle as usize as *mut c_void) }
+    }
 }
 
 /// A stream made with the fake driver (in a child process, after `cuInit` and with device 0's
 /// primary context current), as PyTorch would pass one.
 pub fn new_stream() -> u64 {
-    // SAFETY: in a child process libcuda.so is the fake, already loaded by ferrocache.
-    let cuda = unsafe { libloading::Library::new("libcuda.so") }.expect("load the fake");
-    // SAFETY: each signature is the driver API's.
-    unsafe {
-        let init = cuda
-            .get::<unsafe extern "C" fn(u32) -> c_int>(b"cuInit")
-            .expect("cuInit");
-        let retain = cuda
-            .get::<unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int>(
-                b"cuDevicePrimaryCtxRetain",
-            )
-            .expect("cuDevicePrimaryCtxRetain");
-        let set_current = cuda
-            .get::<unsafe extern "C" fn(*mut c_void) -> c_int>(b"cuCtxSetCurrent")
-            .expect("cuCtxSetCurrent");
-        let create = cuda
-            .get::<unsafe extern "C" fn(*mut *mut c_void, u32) -> c_int>(b"cuStreamCreate")
-            .expect("cuStreamCreate");
-        assert_eq!(init(0), 0);
-        let mut context = std::ptr::null_mut();
-        assert_eq!(retain(&mut context, 0), 0);
-        assert_eq!(set_current(context), 0);
-        let mut stream = std::ptr::null_mut();
-        assert_eq!(create(&mut stream, 0), 0);
-        stream.addr() as u64
-    }
+    new_stream_on(0, 0)
+}
+
+/// A stream of `device` (its primary context is left current on this thread), made with
+/// `flags` (1: `CU_STREAM_NON_BLOCKING`, as PyTorch makes its streams).
+pub fn new_stream_on(device: c_int, flags: u32) -> u64 {
+    let fake = FakeCuda::open();
+    fake.make_current(device);
+    let create: unsafe extern "C" fn(*mut *mut c_void, u32) -> c_int =
+        fake.function("cuStreamCreate");
+    let mut stream = std::ptr::null_mut();
+    // SAFETY: a live out pointer; a primary context is current.
+    assert_eq!(unsafe { create(&mut stream, flags) }, 0);
+    stream.addr() as u64
 }

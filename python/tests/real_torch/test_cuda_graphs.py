@@ -134,21 +134,71 @@ def test_graphs_sharing_a_pool_reuse_each_others_blocks_and_nobody_else_gets_the
     assert out["ordinary"] == [[0, 0], [0, 0]]
 
 
-def test_mem_pool_is_refused_by_pytorch_and_offered_by_ferrocache() -> None:
+def test_torch_mem_pool_and_ferrocache_mem_pool_are_ferrocaches_private_pools() -> None:
+    """PyTorch refuses its own MemPool with a plugged-in allocator; install() puts ferrocache's
+    in its place (test_memory_api_real.py compares it with PyTorch's allocator)."""
     out = run_graphs(
         """
-        try:
-            torch.cuda.MemPool()
-            refused = None
-        except RuntimeError as err:
-            refused = str(err)
+        theirs = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(theirs):
+            u = torch.empty(N, dtype=torch.uint8, device="cuda")
         with ferrocache.mem_pool() as pool:
             t = torch.empty(N, dtype=torch.uint8, device="cuda")
         outside = torch.empty(N, dtype=torch.uint8, device="cuda")
-        result({"refused": refused, "pool": list(pool.id), "t_pool": pool_of(t.data_ptr()),
-                "outside": pool_of(outside.data_ptr())})
+        result({"torch pool": list(theirs.id), "u_pool": pool_of(u.data_ptr()), "pool": list(pool.id),
+                "t_pool": pool_of(t.data_ptr()), "outside": pool_of(outside.data_ptr())})
         """
     )
-    assert out["refused"] and "does not yet support createOrIncrefPool" in out["refused"]
+    assert out["u_pool"] == out["torch pool"] == [0, 1]
     assert out["t_pool"] == out["pool"] != [0, 0]
     assert out["outside"] == [0, 0]
+
+
+def test_a_capture_over_two_streams_replays_its_work_into_the_graphs_memory() -> None:
+    # The fake keeps captured copies and memsets as the graph's nodes and runs them at replay,
+    # checking each against the ordering rules (tests/fake-cuda/README.md, "Capture").
+    out = run_graphs(
+        """
+        side = torch.cuda.Stream()
+        host = torch.arange(256, dtype=torch.uint8).repeat(N // 256)
+        src = torch.zeros(N, dtype=torch.uint8, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            x = torch.empty(N, dtype=torch.uint8, device="cuda")
+            x.copy_(src)
+            side.wait_stream(s)
+            with torch.cuda.stream(side):
+                y = torch.zeros(N, dtype=torch.uint8, device="cuda")
+                y.copy_(x)
+            s.wait_stream(side)
+        src.copy_(host)
+        torch.cuda.synchronize()
+        g.replay()
+        torch.cuda.synchronize()
+        result({"replayed": torch.equal(y.cpu(), host), "y_pool": pool_of(y.data_ptr()),
+                "pool": list(g.pool())})
+        """
+    )
+    assert out["replayed"], "replaying the graph ran its copies, on both streams"
+    assert out["y_pool"] == out["pool"], "the side stream's allocation is the graph's"
+
+
+def test_a_capture_whose_side_stream_is_not_joined_back_fails_as_on_a_gpu() -> None:
+    out = run_graphs(
+        """
+        side = torch.cuda.Stream()
+        source = torch.zeros(N, dtype=torch.uint8, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, stream=s):
+                x = torch.zeros(N, dtype=torch.uint8, device="cuda")
+                side.wait_stream(s)
+                with torch.cuda.stream(side):
+                    x.copy_(source)
+            error = ""
+        except RuntimeError as err:
+            error = str(err)
+        result({"error": error})
+        """
+    )
+    assert "capture was not joined" in out["error"], out["error"]

@@ -225,6 +225,8 @@ def test_info_log_lines_from_a_real_pytorch_process() -> None:
     lines = [line for line in process.stderr.splitlines() if line.startswith("[INFO] Allocator:")]
     expected = [
         r"\[INFO\] Allocator: ferrocache \S+ initialised for 1 device\(s\); TORCH_CUDA_ALLOC_LOG_LEVEL=INFO",
+        # The driver PyTorch loaded (the preloaded fake), not another from the library path.
+        r"\[INFO\] Allocator: CUDA driver library \S+/libcuda\.so\S*",
         r"\[INFO\] Allocator: new segment 0x[0-9a-f]+ \(size 20 MB\) from the device for stream 0",
         r"\[INFO\] Allocator: splitting block 0x[0-9a-f]+: 4 MB allocated, 16 MB remains free",
         r"\[INFO\] Allocator: block 0x[0-9a-f]+ \(size 4 MB\) allocated to stream 0",

@@ -6,6 +6,10 @@ The child's code gets a prelude: ``torch`` and ``ferrocache`` imported (not inst
 test says when), ``result(value)`` to send a JSON value back, and ``fake_stat(name)``, which
 reads a counter of the fake driver (``bytes_in_use``, ``live_allocations``, the number of calls
 of a driver function such as ``cuMemAlloc_v2``; see tests/fake-cuda/README.md).
+
+``scripts/gpu-check`` runs a chosen few of these tests on a real GPU (``FERROCACHE_REAL_GPU=1``,
+see ``python/tools/gpucheck/real_torch.py``): there the prelude's ``_fake`` is None, and only
+tests that ask nothing of the fake are chosen.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import pytest
 from conftest import STRICT, run_json, run_python
 
 FAKE_CUDA = os.environ.get("FERROCACHE_FAKE_CUDA")
+#: Set by scripts/gpu-check, which runs the tests it chose on a real GPU.
+REAL_GPU = os.environ.get("FERROCACHE_REAL_GPU") == "1"
 
 
 def _torch_version() -> tuple[int, ...]:
@@ -48,10 +54,14 @@ PRELUDE = textwrap.dedent(
     import ferrocache
 
     _fake = ctypes.CDLL("libcuda.so.1")
-    _fake.fake_cuda_stat.restype = ctypes.c_int64
-    _fake.fake_cuda_stat.argtypes = [ctypes.c_char_p]
+    if hasattr(_fake, "fake_cuda_stat"):
+        _fake.fake_cuda_stat.restype = ctypes.c_int64
+        _fake.fake_cuda_stat.argtypes = [ctypes.c_char_p]
+    else:  # a real GPU (scripts/gpu-check)
+        _fake = None
 
     def fake_stat(name):
+        assert _fake is not None, "fake_stat() needs the fake CUDA"
         value = _fake.fake_cuda_stat(name.encode())
         assert value >= 0, f"the fake driver has no counter {name!r}"
         return value
@@ -60,8 +70,9 @@ PRELUDE = textwrap.dedent(
 
 
 def require_real_torch() -> None:
-    """Skips the module unless it runs under scripts/with-fake-cuda (fails under STRICT)."""
-    if FAKE_CUDA:
+    """Skips the module unless it runs under scripts/with-fake-cuda (fails under STRICT), or
+    on a real GPU under scripts/gpu-check."""
+    if FAKE_CUDA or REAL_GPU:
         return
     reason = "needs real PyTorch on the fake CUDA: run it with scripts/with-fake-cuda"
     if STRICT and os.environ.get("FERROCACHE_REAL_TORCH_TESTS") == "1":

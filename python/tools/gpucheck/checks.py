@@ -4,7 +4,7 @@ report's items. Pure functions, tested without a GPU."""
 from __future__ import annotations
 
 import statistics
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from .report import ERROR, FAIL, MEASURED, PASS, SKIPPED, CheckResult, Table, mib, milliseconds, nanoseconds
 
@@ -12,37 +12,67 @@ OOM_PREFIX = "CUDA out of memory."
 #: NVML's figure for this process, which PyTorch's out-of-memory message carries where NVML answers.
 OOM_THIS_PROCESS = "Including non-PyTorch memory, this process has "
 #: Steps left out of the step-time median (CUDA and cuBLAS warm up in the first ones).
-WARMUP_STEPS = 3
+WARMUP_STEPS = 5
+#: The step-time median is taken over at least this many steps.
+TIMED_STEPS = 50
 
 
 #: The report's items, in order, with their titles.
 TITLES = {
+    "real_torch": "Real-PyTorch tests (python/tests/real_torch) on the GPU",
+    "step_time": "Training step time, ferrocache / native (median)",
     "losses": "Same training, same losses (native vs ferrocache)",
     "host_cost": "Host cost of torch.empty + free (interleaved, medians)",
     "peaks": "Peak reserved and step time (training run)",
     "streams": "Two streams with record_stream",
     "oom": "Out of memory: an exception with PyTorch's message, then carry on",
     "empty_cache": "torch.cuda.empty_cache() gives memory back",
+    "expandable": "expandable_segments:True: streams, CUDA graphs, empty_cache, out of memory",
+    "cross_stream": "Cross-stream reuse (FERROCACHE_CROSS_STREAM=1): the device waits",
+    "graphs": "CUDA graphs: captured forward replayed among other allocations",
+    "peer": "Peer copy, device 0 -> 1 -> 0 (also under expandable_segments:True)",
+    "memory_api": "Every public torch.cuda memory function, both allocators (compare.py)",
     "example": "examples/train.py runs and prints the summary",
     "replay": "Replay of the native run's snapshot (ferrocache replay)",
     "tune": "ferrocache tune on the native run's snapshot, its answer replayed",
 }
 
 
+ON_FAKE = "skipped_on_fake"
+
+
 def _part(features: Mapping[str, Mapping[str, Any]], allocator: str, name: str) -> Mapping[str, Any]:
-    """One part of a features run; the run's own error where the process failed."""
+    """One part of a features run; the run's own error (or skip) where the process did not get
+    that far."""
     run = features.get(allocator, {"error": f"no {allocator} run"})
-    if "error" in run:
-        return {"error": run["error"]}
+    for word in ("error", ON_FAKE):
+        if word in run:
+            return {word: run[word]}
     part: Mapping[str, Any] = run.get(name, {"error": f"{allocator} run has no {name!r} result"})
     return part
 
 
 def _error(key: str, title: str, raw: Mapping[str, Any]) -> Optional[CheckResult]:
+    """The item for a raw result that is an error, or was skipped on the fake; None otherwise."""
     if "error" in raw:
         first = str(raw["error"]).strip().splitlines()[-1:] or ["(no message)"]
         return CheckResult(key, title, ERROR, first[0], data=dict(raw))
+    if ON_FAKE in raw:
+        return skipped_on_fake(key, title, str(raw[ON_FAKE]))
     return None
+
+
+def _cell(part: Mapping[str, Any], name: str) -> str:
+    """A table cell: the part's value, or why there is none."""
+    if "error" in part:
+        return "error: " + ((str(part["error"]).strip().splitlines() or [""])[-1])[:100]
+    if ON_FAKE in part:
+        return "skipped on the fake"
+    return str(part.get(name, "-"))
+
+
+def skipped_on_fake(key: str, title: str, why: str) -> CheckResult:
+    return CheckResult(key, title, SKIPPED, f"skipped on the fake: {why}")
 
 
 #: The second native run (with history recording), the control of the loss comparison.
@@ -56,6 +86,9 @@ def losses(runs: Mapping[str, Mapping[str, Any]], control: str = CONTROL) -> Che
     if even two native runs differ, a difference under ferrocache proves nothing.
     """
     key, title = "losses", TITLES["losses"]
+    skipped = _skipped_runs(key, title, runs)
+    if skipped:
+        return skipped
     native = runs.get("native", {}).get("losses")
     if not native:
         why = runs.get("native", {}).get("error", "no losses")
@@ -144,6 +177,9 @@ def _size_name(size: int) -> str:
 def peaks(runs: Mapping[str, Mapping[str, Any]]) -> CheckResult:
     """(3) Peak reserved memory and step time of the training run, per allocator."""
     key, title = "peaks", TITLES["peaks"]
+    skipped = _skipped_runs(key, title, runs)
+    if skipped:
+        return skipped
     broken = [f"{name}: {run['error']}" for name, run in runs.items() if "error" in run]
     if not runs or broken:
         return CheckResult(key, title, ERROR, "; ".join(broken) or "no training run")
@@ -173,10 +209,47 @@ def peaks(runs: Mapping[str, Mapping[str, Any]]) -> CheckResult:
     return CheckResult(key, title, MEASURED, summary, [Table("", headers, rows)])
 
 
-def streams(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
+def _skipped_runs(key: str, title: str, runs: Mapping[str, Mapping[str, Any]]) -> Optional[CheckResult]:
+    """Skipped on the fake where the first run stopped at a kernel (the others did not start)."""
+    why = next((str(run[ON_FAKE]) for run in runs.values() if ON_FAKE in run), None)
+    return skipped_on_fake(key, title, why) if why is not None else None
+
+
+def step_time(runs: Mapping[str, Mapping[str, Any]], ours: str = "ferrocache") -> CheckResult:
+    """The median time of a training step (after the warm-up steps) under each allocator, and
+    ferrocache's over native's: ``data["ratio"]``, which the summary line quotes."""
+    key, title = "step_time", TITLES["step_time"]
+    skipped = _skipped_runs(key, title, runs)
+    if skipped:
+        return skipped
+    medians: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for name, run in runs.items():
+        seconds = run.get("step_seconds") or []
+        timed = seconds[WARMUP_STEPS:]
+        if timed:
+            medians[name], counts[name] = statistics.median(timed), len(timed)
+    if "native" not in medians or ours not in medians:
+        broken = "; ".join(f"{n}: {r['error']}" for n, r in runs.items() if "error" in r)
+        return CheckResult(key, title, ERROR, broken or "no timed steps from native or ferrocache")
+    ratio = medians[ours] / medians["native"]
+    rows = [[name, milliseconds(value), str(counts[name]), f"{value / medians['native']:.3f}"]
+            for name, value in medians.items()]  # fmt: skip
+    timed = min(counts["native"], counts[ours])
+    summary = (
+        f"ferrocache/native {ratio:.2f} ({milliseconds(medians[ours])} vs {milliseconds(medians['native'])}, "
+        f"median of {timed} steps after {WARMUP_STEPS} warm-up)"
+    )
+    if timed < TIMED_STEPS:
+        summary += f"; fewer than {TIMED_STEPS} steps timed"
+    table = Table("", ["allocator", "median step", "steps timed", "ratio to native"], rows)
+    return CheckResult(key, title, MEASURED, summary, [table], data={"ratio": ratio, "medians": medians})
+
+
+def streams(features: Mapping[str, Mapping[str, Any]], ours_name: str = "ferrocache") -> CheckResult:
     """(4) record_stream on a second stream: the data read there stays right."""
     key, title = "streams", TITLES["streams"]
-    ours = _part(features, "ferrocache", "streams")
+    ours = _part(features, ours_name, "streams")
     failed = _error(key, title, ours)
     if failed:
         return failed
@@ -195,10 +268,10 @@ def streams(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
     return CheckResult(key, title, PASS if ok else FAIL, summary, [table])
 
 
-def out_of_memory(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
+def out_of_memory(features: Mapping[str, Mapping[str, Any]], ours_name: str = "ferrocache") -> CheckResult:
     """(5) An impossible allocation raises PyTorch's out-of-memory message and the run goes on."""
     key, title = "oom", TITLES["oom"]
-    ours = _part(features, "ferrocache", "oom")
+    ours = _part(features, ours_name, "oom")
     failed = _error(key, title, ours)
     if failed:
         return failed
@@ -229,10 +302,10 @@ def out_of_memory(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
     return CheckResult(key, title, PASS if ok else FAIL, summary, [table])
 
 
-def empty_cache(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
+def empty_cache(features: Mapping[str, Mapping[str, Any]], ours_name: str = "ferrocache") -> CheckResult:
     """(6) torch.cuda.empty_cache() gives the cached memory back (torch.cuda.mem_get_info)."""
     key, title = "empty_cache", TITLES["empty_cache"]
-    ours = _part(features, "ferrocache", "empty_cache")
+    ours = _part(features, ours_name, "empty_cache")
     failed = _error(key, title, ours)
     if failed:
         return failed
@@ -251,6 +324,130 @@ def empty_cache(features: Mapping[str, Mapping[str, Any]]) -> CheckResult:
     headers = ["allocator", "free change: alloc", "free change: del", "free change: empty_cache",
                "reserved before", "reserved after"]  # fmt: skip
     return CheckResult(key, title, PASS if ok else FAIL, summary, [Table("", headers, rows)])
+
+
+def graphs(features: Mapping[str, Mapping[str, Any]], ours_name: str = "ferrocache") -> CheckResult:
+    """A captured forward replayed among other allocations gives the eager results, under
+    native (the control) and ferrocache."""
+    key, title = "graphs", TITLES["graphs"]
+    ours = _part(features, ours_name, "graphs")
+    failed = _error(key, title, ours)
+    if failed:
+        return failed
+    rows = [[name, _cell(part, "replays"), _cell(part, "correct"), _cell(part, "others_intact")]
+            for name, run in features.items() for part in [_part(features, name, "graphs")]]  # fmt: skip
+    ok = ours.get("correct") is True and ours.get("others_intact") is True and ours.get("pool") not in (None, [0, 0])
+    summary = (
+        f"{ours.get('replays')} replays, each equal to the eager forward, other tensors untouched"
+        if ok
+        else f"wrong: {dict(ours)}"
+    )
+    table = Table("", ["allocator", "replays", "outputs equal eager", "other tensors untouched"], rows)
+    return CheckResult(key, title, PASS if ok else FAIL, summary, [table])
+
+
+def cross_stream(features: Mapping[str, Mapping[str, Any]], ours_name: str = "ferrocache-cross-stream") -> CheckResult:
+    """With cross-stream reuse, the block freed on s1 serves s2 and s2's write wins; without
+    (native, ferrocache: the controls), s2 gets another block. Right values everywhere."""
+    key, title = "cross_stream", TITLES["cross_stream"]
+    ours = _part(features, ours_name, "cross_stream")
+    failed = _error(key, title, ours)
+    if failed:
+        return failed
+    rows, controls_ok = [], True
+    for name, run in features.items():
+        part = _part(features, name, "cross_stream")
+        rows.append([name, _cell(part, "reused"), _cell(part, "correct")])
+        if name != ours_name and "reused" in part:
+            controls_ok = controls_ok and part.get("correct") is True and part.get("reused") is False
+    ok = ours.get("reused") is True and ours.get("correct") is True and controls_ok
+    summary = (
+        "the block moved to the other stream and its data are the new stream's"
+        if ok
+        else f"wrong: reused={ours.get('reused')}, correct={ours.get('correct')}, controls ok={controls_ok}"
+    )
+    table = Table("", ["allocator", "block reused across streams", "values correct"], rows)
+    return CheckResult(key, title, PASS if ok else FAIL, summary, [table])
+
+
+def expandable(features: Mapping[str, Mapping[str, Any]], ours_name: str = "ferrocache-expandable") -> CheckResult:
+    """The features run under expandable_segments:True: each part judged as for ferrocache."""
+    key, title = "expandable", TITLES["expandable"]
+    verdicts = [judge(features, ours_name) for judge in (streams, graphs, empty_cache, out_of_memory)]
+    rows = [[verdict.title, verdict.status, verdict.summary] for verdict in verdicts]
+    table = Table("", ["part", "result", "summary"], rows)
+    if all(v.status == SKIPPED for v in verdicts):
+        return CheckResult(key, title, SKIPPED, verdicts[0].summary, [table])
+    worst = next((v for v in verdicts if v.status in (FAIL, ERROR)), None)
+    if worst is not None:
+        return CheckResult(key, title, worst.status, f"{worst.title}: {worst.summary}", [table])
+    passed = sum(v.status == PASS for v in verdicts)
+    skipped = [v.title for v in verdicts if v.status == SKIPPED]
+    summary = f"{passed} of {len(verdicts)} parts passed" + (f" ({len(skipped)} skipped)" if skipped else "")
+    return CheckResult(key, title, PASS, summary, [table])
+
+
+def peer(results: Mapping[str, Mapping[str, Any]], device_count: int) -> CheckResult:
+    """Device 0 -> 1 -> 0 under each allocator, with and without expandable segments: every
+    copy comes back bit for bit (a crash of the process is an error)."""
+    key, title = "peer", TITLES["peer"]
+    if device_count < 2:
+        return CheckResult(key, title, SKIPPED, f"needs 2 GPUs, this machine has {device_count}")
+    rows: list[list[str]] = []
+    wrong: list[str] = []  # copies that came back different: FAIL
+    broken: list[str] = []  # processes or parts that failed: ERROR
+    skipped: list[str] = []
+    for name, run in results.items():
+        cells = [name]
+        for part, fields in (("copies", ("before_peer_access", "after_peer_access")), ("converting", ("correct",))):
+            raw = run if ("error" in run or ON_FAKE in run) else run.get(part, {"error": "no result"})
+            if "error" in raw:
+                cells += ["error"] * len(fields)
+                broken.append(f"{name} {part}: {(str(raw['error']).strip().splitlines() or [''])[-1]}")
+            elif ON_FAKE in raw:
+                cells += ["skipped on the fake"] * len(fields)
+                skipped.append(str(raw[ON_FAKE]))
+            else:
+                cells += [str(raw.get(f)) for f in fields]
+                wrong += [f"{name}: {part} {f} differs" for f in fields if raw.get(f) is not True]
+        rows.append(cells)
+    table = Table("", ["allocator", "copied before peer access", "copied after", "converting copy"], rows)
+    if wrong or broken:
+        return CheckResult(key, title, FAIL if wrong else ERROR, "; ".join(wrong + broken)[:400], [table])
+    if skipped and not any(cell == "True" for row in rows for cell in row):
+        return CheckResult(key, title, SKIPPED, f"skipped on the fake: {skipped[0]}", [table])
+    summary = "every copy came back bit for bit" + ("; the converting copy skipped on the fake" if skipped else "")
+    return CheckResult(key, title, PASS, summary, [table])
+
+
+def memory_api(outcome: Mapping[str, Any]) -> CheckResult:
+    """compare.py's side-by-side table of the public torch.cuda memory functions, verbatim."""
+    key, title = "memory_api", TITLES["memory_api"]
+    if outcome.get("skipped"):
+        return CheckResult(key, title, SKIPPED, str(outcome["skipped"]))
+    if outcome.get("returncode") != 0:
+        return CheckResult(key, title, ERROR, f"compare.py failed (exit {outcome.get('returncode')}): "
+                           f"{outcome.get('stderr_tail', '')}")  # fmt: skip
+    table = str(outcome.get("stdout", "")).strip()
+    if not table:
+        return CheckResult(key, title, ERROR, "compare.py printed nothing")
+    rows = sum(1 for line in table.splitlines() if line.startswith("|")) - 2
+    return CheckResult(key, title, MEASURED, f"{max(rows, 0)} rows side by side", text=table)
+
+
+def real_torch(cases: Sequence[Mapping[str, Any]], problem: str = "") -> CheckResult:
+    """The chosen real-PyTorch tests, each counted in the summary (``data["counts"]``); a
+    ``problem`` (a pytest stopped or broken) counts as one more failure."""
+    key, title = "real_torch", TITLES["real_torch"]
+    counts = {outcome: sum(c["outcome"] == outcome for c in cases) for outcome in ("passed", "failed", "skipped")}
+    rows = [[str(c["name"]), str(c["outcome"]), f"{float(c['seconds']):.1f} s", str(c.get("why", ""))] for c in cases]
+    summary = ", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n) or "no test ran"
+    table = Table("", ["test", "outcome", "time", "why"], rows)
+    if problem:
+        counts["failed"] += 1
+        return CheckResult(key, title, ERROR, f"{summary}; {problem}", [table], data={"counts": counts})
+    status = FAIL if counts["failed"] else PASS if counts["passed"] else SKIPPED
+    return CheckResult(key, title, status, summary, [table], data={"counts": counts})
 
 
 def example(returncode: Optional[int], output: str) -> CheckResult:

@@ -1,17 +1,22 @@
-"""``scripts/gpu-check``: builds and installs ferrocache, runs it side by side with PyTorch's
-native allocator on the GPU, and writes ``report.md`` and ``report.json`` into ``--out``.
+"""``scripts/gpu-check``: ferrocache on a real GPU, side by side with PyTorch's native allocator,
+in one call of at most 8 minutes (``--budget``), writing ``docs/gpu-results.md`` and printing
+one summary line at the end.
 
-Steps: (0) probe PyTorch and the GPU, stop with status 2 where there is none; (1) make a
-virtual environment with the system's packages (PyTorch) and ``pip install`` the repository
-into it; (2) train the example model under native, ferrocache and ferrocache with expandable
-segments, one process each, plus a second native run with PyTorch's history recording (the
-control of the loss comparison, and a snapshot): losses, peak reserved memory, step time;
-(3) two streams with ``record_stream``, ``empty_cache`` against ``mem_get_info``, an
-out-of-memory error, per allocator; (4) host cost of ``torch.empty`` + free, two worker
-processes measured in turns; (5) ``examples/train.py`` as a user runs it; (6) the native
-snapshot replayed with the installed ``ferrocache`` command (``ferrocache replay``; the GPU
-machine has no cargo); (7) ``ferrocache tune`` on it within the GPU's memory, and the replay of
-its recommendation giving the peak tune reported.
+Steps, the required ones first so that the budget cuts the extras: (0) probe PyTorch and the
+GPU, stop with status 2 where there is none; (1) install ferrocache: the wheel
+``FERROCACHE_WHEEL`` names, unpacked (no cargo, no network, no pip), else the ferrocache
+``--python`` imports, else ``pip install .``; (2) the real-PyTorch tests chosen for a
+GPU (:mod:`gpucheck.real_torch`); (3) the training step under native and ferrocache (its median
+time and their ratio), then the same training under native with history recording (the
+control), expandable segments and cross-stream reuse (bit-identical losses, peaks); (4) per
+allocator: two streams with ``record_stream``, cross-stream reuse, a CUDA graph, ``empty_cache``
+against ``mem_get_info``, an out-of-memory error; (5) the peer copy where there are 2 GPUs;
+(6) ``python/tools/memory_api/compare.py --markdown``; (7) host cost of ``torch.empty`` + free;
+(8) ``examples/train.py``; (9) the native snapshot replayed and (10) tuned with the installed
+``ferrocache`` command.
+
+On the fake CUDA (the rehearsal) every step runs; the work that needs kernels is reported
+"skipped on the fake".
 
 Exit status: 0 all checks passed, 1 something failed, 2 no usable GPU or PyTorch.
 """
@@ -23,15 +28,18 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from . import bench, checks
-from .report import ERROR, SKIPPED, CheckResult, Report
+from . import bench, checks, real_torch, workloads
+from .report import ERROR, RESULTS_NAME, SKIPPED, CheckResult, Report
 
 REPO = Path(__file__).resolve().parents[3]
 TOOLS = Path(__file__).resolve().parents[1]
@@ -42,12 +50,27 @@ ALLOCATOR_VARIABLES = (
     "PYTORCH_HIP_ALLOC_CONF",
     "TORCH_CUDA_ALLOC_LOG_LEVEL",
     "FERROCACHE_LIBRARY",
+    "FERROCACHE_CROSS_STREAM",
+)
+#: The wheel to install (scripts/build-wheel), which needs neither cargo nor network.
+WHEEL_ENV = "FERROCACHE_WHEEL"
+#: issue 28's side-by-side table of the public torch.cuda memory functions.
+COMPARE = REPO / "python" / "tools" / "memory_api" / "compare.py"
+RESULTS = REPO / "docs" / "gpu-results.md"
+#: How to bring pytest to a machine without it (and without network).
+PYTEST_WHEELS_COMMAND = "python3 -m pip download -d dist/ pytest exceptiongroup tomli"
+#: The one call on a machine with a GPU (docs/python.md, "The GPU check").
+ONE_CALL = (
+    "set -o pipefail; FERROCACHE_WHEEL=dist/ferrocache-0.1.0-py3-none-manylinux_2_34_x86_64.whl "
+    "scripts/gpu-check --out $OUT 2>&1 | tee $OUT/log"
 )
 BENCH_SIZES = (4 << 10, 8 << 20, 256 << 20)
 #: The ferrocache-expandable runs' setting, replayed too.
 REPLAY_EXPANDABLE = "expandable_segments:True"
 #: A step is not started with less time than this left of the budget.
 MINIMUM_STEP_SECONDS = 20.0
+#: The real-PyTorch tests may take at most this long (a hung test must not eat the budget).
+TESTS_SECONDS = 200.0
 
 PROBE = """
 import json, sys
@@ -60,9 +83,15 @@ else:
     info.update(torch=torch.__version__, cuda_build=torch.version.cuda,
                 cuda_available=torch.cuda.is_available())
     if info["cuda_available"]:
+        import ctypes
         props = torch.cuda.get_device_properties(0)
+        try:  # the project's fake CUDA (the rehearsal) has this counter, no driver has
+            fake = hasattr(ctypes.CDLL("libcuda.so.1"), "fake_cuda_stat")
+        except OSError:
+            fake = False
         info.update(device=props.name, device_count=torch.cuda.device_count(),
-                    total_memory=props.total_memory)
+                    total_memory=props.total_memory, capability=f"{props.major}.{props.minor}",
+                    fake_cuda=fake)
 print(json.dumps(info))
 """
 
@@ -70,23 +99,51 @@ print(json.dumps(info))
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="scripts/gpu-check",
-        description="ferrocache against PyTorch's native allocator on a real GPU",
-        epilog="Exit status: 0 passed, 1 a check failed, 2 no usable GPU or PyTorch.",
+        description=(
+            "ferrocache against PyTorch's native allocator on a real GPU, in one call of at most "
+            "8 minutes; writes docs/gpu-results.md and prints one summary line at the end."
+        ),
+        epilog=(
+            "The one call on a machine with a GPU (PyTorch installed, no cargo, no network), after "
+            "scripts/build-wheel and " + PYTEST_WHEELS_COMMAND + " here, with dist/ carried along: "
+            + ONE_CALL
+            + " (the output directory gets gpu-results.md, report.json, logs/ and raw/). "
+            "Exit status: 0 passed, 1 a check failed, 2 no usable GPU or PyTorch."
+        ),
     )
-    parser.add_argument("--out", type=Path, default=Path("gpu-check-out"), help="output directory (default gpu-check-out/)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("gpu-check-out"), help="output directory (default gpu-check-out/)"
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=RESULTS,
+        help="the results page (default docs/gpu-results.md; a copy goes to --out)",
+    )
     parser.add_argument("--python", default=sys.executable, help="the Python with PyTorch (default: this one)")
-    parser.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
+    parser.add_argument(
+        "--steps", type=int, default=60, help="training steps per run (default 60: 5 warm-up, 55 timed)"
+    )
     parser.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check (default 450)")
     parser.add_argument("--bench-repetitions", type=int, default=9)
     parser.add_argument("--bench-iterations", type=int, default=5000)
     parser.add_argument(
+        "--tests", default=None, help="a pytest -k expression: only those of the chosen real-PyTorch tests"
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+        help="pytest processes side by side for the real-PyTorch tests (default: a quarter of the CPUs, at most 4)",
+    )
+    parser.add_argument(
         "--skip-install",
         action="store_true",
-        help="use the ferrocache that --python already imports (no venv, no build)",
+        help="use the ferrocache that --python already imports, even where FERROCACHE_WHEEL is set",
     )
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.bench_repetitions < 1 or args.bench_iterations < 1:
-        parser.error("--steps, --bench-repetitions and --bench-iterations must be at least 1")
+    if min(args.steps, args.bench_repetitions, args.bench_iterations, args.jobs) < 1:
+        parser.error("--steps, --bench-repetitions, --bench-iterations and --jobs must be at least 1")
     return args
 
 
@@ -101,6 +158,10 @@ class Context:
     out: Path
     started: float = field(default_factory=time.monotonic)
     python: str = ""
+    #: Where the wheel was installed (unpacked, or pip --target), first on the children's PYTHONPATH.
+    site: Optional[Path] = None
+    on_fake: bool = False
+    device_count: int = 1
 
     @property
     def logs(self) -> Path:
@@ -110,12 +171,19 @@ class Context:
     def raw(self) -> Path:
         return self.out / "raw"
 
+    def site_directory(self) -> Path:
+        """The directory ferrocache (and pytest) go into, made on first use, removed at the end."""
+        if self.site is None:
+            self.site = Path(tempfile.mkdtemp(prefix="gpu-check-site-"))
+        return self.site
+
     def remaining(self) -> float:
         return float(self.args.budget) - (time.monotonic() - self.started)
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_VARIABLES}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TOOLS), env.get("PYTHONPATH", "")) if p)
+        first = [str(self.site)] if self.site else []
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (*first, str(TOOLS), env.get("PYTHONPATH", "")) if p)
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS
         return env
 
@@ -144,38 +212,84 @@ def environment_problem(info: dict[str, Any]) -> Optional[str]:
     return None
 
 
-def _run_logged(command: Sequence[str], log_file: Path, **kwargs: Any) -> int:
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_file, "w") as out:
+def _run_all_logged(
+    commands: Sequence[tuple[Sequence[str], Path]], timeout: Optional[float] = None, **kwargs: Any
+) -> list[Optional[int]]:
+    """Runs the commands side by side, each with its output in its log file; their exit
+    statuses, None for each one still running after ``timeout`` seconds, whose whole process
+    group is then killed (pytest's children too, which hold the GPU)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    started = []
+    for command, log_file in commands:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        out = open(log_file, "w")  # noqa: SIM115 - closed below
         out.write("$ " + " ".join(command) + "\n")
         out.flush()
-        return subprocess.run(list(command), stdout=out, stderr=subprocess.STDOUT, **kwargs).returncode
+        process = subprocess.Popen(
+            list(command), stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **kwargs
+        )
+        started.append((process, out))
+    codes: list[Optional[int]] = []
+    for process, out in started:
+        try:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            codes.append(process.wait(timeout=left))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            codes.append(None)
+        out.close()
+    return codes
+
+
+def _run_logged(command: Sequence[str], log_file: Path, timeout: Optional[float] = None, **kwargs: Any) -> int:
+    """Runs ``command`` with its output in ``log_file``; TimeoutExpired after ``timeout``."""
+    (code,) = _run_all_logged([(command, log_file)], timeout, **kwargs)
+    if code is None:
+        raise subprocess.TimeoutExpired(list(command), timeout or 0.0)
+    return code
 
 
 def install(ctx: Context) -> Optional[str]:
-    """Builds and installs ferrocache; returns the Python to run the workloads with."""
+    """Installs ferrocache where the workloads will import it; returns the Python to run them
+    with. The wheel goes into a directory of its own, put first on the children's PYTHONPATH:
+    this works whatever environment holds PyTorch."""
     args = ctx.args
-    if args.skip_install:
-        ctx.report.notes.append("--skip-install: used the ferrocache that --python imports")
+    wheel = os.environ.get(WHEEL_ENV)
+    imported = not wheel and not probe_ferrocache(args.python, ctx.env()).startswith("error")
+    if args.skip_install or imported:
+        ctx.report.environment["install"] = f"the ferrocache {args.python} imports"
         return str(args.python)
-    venv = ctx.out / "venv"
     started = time.monotonic()
-    python = str(venv / "bin" / "python")
-    # A wheel from scripts/build-wheel installs without cargo, and without PyPI (pip install .
-    # fetches maturin): the way onto a machine that reaches neither.
-    source = os.environ.get("FERROCACHE_WHEEL") or str(REPO)
-    if _run_logged([args.python, "-m", "venv", "--system-site-packages", str(venv)], ctx.logs / "venv.log") != 0:
-        ctx.report.notes.append("no venv (python -m venv failed): installed with pip --user instead")
-        python = str(args.python)
-        command = [python, "-m", "pip", "install", "--user", source]
-    else:
-        command = [python, "-m", "pip", "install", source]
-    log(f"pip install {source} ...")
+    if wheel:
+        try:
+            unpack_wheel(Path(wheel), ctx.site_directory())
+        except (OSError, zipfile.BadZipFile) as err:
+            ctx.report.problem = f"cannot unpack {wheel}: {err}"
+            return None
+        ctx.report.environment["install"] = f"{wheel} unpacked in {time.monotonic() - started:.1f} s"
+        return str(args.python)
+    command = [args.python, "-m", "pip", "--disable-pip-version-check", "install", "--no-deps", "--target",
+               str(ctx.site_directory()), str(REPO)]  # fmt: skip
+    log("pip install . ...")
     if _run_logged(command, ctx.logs / "pip-install.log", cwd=REPO) != 0:
         ctx.report.problem = f"pip install failed; see {ctx.logs / 'pip-install.log'}"
         return None
-    ctx.report.environment["build + install"] = f"{time.monotonic() - started:.0f} s (pip install {source})"
-    return python
+    ctx.report.environment["install"] = f"pip install --target of {REPO} in {time.monotonic() - started:.0f} s"
+    return str(args.python)
+
+
+def unpack_wheel(wheel: Path, site: Path) -> None:
+    """What ``pip install --no-deps --target site wheel`` leaves that the check uses, without
+    pip (which a GPU machine's Python may lack): the files, and the executable bit of the
+    programs (``ferrocache.scripts/ferrocache``, the command, whose run path finds the library
+    in ``../ferrocache.libs``)."""
+    log(f"unpacking {wheel} ...")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+        for name in archive.namelist():
+            if ".scripts/" in name or ".data/scripts/" in name:
+                (site / name).chmod(0o755)
 
 
 def workload(ctx: Context, name: str, allocator: str, label: str, extra: Sequence[str] = ()) -> dict[str, Any]:
@@ -183,8 +297,10 @@ def workload(ctx: Context, name: str, allocator: str, label: str, extra: Sequenc
     ctx.raw.mkdir(parents=True, exist_ok=True)
     out = ctx.raw / f"{label}.json"
     command = [ctx.python, "-m", "gpucheck.workloads", name, "--allocator", allocator, "--out", str(out), *extra]
+    if ctx.remaining() < MINIMUM_STEP_SECONDS:
+        return {"error": "not run: the time budget is spent"}
     log(f"{name} under {allocator} ...")
-    timeout = max(ctx.remaining(), MINIMUM_STEP_SECONDS)
+    timeout = ctx.remaining()
     try:
         code = _run_logged(command, ctx.logs / f"{label}.log", env=ctx.env(), cwd=ctx.out, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -194,11 +310,14 @@ def workload(ctx: Context, name: str, allocator: str, label: str, extra: Sequenc
     return dict(json.loads(out.read_text()))
 
 
-def guarded(ctx: Context, key: str, step: Callable[[], CheckResult]) -> None:
-    """Runs a step unless the budget is spent; an exception becomes an ERROR item."""
+def guarded(ctx: Context, key: str, step: Callable[[], CheckResult], needs: float = MINIMUM_STEP_SECONDS) -> None:
+    """Runs a step unless less than ``needs`` seconds of the budget are left; an exception
+    becomes an ERROR item."""
     title = checks.TITLES[key]
-    if ctx.remaining() < MINIMUM_STEP_SECONDS:
-        ctx.report.checks.append(CheckResult(key, title, SKIPPED, "time budget spent"))
+    if ctx.remaining() < needs:
+        left = max(ctx.remaining(), 0)
+        why = f"time budget: {left:.0f} s left of {ctx.args.budget:.0f}, the step needs about {needs:.0f}"
+        ctx.report.checks.append(CheckResult(key, title, SKIPPED, why))
         return
     try:
         result = step()
@@ -217,18 +336,25 @@ def ferrocache_command(ctx: Context) -> Optional[str]:
     override = os.environ.get(COMMAND_ENV)
     if override:
         return override if Path(override).is_file() else None
-    beside = Path(ctx.python or sys.executable).parent / "ferrocache"
-    if beside.is_file():
-        return str(beside)
+    # The wheel's own launcher (bin/ferrocache) looks for the program in the interpreter's
+    # site-packages, not in the unpacked directory: the program itself, there.
+    installed = [ctx.site / "ferrocache.scripts" / "ferrocache"] if ctx.site else []
+    for beside in [*installed, Path(ctx.python or sys.executable).parent / "ferrocache"]:
+        if beside.is_file():
+            return str(beside)
     return shutil.which("ferrocache")
 
 
-def _run_command(ctx: Context, command: Sequence[str], name: str) -> tuple[Optional[subprocess.CompletedProcess[str]], str]:
+def _run_command(
+    ctx: Context, command: Sequence[str], name: str
+) -> tuple[Optional[subprocess.CompletedProcess[str]], str]:
     """Runs the ``ferrocache`` command, its stdout in ``<name>.json`` and stderr in the logs;
     the process, or None and why."""
     timeout = max(min(ctx.remaining(), 300.0), MINIMUM_STEP_SECONDS)
     try:
-        process = subprocess.run(list(command), cwd=ctx.out, capture_output=True, text=True, timeout=timeout)
+        process = subprocess.run(
+            list(command), cwd=ctx.out, capture_output=True, text=True, timeout=timeout, env=ctx.env()
+        )
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout:.0f} s"
     except OSError as err:
@@ -305,50 +431,162 @@ def json_lines(text: str) -> Optional[list[Any]]:
         return None
 
 
+
+
+def _imports(ctx: Context, module: str) -> bool:
+    process = subprocess.run([ctx.python, "-c", f"import {module}"], env=ctx.env(), capture_output=True)
+    return process.returncode == 0
+
+
+def ensure_pytest(ctx: Context) -> Optional[str]:
+    """None where pytest imports, after installing it from the wheels beside FERROCACHE_WHEEL
+    where it did not; else why it does not."""
+    if _imports(ctx, "pytest"):
+        return None
+    wheel = os.environ.get(WHEEL_ENV)
+    wheels = Path(wheel).resolve().parent if wheel else None
+    if wheels is not None and any(wheels.glob("pytest-*.whl")):
+        others = [w for w in sorted(wheels.glob("*.whl")) if not w.name.startswith("ferrocache-")]
+        try:
+            for other in others:  # pytest and what it needs, pure Python
+                unpack_wheel(other, ctx.site_directory())
+        except (OSError, zipfile.BadZipFile) as err:
+            return f"pytest's wheels in {wheels} did not unpack: {err}"
+        if _imports(ctx, "pytest"):
+            return None
+        return f"pytest does not import from the wheels in {wheels} (all of its dependencies there?)"
+    return (
+        f"pytest is not installed for {ctx.python}: put its wheels beside the ferrocache wheel "
+        f"({PYTEST_WHEELS_COMMAND})"
+    )
+
+
+def run_real_torch_tests(ctx: Context) -> CheckResult:
+    """The chosen real-PyTorch tests under pytest, against this machine's CUDA (the GPU, or in
+    the rehearsal the fake), in ``--jobs`` pytest processes side by side (each test runs its
+    own processes, which only their own allocator's figures concern); their outcomes from
+    pytest's JUnit XML."""
+    no_pytest = ensure_pytest(ctx)
+    if no_pytest:
+        return CheckResult("real_torch", checks.TITLES["real_torch"], SKIPPED, no_pytest)
+    tests = real_torch.node_ids(real_torch.chosen(ctx.device_count))
+    ctx.raw.mkdir(parents=True, exist_ok=True)
+    jobs = max(1, min(ctx.args.jobs, len(tests)))
+    commands, reports = [], []
+    for job in range(jobs):
+        junit = ctx.raw / f"real-torch-{job}.xml"
+        junit.unlink(missing_ok=True)
+        command = [ctx.python, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *tests[job::jobs]]
+        if ctx.args.tests:
+            command += ["-k", ctx.args.tests]
+        commands.append((command, ctx.logs / f"real-torch-{job}.log"))
+        reports.append(junit)
+    env = ctx.env()
+    if not ctx.on_fake:
+        env["FERROCACHE_REAL_GPU"] = "1"
+    narrowed = f" (-k {ctx.args.tests})" if ctx.args.tests else ""
+    log(f"{len(tests)} real-PyTorch tests{narrowed}, {jobs} pytest processes ...")
+    timeout = min(ctx.remaining(), TESTS_SECONDS)
+    codes = _run_all_logged(commands, timeout, env=env, cwd=REPO)
+    cases = [case for junit in reports if junit.is_file() for case in real_torch.results(junit)]
+    problems = []
+    for (_, log_file), junit, code in zip(commands, reports, codes):
+        if code is None:
+            problems.append(f"stopped after {timeout:.0f} s (logs/{log_file.name})")
+        elif not junit.is_file():
+            problems.append(f"pytest exit status {code}: {bench.last_line(log_file)} (logs/{log_file.name})")
+    return checks.real_torch(cases, "; ".join(problems))
+
+
+def run_compare(ctx: Context) -> dict[str, Any]:
+    """issue 28's ``compare.py --markdown``: its table, verbatim."""
+    if not COMPARE.is_file():
+        return {"skipped": "not in this checkout (python/tools/memory_api/compare.py)"}
+    log("compare.py --markdown ...")
+    log_file = ctx.logs / "compare.log"
+    try:
+        process = subprocess.run([ctx.python, str(COMPARE), "--markdown"], capture_output=True, text=True, cwd=REPO,
+                                 env=ctx.env(), timeout=max(ctx.remaining(), MINIMUM_STEP_SECONDS))  # fmt: skip
+    except subprocess.TimeoutExpired as err:
+        return {"returncode": None, "stderr_tail": f"timed out after {err.timeout:.0f} s"}
+    ctx.logs.mkdir(parents=True, exist_ok=True)
+    log_file.write_text(process.stdout + process.stderr)
+    return {"returncode": process.returncode, "stdout": process.stdout, "stderr_tail": process.stderr.strip()[-300:]}
+
+
+def runs_until_fake_stops(
+    ctx: Context, name: str, series: Sequence[tuple[str, str, Sequence[str]]]
+) -> dict[str, dict[str, Any]]:
+    """One ``name`` workload per (key, allocator, extra arguments), logged as ``name-key``; on
+    the fake, the first that stops at a kernel ends the series (the others would stop there too)."""
+    results: dict[str, dict[str, Any]] = {}
+    for key, allocator, extra in series:
+        results[key] = workload(ctx, name, allocator, f"{name}-{key}", extra)
+        if checks.ON_FAKE in results[key]:
+            break
+    return results
+
+
 def run_checks(ctx: Context) -> None:
     args, out = ctx.args, ctx.out
     example = str(REPO / "examples" / "train.py")
-    runs: dict[str, dict[str, Any]] = {}
     steps = ["--example", example, "--steps", str(args.steps)]
-
     native_snapshot = out / "native-snapshot.pickle"
 
-    def training() -> CheckResult:
-        runs["native"] = workload(ctx, "train", "native", "train-native", steps)
-        # The same native run again, recording PyTorch's history: the control of the loss
-        # comparison, and the snapshot for the replay.
-        runs[checks.CONTROL] = workload(
-            ctx, "train", "native", "train-native-history",
-            [*steps, "--record-history", "--snapshot", str(native_snapshot)],
-        )  # fmt: skip
-        runs["ferrocache"] = workload(
-            ctx, "train", "ferrocache", "train-ferrocache",
-            [*steps, "--snapshot", str(out / "ferrocache-snapshot.pickle")],
-        )  # fmt: skip
-        runs["ferrocache-expandable"] = workload(
-            ctx, "train", "ferrocache-expandable", "train-ferrocache-expandable", steps
-        )
-        return checks.losses(runs)
+    guarded(ctx, "real_torch", lambda: run_real_torch_tests(ctx))
 
-    guarded(ctx, "losses", training)
+    runs: dict[str, dict[str, Any]] = {}
+
+    def training() -> CheckResult:
+        # native and ferrocache first (the step time), then the control: the same native run
+        # recording PyTorch's history (two native runs must agree for the loss comparison to
+        # mean anything; its snapshot is replayed below), then the opt-in modes.
+        series = [
+            ("native", "native", steps),
+            ("ferrocache", "ferrocache", [*steps, "--snapshot", str(out / "ferrocache-snapshot.pickle")]),
+            (checks.CONTROL, "native", [*steps, "--record-history", "--snapshot", str(native_snapshot)]),
+            ("ferrocache-expandable", "ferrocache-expandable", steps),
+            ("ferrocache-cross-stream", "ferrocache-cross-stream", steps),
+        ]
+        runs.update(runs_until_fake_stops(ctx, "train", series))
+        return checks.step_time(runs)
+
+    guarded(ctx, "step_time", training, needs=60)
+    guarded(ctx, "losses", lambda: checks.losses(runs))
     guarded(ctx, "peaks", lambda: checks.peaks(runs))
 
     features: dict[str, dict[str, Any]] = {}
 
     def judged(judge: Callable[[dict[str, dict[str, Any]]], CheckResult]) -> Callable[[], CheckResult]:
-        """The feature runs (once, for all three checks), then ``judge`` on their results."""
+        """The feature runs (once, for all the checks below), then ``judge`` on their results."""
 
         def step() -> CheckResult:
             if not features:
-                for allocator in ("native", "ferrocache"):
+                for allocator in ("native", "ferrocache", "ferrocache-expandable", "ferrocache-cross-stream"):
                     features[allocator] = workload(ctx, "features", allocator, f"features-{allocator}")
             return judge(features)
 
         return step
 
-    guarded(ctx, "streams", judged(checks.streams))
-    guarded(ctx, "oom", judged(checks.out_of_memory))
-    guarded(ctx, "empty_cache", judged(checks.empty_cache))
+    feature_checks = {
+        "streams": checks.streams,
+        "oom": checks.out_of_memory,
+        "empty_cache": checks.empty_cache,
+        "expandable": checks.expandable,
+        "cross_stream": checks.cross_stream,
+        "graphs": checks.graphs,
+    }
+    for key, judge in feature_checks.items():
+        guarded(ctx, key, judged(judge), needs=60 if not features else MINIMUM_STEP_SECONDS)
+
+    def peer_copies() -> CheckResult:
+        if ctx.device_count < 2:
+            return checks.peer({}, ctx.device_count)
+        series = [(a, a, ()) for a in ("native", "ferrocache", "native-expandable", "ferrocache-expandable")]
+        return checks.peer(runs_until_fake_stops(ctx, "peer", series), ctx.device_count)
+
+    guarded(ctx, "peer", peer_copies, needs=40)
+    guarded(ctx, "memory_api", lambda: checks.memory_api(run_compare(ctx)), needs=40)
 
     def host_cost() -> CheckResult:
         log("host cost, interleaved workers ...")
@@ -366,7 +604,7 @@ def run_checks(ctx: Context) -> None:
         (ctx.raw / "bench.json").write_text(json.dumps(result, indent=1))
         return checks.host_cost(result)
 
-    guarded(ctx, "host_cost", host_cost)
+    guarded(ctx, "host_cost", host_cost, needs=40)
 
     def example_run() -> CheckResult:
         log("examples/train.py ...")
@@ -375,25 +613,28 @@ def run_checks(ctx: Context) -> None:
         env.pop("CUBLAS_WORKSPACE_CONFIG", None)
         code = _run_logged([ctx.python, example, "--steps", "5"], log_file, env=env, cwd=out,
                            timeout=max(ctx.remaining(), MINIMUM_STEP_SECONDS))  # fmt: skip
-        return checks.example(code, log_file.read_text(errors="replace"))
+        output = log_file.read_text(errors="replace")
+        if code != 0 and ctx.on_fake and any(sign in output for sign in workloads.FAKE_CANNOT_RUN):
+            return checks.skipped_on_fake("example", checks.TITLES["example"], "examples/train.py needs kernels")
+        return checks.example(code, output)
 
     guarded(ctx, "example", example_run)
 
-    def replay() -> CheckResult:
-        history = runs.get(checks.CONTROL, {"error": "the native run with history did not run"})
-        if "error" in history:
-            return CheckResult("replay", checks.TITLES["replay"], ERROR, history["error"])
-        return checks.replay(run_replay(ctx, native_snapshot), runs)
+    def snapshot_step(key: str, judge: Callable[[], CheckResult]) -> Callable[[], CheckResult]:
+        """The replay and the tune need the native run's snapshot."""
 
-    guarded(ctx, "replay", replay)
+        def step() -> CheckResult:
+            history = runs.get(checks.CONTROL, {"error": "the native run with history did not run"})
+            if checks.ON_FAKE in runs.get("native", {}):
+                return checks.skipped_on_fake(key, checks.TITLES[key], "no native snapshot: the training needs kernels")
+            if "error" in history:
+                return CheckResult(key, checks.TITLES[key], ERROR, history["error"])
+            return judge()
 
-    def tune() -> CheckResult:
-        history = runs.get(checks.CONTROL, {"error": "the native run with history did not run"})
-        if "error" in history:
-            return CheckResult("tune", checks.TITLES["tune"], ERROR, history["error"])
-        return checks.tune(run_tune(ctx, native_snapshot))
+        return step
 
-    guarded(ctx, "tune", tune)
+    guarded(ctx, "replay", snapshot_step("replay", lambda: checks.replay(run_replay(ctx, native_snapshot), runs)))
+    guarded(ctx, "tune", snapshot_step("tune", lambda: checks.tune(run_tune(ctx, native_snapshot))))
 
 
 def run(ctx: Context) -> int:
@@ -404,7 +645,11 @@ def run(ctx: Context) -> int:
         ctx.report.problem = problem
         log(f"cannot run: {problem}")
         return 2
+    ctx.on_fake = bool(info.get("fake_cuda"))
+    ctx.device_count = int(info.get("device_count") or 1)
     ctx.report.environment["commit"] = _git_commit()
+    ctx.report.environment["CPUs"] = os.cpu_count()
+    ctx.report.environment["nvidia-smi"] = nvidia_smi()
     python = install(ctx)
     if python is None:
         log(f"cannot run: {ctx.report.problem}")
@@ -415,6 +660,11 @@ def run(ctx: Context) -> int:
     if imported.startswith("error"):
         ctx.report.problem = f"ferrocache does not import with {python}: {imported}"
         return 1
+    if ctx.on_fake:
+        ctx.report.notes.append(
+            "A rehearsal on the fake CUDA (tests/fake-cuda), not a GPU: it runs no kernel, so the "
+            "work that needs kernels is reported as skipped on the fake."
+        )
     ctx.report.notes.append(
         "The children run with PYTORCH_CUDA_ALLOC_CONF and the other allocator variables "
         "cleared, and with CUBLAS_WORKSPACE_CONFIG=:4096:8 (deterministic cuBLAS)."
@@ -423,7 +673,7 @@ def run(ctx: Context) -> int:
     snapshots = [p.name for p in sorted(ctx.out.glob("*-snapshot.pickle"))]
     if snapshots:
         ctx.report.notes.append(
-            f"Snapshots for https://pytorch.org/memory_viz in {ctx.out}: {', '.join(snapshots)} "
+            f"Snapshots for https://pytorch.org/memory_viz in the output directory: {', '.join(snapshots)} "
             "(native-snapshot.pickle: PyTorch's allocator with its history; "
             "ferrocache-snapshot.pickle: ferrocache's state at the end of its run)"
         )
@@ -437,6 +687,16 @@ def probe_ferrocache(python: str, env: dict[str, str]) -> str:
         lines = process.stderr.strip().splitlines() or ["(no output)"]
         return "error: " + lines[-1]
     return process.stdout.strip()
+
+
+def nvidia_smi() -> str:
+    """The driver's view of the GPUs (name, driver version, memory), or why there is none."""
+    command = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+    try:
+        process = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"n/a ({type(err).__name__})"
+    return "; ".join(process.stdout.strip().splitlines()) or f"n/a (exit status {process.returncode})"
 
 
 def _git_commit() -> str:
@@ -454,15 +714,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     ctx = Context(args, Report(started=started), out)
-    log(f"output in {out}")
+    log(f"output in {out}, budget {args.budget:.0f} s")
     try:
         code = run(ctx)
     except KeyboardInterrupt:
         ctx.report.problem = "interrupted"
         code = 1
     finally:
+        if ctx.site is not None:
+            shutil.rmtree(ctx.site, ignore_errors=True)
         ctx.report.seconds = time.monotonic() - ctx.started
-        markdown, _ = ctx.report.write(out)
-    log(f"report: {markdown}")
-    print(markdown.read_text())
+        ctx.report.write(out, args.results.resolve())
+    log(f"results: {args.results} (and {out / RESULTS_NAME}, {out / 'report.json'})")
+    print(ctx.report.summary_line(), flush=True)
     return code

@@ -10,6 +10,8 @@ from typing import Any, Optional
 PASS, FAIL, MEASURED, SKIPPED, ERROR = "pass", "FAIL", "measured", "skipped", "ERROR"
 #: Statuses that make the check as a whole fail.
 FAILING = (FAIL, ERROR)
+#: The results' file name, in docs/ and in the output directory.
+RESULTS_NAME = "gpu-results.md"
 
 
 @dataclass
@@ -31,6 +33,16 @@ class CheckResult:
     summary: str
     tables: list[Table] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)
+    #: Markdown shown as it is, after the tables (compare.py's table).
+    text: str = ""
+
+    def counts(self) -> dict[str, int]:
+        """What the item adds to the summary line: its tests where it ran several (the
+        real-PyTorch tests), else itself."""
+        if "counts" in self.data:
+            return dict(self.data["counts"])
+        outcome = "failed" if self.status in FAILING else "skipped" if self.status == SKIPPED else "passed"
+        return {outcome: 1}
 
 
 @dataclass
@@ -45,13 +57,32 @@ class Report:
     def failed(self) -> bool:
         return self.problem is not None or any(c.status in FAILING for c in self.checks)
 
+    def summary_line(self) -> str:
+        """One line: ``gpu-check: 23 passed, 0 failed, 2 skipped in 312 s; step time
+        ferrocache/native 0.99`` (each real-PyTorch test counts, and each other item)."""
+        if self.problem is not None:
+            return f"gpu-check: could not run in {self.seconds:.0f} s: {self.problem}"
+        totals = {"passed": 0, "failed": 0, "skipped": 0}
+        for check in self.checks:
+            for outcome, number in check.counts().items():
+                totals[outcome] = totals.get(outcome, 0) + number
+        counted = ", ".join(f"{n} {outcome}" for outcome, n in totals.items())
+        step = next((c for c in self.checks if c.key == "step_time"), None)
+        if step is not None and "ratio" in step.data:
+            ratio = f"{step.data['ratio']:.2f}"
+        elif step is not None and step.status == SKIPPED:
+            ratio = f"n/a ({step.summary})"
+        else:
+            ratio = "n/a (the training failed: see the results page)" if step is not None else "n/a (not run)"
+        return f"gpu-check: {counted} in {self.seconds:.0f} s; step time ferrocache/native {ratio}"
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=False, default=str) + "\n"
 
     def to_markdown(self) -> str:
-        lines = ["# ferrocache GPU check", ""]
+        lines = ["# ferrocache on a real GPU: scripts/gpu-check", ""]
         lines.append(f"Started {self.started}, took {self.seconds:.0f} s.")
-        lines.append("")
+        lines += ["", f"`{self.summary_line()}`", ""]
         if self.problem is not None:
             lines += [f"**Could not run: {self.problem}**", ""]
         if self.environment:
@@ -67,7 +98,7 @@ class Report:
                 lines.append(f"| {number} | {escape(check.title)} | {status} | {escape(check.summary)} |")
             lines.append("")
         for number, check in enumerate(self.checks, 1):
-            if not check.tables:
+            if not check.tables and not check.text:
                 continue
             lines += [f"## {number}. {check.title}", ""]
             for table in check.tables:
@@ -75,18 +106,23 @@ class Report:
                     lines += [table.title, ""]
                 lines += markdown_table(table.headers, table.rows)
                 lines.append("")
+            if check.text:
+                lines += [check.text, ""]
         if self.notes:
             lines += ["## Notes", ""]
             lines += [f"- {escape(note)}" for note in self.notes]
             lines.append("")
         return "\n".join(lines)
 
-    def write(self, out: Path) -> tuple[Path, Path]:
+    def write(self, out: Path, results: Path) -> None:
+        """The Markdown to ``results`` (docs/gpu-results.md) and, with the JSON, into ``out``."""
         out.mkdir(parents=True, exist_ok=True)
-        markdown, data = out / "report.md", out / "report.json"
-        markdown.write_text(self.to_markdown(), encoding="utf-8")
-        data.write_text(self.to_json(), encoding="utf-8")
-        return markdown, data
+        markdown = self.to_markdown()
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(markdown, encoding="utf-8")
+        if results.resolve() != (out / RESULTS_NAME).resolve():
+            (out / RESULTS_NAME).write_text(markdown, encoding="utf-8")
+        (out / "report.json").write_text(self.to_json(), encoding="utf-8")
 
 
 def escape(text: str) -> str:

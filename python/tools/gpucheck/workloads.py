@@ -3,16 +3,23 @@ swapped once CUDA is initialised):
 
     python -m gpucheck.workloads train    --allocator A --example examples/train.py --out r.json
     python -m gpucheck.workloads features --allocator A --out r.json
+    python -m gpucheck.workloads peer     --allocator A --out r.json
     python -m gpucheck.workloads bench    --allocator A          (the line protocol of bench.py)
 
-``--allocator`` is ``native`` (PyTorch's), ``ferrocache`` or ``ferrocache-expandable``
-(``expandable_segments:True``). Each program writes its raw results as JSON; gpucheck.checks
-judges them.
+``--allocator`` names a row of :data:`ALLOCATORS`: PyTorch's own (``native``, and
+``native-expandable``) or ferrocache (``ferrocache``, ``ferrocache-expandable`` with
+``expandable_segments:True``, ``ferrocache-cross-stream`` with cross-stream reuse). Each program
+writes its raw results as JSON; gpucheck.checks judges them.
+
+On the fake CUDA (the rehearsal, ``python/tests/real_torch/test_gpu_check_rehearsal.py``) no
+kernel runs: where a program or a part of it stops at the first kernel, its result says
+``{"skipped_on_fake": why}`` instead of an error. Anything else that fails is an error there too.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import importlib.util
 import json
@@ -22,26 +29,64 @@ import time
 import traceback
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
-ALLOCATORS = ("native", "ferrocache", "ferrocache-expandable")
-#: The ferrocache settings of each ferrocache variant.
-FERROCACHE_CONF = {"ferrocache": None, "ferrocache-expandable": "expandable_segments:True"}
+EXPANDABLE = "expandable_segments:True"
+
+
+class Allocator(NamedTuple):
+    """How a workload process sets up its allocator."""
+
+    ferrocache: bool
+    conf: Optional[str] = None
+    cross_stream: bool = False
+
+
+ALLOCATORS = {
+    "native": Allocator(False),
+    "native-expandable": Allocator(False, EXPANDABLE),
+    "ferrocache": Allocator(True),
+    "ferrocache-expandable": Allocator(True, EXPANDABLE),
+    "ferrocache-cross-stream": Allocator(True, cross_stream=True),
+}
+#: What PyTorch says when the fake CUDA is asked to run a kernel (``no kernel image``, see
+#: tests/fake-cuda/README.md) or to use a library it only stubs (cuBLAS, cuDNN).
+FAKE_CANNOT_RUN = ("no kernel image", "CUBLAS_STATUS", "CUDNN_STATUS", "cuDNN error")
+
+
+def on_fake_cuda() -> bool:
+    """Whether the driver this process loaded is the project's fake (tests/fake-cuda)."""
+    try:
+        return hasattr(ctypes.CDLL("libcuda.so.1"), "fake_cuda_stat")
+    except OSError:
+        return False
+
+
+def fake_cannot_run(err: BaseException) -> Optional[str]:
+    """Why ``err`` only means that this runs on the fake CUDA, which runs no kernel; None where
+    it is a failure."""
+    if not any(sign in str(err) for sign in FAKE_CANNOT_RUN) or not on_fake_cuda():
+        return None
+    traceback.print_exception(err, file=sys.stderr)  # the details, in the workload's log
+    return "needs kernels, which the fake CUDA cannot run"
 
 
 def setup(allocator: str) -> ModuleType:
-    """Imports PyTorch and, for a ferrocache variant, installs ferrocache before CUDA starts."""
+    """Imports PyTorch and sets up ``allocator`` before CUDA starts."""
+    chosen = ALLOCATORS[allocator]
+    if chosen.conf and not chosen.ferrocache:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = chosen.conf  # read when CUDA starts
     torch = importlib.import_module("torch")
-    if allocator != "native":
+    if chosen.ferrocache:
         import ferrocache
 
-        ferrocache.install(conf=FERROCACHE_CONF[allocator])
+        ferrocache.install(conf=chosen.conf, cross_stream=chosen.cross_stream or None)
     return torch
 
 
 def memory_api(allocator: str) -> Any:
     """Where the statistics come from: torch.cuda, or ferrocache for a pluggable allocator."""
-    if allocator == "native":
+    if not ALLOCATORS[allocator].ferrocache:
         import torch
 
         return torch.cuda
@@ -76,7 +121,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.backends.cuda.enable_mem_efficient_sdp(False)
     memory = memory_api(args.allocator)
     if args.record_history:
-        if args.allocator == "native":
+        if not ALLOCATORS[args.allocator].ferrocache:
             torch.cuda.memory._record_memory_history(max_entries=args.history_entries)
         else:
             memory.record_memory_history(max_entries=args.history_entries)
@@ -91,7 +136,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "num_device_alloc": memory.memory_stats().get("num_device_alloc"),
     }
     if args.snapshot:
-        if args.allocator == "native":
+        if not ALLOCATORS[args.allocator].ferrocache:
             torch.cuda.memory._dump_snapshot(args.snapshot)
         else:
             memory.dump_snapshot(args.snapshot)
@@ -173,20 +218,126 @@ def out_of_memory(torch: Any, memory: Any) -> dict[str, Any]:
     return result
 
 
+def cross_stream(torch: Any) -> dict[str, Any]:
+    """A block freed on stream s1 while s1 still writes it is asked for on stream s2. With
+    cross-stream reuse, s2 gets it after waiting on the device for s1's work, so s2's later
+    write wins; without, s2 gets another block. Were the wait missing, s1's late write of 1s
+    would land over s2's 7s."""
+    n = 1 << 24  # 64 MiB of float32
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        torch.cuda._sleep(200_000_000)  # s1's write below lands late
+        a = torch.full((n,), 1.0, device="cuda")
+    first = a.data_ptr()
+    del a  # freed on s1 while its write is pending
+    with torch.cuda.stream(s2):
+        b = torch.empty(n, device="cuda")
+        b.fill_(7.0)
+    reused = b.data_ptr() == first
+    torch.cuda.synchronize()
+    return {"reused": reused, "correct": bool((b == 7).all().item())}
+
+
+def graphs(torch: Any) -> dict[str, Any]:
+    """A model's forward captured in a CUDA graph and replayed on new inputs, with other
+    allocations between the replays: the graph's outputs equal the eager ones each time, and
+    the replays leave the other tensors alone (were the graph's private memory handed to them,
+    a replay would write over them)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
+    model = model.cuda()
+    static_input = torch.randn(64, 1024, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():  # warm-up off the default stream, as PyTorch advises
+        for _ in range(3):
+            model(static_input)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        with torch.cuda.graph(graph):
+            static_output = model(static_input) * 2 + 1
+        agree, intact = [], []
+        for _ in range(5):
+            static_input.copy_(torch.randn(64, 1024, device="cuda"))
+            others = [torch.randn(1 << 20, device="cuda") for _ in range(4)]
+            copies = [other.clone() for other in others]
+            graph.replay()
+            expected = model(static_input) * 2 + 1
+            agree.append(bool(torch.allclose(static_output, expected, rtol=1e-3, atol=1e-3)))
+            intact.append(all(bool(torch.equal(a, b)) for a, b in zip(others, copies)))
+            del others, copies
+    pool = list(graph.pool())
+    del static_output
+    graph.reset()
+    return {"replays": len(agree), "correct": all(agree), "others_intact": all(intact), "pool": pool}
+
+
 def features(args: argparse.Namespace) -> dict[str, Any]:
     torch = setup(args.allocator)
     memory = memory_api(args.allocator)
     result: dict[str, Any] = {"allocator": args.allocator}
     parts: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("streams", lambda: two_streams(torch)),
+        ("cross_stream", lambda: cross_stream(torch)),
+        ("graphs", lambda: graphs(torch)),
         ("empty_cache", lambda: empty_cache(torch, memory)),
         ("oom", lambda: out_of_memory(torch, memory)),  # last: it may leave the cache emptied
     ]
     for name, part in parts:
         try:
             result[name] = part()
-        except Exception:
-            result[name] = {"error": traceback.format_exc(limit=5)}
+        except Exception as err:
+            why = fake_cannot_run(err)
+            result[name] = {"skipped_on_fake": why} if why else {"error": traceback.format_exc(limit=5)}
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# peer: device 0 -> 1 and back
+# ------------------------------------------------------------------------------------------------
+
+
+def peer(args: argparse.Namespace) -> dict[str, Any]:
+    """Copies device 0 -> 1 -> 0: memory allocated before PyTorch enables peer access (at the
+    first copy) and after (new pages of an expandable segment), then a copy that converts its
+    type, which runs as a kernel on one device reading the other's memory. Each must come back
+    bit for bit."""
+    torch = setup(args.allocator)
+    if torch.cuda.device_count() < 2:
+        return {"error": f"needs 2 GPUs, found {torch.cuda.device_count()}"}
+    result: dict[str, Any] = {"allocator": args.allocator}
+
+    def round_trip(host: Any) -> bool:
+        on_zero = host.to("cuda:0")
+        on_one = on_zero.to("cuda:1")
+        back = on_one.to("cuda:0")
+        for device in (0, 1):
+            torch.cuda.synchronize(device)
+        return bool(torch.equal(back.cpu(), host))
+
+    def copies() -> dict[str, Any]:
+        generator = torch.Generator().manual_seed(0)
+        before = torch.randint(0, 1 << 30, (1 << 20,), dtype=torch.int32, generator=generator)
+        # 64 MiB: pages mapped after peer access was enabled by the first copy.
+        after = torch.randint(0, 1 << 30, (16 << 20,), dtype=torch.int32, generator=generator)
+        return {"before_peer_access": round_trip(before), "after_peer_access": round_trip(after)}
+
+    def converting() -> dict[str, Any]:
+        host = torch.arange(1 << 20, dtype=torch.int32)
+        on_zero = host.to("cuda:0")
+        on_one = on_zero.to("cuda:1", dtype=torch.float64)  # a kernel across devices
+        back = on_one.to("cuda:0", dtype=torch.int32)
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        return {"correct": bool(torch.equal(back.cpu(), host))}
+
+    for name, part in (("copies", copies), ("converting", converting)):
+        try:
+            result[name] = part()
+        except Exception as err:
+            why = fake_cannot_run(err)
+            result[name] = {"skipped_on_fake": why} if why else {"error": traceback.format_exc(limit=5)}
     return result
 
 
@@ -222,7 +373,7 @@ def bench_worker(args: argparse.Namespace) -> None:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m gpucheck.workloads")
-    parser.add_argument("workload", choices=("train", "features", "bench"))
+    parser.add_argument("workload", choices=("train", "features", "peer", "bench"))
     parser.add_argument("--allocator", choices=ALLOCATORS, required=True)
     parser.add_argument("--out", type=Path, help="where the JSON result goes")
     parser.add_argument("--example", help="examples/train.py (for train)")
@@ -240,8 +391,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.out is None:
         raise SystemExit("--out is required")
-    programs = {"train": train, "features": features}
-    result = programs[args.workload](args)
+    programs = {"train": train, "features": features, "peer": peer}
+    try:
+        result = programs[args.workload](args)
+    except Exception as err:
+        why = fake_cannot_run(err)
+        if why is None:
+            raise
+        result = {"allocator": args.allocator, "skipped_on_fake": why}
     result["pid"] = os.getpid()
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

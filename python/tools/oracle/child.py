@@ -103,6 +103,8 @@ def run(program: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.empty_cache()
         elif kind == "fraction":
             torch.cuda.set_per_process_memory_fraction(op["value"])
+        elif kind == "settings":
+            torch.cuda.memory._set_allocator_settings(op["value"])
         elif kind == "history":
             if op.get("stacks", True):
                 record_history(max_entries=1_000_000)

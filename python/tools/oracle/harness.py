@@ -6,7 +6,8 @@ their offsets in the fake's address range), the same address for each allocation
 
 A program is a list of ops (JSON): ``alloc`` (``torch.empty`` of ``size`` bytes on stream
 ``stream``, named ``id``), ``free``, ``record_stream``, ``empty_cache``, ``fraction``
-(``set_per_process_memory_fraction``). :func:`random_program` draws one from a seed,
+(``set_per_process_memory_fraction``), ``settings`` (``_set_allocator_settings`` of ``value``,
+the settings changed at run time). :func:`random_program` draws one from a seed,
 :mod:`oracle.shapes` draws one shaped like training, :mod:`oracle.traces` makes one of a recorded
 snapshot; :func:`compare` runs it both ways and returns the first divergence, or None.
 
@@ -546,6 +547,15 @@ def replay_traces(paths: list[str], settings: list, keep_going: bool, started: f
                     f"({row['segment_allocs']} made), peak reserved {row['peak_reserved_bytes']} "
                     f"(PyTorch {row['native_peak_reserved_bytes']})"
                 )
+                # The replay's own self-check, under the setting the snapshot records (a memory
+                # fraction set at run time is not among it, so limited runs may read NOT).
+                check = row.get("self_check") or {}
+                if check:
+                    figures += (
+                        f"; self-check {'reproduced' if check['reproduced'] else 'NOT reproduced'} "
+                        f"({check['matching_segment_frees']}/{check['segment_frees']} segment_free, "
+                        f"{check['placements_matching']}/{check['placements_checked']} placed)"
+                    )
                 print(f"{'ok  ' if ok else 'DIFF'} replay of trace {program.name}, setting {setting[0]}: {figures}", flush=True)
                 if not ok and not keep_going:
                     return 1

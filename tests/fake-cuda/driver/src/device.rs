@@ -24,8 +24,9 @@ const ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: c_int = 75;
 const ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int = 76;
 const ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: c_int = 102;
 const ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: c_int = 103;
+const ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: c_int = 110;
 
-fn primary_context(device: i32) -> usize {
+pub fn primary_context(device: i32) -> usize {
     PRIMARY_CONTEXT_BASE + device as usize
 }
 
@@ -42,12 +43,15 @@ impl Driver {
         (device < self.device_count).then_some(device)
     }
 
+    /// The device whose primary context `context` is, if it is one and retained.
+    pub fn retained_primary_context_device(&self, context: usize) -> Option<i32> {
+        self.primary_context_device(context)
+            .filter(|&device| self.primary_context_refs[device as usize] > 0)
+    }
+
     /// A context may be made current if it is the foreign one or a retained primary context.
     fn usable_context(&self, context: usize) -> bool {
-        context == FOREIGN_CONTEXT
-            || self
-                .primary_context_device(context)
-                .is_some_and(|device| self.primary_context_refs[device as usize] > 0)
+        context == FOREIGN_CONTEXT || self.retained_primary_context_device(context).is_some()
     }
 
     /// The device of the calling thread's current context, which must be a retained primary
@@ -120,8 +124,13 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(
             ATTRIBUTE_PCI_DOMAIN_ID => pci_domain,
             ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR => 9,
             ATTRIBUTE_COMPUTE_CAPABILITY_MINOR => 0,
-            ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED => 1,
-            ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED => 1,
+            ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED => c_int::from(driver.features.vmm),
+            ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED => {
+                c_int::from(driver.features.posix_fd_handles)
+            }
+            ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED => {
+                c_int::from(driver.features.rdma_with_vmm)
+            }
             _ => 0,
         };
         // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
@@ -285,7 +294,5 @@ pub unsafe extern "C" fn cuCtxGetDevice(device: *mut c_int) -> CuResult {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuCtxSynchronize() -> CuResult {
-    call("cuCtxSynchronize", |driver| {
-        driver.require_primary_context().map(drop)
-    })
+    call("cuCtxSynchronize", crate::sync::synchronize_context)
 }

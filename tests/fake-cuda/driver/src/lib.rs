@@ -22,9 +22,11 @@ mod device;
 mod faults;
 mod memory;
 mod nvml;
+mod peer;
 mod stubs;
 mod sync;
 mod vmm;
+mod work;
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
@@ -38,16 +40,23 @@ pub const CUDA_SUCCESS: CuResult = 0;
 pub const CUDA_ERROR_INVALID_VALUE: CuResult = 1;
 pub const CUDA_ERROR_OUT_OF_MEMORY: CuResult = 2;
 pub const CUDA_ERROR_NOT_INITIALIZED: CuResult = 3;
+pub const CUDA_ERROR_STUB_LIBRARY: CuResult = 34;
 pub const CUDA_ERROR_NO_DEVICE: CuResult = 100;
 pub const CUDA_ERROR_INVALID_DEVICE: CuResult = 101;
 pub const CUDA_ERROR_INVALID_CONTEXT: CuResult = 201;
+pub const CUDA_ERROR_PEER_ACCESS_UNSUPPORTED: CuResult = 217;
 pub const CUDA_ERROR_INVALID_HANDLE: CuResult = 400;
 pub const CUDA_ERROR_NOT_READY: CuResult = 600;
 pub const CUDA_ERROR_NOT_SUPPORTED: CuResult = 801;
 pub const CUDA_ERROR_ILLEGAL_STATE: CuResult = 401;
 pub const CUDA_ERROR_ILLEGAL_ADDRESS: CuResult = 700;
+pub const CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: CuResult = 704;
+pub const CUDA_ERROR_PEER_ACCESS_NOT_ENABLED: CuResult = 705;
 pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CuResult = 900;
 pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CuResult = 901;
+pub const CUDA_ERROR_STREAM_CAPTURE_UNJOINED: CuResult = 904;
+pub const CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: CuResult = 906;
+pub const CUDA_ERROR_CAPTURED_EVENT: CuResult = 907;
 pub const CUDA_ERROR_UNKNOWN: CuResult = 999;
 
 /// Name and description of each code the fake returns, as the real driver spells them.
@@ -69,6 +78,11 @@ const ERROR_TEXTS: &[(CuResult, &CStr, &CStr)] = &[
         c"initialization error",
     ),
     (
+        CUDA_ERROR_STUB_LIBRARY,
+        c"CUDA_ERROR_STUB_LIBRARY",
+        c"CUDA driver is a stub library",
+    ),
+    (
         CUDA_ERROR_NO_DEVICE,
         c"CUDA_ERROR_NO_DEVICE",
         c"no CUDA-capable device is detected",
@@ -82,6 +96,11 @@ const ERROR_TEXTS: &[(CuResult, &CStr, &CStr)] = &[
         CUDA_ERROR_INVALID_CONTEXT,
         c"CUDA_ERROR_INVALID_CONTEXT",
         c"invalid device context",
+    ),
+    (
+        CUDA_ERROR_PEER_ACCESS_UNSUPPORTED,
+        c"CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
+        c"peer access is not supported between these two devices",
     ),
     (
         CUDA_ERROR_INVALID_HANDLE,
@@ -104,6 +123,16 @@ const ERROR_TEXTS: &[(CuResult, &CStr, &CStr)] = &[
         c"an illegal memory access was encountered",
     ),
     (
+        CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
+        c"CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED",
+        c"peer access is already enabled",
+    ),
+    (
+        CUDA_ERROR_PEER_ACCESS_NOT_ENABLED,
+        c"CUDA_ERROR_PEER_ACCESS_NOT_ENABLED",
+        c"peer access has not been enabled",
+    ),
+    (
         CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
         c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
         c"operation not permitted when stream is capturing",
@@ -117,6 +146,21 @@ const ERROR_TEXTS: &[(CuResult, &CStr, &CStr)] = &[
         CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
         c"CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
         c"operation failed due to a previous error during capture",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_UNJOINED,
+        c"CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
+        c"capture was not joined to the origin stream",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
+        c"CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+        c"operation would make the legacy stream depend on a capturing blocking stream",
+    ),
+    (
+        CUDA_ERROR_CAPTURED_EVENT,
+        c"CUDA_ERROR_CAPTURED_EVENT",
+        c"operation not permitted on an event last recorded in a capturing stream",
     ),
     (CUDA_ERROR_UNKNOWN, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
 ];
@@ -135,6 +179,10 @@ pub struct Driver {
     device_count: i32,
     /// Bytes of device memory per device (accounting only; host memory backs what is used).
     capacity: u64,
+    /// What every device reports and allows (`FAKE_LIBCUDA_VMM`, ...; see `peer.rs`).
+    features: peer::Features,
+    /// Peer access enabled with `cuCtxEnablePeerAccess`: (accessing device, owning device).
+    peer_links: std::collections::BTreeSet<(i32, i32)>,
     /// Per device: bytes held by `cuMemAlloc` allocations and not yet freed physical handles.
     bytes_in_use: Vec<u64>,
     /// Other processes on the GPUs (`FAKE_NVML_OTHER_PROCESSES`): NVML lists them, and their
@@ -152,6 +200,11 @@ pub struct Driver {
     mappings: BTreeMap<u64, vmm::Mapping>,
     streams: HashMap<usize, sync::Stream>,
     events: HashMap<usize, sync::Event>,
+    /// Captures under way, by id (`sync.rs`).
+    captures: HashMap<u64, sync::Capture>,
+    /// Captured graphs and their instantiations: the work each holds.
+    graphs: HashMap<usize, Vec<sync::Node>>,
+    graph_execs: HashMap<usize, Vec<sync::Node>>,
     /// How many queries a newly recorded event answers with `CUDA_ERROR_NOT_READY`.
     event_delay: u32,
     timed_events: u64,
@@ -159,6 +212,8 @@ pub struct Driver {
     calls: HashMap<&'static str, u64>,
     injected_failures: HashMap<String, CuResult>,
     sweep: faults::Sweep,
+    /// Pending work on every stream, and the ordering check (`work.rs`).
+    timeline: work::Timeline,
 }
 
 impl Driver {
@@ -180,10 +235,13 @@ impl Driver {
         if address_space.is_none() {
             eprintln!("fake-cuda: could not reserve address space for device memory");
         }
+        // SAFETY: registers a plain function with no arguments to run at exit.
+        unsafe { libc::atexit(report_at_exit) };
         Driver {
             driver_version: env_or("FAKE_LIBCUDA_DRIVER_VERSION", 13020),
             device_count,
             capacity,
+            features: peer::Features::from_environment(),
             bytes_in_use: vec![0; usize::try_from(device_count).unwrap_or(0)],
             other_processes: std::env::var("FAKE_NVML_OTHER_PROCESSES")
                 .map(|list| nvml::OtherProcess::parse_list(&list))
@@ -249,6 +307,24 @@ fn parse_number(text: &str) -> Option<u64> {
         Some(hex) => u64::from_str_radix(hex, 16).ok(),
         None => text.parse().ok(),
     }
+}
+
+/// Writes the ordering check's counts (`FAKE_CUDA_ORDER_REPORT`) as the process exits.
+extern "C" fn report_at_exit() {
+    fake_cuda_write_order_report();
+}
+
+/// Writes the ordering check's counts now: for a process that ends with `_exit`, which runs no
+/// exit handlers (the oracle's forked children).
+#[unsafe(no_mangle)]
+pub extern "C" fn fake_cuda_write_order_report() {
+    // A thread that still holds the lock at exit would make `lock` wait forever.
+    let counts = match DRIVER.try_lock() {
+        Ok(driver) => driver.timeline.counts,
+        Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner().timeline.counts,
+        Err(std::sync::TryLockError::WouldBlock) => return,
+    };
+    work::write_report(counts);
 }
 
 static DRIVER: LazyLock<Mutex<Driver>> = LazyLock::new(|| Mutex::new(Driver::from_environment()));
@@ -394,6 +470,14 @@ pub unsafe extern "C" fn fake_cuda_stat(name: *const c_char) -> i64 {
             .map(|&r| u64::from(r))
             .sum(),
         "timed_events" => driver.timed_events,
+        "order_work" => driver.timeline.counts.work,
+        "order_handoffs_checked" => driver.timeline.counts.handoffs_checked,
+        "order_frees_checked" => driver.timeline.counts.frees_checked,
+        "order_unmaps_checked" => driver.timeline.counts.unmaps_checked,
+        "order_violations" => driver.timeline.counts.violations,
+        "order_pending_uses" => driver.timeline.pending_uses(),
+        "peer_links" => driver.peer_links.len() as u64,
+        "rdma_capable_physical" => driver.rdma_capable_physical(),
         symbol if symbol.starts_with("cu") || symbol.starts_with("nvml") => {
             driver.calls.get(symbol).copied().unwrap_or(0)
         }

@@ -6,9 +6,10 @@
 use std::ffi::{c_int, c_void};
 
 use crate::address_space::{open_pages, page_size, put_back_inaccessible};
+use crate::sync::Node;
 use crate::{
-    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
-    CuResult, Driver, GRANULARITY, Outcome, call, call_log, put, sync,
+    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY, CuResult, Driver, GRANULARITY, Outcome,
+    call, call_log, put,
 };
 
 /// `cudaMalloc` guarantees at least this alignment.
@@ -23,7 +24,7 @@ pub struct Allocation {
 impl Driver {
     /// Succeeds when `[ptr, ptr + len)` is device memory the caller may touch: inside one live
     /// `cuMemAlloc` allocation, or inside mapped pages made accessible by `cuMemSetAccess`.
-    fn check_device_range(&self, ptr: u64, len: u64) -> Outcome {
+    pub fn check_device_range(&self, ptr: u64, len: u64) -> Outcome {
         let end = ptr.checked_add(len).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         if let Some((&start, allocation)) = self.allocations.range(..=ptr).next_back()
             && end <= start + allocation.size
@@ -34,7 +35,7 @@ impl Driver {
     }
 
     /// The device that owns the device memory at `ptr`, or None for any other address.
-    fn device_of_pointer(&self, ptr: u64) -> Option<i32> {
+    pub fn device_of_pointer(&self, ptr: u64) -> Option<i32> {
         if let Some((&start, allocation)) = self.allocations.range(..=ptr).next_back()
             && ptr < start + allocation.size
         {
@@ -125,11 +126,9 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: usize) -> CuResult 
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         // The real driver refuses a plain cudaMalloc while a capture is under way, unless the
-        // thread has relaxed its capture mode.
-        if driver.any_stream_capturing()
-            && sync::thread_capture_mode() != sync::CAPTURE_MODE_RELAXED
-        {
-            return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        // thread's capture mode allows it, and the capture is invalidated.
+        if driver.unsafe_call_forbidden() {
+            return Err(driver.refuse_unsafe_call());
         }
         let size = size as u64;
         let charged = driver.charge(device, size);
@@ -157,10 +156,23 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: usize) -> CuResult 
 pub extern "C" fn cuMemFree_v2(dptr: u64) -> CuResult {
     call("cuMemFree_v2", |driver| {
         driver.require_primary_context()?;
+        if !driver.allocations.contains_key(&dptr) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // Freeing is an unsafe call during a capture, as allocating is.
+        if driver.unsafe_call_forbidden() {
+            return Err(driver.refuse_unsafe_call());
+        }
         let allocation = driver
             .allocations
             .remove(&dptr)
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        // "This API may perform implicit synchronization": it does here, so freed memory has no
+        // pending work left (PyTorch relies on this, unlike for cuMemUnmap).
+        driver.timeline.counts.frees_checked += 1;
+        driver
+            .timeline
+            .context_finished(crate::device::primary_context(allocation.device));
         driver.uncharge(allocation.device, allocation.size);
         call_log::free(
             allocation.size,
@@ -184,78 +196,141 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
     })
 }
 
+/// Checks the device sides of a copy or memset of `count` bytes: a side in device memory must
+/// lie wholly in one live allocation or accessible mapping; a host side must not be NULL.
+fn check_sides(driver: &Driver, node: Node) -> Outcome {
+    let sides = match node {
+        Node::Copy { dst, src, count } => vec![(dst, count), (src, count)],
+        Node::Set { dst, count, .. } => vec![(dst, count)],
+    };
+    for (side, count) in sides {
+        if side == 0 && count > 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if driver.device_of_pointer(side).is_some() {
+            driver.check_device_range(side, count)?;
+        }
+    }
+    Ok(())
+}
+
+/// A copy or memset on `stream`: asynchronous, as the `*Async` functions and memsets are.
+fn enqueue(driver: &mut Driver, stream: *mut c_void, node: Node, what: &str) -> Outcome {
+    driver.require_primary_context()?;
+    check_sides(driver, node)?;
+    driver.submit(stream, node, what)
+}
+
+/// A synchronous copy: on the legacy default stream, and the host waits for it (so for every
+/// blocking stream's earlier work too).
+fn copy_synchronously(driver: &mut Driver, node: Node, what: &str) -> Outcome {
+    enqueue(driver, LEGACY_STREAM, node, what)?;
+    let lane = driver.lane_of(LEGACY_STREAM)?;
+    driver.timeline.lane_finished(lane);
+    Ok(())
+}
+
+/// A device side that must be device memory (`cuMemcpyDtoD` and the like).
+fn require_device(driver: &Driver, ptr: u64) -> Outcome {
+    driver
+        .device_of_pointer(ptr)
+        .map(drop)
+        .ok_or(CUDA_ERROR_INVALID_VALUE)
+}
+
+const LEGACY_STREAM: *mut c_void = std::ptr::null_mut();
+
+/// A memset of device memory on `stream`: asynchronous with respect to the host.
+fn memset(driver: &mut Driver, dst: u64, value: u8, count: usize, stream: *mut c_void) -> Outcome {
+    require_device(driver, dst)?;
+    let count = count as u64;
+    enqueue(driver, stream, Node::Set { dst, value, count }, "a memset")
+}
+
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemsetD8_v2(dptr: u64, value: u8, count: usize) -> CuResult {
     call("cuMemsetD8_v2", |driver| {
-        driver.require_primary_context()?;
-        driver.check_device_range(dptr, count as u64)?;
-        // SAFETY: the range was just checked to be live, writable device (= host) memory.
-        unsafe { std::ptr::write_bytes(dptr as *mut u8, value, count) };
-        Ok(())
+        memset(driver, dptr, value, count, LEGACY_STREAM)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemsetD8Async(
+    dptr: u64,
+    value: u8,
+    count: usize,
+    stream: *mut c_void,
+) -> CuResult {
+    call("cuMemsetD8Async", |driver| {
+        memset(driver, dptr, value, count, stream)
     })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, count: usize) -> CuResult {
     call("cuMemcpyHtoD_v2", |driver| {
-        driver.require_primary_context()?;
-        driver.check_device_range(dst, count as u64)?;
-        if src.is_null() && count > 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        // SAFETY: `dst` was checked to be live device memory; the caller promises `count`
-        // readable bytes at `src`. `copy` tolerates overlap.
-        unsafe { std::ptr::copy(src.cast::<u8>(), dst as *mut u8, count) };
-        Ok(())
+        require_device(driver, dst)?;
+        let node = Node::Copy {
+            dst,
+            src: src as u64,
+            count: count as u64,
+        };
+        copy_synchronously(driver, node, "cuMemcpyHtoD")
     })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, count: usize) -> CuResult {
     call("cuMemcpyDtoH_v2", |driver| {
-        driver.require_primary_context()?;
-        driver.check_device_range(src, count as u64)?;
-        if dst.is_null() && count > 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        // SAFETY: `src` was checked to be live device memory; the caller promises `count`
-        // writable bytes at `dst`. `copy` tolerates overlap.
-        unsafe { std::ptr::copy(src as *const u8, dst.cast::<u8>(), count) };
-        Ok(())
+        require_device(driver, src)?;
+        let node = Node::Copy {
+            dst: dst as u64,
+            src,
+            count: count as u64,
+        };
+        copy_synchronously(driver, node, "cuMemcpyDtoH")
     })
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, count: usize) -> CuResult {
     call("cuMemcpyDtoD_v2", |driver| {
-        driver.require_primary_context()?;
-        driver.check_device_range(dst, count as u64)?;
-        driver.check_device_range(src, count as u64)?;
-        // SAFETY: both ranges were just checked to be live device (= host) memory; `copy`
-        // tolerates overlap.
-        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, count) };
-        Ok(())
+        require_device(driver, dst)?;
+        require_device(driver, src)?;
+        let node = Node::Copy {
+            dst,
+            src,
+            count: count as u64,
+        };
+        // Asynchronous for device-to-device copies, as the documentation says.
+        enqueue(driver, LEGACY_STREAM, node, "cuMemcpyDtoD")
     })
 }
 
-/// The unified-addressing copy: either side may be host or device memory. A side that lies in
-/// device memory must lie wholly in one live allocation or accessible mapping.
+/// The unified-addressing copy: either side may be host or device memory. Synchronous, as the
+/// documentation describes it for copies that involve host memory.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemcpy(dst: u64, src: u64, count: usize) -> CuResult {
     call("cuMemcpy", |driver| {
-        driver.require_primary_context()?;
-        for side in [dst, src] {
-            if side == 0 && count > 0 {
-                return Err(CUDA_ERROR_INVALID_VALUE);
-            }
-            if driver.device_of_pointer(side).is_some() {
-                driver.check_device_range(side, count as u64)?;
-            }
-        }
-        // SAFETY: device sides were checked above; host sides are the caller's promise, as
-        // with the real driver. `copy` tolerates overlap.
-        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, count) };
-        Ok(())
+        let node = Node::Copy {
+            dst,
+            src,
+            count: count as u64,
+        };
+        copy_synchronously(driver, node, "cuMemcpy")
+    })
+}
+
+/// The unified-addressing copy on a stream, asynchronous.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemcpyAsync(dst: u64, src: u64, count: usize, stream: *mut c_void) -> CuResult {
+    call("cuMemcpyAsync", |driver| {
+        let node = Node::Copy {
+            dst,
+            src,
+            count: count as u64,
+        };
+        enqueue(driver, stream, node, "cuMemcpyAsync")
     })
 }
 

@@ -1,13 +1,21 @@
 //! The virtual memory management calls behind expandable segments, on mmap and memfd:
 //! a reservation is `PROT_NONE` address space, a physical handle is a memfd, a mapping puts the
 //! memfd's pages into a reservation (still `PROT_NONE`), and `cuMemSetAccess` opens them up.
+//!
+//! Access is kept per device, as the driver keeps it: a device reaches mapped pages only once a
+//! `cuMemSetAccess` descriptor named it (peer access enabled with `cuCtxEnablePeerAccess` does
+//! not apply to them), and a copy or memset made in another device's context touches them as
+//! that device would: `CUDA_ERROR_ILLEGAL_ADDRESS`. The host pages are open while any device
+//! has access.
 
+use std::collections::BTreeMap;
 use std::ffi::{c_int, c_ulonglong, c_void};
 
 use crate::address_space::put_back_inaccessible;
 use crate::{
-    CUDA_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED,
-    CUDA_ERROR_OUT_OF_MEMORY, CuResult, Driver, GRANULARITY, Outcome, call, call_log, get, put,
+    CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_INVALID_HANDLE,
+    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_OUT_OF_MEMORY, CuResult, Driver,
+    GRANULARITY, Outcome, call, call_log, get, put,
 };
 
 const ALLOCATION_TYPE_PINNED: u32 = 1;
@@ -34,7 +42,17 @@ pub struct AllocationProp {
     requested_handle_types: u32,
     location: MemLocation,
     win32_handle_metadata: *mut c_void,
-    alloc_flags: [u8; 8],
+    alloc_flags: AllocationFlags,
+}
+
+/// `CUmemAllocationProp::allocFlags`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AllocationFlags {
+    compression_type: u8,
+    gpu_direct_rdma_capable: u8,
+    usage: u16,
+    reserved: [u8; 4],
 }
 
 /// `CUmemAccessDesc`.
@@ -54,16 +72,46 @@ pub struct Physical {
     mappings: u32,
     /// `cuMemRelease` was called; the memory goes when the last mapping does.
     released: bool,
+    /// Created with `gpuDirectRDMACapable` set.
+    rdma_capable: bool,
 }
 
 /// Pages of one physical handle mapped into a reservation.
 pub struct Mapping {
     size: u64,
     handle: u64,
-    accessible: bool,
+    /// The access flags `cuMemSetAccess` set, per device; a device not listed has none.
+    access: BTreeMap<i32, u32>,
 }
 
 impl Driver {
+    /// Every virtual memory call needs `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`.
+    fn require_vmm(&self) -> Outcome {
+        if self.features.vmm {
+            Ok(())
+        } else {
+            Err(CUDA_ERROR_NOT_SUPPORTED)
+        }
+    }
+
+    /// The handle types and flags `cuMemCreate` is asked for, against what the device supports.
+    fn check_requested_features(&self, prop: AllocationProp) -> Outcome {
+        match prop.requested_handle_types {
+            HANDLE_TYPE_NONE => {}
+            HANDLE_TYPE_POSIX_FILE_DESCRIPTOR if self.features.posix_fd_handles => {}
+            _ => return Err(CUDA_ERROR_NOT_SUPPORTED),
+        }
+        if prop.alloc_flags.gpu_direct_rdma_capable != 0 && !self.features.rdma_with_vmm {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        Ok(())
+    }
+
+    /// Live physical handles created `gpuDirectRDMACapable` (`fake_cuda_stat`).
+    pub fn rdma_capable_physical(&self) -> u64 {
+        self.physical.values().filter(|p| p.rdma_capable).count() as u64
+    }
+
     fn check_device_location(&self, location: MemLocation) -> Outcome {
         if location.kind != LOCATION_TYPE_DEVICE {
             return Err(CUDA_ERROR_INVALID_VALUE);
@@ -101,14 +149,36 @@ impl Driver {
         (!starts.is_empty() && covered_to >= end).then_some(starts)
     }
 
+    /// Succeeds when `[ptr, ptr + len)` is wholly mapped and the device that touches it has
+    /// access to every page: the calling thread's context's device, when that is the pages'
+    /// device or a peer that can reach it directly; otherwise the driver stages the copy
+    /// through the host and the pages' own device touches them. A range not mapped is an
+    /// invalid value; mapped pages the touching device may not access are an illegal address,
+    /// the fault its copy engine or a kernel would take.
     pub fn check_accessible_mapping(&self, ptr: u64, len: u64) -> Outcome {
         let starts = self
             .mappings_covering(ptr, len)
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        if starts.iter().all(|start| self.mappings[start].accessible) {
+        if starts
+            .iter()
+            .all(|start| self.mappings[start].access.is_empty())
+        {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let device = self.require_primary_context()?;
+        let reachable = |start: &u64| {
+            let owner = self.mapped_device(*start).unwrap_or(device);
+            let toucher = if owner == device || self.can_access_peer(device, owner) {
+                device
+            } else {
+                owner
+            };
+            self.mappings[start].access.contains_key(&toucher)
+        };
+        if starts.iter().all(reachable) {
             Ok(())
         } else {
-            Err(CUDA_ERROR_INVALID_VALUE)
+            Err(CUDA_ERROR_ILLEGAL_ADDRESS)
         }
     }
 
@@ -151,6 +221,7 @@ pub unsafe extern "C" fn cuMemGetAllocationGranularity(
     option: u32,
 ) -> CuResult {
     call("cuMemGetAllocationGranularity", |driver| {
+        driver.require_vmm()?;
         // SAFETY: `prop` is the caller's, readable by the driver API contract.
         driver.check_allocation_prop(unsafe { get(prop) }?)?;
         if option > 1 {
@@ -169,13 +240,11 @@ pub unsafe extern "C" fn cuMemCreate(
     flags: c_ulonglong,
 ) -> CuResult {
     call("cuMemCreate", |driver| {
+        driver.require_vmm()?;
         // SAFETY: `prop` is the caller's, readable by the driver API contract.
         let prop = unsafe { get(prop) }?;
         driver.check_allocation_prop(prop)?;
-        match prop.requested_handle_types {
-            HANDLE_TYPE_NONE | HANDLE_TYPE_POSIX_FILE_DESCRIPTOR => {}
-            _ => return Err(CUDA_ERROR_NOT_SUPPORTED),
-        }
+        driver.check_requested_features(prop)?;
         let size = size as u64;
         if handle.is_null() || flags != 0 || !is_granular(size) {
             return Err(CUDA_ERROR_INVALID_VALUE);
@@ -202,6 +271,7 @@ pub unsafe extern "C" fn cuMemCreate(
             device,
             mappings: 0,
             released: false,
+            rdma_capable: prop.alloc_flags.gpu_direct_rdma_capable != 0,
         };
         driver.physical.insert(new_handle, physical);
         // SAFETY: `handle` was checked non-NULL; the caller promises it is writable.
@@ -230,6 +300,7 @@ pub unsafe extern "C" fn cuMemAddressReserve(
     flags: c_ulonglong,
 ) -> CuResult {
     call("cuMemAddressReserve", |driver| {
+        driver.require_vmm()?;
         let size = size as u64;
         if ptr.is_null() || flags != 0 || !is_granular(size) {
             return Err(CUDA_ERROR_INVALID_VALUE);
@@ -287,6 +358,7 @@ pub extern "C" fn cuMemMap(
     flags: c_ulonglong,
 ) -> CuResult {
     call("cuMemMap", |driver| {
+        driver.require_vmm()?;
         let (size, offset) = (size as u64, offset as u64);
         let physical = driver
             .physical
@@ -296,7 +368,9 @@ pub extern "C" fn cuMemMap(
         {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        if !offset.is_multiple_of(GRANULARITY) || offset + size > physical.size {
+        // "offset - Offset into the memory represented by handle from which to start mapping -
+        // Note: currently must be zero."
+        if offset != 0 || size > physical.size {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let range = driver
@@ -332,7 +406,7 @@ pub extern "C" fn cuMemMap(
         let mapping = Mapping {
             size,
             handle,
-            accessible: false,
+            access: BTreeMap::new(),
         };
         driver.mappings.insert(ptr, mapping);
         call_log::mapping(true, range, ptr, size);
@@ -348,33 +422,59 @@ pub unsafe extern "C" fn cuMemSetAccess(
     count: usize,
 ) -> CuResult {
     call("cuMemSetAccess", |driver| {
+        driver.require_vmm()?;
         if desc.is_null() || count == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         // SAFETY: the caller passes `count` readable descriptors at `desc`.
         let descs = unsafe { std::slice::from_raw_parts(desc, count) };
-        for d in descs {
-            driver.check_device_location(d.location)?;
-        }
-        // One device here, so the last descriptor decides.
-        let (protection, accessible) = match descs[count - 1].flags {
-            ACCESS_NONE => (libc::PROT_NONE, false),
-            ACCESS_READ => (libc::PROT_READ, true),
-            ACCESS_READWRITE => (libc::PROT_READ | libc::PROT_WRITE, true),
-            _ => return Err(CUDA_ERROR_INVALID_VALUE),
-        };
         let size = size as u64;
         let starts = driver
             .mappings_covering(ptr, size)
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        for d in descs {
+            driver.check_device_location(d.location)?;
+            if ![ACCESS_NONE, ACCESS_READ, ACCESS_READWRITE].contains(&d.flags) {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            // A device reaches another's memory only where cuDeviceCanAccessPeer says it can.
+            for start in &starts {
+                let owner = driver.mapped_device(*start);
+                if owner.is_some_and(|owner| {
+                    owner != d.location.id && !driver.can_access_peer(d.location.id, owner)
+                }) {
+                    return Err(CUDA_ERROR_INVALID_DEVICE);
+                }
+            }
+        }
+        let mut widest = ACCESS_NONE;
+        for start in &starts {
+            if let Some(mapping) = driver.mappings.get_mut(start) {
+                for d in descs {
+                    match d.flags {
+                        ACCESS_NONE => mapping.access.remove(&d.location.id),
+                        flags => mapping.access.insert(d.location.id, flags),
+                    };
+                }
+                widest = widest.max(
+                    mapping
+                        .access
+                        .values()
+                        .copied()
+                        .max()
+                        .unwrap_or(ACCESS_NONE),
+                );
+            }
+        }
+        // The host pages back every device's view: open as far as the widest access needs.
+        let protection = match widest {
+            ACCESS_NONE => libc::PROT_NONE,
+            ACCESS_READ => libc::PROT_READ,
+            _ => libc::PROT_READ | libc::PROT_WRITE,
+        };
         // SAFETY: the range is wholly covered by our own mappings.
         if unsafe { libc::mprotect(ptr as *mut c_void, size as usize, protection) } != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        for start in starts {
-            if let Some(mapping) = driver.mappings.get_mut(&start) {
-                mapping.accessible = accessible;
-            }
         }
         Ok(())
     })
@@ -392,6 +492,8 @@ pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CuResult {
         if starts[0] != ptr || last + driver.mappings[&last].size != ptr + size {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        // Unmapping does not wait for work still using the pages (PyTorch synchronizes first).
+        driver.timeline.check_unmap(ptr, size);
         if let Some(range) = driver.reservation_containing(ptr, size) {
             call_log::mapping(false, range, ptr, size);
         }

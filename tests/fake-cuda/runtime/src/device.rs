@@ -6,7 +6,10 @@ use std::ffi::{c_char, c_int, c_uint};
 use cudarc::runtime::sys::cudaDeviceProp;
 
 use crate::driver::{self, enter};
-use crate::{CURRENT_DEVICE, CudaError, INVALID_DEVICE, Outcome, api, check, put};
+use crate::{CURRENT_DEVICE, CudaError, INVALID_DEVICE, Outcome, api, api_on_device, check, put};
+
+/// The driver's `CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`.
+const PEER_ACCESS_UNSUPPORTED: u32 = 217;
 
 /// The runtime version this build reports (the headers its `cudaDeviceProp` follows).
 #[cfg(feature = "cuda-13")]
@@ -124,14 +127,38 @@ pub unsafe extern "C" fn cudaDeviceCanAccessPeer(
     api("cudaDeviceCanAccessPeer", || {
         valid_device(device)?;
         valid_device(peer)?;
+        let mut answer = 0;
+        // SAFETY: a valid out pointer; the driver checks the ordinals.
+        check(unsafe { driver::cuDeviceCanAccessPeer(&mut answer, device, peer) })?;
         // SAFETY: an out pointer from the caller, writable by the runtime API contract.
-        unsafe { put(can, 0) }
+        unsafe { put(can, answer) }
+    })
+}
+
+/// The current device's context reaches `peer`'s memory: the driver's
+/// `cuCtxEnablePeerAccess` with `peer`'s primary context. As the runtime documents, a device
+/// that cannot reach the peer is `cudaErrorInvalidDevice`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cudaDeviceEnablePeerAccess(peer: c_int, flags: c_uint) -> CudaError {
+    api_on_device("cudaDeviceEnablePeerAccess", |_| {
+        valid_device(peer)?;
+        let peer_context = driver::primary_context(peer)?;
+        // SAFETY: a retained primary context.
+        match unsafe { driver::cuCtxEnablePeerAccess(peer_context, flags) } {
+            PEER_ACCESS_UNSUPPORTED => Err(INVALID_DEVICE),
+            code => check(code),
+        }
     })
 }
 
 #[unsafe(no_mangle)]
-pub extern "C" fn cudaDeviceEnablePeerAccess(_peer: c_int, _flags: c_uint) -> CudaError {
-    api("cudaDeviceEnablePeerAccess", || Err(crate::NOT_SUPPORTED))
+pub extern "C" fn cudaDeviceDisablePeerAccess(peer: c_int) -> CudaError {
+    api_on_device("cudaDeviceDisablePeerAccess", |_| {
+        valid_device(peer)?;
+        let peer_context = driver::primary_context(peer)?;
+        // SAFETY: a retained primary context.
+        check(unsafe { driver::cuCtxDisablePeerAccess(peer_context) })
+    })
 }
 
 #[unsafe(no_mangle)]

@@ -16,6 +16,9 @@ unsafe extern "C" {
     pub fn cuDriverGetVersion(version: *mut c_int) -> u32;
     pub fn cuDeviceGetCount(count: *mut c_int) -> u32;
     pub fn cuDeviceGetAttribute(value: *mut c_int, attribute: c_int, device: c_int) -> u32;
+    pub fn cuDeviceCanAccessPeer(can_access: *mut c_int, device: c_int, peer: c_int) -> u32;
+    pub fn cuCtxEnablePeerAccess(peer_context: CuContext, flags: c_uint) -> u32;
+    pub fn cuCtxDisablePeerAccess(peer_context: CuContext) -> u32;
     pub fn cuDeviceTotalMem_v2(bytes: *mut usize, device: c_int) -> u32;
     pub fn cuDeviceGetName(name: *mut c_char, length: c_int, device: c_int) -> u32;
     pub fn cuDevicePrimaryCtxRetain(context: *mut CuContext, device: c_int) -> u32;
@@ -31,6 +34,17 @@ unsafe extern "C" {
     pub fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, count: usize) -> u32;
     pub fn cuMemcpyDtoD_v2(dst: u64, src: u64, count: usize) -> u32;
     pub fn cuMemcpy(dst: u64, src: u64, count: usize) -> u32;
+    pub fn cuMemcpyAsync(dst: u64, src: u64, count: usize, stream: CuStream) -> u32;
+    pub fn cuMemsetD8Async(dptr: u64, value: u8, count: usize, stream: CuStream) -> u32;
+    pub fn cuGraphInstantiateWithFlags(
+        exec: *mut *mut c_void,
+        graph: *mut c_void,
+        flags: u64,
+    ) -> u32;
+    pub fn cuGraphLaunch(exec: *mut c_void, stream: CuStream) -> u32;
+    pub fn cuGraphGetNodes(graph: *mut c_void, nodes: *mut *mut c_void, count: *mut usize) -> u32;
+    pub fn cuGraphDestroy(graph: *mut c_void) -> u32;
+    pub fn cuGraphExecDestroy(exec: *mut c_void) -> u32;
     pub fn cuPointerGetAttribute(data: *mut c_void, attribute: c_int, ptr: u64) -> u32;
     pub fn cuStreamCreateWithPriority(stream: *mut CuStream, flags: c_uint, priority: c_int)
     -> u32;
@@ -75,7 +89,7 @@ pub fn enter(device: i32) -> Outcome {
 }
 
 /// The retained primary context of `device`; retained once and kept for the process's life.
-fn primary_context(device: i32) -> Result<CuContext, u32> {
+pub fn primary_context(device: i32) -> Result<CuContext, u32> {
     static CONTEXTS: [OnceLock<Result<usize, u32>>; MAX_DEVICES] =
         [const { OnceLock::new() }; MAX_DEVICES];
     let slot = usize::try_from(device)

@@ -43,6 +43,16 @@ const ERROR_TEXTS: &[(CudaError, &CStr, &CStr)] = &[
         c"cudaErrorIllegalAddress",
         c"an illegal memory access was encountered",
     ),
+    (
+        704,
+        c"cudaErrorPeerAccessAlreadyEnabled",
+        c"peer access is already enabled",
+    ),
+    (
+        705,
+        c"cudaErrorPeerAccessNotEnabled",
+        c"peer access has not been enabled",
+    ),
     (801, c"cudaErrorNotSupported", c"operation not supported"),
     (
         900,
@@ -53,6 +63,21 @@ const ERROR_TEXTS: &[(CudaError, &CStr, &CStr)] = &[
         901,
         c"cudaErrorStreamCaptureInvalidated",
         c"operation failed due to a previous error during capture",
+    ),
+    (
+        904,
+        c"cudaErrorStreamCaptureUnjoined",
+        c"capture was not joined to the origin stream",
+    ),
+    (
+        906,
+        c"cudaErrorStreamCaptureImplicit",
+        c"operation would make the legacy stream depend on a capturing blocking stream",
+    ),
+    (
+        907,
+        c"cudaErrorCapturedEvent",
+        c"operation not permitted on an event last recorded in a capturing stream",
     ),
     (999, c"cudaErrorUnknown", c"unknown error"),
 ];

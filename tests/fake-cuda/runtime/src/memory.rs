@@ -186,24 +186,43 @@ pub unsafe extern "C" fn cudaPointerGetAttributes(
     })
 }
 
-/// Copies `count` bytes; the driver checks that each device side is live device memory.
-fn copy(dst: *mut c_void, src: *const c_void, count: usize, kind: c_int) -> Outcome {
+/// Copies `count` bytes; the driver checks that each device side is live device memory. With
+/// a stream the copy is asynchronous (booked as pending work of that stream); without, it is
+/// the synchronous copy on the legacy default stream.
+fn copy(
+    dst: *mut c_void,
+    src: *const c_void,
+    count: usize,
+    kind: c_int,
+    stream: Option<CuStream>,
+) -> Outcome {
     if count == 0 {
         return Ok(());
     }
+    if !matches!(
+        kind,
+        COPY_HOST_TO_DEVICE | COPY_DEVICE_TO_HOST | COPY_DEVICE_TO_DEVICE | COPY_DEFAULT
+    ) {
+        return if kind == COPY_HOST_TO_HOST {
+            // SAFETY: host memory on both sides, the caller's promise, as with the real runtime.
+            unsafe { std::ptr::copy(src.cast::<u8>(), dst.cast::<u8>(), count) };
+            Ok(())
+        } else {
+            Err(INVALID_VALUE)
+        };
+    }
+    let (dst, src) = (dst as u64, src as u64);
     // SAFETY (all arms): device sides are checked by the driver; host sides are the caller's
     // promise, as with the real runtime.
     let code = unsafe {
-        match kind {
-            COPY_HOST_TO_DEVICE => driver::cuMemcpyHtoD_v2(dst as u64, src, count),
-            COPY_DEVICE_TO_HOST => driver::cuMemcpyDtoH_v2(dst, src as u64, count),
-            COPY_DEVICE_TO_DEVICE => driver::cuMemcpyDtoD_v2(dst as u64, src as u64, count),
-            COPY_DEFAULT => driver::cuMemcpy(dst as u64, src as u64, count),
-            COPY_HOST_TO_HOST => {
-                std::ptr::copy(src.cast::<u8>(), dst.cast::<u8>(), count);
-                crate::SUCCESS
+        match (kind, stream) {
+            (_, Some(stream)) => driver::cuMemcpyAsync(dst, src, count, stream),
+            (COPY_HOST_TO_DEVICE, None) => {
+                driver::cuMemcpyHtoD_v2(dst, src as *const c_void, count)
             }
-            _ => INVALID_VALUE,
+            (COPY_DEVICE_TO_HOST, None) => driver::cuMemcpyDtoH_v2(dst as *mut c_void, src, count),
+            (COPY_DEVICE_TO_DEVICE, None) => driver::cuMemcpyDtoD_v2(dst, src, count),
+            _ => driver::cuMemcpy(dst, src, count),
         }
     };
     check(code)
@@ -216,7 +235,7 @@ pub unsafe extern "C" fn cudaMemcpy(
     count: usize,
     kind: c_int,
 ) -> CudaError {
-    api_on_device("cudaMemcpy", |_| copy(dst, src, count, kind))
+    api_on_device("cudaMemcpy", |_| copy(dst, src, count, kind, None))
 }
 
 #[unsafe(no_mangle)]
@@ -225,9 +244,11 @@ pub unsafe extern "C" fn cudaMemcpyAsync(
     src: *const c_void,
     count: usize,
     kind: c_int,
-    _stream: CuStream,
+    stream: CuStream,
 ) -> CudaError {
-    api_on_device("cudaMemcpyAsync", |_| copy(dst, src, count, kind))
+    api_on_device("cudaMemcpyAsync", |_| {
+        copy(dst, src, count, kind, Some(stream))
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -237,10 +258,10 @@ pub unsafe extern "C" fn cudaMemcpyPeerAsync(
     src: *const c_void,
     _src_device: c_int,
     count: usize,
-    _stream: CuStream,
+    stream: CuStream,
 ) -> CudaError {
     api_on_device("cudaMemcpyPeerAsync", |_| {
-        copy(dst, src, count, COPY_DEVICE_TO_DEVICE)
+        copy(dst, src, count, COPY_DEVICE_TO_DEVICE, Some(stream))
     })
 }
 
@@ -254,7 +275,7 @@ pub unsafe extern "C" fn cudaMemcpy2DAsync(
     width: usize,
     height: usize,
     kind: c_int,
-    _stream: CuStream,
+    stream: CuStream,
 ) -> CudaError {
     api_on_device("cudaMemcpy2DAsync", |_| {
         if width > dst_pitch || width > src_pitch {
@@ -263,7 +284,7 @@ pub unsafe extern "C" fn cudaMemcpy2DAsync(
         for row in 0..height {
             let to = dst.cast::<u8>().wrapping_add(row * dst_pitch);
             let from = src.cast::<u8>().wrapping_add(row * src_pitch);
-            copy(to.cast(), from.cast(), width, kind)?;
+            copy(to.cast(), from.cast(), width, kind, Some(stream))?;
         }
         Ok(())
     })
@@ -283,8 +304,10 @@ pub unsafe extern "C" fn cudaMemsetAsync(
     ptr: *mut c_void,
     value: c_int,
     count: usize,
-    _stream: CuStream,
+    stream: CuStream,
 ) -> CudaError {
-    // SAFETY: the same contract as cudaMemset.
-    unsafe { cudaMemset(ptr, value, count) }
+    // SAFETY: plain driver call; the driver checks the range and the stream.
+    api_on_device("cudaMemsetAsync", |_| {
+        check(unsafe { driver::cuMemsetD8Async(ptr as u64, value as u8, count, stream) })
+    })
 }

@@ -4,7 +4,6 @@
 //! does nothing.
 
 use std::ffi::{c_int, c_uint, c_void};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::driver::{self, CuEvent, CuStream};
 use crate::{CudaError, Outcome, api, api_on_device, check, put, put_optional};
@@ -217,21 +216,15 @@ pub unsafe extern "C" fn cudaStreamGetCaptureInfo_v3(
 
 // ---- Graphs --------------------------------------------------------------------------------
 
-/// A fresh, never-NULL handle for an executable graph (never dereferenced by callers).
-fn new_graph_exec() -> *mut c_void {
-    static NEXT: AtomicUsize = AtomicUsize::new(1);
-    (0x6_0000_0000 + (NEXT.fetch_add(1, Ordering::Relaxed) << 4)) as *mut c_void
-}
-
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaGraphInstantiate(
     exec: *mut *mut c_void,
-    _graph: *mut c_void,
-    _flags: u64,
+    graph: *mut c_void,
+    flags: u64,
 ) -> CudaError {
-    // SAFETY: an out pointer from the caller, writable by the runtime API contract.
-    api("cudaGraphInstantiate", || unsafe {
-        put(exec, new_graph_exec())
+    // SAFETY: forwarded out pointer; the driver checks the graph.
+    api_on_device("cudaGraphInstantiate", |_| {
+        check(unsafe { driver::cuGraphInstantiateWithFlags(exec, graph, flags) })
     })
 }
 
@@ -245,35 +238,19 @@ pub unsafe extern "C" fn cudaGraphInstantiateWithFlags(
     unsafe { cudaGraphInstantiate(exec, graph, flags) }
 }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cudaGraphLaunch(_exec: *mut c_void, _stream: CuStream) -> CudaError {
-    api("cudaGraphLaunch", || Ok(()))
-}
+forward_on_device!(fn cudaGraphLaunch(exec: *mut c_void, stream: CuStream) => cuGraphLaunch);
 
+/// Nothing to upload: a graph's work runs from host memory here.
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaGraphUpload(_exec: *mut c_void, _stream: CuStream) -> CudaError {
     api("cudaGraphUpload", || Ok(()))
 }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cudaGraphDestroy(_graph: *mut c_void) -> CudaError {
-    api("cudaGraphDestroy", || Ok(()))
-}
+forward_on_device!(fn cudaGraphDestroy(graph: *mut c_void) => cuGraphDestroy);
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cudaGraphExecDestroy(_exec: *mut c_void) -> CudaError {
-    api("cudaGraphExecDestroy", || Ok(()))
-}
+forward_on_device!(fn cudaGraphExecDestroy(exec: *mut c_void) => cuGraphExecDestroy);
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cudaGraphGetNodes(
-    _graph: *mut c_void,
-    _nodes: *mut *mut c_void,
-    count: *mut usize,
-) -> CudaError {
-    // SAFETY: an out pointer from the caller, writable by the runtime API contract.
-    api("cudaGraphGetNodes", || unsafe { put(count, 0) })
-}
+forward_on_device!(fn cudaGraphGetNodes(graph: *mut c_void, nodes: *mut *mut c_void, count: *mut usize) => cuGraphGetNodes);
 
 // ---- Events --------------------------------------------------------------------------------
 
