@@ -230,6 +230,32 @@ void ferrocache_string_free(char *text);
 // `ferrocache_string_free`, or NULL (last error set).
 char *ferrocache_memory_stats(int device);
 
+// Makes this thread's allocations from now on go under tag `tag` (NULL: no tag), on every
+// device. The first tag makes every device's new segments sleep-able. Returns 0, or -1 (last
+// error set).
+//
+// # Safety
+// `tag` is NULL or a NUL-terminated string.
+int ferrocache_set_thread_tag(const char *tag);
+
+// `ferrocache.sleep`: gives back the physical memory of the tags in `tags` (names separated by
+// newlines; NULL: all memory that can sleep), copied to host memory first when `backup` is
+// non-zero. Returns a JSON report (segments, bytes, blocks, copied_bytes, skipped_bytes,
+// seconds) to free with `ferrocache_string_free`, or NULL (last error set; what slept stays
+// asleep, and the call can be repeated).
+//
+// # Safety
+// `tags` is NULL or a NUL-terminated string.
+char *ferrocache_sleep(const char *tags, int backup);
+
+// `ferrocache.wake`: maps the memory of `tags` (as for `ferrocache_sleep`) back at the same
+// addresses and restores its backup. Returns a JSON report as `ferrocache_sleep` does, or
+// NULL (last error set; what woke stays awake, and the call can be repeated).
+//
+// # Safety
+// `tags` is NULL or a NUL-terminated string.
+char *ferrocache_wake(const char *tags);
+
 // `torch.cuda.memory._snapshot()`: PyTorch's structure as JSON (`segments` of every device,
 // `device_traces` indexed by device, `allocator_settings`). Returns a string to free with
 // `ferrocache_string_free`, or NULL (last error set).

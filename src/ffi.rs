@@ -17,7 +17,7 @@
 //! the life of the process, each behind its own lock. Every function catches panics, so nothing
 //! unwinds into C. No allocation policy here: this module only routes calls and reports errors.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{CStr, CString, OsStr, OsString, c_char, c_double, c_int, c_ulonglong, c_void};
 use std::os::unix::ffi::OsStrExt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -29,6 +29,7 @@ use parking_lot::Mutex;
 
 use crate::allocator::history::{MemorySnapshot, StackId};
 use crate::allocator::private_pool::{MempoolId, StreamFilter};
+use crate::allocator::sleep::{SleepReport, Tags};
 use crate::allocator::stats::DeviceStats;
 use crate::allocator::{
     AllocError, AllocationInfo, DeviceAllocator, OutOfMemoryError, PointerError,
@@ -178,6 +179,7 @@ fn first_use_of(device: c_int) -> Result<&'static LockedAllocator, String> {
             let config = settings_for_device(&cuda, &config);
             let mut allocator = DeviceAllocator::new(cuda, device, config);
             allocator.set_reserve_class_lookup(Box::new(reserve_class_of));
+            allocator.set_sleepable(sleep_ability_requested());
             if history.enabled {
                 allocator.record_history(true, history.max_entries);
             }
@@ -381,8 +383,10 @@ fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_v
     }
     // Before the lock: the gatherer takes the GIL, which a thread waiting for the lock may hold.
     let stack = gather_stack(StackEvent::Alloc);
+    // A thread being torn down allocates untagged.
+    let tag = THREAD_TAG.try_with(Cell::get).ok().flatten();
     let result = with_user_metadata(&mut allocator.lock(), |allocator| {
-        allocator.malloc_with_stack(size, stream_id(stream), stack)
+        allocator.malloc_tagged_with_stack(size, stream_id(stream), tag, stack)
     });
     match result {
         Ok(ptr) => Ok(device_pointer(ptr)),
@@ -1413,6 +1417,173 @@ pub extern "C" fn ferrocache_memory_stats(device: c_int) -> *mut c_char {
             None => DeviceStats::new(config()?.max_split_size).to_json(),
         };
         Ok(into_c_string(json))
+    })
+}
+
+// ------------------------------------------------------------------------------------------------
+// Sleep and wake
+// ------------------------------------------------------------------------------------------------
+
+/// Set to `1`, every segment is made so that it can sleep from the start, so that
+/// `ferrocache_sleep` with no tag gives back all memory. Without it, only memory allocated
+/// after the first tag was set (a `region`) can sleep.
+const SLEEP_VARIABLE: &str = "FERROCACHE_SLEEP";
+
+fn sleep_ability_requested() -> bool {
+    std::env::var_os(SLEEP_VARIABLE).is_some_and(|v| v == "1")
+}
+
+/// Tag names, interned: a tag's id is its index plus one.
+static TAG_NAMES: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+thread_local! {
+    /// The tag this thread's allocations are made under (`ferrocache.region`).
+    static THREAD_TAG: Cell<Option<u32>> = const { Cell::new(None) };
+}
+
+fn tag_id(name: &str) -> u32 {
+    let mut names = TAG_NAMES.lock();
+    let index = match names.iter().position(|n| n == name) {
+        Some(index) => index,
+        None => {
+            names.push(name.to_owned());
+            names.len() - 1
+        }
+    };
+    index as u32 + 1
+}
+
+/// Reads a C string argument as UTF-8.
+///
+/// # Safety
+/// `text` is a NUL-terminated string.
+unsafe fn utf8_argument<'a>(text: *const c_char, what: &str) -> Result<&'a str, String> {
+    // SAFETY: the caller promises a NUL-terminated string.
+    unsafe { CStr::from_ptr(text) }
+        .to_str()
+        .map_err(|_| format!("the {what} is not valid UTF-8"))
+}
+
+/// Makes this thread's allocations from now on go under tag `tag` (NULL: no tag), on every
+/// device. The first tag makes every device's new segments sleep-able. Returns 0, or -1 (last
+/// error set).
+///
+/// # Safety
+/// `tag` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_set_thread_tag(tag: *const c_char) -> c_int {
+    with_last_error("ferrocache_set_thread_tag", -1, || {
+        let id = if tag.is_null() {
+            None
+        } else {
+            // SAFETY: non-NULL, and the caller promises a NUL-terminated string.
+            let name = unsafe { utf8_argument(tag, "tag") }?;
+            if name.is_empty() {
+                return Err("a tag must not be empty".to_string());
+            }
+            Some(tag_id(name))
+        };
+        THREAD_TAG.with(|current| current.set(id));
+        Ok(0)
+    })
+}
+
+/// The ids of the tags in `tags` (names separated by newlines; NULL: every tag), for
+/// [`Tags`](crate::allocator::sleep::Tags). Unknown names are interned: they hold nothing.
+///
+/// # Safety
+/// `tags` is NULL or a NUL-terminated string.
+unsafe fn tag_ids(tags: *const c_char) -> Result<Option<Vec<u32>>, String> {
+    if tags.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-NULL, and the caller promises a NUL-terminated string.
+    let names = unsafe { utf8_argument(tags, "list of tags") }?;
+    Ok(Some(
+        names
+            .lines()
+            .filter(|n| !n.is_empty())
+            .map(tag_id)
+            .collect(),
+    ))
+}
+
+/// A sleep or wake report as JSON, summed over devices.
+fn report_json(total: &SleepReport) -> String {
+    format!(
+        "{{\"segments\": {}, \"bytes\": {}, \"blocks\": {}, \"copied_bytes\": {}, \"skipped_bytes\": {}, \"seconds\": {}}}",
+        total.segments,
+        total.bytes,
+        total.blocks,
+        total.copied_bytes,
+        total.skipped_bytes,
+        total.elapsed.as_secs_f64()
+    )
+}
+
+fn add_report(total: &mut SleepReport, one: &SleepReport) {
+    total.segments += one.segments;
+    total.bytes += one.bytes;
+    total.blocks += one.blocks;
+    total.copied_bytes += one.copied_bytes;
+    total.skipped_bytes += one.skipped_bytes;
+    total.elapsed += one.elapsed;
+}
+
+/// Sleep (`wake` false, with `backup` or not) or wake the memory of `tags` on every device.
+///
+/// # Safety
+/// `tags` is NULL or a NUL-terminated string.
+unsafe fn sleep_or_wake(tags: *const c_char, wake: bool, backup: bool) -> Result<String, String> {
+    // SAFETY: passed on from the caller.
+    let ids = unsafe { tag_ids(tags) }?;
+    let tags = match &ids {
+        None => Tags::All,
+        Some(ids) => Tags::Only(ids),
+    };
+    let mut total = SleepReport::default();
+    for (device, allocator) in created_allocators() {
+        let mut allocator = allocator.lock();
+        let result = if wake {
+            allocator.wake(tags)
+        } else {
+            allocator.sleep(tags, backup)
+        };
+        match result {
+            Ok(report) => add_report(&mut total, &report),
+            Err(err) => return Err(format!("device {device}: {err}")),
+        }
+    }
+    Ok(report_json(&total))
+}
+
+/// `ferrocache.sleep`: gives back the physical memory of the tags in `tags` (names separated by
+/// newlines; NULL: all memory that can sleep), copied to host memory first when `backup` is
+/// non-zero. Returns a JSON report (segments, bytes, blocks, copied_bytes, skipped_bytes,
+/// seconds) to free with `ferrocache_string_free`, or NULL (last error set; what slept stays
+/// asleep, and the call can be repeated).
+///
+/// # Safety
+/// `tags` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_sleep(tags: *const c_char, backup: c_int) -> *mut c_char {
+    with_last_error("ferrocache_sleep", ptr::null_mut(), || {
+        // SAFETY: passed on from the caller.
+        unsafe { sleep_or_wake(tags, false, backup != 0) }.map(into_c_string)
+    })
+}
+
+/// `ferrocache.wake`: maps the memory of `tags` (as for `ferrocache_sleep`) back at the same
+/// addresses and restores its backup. Returns a JSON report as `ferrocache_sleep` does, or
+/// NULL (last error set; what woke stays awake, and the call can be repeated).
+///
+/// # Safety
+/// `tags` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_wake(tags: *const c_char) -> *mut c_char {
+    with_last_error("ferrocache_wake", ptr::null_mut(), || {
+        // SAFETY: passed on from the caller.
+        unsafe { sleep_or_wake(tags, true, false) }.map(into_c_string)
     })
 }
 

@@ -140,6 +140,20 @@ pub fn pool_forgotten(pool: (u64, u64)) {
     info!(target: TARGET, "Allocator: private pool ({}, {}) holds no memory any more and is gone", pool.0, pool.1);
 }
 
+/// Memory went to sleep (`ferrocache.sleep`).
+pub fn slept(report: &crate::allocator::sleep::SleepReport, backup: bool) {
+    info!(target: TARGET, "Allocator: sleep gave back {} in {} segment(s) holding {} live block(s), {} copied to host memory{}, in {:.3} ms{}",
+        HumanSize(report.bytes), report.segments, report.blocks, HumanSize(report.copied_bytes),
+        if backup { "" } else { " (contents dropped)" }, report.elapsed.as_secs_f64() * 1e3,
+        if report.skipped_bytes > 0 { format!("; {} could not sleep (not VMM-backed)", HumanSize(report.skipped_bytes)) } else { String::new() });
+}
+
+/// Memory woke (`ferrocache.wake`).
+pub fn woke(report: &crate::allocator::sleep::SleepReport) {
+    info!(target: TARGET, "Allocator: wake mapped {} in {} segment(s) holding {} live block(s) at the same addresses, {} copied back, in {:.3} ms",
+        HumanSize(report.bytes), report.segments, report.blocks, HumanSize(report.copied_bytes), report.elapsed.as_secs_f64() * 1e3);
+}
+
 pub fn alloc_retry(size: usize, what: &str) {
     info!(target: TARGET, "Allocator: device allocation of {} failed; {what} and retrying", HumanSize(size));
 }

@@ -16,9 +16,10 @@
 //! - after a sticky error ferrocache logs it once and makes no further driver call (only the
 //!   look-up of the error's text).
 //!
-//! The program comes in three parts, each swept on its own: with ordinary segments (it also
+//! The program comes in four parts, each swept on its own: with ordinary segments (it also
 //! allocates once while a capture is under way without a pool), with `expandable_segments:True`,
-//! and CUDA graph captures into a private pool shared by two graphs, made as PyTorch's
+//! with sleep and wake of VMM-backed segments (`FERROCACHE_SLEEP=1`, docs/sleep.md), and CUDA
+//! graph captures into a private pool shared by two graphs, made as PyTorch's
 //! `CUDAGraph` makes them: its pool hooks with PyTorch's C++ types and its stream filter, which
 //! asks the driver for the stream's capture (`tests/cpp/capture_hooks.cpp`).
 
@@ -149,6 +150,29 @@ impl Api {
             self.library.function("ferrocache_empty_cache");
         // SAFETY: no arguments.
         self.status("empty_cache", unsafe { empty() })
+    }
+
+    /// `ferrocache_sleep` (NULL: every tag) or, with `wake`, `ferrocache_wake`.
+    fn sleep_or_wake(&self, wake: bool, backup: bool) -> Result<(), String> {
+        let text = if wake {
+            let wake: unsafe extern "C" fn(*const c_char) -> *mut c_char =
+                self.library.function("ferrocache_wake");
+            // SAFETY: NULL names every tag.
+            unsafe { wake(ptr::null()) }
+        } else {
+            let sleep: unsafe extern "C" fn(*const c_char, c_int) -> *mut c_char =
+                self.library.function("ferrocache_sleep");
+            // SAFETY: NULL names every tag.
+            unsafe { sleep(ptr::null(), c_int::from(backup)) }
+        };
+        if text.is_null() {
+            return Err(self.last_error());
+        }
+        let free: unsafe extern "C" fn(*mut c_char) =
+            self.library.function("ferrocache_string_free");
+        // SAFETY: a report ferrocache returned, freed once.
+        unsafe { free(text) };
+        Ok(())
     }
 
     fn check_invariants(&self) -> Result<(), String> {
@@ -528,6 +552,38 @@ fn capture_program(program: &mut Program, fake: &FakeCuda, streams: [u64; 3]) {
     program.step("empty_cache", Api::empty_cache);
 }
 
+/// The program with sleep-ability on (`FERROCACHE_SLEEP=1`): VMM-backed segments of both
+/// pools on two streams, a sleep with backup, an allocation while asleep, a wake, a sleep
+/// without backup and a wake, each called twice (the second is what a caller does after a
+/// failure, and a no-op otherwise); out of memory with retries.
+fn sleep_program(program: &mut Program, _fake: &FakeCuda, streams: [u64; 3]) {
+    for (size, stream) in [
+        (4096, streams[0]),
+        (3 * MIB, streams[1]),
+        (25 * MIB, streams[0]),
+    ] {
+        program.alloc(size, stream);
+    }
+    program.free_where(|i| i == 1);
+    for (what, wake, backup) in [("sleep", false, true), ("sleep again", false, true)] {
+        program.step(what, |api| api.sleep_or_wake(wake, backup));
+    }
+    program.alloc(MIB, streams[1]);
+    for (what, wake, backup) in [
+        ("wake", true, false),
+        ("wake again", true, false),
+        ("sleep without backup", false, false),
+        ("sleep without backup again", false, false),
+        ("wake", true, false),
+        ("wake again", true, false),
+    ] {
+        program.step(what, |api| api.sleep_or_wake(wake, backup));
+    }
+    program.alloc(300 * MIB, streams[2]);
+    program.free_all();
+    program.step("empty_cache", Api::empty_cache);
+}
+
 /// The sweep's summary of one child run, printed on one line of stdout.
 const SUMMARY: &str = "SWEEP-SUMMARY ";
 
@@ -570,6 +626,7 @@ fn run_child(which: &str) {
         "segments" => segments_program(&mut program, &fake, streams),
         "expandable" => expandable_program(&mut program, &fake, streams),
         "capture" => capture_program(&mut program, &fake, streams),
+        "sleep" => sleep_program(&mut program, &fake, streams),
         other => panic!("no program {other}"),
     }
     let calls = program.sweep.calls();
@@ -648,6 +705,9 @@ fn settings(which: &str) -> Vec<(&'static str, String)> {
     ];
     if which == "expandable" {
         env.push(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True".into()));
+    }
+    if which == "sleep" {
+        env.push(("FERROCACHE_SLEEP", "1".into()));
     }
     env
 }
@@ -947,6 +1007,11 @@ fn every_driver_call_of_the_expandable_program_fails_once() {
         "every_driver_call_of_the_expandable_program_fails_once",
         "expandable",
     );
+}
+
+#[test]
+fn every_driver_call_of_the_sleep_program_fails_once() {
+    sweep_or_child("every_driver_call_of_the_sleep_program_fails_once", "sleep");
 }
 
 /// The runs that went wrong before their fixes, by call index: each must still be that call

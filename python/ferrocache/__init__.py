@@ -38,6 +38,7 @@ from .memory import (
     set_per_process_memory_fraction,
 )
 from .snapshot import dump_snapshot, memory_snapshot, record_memory_history, snapshot
+from .sleep import SleepReport, region, sleep, wake
 
 
 def library_version() -> str:
@@ -55,6 +56,7 @@ __all__ = [
     "MemPool",
     "NoHistoryError",
     "OutOfMemoryError",
+    "SleepReport",
     "__version__",
     "advise",
     "attach_out_of_memory_observer",
@@ -79,8 +81,11 @@ __all__ = [
     "memory_stats_as_nested_dict",
     "memory_summary",
     "record_memory_history",
+    "region",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "set_per_process_memory_fraction",
+    "sleep",
     "snapshot",
+    "wake",
 ]

@@ -89,6 +89,10 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_empty_pool_cache": (c_int, (c_int, c_ulonglong, c_ulonglong)),
     # Device, pool id, use_on_oom, no_split.
     "ferrocache_set_pool_options": (c_int, (c_int, c_ulonglong, c_ulonglong, c_int, c_int)),
+    # Sleep and wake: a tag (NULL: none), tags separated by newlines (NULL: all), backup.
+    "ferrocache_set_thread_tag": (c_int, (c_char_p,)),
+    "ferrocache_sleep": (c_void_p, (c_char_p, c_int)),
+    "ferrocache_wake": (c_void_p, (c_char_p,)),
 }
 
 #: PyTorch's CUDA graph pool hooks. Their parameter types are C++ (``std::pair``,

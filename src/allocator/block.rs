@@ -5,7 +5,7 @@
 //! block can be freed, merged or moved between pools without any unsafe code.
 
 use super::history::StackId;
-use super::private_pool::PrivatePoolIndex;
+use super::private_pool::Owner;
 use crate::device::{DevicePtr, StreamId};
 use crate::policy::PoolKind;
 
@@ -15,6 +15,38 @@ pub struct BlockId(pub u32);
 
 /// The index of an expandable segment in the allocator's list of them.
 pub type ExpandableId = u32;
+
+/// What a segment's memory is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backing {
+    /// One device allocation (`cudaMalloc`).
+    #[default]
+    Plain,
+    /// A range of an expandable segment, pages mapped on demand.
+    Expandable(ExpandableId),
+    /// A reserved range with one physical allocation mapped into it (`cuMemAddressReserve`,
+    /// `cuMemCreate`, `cuMemMap`), so that the memory can sleep while the addresses stay.
+    Vmm(VmmId),
+}
+
+/// The index of a VMM-backed segment in the allocator's list of them.
+pub type VmmId = u32;
+
+impl Backing {
+    /// The expandable segment, when the backing is one.
+    #[inline(always)]
+    pub fn expandable(self) -> Option<ExpandableId> {
+        match self {
+            Backing::Expandable(id) => Some(id),
+            _ => None,
+        }
+    }
+
+    #[inline(always)]
+    pub fn is_expandable(self) -> bool {
+        matches!(self, Backing::Expandable(_))
+    }
+}
 
 /// How PyTorch orders cached blocks of the same stream and size: the lower allocation-order
 /// counter first, then the lower address (`BlockComparatorSizeCounterAddress`, PyTorch 2.12
@@ -49,8 +81,8 @@ pub struct Block {
     pub stream: StreamId,
     /// The pool the block's segment belongs to.
     pub pool: PoolKind,
-    /// The private pool (CUDA graph capture) the segment belongs to; `None`: the ordinary pools.
-    pub private_pool: Option<PrivatePoolIndex>,
+    /// Whose pools the segment's free blocks go to.
+    pub owner: Owner,
     /// Handed out to the program.
     pub allocated: bool,
     /// Backed by physical memory. Always true outside expandable segments.
@@ -65,8 +97,11 @@ pub struct Block {
     pub stream_uses: Vec<StreamId>,
     /// The pool's free-block search count when the block was cached (garbage collection age).
     pub gc_count_base: u64,
-    /// The expandable segment holding the block, if any.
-    pub expandable: Option<ExpandableId>,
+    /// What the block's segment is made of.
+    pub backing: Backing,
+    /// The block's segment sleeps: its physical memory is given back, its addresses kept.
+    /// A sleeping free block serves no request until its segment wakes.
+    pub asleep: bool,
     /// The stack of the allocation that last handed the block out (0: none recorded).
     pub stack_id: StackId,
     /// PyTorch's allocation-order counter for the block, counted per allocator from 1: under
@@ -83,7 +118,7 @@ impl Block {
             requested_size: 0,
             stream,
             pool,
-            private_pool: None,
+            owner: Owner::Ordinary,
             allocated: false,
             mapped: true,
             prev: None,
@@ -91,9 +126,10 @@ impl Block {
             event_count: 0,
             stream_uses: Vec::new(),
             gc_count_base: 0,
-            expandable: None,
+            backing: Backing::Plain,
             stack_id: 0,
             segment_order: 0,
+            asleep: false,
         }
     }
 
@@ -101,8 +137,9 @@ impl Block {
     /// expandable segment and segment order), not yet linked into the chain.
     pub fn sibling(&self, ptr: DevicePtr, size: usize) -> Block {
         Block {
-            private_pool: self.private_pool,
-            expandable: self.expandable,
+            owner: self.owner,
+            backing: self.backing,
+            asleep: self.asleep,
             segment_order: self.segment_order,
             ..Block::new(ptr, size, self.stream, self.pool)
         }
@@ -129,6 +166,20 @@ impl Block {
 
     pub fn end(&self) -> DevicePtr {
         self.ptr + self.size as u64
+    }
+}
+
+/// Puts `item` in the first free slot of `slots` (or a new one at the end); returns its index.
+pub(crate) fn place_in_free_slot<T>(slots: &mut Vec<Option<T>>, item: T) -> usize {
+    match slots.iter().position(Option::is_none) {
+        Some(free) => {
+            slots[free] = Some(item);
+            free
+        }
+        None => {
+            slots.push(Some(item));
+            slots.len() - 1
+        }
     }
 }
 

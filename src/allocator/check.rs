@@ -2,8 +2,8 @@
 //! the block table. A full walk: for tests and debugging.
 
 use super::DeviceAllocator;
-use super::block::Block;
-use super::private_pool::PrivatePoolIndex;
+use super::block::{Backing, Block};
+use super::private_pool::{Owner, PrivatePoolIndex};
 use super::stats::DeviceStats;
 use crate::device::Device;
 use crate::policy;
@@ -34,7 +34,7 @@ impl<D: Device> DeviceAllocator<D> {
                 continue;
             }
             let pool = head.pool;
-            if let Some(owner) = head.private_pool {
+            if let Owner::Private(owner) = head.owner {
                 if !self.pools.is_live(owner) {
                     return Err(format!(
                         "segment {:#x} belongs to a private pool that no longer exists",
@@ -61,8 +61,9 @@ impl<D: Device> DeviceAllocator<D> {
                 // Cross-stream reuse moves single blocks to other streams.
                 if b.pool != pool
                     || (b.stream != head.stream && !self.config.cross_stream)
-                    || b.expandable != head.expandable
-                    || b.private_pool != head.private_pool
+                    || b.backing != head.backing
+                    || b.owner != head.owner
+                    || b.asleep != head.asleep
                 {
                     return Err(format!("block {:#x} disagrees with its segment", b.ptr));
                 }
@@ -76,7 +77,7 @@ impl<D: Device> DeviceAllocator<D> {
                         p.ptr, b.ptr
                     ));
                 }
-                if b.expandable.is_none() && !b.mapped {
+                if !b.backing.is_expandable() && !b.mapped {
                     return Err(format!("ordinary block {:#x} is unmapped", b.ptr));
                 }
                 if let Some(n) = b.next
@@ -102,11 +103,11 @@ impl<D: Device> DeviceAllocator<D> {
                         .requested_bytes
                         .increase(pool, b.requested_size as u64);
                 }
-                if b.is_available() && filed.get(&c) != Some(&(b.private_pool, b.pool)) {
+                if b.is_available() && filed.get(&c) != Some(&(b.owner, b.pool)) {
                     return Err(format!(
                         "free block {:#x} is not filed in its own pool ({:?} {:?}) but in {:?}",
                         b.ptr,
-                        b.private_pool,
+                        b.owner,
                         b.pool,
                         filed.get(&c)
                     ));
@@ -114,7 +115,7 @@ impl<D: Device> DeviceAllocator<D> {
                 if b.is_available() {
                     if b.mapped {
                         cached_count += 1;
-                        if b.expandable.is_none() && b.is_split() {
+                        if !b.backing.is_expandable() && b.is_split() {
                             recomputed.inactive_split.increase(pool, 1);
                             recomputed
                                 .inactive_split_bytes
@@ -126,7 +127,7 @@ impl<D: Device> DeviceAllocator<D> {
                 }
                 if b.mapped {
                     segment_size += b.size;
-                    if let Some(e) = b.expandable {
+                    if let Backing::Expandable(e) = b.backing {
                         mapped_expandable[e as usize] += b.size;
                     }
                 }
@@ -134,12 +135,14 @@ impl<D: Device> DeviceAllocator<D> {
                 previous = Some(b);
                 cursor = b.next;
             }
-            match head.expandable {
+            match head.backing.expandable() {
                 None => {
                     recomputed.segment.increase(pool, 1);
-                    recomputed
-                        .reserved_bytes
-                        .increase(pool, segment_size as u64);
+                    if !head.asleep {
+                        recomputed
+                            .reserved_bytes
+                            .increase(pool, segment_size as u64);
+                    }
                     if policy::is_oversize(segment_size, &self.config) {
                         recomputed.oversize_segments.increase(1);
                     }

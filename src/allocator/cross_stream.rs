@@ -29,6 +29,7 @@
 //!   which is what happens when no free tail can be reused.
 
 use super::block::{Block, BlockId};
+use super::private_pool::Owner;
 use super::{AllocError, DeviceAllocator, Request};
 use crate::device::{Device, DeviceError, StreamId};
 use crate::logging;
@@ -65,7 +66,10 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// Whether a miss of `request` in its own stream's cache may look at other streams.
     fn cross_stream_applies(&self, request: &Request) -> bool {
-        self.config.cross_stream && self.captures.is_empty() && request.private_pool.is_none()
+        self.config.cross_stream
+            && self.captures.is_empty()
+            && request.owner == Owner::Ordinary
+            && self.sleeping_segments == 0
     }
 
     /// The hook on a miss in the stream's own cache: a block taken from another stream, already
@@ -78,7 +82,7 @@ impl<D: Device> DeviceAllocator<D> {
             return Ok(None);
         }
         if let Some(id) = self.best_fit_on_other_streams(request) {
-            let pool = self.pools.get_mut(None, request.pool);
+            let pool = self.pools.get_mut(Owner::Ordinary, request.pool);
             pool.remove(id, self.arena.get(id));
             if self.move_to_stream(id, request.stream) {
                 // Its new stream's free neighbours join it, as a free would have merged them.
@@ -86,7 +90,7 @@ impl<D: Device> DeviceAllocator<D> {
                 return Ok(Some(id));
             }
             // The block stays where it was; the request goes on to the device.
-            let pool = self.pools.get_mut(None, request.pool);
+            let pool = self.pools.get_mut(Owner::Ordinary, request.pool);
             pool.insert(id, self.arena.get_mut(id));
             return Ok(None);
         }
@@ -104,14 +108,14 @@ impl<D: Device> DeviceAllocator<D> {
     /// moved to the request's stream, one wait per stream it holds, and merged.
     fn take_free_run(&mut self, request: &Request) -> Option<BlockId> {
         let arena = &self.arena;
-        let pool = self.pools.get(None, request.pool);
+        let pool = self.pools.get(Owner::Ordinary, request.pool);
         let mut best: Option<(usize, Vec<BlockId>)> = None;
         for start in pool.cached() {
             let b = arena.get(start);
             let starts_run = b
                 .prev
                 .is_none_or(|p| !arena.get(p).is_available() || !arena.get(p).mapped);
-            if !starts_run || (b.expandable.is_some() && !self.config.expandable_segments) {
+            if !starts_run || (b.backing.is_expandable() && !self.config.expandable_segments) {
                 continue;
             }
             let mut run = vec![start];
@@ -126,7 +130,8 @@ impl<D: Device> DeviceAllocator<D> {
                 cursor = arena.get(n).next;
             }
             let serves = total >= request.size
-                && (b.expandable.is_some() || policy::may_serve(total, request.size, &self.config));
+                && (b.backing.is_expandable()
+                    || policy::may_serve(total, request.size, &self.config));
             if run.len() > 1 && serves && best.as_ref().is_none_or(|(size, _)| total < *size) {
                 best = Some((total, run));
             }
@@ -150,12 +155,14 @@ impl<D: Device> DeviceAllocator<D> {
             }
         }
         for &id in &run {
-            let pool = self.pools.get_mut(None, request.pool);
+            let pool = self.pools.get_mut(Owner::Ordinary, request.pool);
             pool.remove(id, self.arena.get(id));
             let block = self.arena.get_mut(id);
             block.stream = request.stream;
             if id != run[0] {
-                self.pools.get_mut(None, request.pool).insert(id, block);
+                self.pools
+                    .get_mut(Owner::Ordinary, request.pool)
+                    .insert(id, block);
             }
         }
         self.cross_stream.reuses += 1;
@@ -167,22 +174,22 @@ impl<D: Device> DeviceAllocator<D> {
     /// PyTorch's best fit over the other streams' cached blocks: the smallest that may serve,
     /// lowest address among equals.
     fn best_fit_on_other_streams(&self, request: &Request) -> Option<BlockId> {
-        let pool = self.pools.get(None, request.pool);
+        let pool = self.pools.get(Owner::Ordinary, request.pool);
         let arena = &self.arena;
         let mut best: Option<(usize, u64, BlockId)> = None;
         for stream in pool.streams().filter(|&s| s != request.stream) {
             // Blocks of expandable segments serve only while the setting is on (as in
             // `get_free_block`).
-            let Some(id) = pool
-                .fitting(stream, request.size)
-                .find(|&id| self.config.expandable_segments || arena.get(id).expandable.is_none())
-            else {
+            let Some(id) = pool.fitting(stream, request.size).find(|&id| {
+                self.config.expandable_segments || !arena.get(id).backing.is_expandable()
+            }) else {
                 continue;
             };
             let b = arena.get(id);
             // The oversize rules grow stricter with the block's size, so a stream whose best
             // fit fails them has nothing that passes.
-            if b.expandable.is_none() && !policy::may_serve(b.size, request.size, &self.config) {
+            if !b.backing.is_expandable() && !policy::may_serve(b.size, request.size, &self.config)
+            {
                 continue;
             }
             if best.is_none_or(|(size, ptr, _)| (b.size, b.ptr) < (size, ptr)) {
@@ -238,7 +245,7 @@ impl<D: Device> DeviceAllocator<D> {
             return Ok(None);
         }
         let arena = &self.arena;
-        let pool = self.pools.get(None, request.pool);
+        let pool = self.pools.get(Owner::Ordinary, request.pool);
         let start = pool
             .unmapped_blocks()
             .filter(|&id| arena.get(id).stream != request.stream)
@@ -263,7 +270,9 @@ impl<D: Device> DeviceAllocator<D> {
             return Ok(Some(id));
         }
         let block = self.arena.get_mut(id);
-        self.pools.get_mut(None, request.pool).insert(id, block);
+        self.pools
+            .get_mut(Owner::Ordinary, request.pool)
+            .insert(id, block);
         Ok(None)
     }
 
@@ -279,7 +288,7 @@ impl<D: Device> DeviceAllocator<D> {
                 let arena = &self.arena;
                 let pair = self
                     .pools
-                    .get(None, kind)
+                    .get(Owner::Ordinary, kind)
                     .cached()
                     .into_iter()
                     .find_map(|id| {
@@ -298,13 +307,13 @@ impl<D: Device> DeviceAllocator<D> {
                     self.device.synchronize_stream(s)?;
                     self.cross_stream.coalescing_synchronizations += 1;
                 }
-                let pool = self.pools.get_mut(None, kind);
+                let pool = self.pools.get_mut(Owner::Ordinary, kind);
                 pool.remove(id, self.arena.get(id));
                 self.merging_across_streams = true;
                 self.absorb_free_neighbours(id);
                 self.merging_across_streams = false;
                 let block = self.arena.get_mut(id);
-                self.pools.get_mut(None, kind).insert(id, block);
+                self.pools.get_mut(Owner::Ordinary, kind).insert(id, block);
             }
         }
         Ok(())
@@ -363,7 +372,7 @@ impl<D: Device> DeviceAllocator<D> {
             }
             let b = self.arena.get(id);
             // Expandable segments are left out of the inactive-split statistics.
-            if b.expandable.is_none() {
+            if !b.backing.is_expandable() {
                 let (whole, size, kind) = (!b.is_split(), b.size as u64, b.pool);
                 self.stats
                     .inactive_split

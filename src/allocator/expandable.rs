@@ -5,9 +5,9 @@
 //! This type only manages address space and pages; the allocator keeps the blocks that tile the
 //! range (mapped blocks in the free pool, unmapped ones in the pool's unmapped set).
 
-use super::block::{Block, BlockId, ExpandableId};
+use super::block::{Backing, Block, BlockId, ExpandableId};
 use super::history::TraceAction;
-use super::private_pool::PrivatePoolIndex;
+use super::private_pool::Owner;
 use super::{AllocError, DeviceAllocator, Request};
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 use crate::logging;
@@ -345,7 +345,7 @@ impl<D: Device> DeviceAllocator<D> {
             }
             bytes >= request.size
         };
-        let pool = self.pools.get(request.private_pool, request.pool);
+        let pool = self.pools.get(request.owner, request.pool);
         for unmapped in pool.unmapped_of(request.stream) {
             // A free mapped block just before the unmapped space extends it downwards.
             let start = available(arena.get(unmapped).prev).unwrap_or(unmapped);
@@ -353,7 +353,7 @@ impl<D: Device> DeviceAllocator<D> {
                 return Ok(start);
             }
         }
-        self.new_expandable_segment(request.stream, request.pool, request.private_pool)
+        self.new_expandable_segment(request.stream, request.pool, request.owner)
     }
 
     /// Reserves the address range of a new expandable segment for `stream` in `pool` (of a
@@ -362,7 +362,7 @@ impl<D: Device> DeviceAllocator<D> {
         &mut self,
         stream: StreamId,
         pool: PoolKind,
-        private_pool: Option<PrivatePoolIndex>,
+        owner: Owner,
     ) -> Result<BlockId, AllocError> {
         let total = self.device.mem_get_info()?.total;
         let reserve_class = self.reserve_class_of(stream);
@@ -378,24 +378,15 @@ impl<D: Device> DeviceAllocator<D> {
             ExpandableSegment::reserve(&mut self.device, stream, pool, page_size, reserve.bytes)?;
         let mut block = Block::new(segment.base(), segment.size(), stream, pool);
         block.mapped = false;
-        block.private_pool = private_pool;
+        block.owner = owner;
         block.segment_order = self.order_of_new_segment();
-        let segment_id = match self.expandable_segments.iter().position(Option::is_none) {
-            Some(free) => {
-                self.expandable_segments[free] = Some(segment);
-                free
-            }
-            None => {
-                self.expandable_segments.push(Some(segment));
-                self.expandable_segments.len() - 1
-            }
-        };
-        block.expandable = Some(segment_id as ExpandableId);
+        let segment_id = super::block::place_in_free_slot(&mut self.expandable_segments, segment);
+        block.backing = Backing::Expandable(segment_id as ExpandableId);
         let id = self.arena.insert(block);
         self.pools
-            .get_mut(private_pool, pool)
+            .get_mut(owner, pool)
             .insert_unmapped(id, self.arena.get(id));
-        self.count_segment_taken(private_pool);
+        self.count_segment_taken(owner);
         Ok(id)
     }
 
@@ -403,17 +394,13 @@ impl<D: Device> DeviceAllocator<D> {
     fn expandable_block(
         &self,
         id: BlockId,
-    ) -> (
-        DevicePtr,
-        usize,
-        StreamId,
-        PoolKind,
-        Option<PrivatePoolIndex>,
-        ExpandableId,
-    ) {
+    ) -> (DevicePtr, usize, StreamId, PoolKind, Owner, ExpandableId) {
         let b = self.arena.get(id);
-        let segment = b.expandable.expect("a block of an expandable segment");
-        (b.ptr, b.size, b.stream, b.pool, b.private_pool, segment)
+        let segment = b
+            .backing
+            .expandable()
+            .expect("a block of an expandable segment");
+        (b.ptr, b.size, b.stream, b.pool, b.owner, segment)
     }
 
     /// `map_block`: maps pages under the first `size` bytes of an unmapped block; the mapped part
@@ -560,14 +547,19 @@ impl<D: Device> DeviceAllocator<D> {
     /// either way; a range the device refuses to free becomes a leftover, retried by every
     /// `empty_cache` as leftover pages are (it holds nothing, and no segment can use it).
     pub(super) fn release_expandable_segment(&mut self, id: BlockId) -> Result<(), DeviceError> {
-        let segment_id = self.arena.get(id).expandable.expect("expandable block");
+        let segment_id = self
+            .arena
+            .get(id)
+            .backing
+            .expandable()
+            .expect("expandable block");
         debug_assert_eq!(self.arena.get(id).size, self.segment(segment_id).size());
         let segment = self.expandable_segments[segment_id as usize]
             .take()
             .expect("live expandable segment");
         let block = self.arena.remove(id);
         self.pools.of_block_mut(&block).remove_unmapped(&block);
-        self.count_segment_returned(block.private_pool);
+        self.count_segment_returned(block.owner);
         segment.release(&mut self.device).inspect_err(|_| {
             self.leftover_ranges.push(PageRange {
                 ptr: segment.base(),

@@ -210,7 +210,8 @@ impl<D: Device> DeviceAllocator<D> {
         let mut out = Vec::new();
         for (_, head) in self.arena.iter() {
             // A segment (or mapped range) starts at a mapped block with no mapped block before.
-            let starts_range = head.mapped && head.prev.is_none_or(|p| !self.arena.get(p).mapped);
+            let starts_range =
+                head.mapped && !head.asleep && head.prev.is_none_or(|p| !self.arena.get(p).mapped);
             if !starts_range {
                 continue;
             }
@@ -224,7 +225,7 @@ impl<D: Device> DeviceAllocator<D> {
                 stream: head.stream,
                 segment_type: head.pool.segment_type(),
                 segment_pool_id: self.pool_id_of(head),
-                is_expandable: head.expandable.is_some(),
+                is_expandable: head.backing.is_expandable(),
                 frames: Vec::new(),
                 blocks: Vec::new(),
             };

@@ -1,6 +1,7 @@
 //! Replay support: placing the allocations a recorded trace starts with.
 
 use super::block::BlockId;
+use super::private_pool::Owner;
 use super::{AllocError, DeviceAllocator, ImportedBlock, Request};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::policy::PoolKind;
@@ -25,7 +26,7 @@ impl<D: Device> DeviceAllocator<D> {
                     size,
                     stream,
                     pool,
-                    private_pool: None,
+                    owner: Owner::Ordinary,
                     alloc_size: size,
                 };
                 return Err(self.out_of_memory(&request, size));
@@ -66,7 +67,7 @@ impl<D: Device> DeviceAllocator<D> {
                 }
                 None => {
                     self.pools
-                        .get_mut(None, pool)
+                        .get_mut(Owner::Ordinary, pool)
                         .insert(id, self.arena.get_mut(id));
                     if split {
                         self.stats.inactive_split.increase(pool, 1);
@@ -96,7 +97,7 @@ impl<D: Device> DeviceAllocator<D> {
         live: &[ImportedBlock],
     ) -> Result<(DevicePtr, Vec<DevicePtr>), AllocError> {
         check_fit(live, mapped, &format!("{mapped} mapped bytes"))?;
-        let head = self.new_expandable_segment(stream, pool, None)?;
+        let head = self.new_expandable_segment(stream, pool, Owner::Ordinary)?;
         let (base, range) = {
             let b = self.arena.get(head);
             (b.ptr, b.size)
@@ -117,13 +118,13 @@ impl<D: Device> DeviceAllocator<D> {
                 stream,
                 pool,
                 alloc_size: mapped,
-                private_pool: None,
+                owner: Owner::Ordinary,
             };
             return Err(self.out_of_memory(&request, mapped));
         }
         // `head` is now the free mapped block at the start of the range, whole pages long.
         self.pools
-            .get_mut(None, pool)
+            .get_mut(Owner::Ordinary, pool)
             .remove(head, self.arena.get(head));
         let pieces = pieces(live, self.arena.get(head).size);
         let mut pointers = Vec::with_capacity(live.len());
@@ -144,7 +145,7 @@ impl<D: Device> DeviceAllocator<D> {
                 // Blocks of expandable segments are never inactive splits (PyTorch's rule).
                 None => self
                     .pools
-                    .get_mut(None, pool)
+                    .get_mut(Owner::Ordinary, pool)
                     .insert(id, self.arena.get_mut(id)),
             }
             previous = Some(id);

@@ -25,17 +25,18 @@ mod import;
 mod live;
 pub mod pool;
 pub mod private_pool;
+pub mod sleep;
 pub mod stats;
 
 use crate::config::Config;
 use crate::device::{Device, DeviceError, DevicePtr, EventHandle, StreamId};
 use crate::logging;
 use crate::policy::{self, PoolKind, TieRule};
-use block::{Block, BlockArena, BlockId, ExpandableId};
+use block::{Backing, Block, BlockArena, BlockId, ExpandableId};
 use cross_stream::CrossStreamCounts;
 use expandable::{ExpandableSegment, LeftoverPage, PageRange};
 use history::{History, StackId, TraceAction};
-use private_pool::{BlockPools, Capture, MempoolId, PrivatePoolIndex};
+use private_pool::{BlockPools, Capture, MempoolId, Owner};
 use rustc_hash::FxHashMap;
 use stats::DeviceStats;
 use std::collections::{BTreeMap, HashSet, VecDeque};
@@ -154,8 +155,8 @@ struct Request {
     size: usize,
     stream: StreamId,
     pool: PoolKind,
-    /// The private pool to serve it from; `None`: the ordinary pools.
-    private_pool: Option<PrivatePoolIndex>,
+    /// Whose pools serve it.
+    owner: Owner,
     /// The segment size to ask the device for on a miss.
     alloc_size: usize,
 }
@@ -214,6 +215,12 @@ pub struct DeviceAllocator<D: Device> {
     /// The reserve classes warned of as having no entry in
     /// `expandable_segments_reserve_by_class` (PyTorch warns once per class).
     warned_reserve_classes: HashSet<String>,
+    /// New ordinary segments are VMM-backed, so that they can sleep (see [`sleep`]).
+    sleepable: bool,
+    /// VMM-backed segments; `None` marks a released slot.
+    vmm_segments: Vec<Option<sleep::VmmSegment>>,
+    /// VMM-backed segments asleep now.
+    sleeping_segments: usize,
     /// Whether [`replace_config`](Self::replace_config) was called: the oversize counters then
     /// count by the `max_split_size` of each moment, as PyTorch's do, and no longer match the
     /// blocks by today's.
@@ -251,6 +258,9 @@ impl<D: Device> DeviceAllocator<D> {
             preemptively_rejected: false,
             reserve_classes: None,
             warned_reserve_classes: HashSet::new(),
+            sleepable: false,
+            vmm_segments: Vec::new(),
+            sleeping_segments: 0,
             settings_replaced: false,
             config,
         };
@@ -343,7 +353,7 @@ impl<D: Device> DeviceAllocator<D> {
             requested_size: b.requested_size,
             stream: b.stream,
             pool: b.pool,
-            private_pool: b.private_pool.map(|index| self.pools.private(index).id),
+            private_pool: b.owner.private().map(|index| self.pools.private(index).id),
         }
     }
 
@@ -354,12 +364,29 @@ impl<D: Device> DeviceAllocator<D> {
     /// Allocates `size` bytes (0 is served as 512) for use on `stream`.
     #[inline(always)]
     pub fn malloc(&mut self, size: usize, stream: StreamId) -> Result<DevicePtr, AllocError> {
-        let private_pool = if self.captures.is_empty() {
+        self.malloc_tagged(size, stream, None)
+    }
+
+    /// [`malloc`](Self::malloc) under tag `tag` (`ferrocache.region`): outside a capture, the
+    /// allocation comes from the tag's own pools, whose segments are VMM-backed and never
+    /// shared with another tag, so that the tag can sleep alone. A capture's private pool
+    /// still takes the allocations on its streams (a graph's memory stays the graph's).
+    #[inline(always)]
+    pub fn malloc_tagged(
+        &mut self,
+        size: usize,
+        stream: StreamId,
+        tag: Option<u32>,
+    ) -> Result<DevicePtr, AllocError> {
+        let owner = if self.captures.is_empty() {
             // Event queries are illegal during a capture, so completed frees wait until after.
             if self.pending_event_count > 0 || !self.events_to_record.is_empty() {
                 self.process_events()?;
             }
-            None
+            match tag {
+                None => Owner::Ordinary,
+                Some(tag) => self.tagged_owner(tag),
+            }
         } else {
             self.private_pool_for(stream)?
         };
@@ -369,7 +396,7 @@ impl<D: Device> DeviceAllocator<D> {
             size: rounded,
             stream,
             pool,
-            private_pool,
+            owner,
             alloc_size: policy::allocation_size(rounded, &self.config),
         };
         let mut request = request;
@@ -380,7 +407,7 @@ impl<D: Device> DeviceAllocator<D> {
                 None => self.allocate_new_block(&mut request, size)?,
             },
         };
-        let split = !self.never_splits(request.private_pool)
+        let split = !self.never_splits(request.owner)
             && policy::should_split(self.arena.get(id).size, rounded, pool, &self.config);
         Ok(self.alloc_found_block(id, &request, size, split))
     }
@@ -397,6 +424,22 @@ impl<D: Device> DeviceAllocator<D> {
     ) -> Result<DevicePtr, AllocError> {
         let previous = self.history.set_current_stack(stack);
         let result = self.malloc(size, stream);
+        self.history.set_current_stack(previous);
+        result
+    }
+
+    /// [`malloc_with_stack`](Self::malloc_with_stack) under tag `tag` (see
+    /// [`malloc_tagged`](Self::malloc_tagged)).
+    #[inline(always)]
+    pub fn malloc_tagged_with_stack(
+        &mut self,
+        size: usize,
+        stream: StreamId,
+        tag: Option<u32>,
+        stack: StackId,
+    ) -> Result<DevicePtr, AllocError> {
+        let previous = self.history.set_current_stack(stack);
+        let result = self.malloc_tagged(size, stream, tag);
         self.history.set_current_stack(previous);
         result
     }
@@ -455,10 +498,10 @@ impl<D: Device> DeviceAllocator<D> {
                 return Ok(id);
             }
         }
-        if request.private_pool.is_none()
+        if request.owner == Owner::Ordinary
             && let Some((pool, id)) = self.free_block_of_use_on_oom_pools(request)
         {
-            request.private_pool = Some(pool);
+            request.owner = Owner::Private(pool);
             return Ok(id);
         }
         if self.preemptively_rejected {
@@ -470,13 +513,19 @@ impl<D: Device> DeviceAllocator<D> {
     /// `get_free_block`: the best-fitting cached block of the request's stream, if one may serve.
     #[inline(always)]
     fn get_free_block(&mut self, request: &Request) -> Option<BlockId> {
-        let pool = self.pools.get_mut(request.private_pool, request.pool);
+        let pool = self.pools.get_mut(request.owner, request.pool);
         if self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0 {
             pool.get_free_blocks_call_count += 1;
         }
         let arena = &self.arena;
         let mut id = pool.best_fit(request.stream, request.size)?;
-        if arena.get(id).expandable.is_some() {
+        if arena.get(id).asleep {
+            // A sleeping segment's free blocks wait for its wake: the next fit serves.
+            id = pool
+                .fitting(request.stream, request.size)
+                .find(|&id| !arena.get(id).asleep)?;
+        }
+        if arena.get(id).backing.is_expandable() {
             let mut successors = pool.fitting(request.stream, request.size).skip(1);
             if self.config.expandable_segments {
                 // Best fit by what a block can grow to: its size plus the unmapped space after
@@ -490,21 +539,27 @@ impl<D: Device> DeviceAllocator<D> {
                             .map_or(0, |n| n.size)
                 };
                 for next in successors {
-                    if arena.get(id).expandable.is_none() || growable(next) >= growable(id) {
+                    if !arena.get(id).backing.is_expandable()
+                        || arena.get(next).asleep
+                        || growable(next) >= growable(id)
+                    {
                         break;
                     }
                     id = next;
                 }
             } else {
                 // Expandable segments were switched off: serve only from ordinary segments.
-                id = successors.find(|&id| arena.get(id).expandable.is_none())?;
+                id = successors.find(|&id| {
+                    let b = arena.get(id);
+                    !b.backing.is_expandable() && !b.asleep
+                })?;
             }
         }
         let block = arena.get(id);
         // PyTorch applies the oversize rules to expandable blocks too, though they always split
         // (which grows reserved memory without bound, pytorch#123548); the opt-in
         // FERROCACHE_EXPANDABLE_IGNORE_MAX_SPLIT leaves them out.
-        let exempt = block.expandable.is_some() && self.config.expandable_ignore_max_split;
+        let exempt = block.backing.is_expandable() && self.config.expandable_ignore_max_split;
         if !exempt && !policy::may_serve(block.size, request.size, &self.config) {
             return None;
         }
@@ -524,7 +579,7 @@ impl<D: Device> DeviceAllocator<D> {
         let pool = request.pool;
         let (already_split, expandable, block_ptr, block_size) = {
             let b = self.arena.get(id);
-            (b.is_split(), b.expandable.is_some(), b.ptr, b.size)
+            (b.is_split(), b.backing.is_expandable(), b.ptr, b.size)
         };
         let id = if split {
             // The allocated part is a new block at the front; the original becomes the rest.
@@ -534,9 +589,7 @@ impl<D: Device> DeviceAllocator<D> {
             rest.ptr += request.size as u64;
             rest.size -= request.size;
             let rest_size = rest.size;
-            self.pools
-                .get_mut(request.private_pool, pool)
-                .insert(id, rest);
+            self.pools.get_mut(request.owner, pool).insert(id, rest);
             if !expandable {
                 if already_split {
                     // An inactive split block shrinks by the allocated size.
@@ -616,14 +669,23 @@ impl<D: Device> DeviceAllocator<D> {
         if self.config.expandable_segments {
             return self.try_allocate_expandable_block(request);
         }
-        let ptr = match self.device.malloc(size, request.stream) {
-            Ok(ptr) => ptr,
-            Err(DeviceError::OutOfMemory) => return Ok(None),
-            Err(err) => return Err(err.into()),
+        let (ptr, backing) = if self.sleepable {
+            match self.new_vmm_segment(size)? {
+                Some(made) => made,
+                None => return Ok(None),
+            }
+        } else {
+            match self.device.malloc(size, request.stream) {
+                Ok(ptr) => (ptr, Backing::Plain),
+                Err(DeviceError::OutOfMemory) => return Ok(None),
+                Err(err) => return Err(err.into()),
+            }
         };
         let id = self.adopt_segment(ptr, size, request.stream, request.pool);
-        self.arena.get_mut(id).private_pool = request.private_pool;
-        self.count_segment_taken(request.private_pool);
+        let block = self.arena.get_mut(id);
+        block.owner = request.owner;
+        block.backing = backing;
+        self.count_segment_taken(request.owner);
         Ok(Some(id))
     }
 
@@ -816,7 +878,10 @@ impl<D: Device> DeviceAllocator<D> {
             requested_size: block.requested_size,
             stream: block.stream,
             pool: block.pool,
-            private_pool: block.private_pool.map(|index| self.pools.private(index).id),
+            private_pool: block
+                .owner
+                .private()
+                .map(|index| self.pools.private(index).id),
         };
         let (pool, size) = (info.pool, info.size);
         self.stats.allocation.decrease(pool, 1);
@@ -858,7 +923,7 @@ impl<D: Device> DeviceAllocator<D> {
             b.requested_size,
             b.stream,
             b.pool,
-            b.expandable.is_some(),
+            b.backing.is_expandable(),
         );
         let (prev, next) = (b.prev, b.next);
         self.history
@@ -878,7 +943,7 @@ impl<D: Device> DeviceAllocator<D> {
             inactive_split_bytes += block.size as i64;
         }
         let merged_size = block.size;
-        let owner = block.private_pool;
+        let owner = block.owner;
         self.pools.get_mut(owner, pool).insert(id, block);
         if merged_size != original_size {
             logging::new_free_block(merged_size);
@@ -1111,26 +1176,26 @@ impl<D: Device> DeviceAllocator<D> {
             self.synchronize_and_free_events()?;
             self.release_leftovers()?;
             self.coalesce_across_streams()?;
-            self.release_blocks(None, PoolKind::Large)?;
-            self.release_blocks(None, PoolKind::Small)?;
+            self.release_blocks(Owner::Ordinary, PoolKind::Large)?;
+            self.release_blocks(Owner::Ordinary, PoolKind::Small)?;
+            for tag in self.pools.tag_indices() {
+                self.release_blocks(Owner::Tagged(tag), PoolKind::Large)?;
+                self.release_blocks(Owner::Tagged(tag), PoolKind::Small)?;
+            }
         }
         self.release_unreferenced_private_pools()
     }
 
     /// `release_blocks`: releases every unsplit cached segment of the block pool, and unmaps the
     /// free pages of its expandable segments.
-    fn release_blocks(
-        &mut self,
-        owner: Option<PrivatePoolIndex>,
-        pool: PoolKind,
-    ) -> Result<(), DeviceError> {
+    fn release_blocks(&mut self, owner: Owner, pool: PoolKind) -> Result<(), DeviceError> {
         let mut whole = Vec::new();
         let mut to_unmap = Vec::new();
         for id in self.pools.get(owner, pool).cached() {
             let b = self.arena.get(id);
-            if b.expandable.is_some() {
+            if b.backing.is_expandable() {
                 to_unmap.push(id);
-            } else if !b.is_split() {
+            } else if !b.is_split() && !b.asleep {
                 whole.push(id);
             }
         }
@@ -1138,7 +1203,7 @@ impl<D: Device> DeviceAllocator<D> {
             self.release_block(id)?;
         }
         for id in to_unmap {
-            let segment_id = self.arena.get(id).expandable;
+            let segment_id = self.arena.get(id).backing.expandable();
             self.unmap_block(id)?;
             // As in PyTorch, a segment left with nothing mapped gives its address range back
             // at once, before the next block is unmapped.
@@ -1156,7 +1221,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// of it is mapped.
     fn wholly_unmapped_block(
         &self,
-        owner: Option<PrivatePoolIndex>,
+        owner: Owner,
         pool: PoolKind,
         segment: ExpandableId,
     ) -> Option<BlockId> {
@@ -1166,7 +1231,7 @@ impl<D: Device> DeviceAllocator<D> {
         }
         self.pools.get(owner, pool).unmapped_blocks().find(|&id| {
             let b = self.arena.get(id);
-            b.expandable == Some(segment) && !b.is_split()
+            b.backing == Backing::Expandable(segment) && !b.is_split()
         })
     }
 
@@ -1174,14 +1239,18 @@ impl<D: Device> DeviceAllocator<D> {
     fn release_block(&mut self, id: BlockId) -> Result<(), DeviceError> {
         let (ptr, size, stream, pool) = {
             let b = self.arena.get(id);
-            debug_assert!(b.expandable.is_none() && !b.is_split() && b.is_available());
+            debug_assert!(!b.backing.is_expandable() && !b.is_split() && b.is_available());
+            debug_assert!(!b.asleep);
             (b.ptr, b.size, b.stream, b.pool)
         };
         // The device first: if it refuses, the segment stays cached and nothing changes.
-        self.device.free(ptr)?;
+        match self.arena.get(id).backing {
+            Backing::Vmm(vmm) => self.release_vmm_segment(vmm)?,
+            _ => self.device.free(ptr)?,
+        }
         let block = self.arena.remove(id);
         self.pools.of_block_mut(&block).remove(id, &block);
-        self.count_segment_returned(block.private_pool);
+        self.count_segment_returned(block.owner);
         self.total_allocated_memory -= size;
         self.stats.num_device_free += 1;
         self.stats.segment.decrease(pool, 1);
@@ -1202,11 +1271,11 @@ impl<D: Device> DeviceAllocator<D> {
     /// graph may replay into its free blocks (PyTorch releases them; see [`private_pool`]).
     fn release_available_cached_blocks(&mut self, request: &Request) -> Result<bool, DeviceError> {
         let max_split_size = self.config.max_split_size;
-        if max_split_size == usize::MAX || request.private_pool.is_some() {
+        if max_split_size == usize::MAX || request.owner != Owner::Ordinary {
             return Ok(false);
         }
         let wanted = request.size.max(max_split_size);
-        let pool = self.pools.get(None, request.pool);
+        let pool = self.pools.get(Owner::Ordinary, request.pool);
         let arena = &self.arena;
         // Only whole segments go back to the device. PyTorch never caches a split block this
         // large (requests below max_split_size never get one, larger ones never split it), but
@@ -1214,7 +1283,7 @@ impl<D: Device> DeviceAllocator<D> {
         // setting): it is passed over like an expandable one.
         let releasable = |id: BlockId| {
             let b = arena.get(id);
-            b.expandable.is_none() && !b.is_split()
+            !b.backing.is_expandable() && !b.is_split() && !b.asleep
         };
         let covering = pool
             .best_fit(request.stream, wanted)
@@ -1255,10 +1324,10 @@ impl<D: Device> DeviceAllocator<D> {
             return Ok(());
         }
         let target = self.total_allocated_memory - gc_threshold;
-        let large = self.pools.get(None, PoolKind::Large);
+        let large = self.pools.get(Owner::Ordinary, PoolKind::Large);
         let clock = large.get_free_blocks_call_count;
         let age = |b: &Block| clock - b.gc_count_base;
-        let freeable = |b: &Block| !b.is_split() && b.expandable.is_none();
+        let freeable = |b: &Block| !b.is_split() && !b.backing.is_expandable() && !b.asleep;
         let mut total_age: u64 = 0;
         let mut freeable_count: u64 = 0;
         for id in large.cached() {
@@ -1275,7 +1344,7 @@ impl<D: Device> DeviceAllocator<D> {
             // so collection does not run again at once.
             let victims: Vec<BlockId> = self
                 .pools
-                .get(None, PoolKind::Large)
+                .get(Owner::Ordinary, PoolKind::Large)
                 .cached()
                 .into_iter()
                 .filter(|&id| {

@@ -55,6 +55,33 @@ pub type StreamFilter = Box<dyn Fn(StreamId) -> Result<bool, String> + Send>;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PrivatePoolIndex(pub u32);
 
+/// Whose memory a segment is, and so which block pools its free blocks go to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum Owner {
+    /// The ordinary small and large pools.
+    #[default]
+    Ordinary,
+    /// A private pool (a CUDA graph capture, a shared pool handle).
+    Private(PrivatePoolIndex),
+    /// The pools of a tag (`ferrocache.region(tag)`), whose memory sleeps and wakes together.
+    Tagged(TagIndex),
+}
+
+/// Where a tag's pools sit in the allocator's table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TagIndex(pub u32);
+
+impl Owner {
+    /// The private pool, when the owner is one.
+    #[inline]
+    pub fn private(self) -> Option<PrivatePoolIndex> {
+        match self {
+            Owner::Private(index) => Some(index),
+            Owner::Ordinary | Owner::Tagged(_) => None,
+        }
+    }
+}
+
 /// One private pool: PyTorch's `PrivatePool`.
 #[derive(Debug)]
 pub struct PrivatePool {
@@ -95,6 +122,9 @@ pub struct BlockPools {
     /// Private pools by index; `None` marks a slot whose pool was forgotten.
     private: Vec<Option<PrivatePool>>,
     by_id: FxHashMap<MempoolId, PrivatePoolIndex>,
+    /// Each tag's small and large pools, with the tag's id; never forgotten (a tag is a name
+    /// the program chose, a handful per process).
+    tagged: Vec<(u32, [BlockPool; 2])>,
 }
 
 /// The slot of a pool kind in a pair of block pools.
@@ -118,6 +148,7 @@ impl Default for BlockPools {
             ordinary: block_pool_pair(),
             private: Vec::new(),
             by_id: FxHashMap::default(),
+            tagged: Vec::new(),
         }
     }
 }
@@ -125,25 +156,27 @@ impl Default for BlockPools {
 impl BlockPools {
     /// The block pool of `kind` in the private pool `owner`, or the ordinary one for `None`.
     #[inline]
-    pub fn get(&self, owner: Option<PrivatePoolIndex>, kind: PoolKind) -> &BlockPool {
+    pub fn get(&self, owner: Owner, kind: PoolKind) -> &BlockPool {
         match owner {
-            None => &self.ordinary[kind_index(kind)],
-            Some(index) => &self.private(index).blocks[kind_index(kind)],
+            Owner::Ordinary => &self.ordinary[kind_index(kind)],
+            Owner::Private(index) => &self.private(index).blocks[kind_index(kind)],
+            Owner::Tagged(index) => &self.tagged[index.0 as usize].1[kind_index(kind)],
         }
     }
 
     #[inline]
-    pub fn get_mut(&mut self, owner: Option<PrivatePoolIndex>, kind: PoolKind) -> &mut BlockPool {
+    pub fn get_mut(&mut self, owner: Owner, kind: PoolKind) -> &mut BlockPool {
         match owner {
-            None => &mut self.ordinary[kind_index(kind)],
-            Some(index) => &mut self.private_mut(index).blocks[kind_index(kind)],
+            Owner::Ordinary => &mut self.ordinary[kind_index(kind)],
+            Owner::Private(index) => &mut self.private_mut(index).blocks[kind_index(kind)],
+            Owner::Tagged(index) => &mut self.tagged[index.0 as usize].1[kind_index(kind)],
         }
     }
 
     /// The block pool a block belongs to.
     #[inline]
     pub fn of_block_mut(&mut self, block: &Block) -> &mut BlockPool {
-        self.get_mut(block.private_pool, block.pool)
+        self.get_mut(block.owner, block.pool)
     }
 
     pub fn private(&self, index: PrivatePoolIndex) -> &PrivatePool {
@@ -179,16 +212,7 @@ impl BlockPools {
             no_split: false,
             blocks: block_pool_pair(),
         };
-        let index = match self.private.iter().position(Option::is_none) {
-            Some(free) => {
-                self.private[free] = Some(pool);
-                free
-            }
-            None => {
-                self.private.push(Some(pool));
-                self.private.len() - 1
-            }
-        };
+        let index = super::block::place_in_free_slot(&mut self.private, pool);
         let index = PrivatePoolIndex(index as u32);
         self.by_id.insert(id, index);
         index
@@ -211,12 +235,46 @@ impl BlockPools {
             .filter_map(|(i, p)| p.as_ref().map(|p| (PrivatePoolIndex(i as u32), p)))
     }
 
-    /// Every block pool with the private pool it belongs to (`None`: ordinary), ordinary first.
-    pub fn all_with_owner(&self) -> impl Iterator<Item = (Option<PrivatePoolIndex>, &BlockPool)> {
+    /// The pools of tag `tag`, made on first use.
+    pub fn tag_index(&mut self, tag: u32) -> TagIndex {
+        let index = match self.tagged.iter().position(|(t, _)| *t == tag) {
+            Some(index) => index,
+            None => {
+                self.tagged.push((tag, block_pool_pair()));
+                self.tagged.len() - 1
+            }
+        };
+        TagIndex(index as u32)
+    }
+
+    /// The tag whose pools sit at `index`.
+    pub fn tag_of(&self, index: TagIndex) -> u32 {
+        self.tagged[index.0 as usize].0
+    }
+
+    /// Every tag with pools, by index.
+    pub fn tag_indices(&self) -> impl Iterator<Item = TagIndex> + use<> {
+        (0..self.tagged.len() as u32).map(TagIndex)
+    }
+
+    /// Every block pool with its owner, ordinary first.
+    pub fn all_with_owner(&self) -> impl Iterator<Item = (Owner, &BlockPool)> {
         let private = self
             .private_pools()
-            .flat_map(|(index, pool)| pool.blocks.iter().map(move |b| (Some(index), b)));
-        self.ordinary.iter().map(|b| (None, b)).chain(private)
+            .flat_map(|(index, pool)| pool.blocks.iter().map(move |b| (Owner::Private(index), b)));
+        let tagged = self
+            .tagged
+            .iter()
+            .enumerate()
+            .flat_map(|(index, (_, pair))| {
+                pair.iter()
+                    .map(move |b| (Owner::Tagged(TagIndex(index as u32)), b))
+            });
+        self.ordinary
+            .iter()
+            .map(|b| (Owner::Ordinary, b))
+            .chain(private)
+            .chain(tagged)
     }
 
     /// Every block pool, ordinary first.
@@ -225,7 +283,8 @@ impl BlockPools {
             self.private
                 .iter()
                 .flatten()
-                .flat_map(|pool| pool.blocks.iter()),
+                .flat_map(|pool| pool.blocks.iter())
+                .chain(self.tagged.iter().flat_map(|(_, pair)| pair.iter())),
         )
     }
 }
@@ -342,7 +401,7 @@ impl<D: Device> DeviceAllocator<D> {
             .collect();
         candidates.into_iter().find_map(|index| {
             let in_pool = Request {
-                private_pool: Some(index),
+                owner: Owner::Private(index),
                 ..*request
             };
             Some((index, self.get_free_block(&in_pool)?))
@@ -351,8 +410,10 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// Whether the blocks of `owner` are handed out whole (`no_split`).
     #[inline(always)]
-    pub(super) fn never_splits(&self, owner: Option<PrivatePoolIndex>) -> bool {
-        owner.is_some_and(|index| self.pools.private(index).no_split)
+    pub(super) fn never_splits(&self, owner: Owner) -> bool {
+        owner
+            .private()
+            .is_some_and(|index| self.pools.private(index).no_split)
     }
 
     /// `beginAllocateToPool`: from now until [`end_allocate_to_pool`](Self::end_allocate_to_pool),
@@ -429,13 +490,10 @@ impl<D: Device> DeviceAllocator<D> {
     /// PyTorch's `get_pool`, the private half: the pool of the first capture whose filter
     /// accepts `stream`, or `None` for the ordinary pools.
     #[inline]
-    pub(super) fn private_pool_for(
-        &self,
-        stream: StreamId,
-    ) -> Result<Option<PrivatePoolIndex>, AllocError> {
+    pub(super) fn private_pool_for(&self, stream: StreamId) -> Result<Owner, AllocError> {
         for capture in &self.captures {
             match (capture.filter)(stream) {
-                Ok(true) => return Ok(Some(capture.pool)),
+                Ok(true) => return Ok(Owner::Private(capture.pool)),
                 Ok(false) => {}
                 Err(message) => {
                     return Err(AllocError::StreamFilter {
@@ -445,26 +503,27 @@ impl<D: Device> DeviceAllocator<D> {
                 }
             }
         }
-        Ok(None)
+        Ok(Owner::Ordinary)
     }
 
     /// The id a block's memory is reported under (`segment_pool_id`).
     pub(super) fn pool_id_of(&self, block: &Block) -> MempoolId {
         block
-            .private_pool
+            .owner
+            .private()
             .map_or(ORDINARY_POOL_ID, |index| self.pools.private(index).id)
     }
 
     /// A new segment (or expandable address range) now belongs to `owner`.
-    pub(super) fn count_segment_taken(&mut self, owner: Option<PrivatePoolIndex>) {
-        if let Some(index) = owner {
+    pub(super) fn count_segment_taken(&mut self, owner: Owner) {
+        if let Owner::Private(index) = owner {
             self.pools.private_mut(index).segment_count += 1;
         }
     }
 
     /// A segment of `owner` went back to the device.
-    pub(super) fn count_segment_returned(&mut self, owner: Option<PrivatePoolIndex>) {
-        if let Some(index) = owner {
+    pub(super) fn count_segment_returned(&mut self, owner: Owner) {
+        if let Owner::Private(index) = owner {
             self.pools.private_mut(index).segment_count -= 1;
         }
     }
@@ -517,15 +576,15 @@ impl<D: Device> DeviceAllocator<D> {
             .map(|(index, _)| index)
             .collect();
         for index in unreferenced {
-            self.release_blocks(Some(index), PoolKind::Small)?;
-            self.release_blocks(Some(index), PoolKind::Large)?;
+            self.release_blocks(Owner::Private(index), PoolKind::Small)?;
+            self.release_blocks(Owner::Private(index), PoolKind::Large)?;
             // Nobody can allocate from a pool nothing refers to: an expandable range of it with
             // nothing mapped (its first growth failed) goes back too, which the ordinary pools
             // keep for the next request of the stream.
             for kind in [PoolKind::Small, PoolKind::Large] {
                 let unmapped: Vec<BlockId> = self
                     .pools
-                    .get(Some(index), kind)
+                    .get(Owner::Private(index), kind)
                     .unmapped_blocks()
                     .filter(|&id| !self.arena.get(id).is_split())
                     .collect();
@@ -549,7 +608,7 @@ impl<D: Device> DeviceAllocator<D> {
             .arena
             .iter()
             .filter(|(_, b)| b.mapped && !b.is_available())
-            .filter_map(|(_, b)| b.private_pool)
+            .filter_map(|(_, b)| b.owner.private())
             .collect();
         pools.sort_unstable();
         pools.dedup();

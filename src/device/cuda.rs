@@ -491,6 +491,28 @@ impl Device for CudaDevice {
         check_call("cuMemUnmap", || unsafe { sys::cuMemUnmap(ptr, size) })
     }
 
+    fn synchronize_device(&mut self) -> Result<(), DeviceError> {
+        let _context = self.enter()?;
+        // SAFETY: no arguments; the primary context is current.
+        check_call("cuCtxSynchronize", || unsafe { sys::cuCtxSynchronize() })
+    }
+
+    fn copy_to_host(&mut self, ptr: DevicePtr, host: &mut [u8]) -> Result<(), DeviceError> {
+        let _context = self.enter()?;
+        // SAFETY: `host` is a live buffer of `host.len()` bytes; the driver validates `ptr`.
+        check_call("cuMemcpyDtoH_v2", || unsafe {
+            sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), ptr, host.len())
+        })
+    }
+
+    fn copy_from_host(&mut self, ptr: DevicePtr, host: &[u8]) -> Result<(), DeviceError> {
+        let _context = self.enter()?;
+        // SAFETY: `host` is a live buffer of `host.len()` bytes; the driver validates `ptr`.
+        check_call("cuMemcpyHtoD_v2", || unsafe {
+            sys::cuMemcpyHtoD_v2(ptr, host.as_ptr().cast(), host.len())
+        })
+    }
+
     /// Asks NVML (see `nvml.rs`); a driver error on the way leaves the list empty.
     fn compute_processes(&mut self) -> Vec<ProcessMemory> {
         match self.pci_location() {

@@ -299,6 +299,9 @@ pub mod sys {
         );
         fn cuMemSetAccess(ptr: CUdeviceptr, size: usize, desc: *const CUmemAccessDesc, count: usize);
         fn cuMemUnmap(ptr: CUdeviceptr, size: usize);
+        fn cuCtxSynchronize();
+        fn cuMemcpyDtoH_v2(host: *mut std::ffi::c_void, ptr: CUdeviceptr, size: usize);
+        fn cuMemcpyHtoD_v2(ptr: CUdeviceptr, host: *const std::ffi::c_void, size: usize);
     }
 }
 

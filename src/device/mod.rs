@@ -135,6 +135,13 @@ pub trait Device {
     /// `cuMemUnmap`.
     fn unmap(&mut self, ptr: DevicePtr, size: usize) -> Result<(), DeviceError>;
 
+    /// `cuCtxSynchronize`: waits for all work on every stream of the device.
+    fn synchronize_device(&mut self) -> Result<(), DeviceError>;
+    /// `cuMemcpyDtoH`: copies `host.len()` bytes at `ptr` to host memory (synchronous).
+    fn copy_to_host(&mut self, ptr: DevicePtr, host: &mut [u8]) -> Result<(), DeviceError>;
+    /// `cuMemcpyHtoD`: copies `host` to `ptr` (synchronous).
+    fn copy_from_host(&mut self, ptr: DevicePtr, host: &[u8]) -> Result<(), DeviceError>;
+
     /// The processes running on the GPU and the memory each uses, in the order NVML lists
     /// them; empty where nobody can say (no NVML, or it failed). Asked only to write an
     /// out-of-memory message, never on the allocation path.

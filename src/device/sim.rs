@@ -32,6 +32,9 @@ pub enum SimOp {
     Map,
     SetAccess,
     Unmap,
+    SynchronizeDevice,
+    CopyToHost,
+    CopyFromHost,
 }
 
 /// How many times each operation was called (successfully or not).
@@ -51,6 +54,9 @@ pub struct SimCounters {
     pub maps: u64,
     pub set_accesses: u64,
     pub unmaps: u64,
+    pub device_synchronizations: u64,
+    /// Bytes copied between device and host ([`Device::copy_to_host`], [`Device::copy_from_host`]).
+    pub bytes_copied: u64,
     /// [`Device::compute_processes`] calls (NVML's, on a real GPU).
     pub process_queries: u64,
 }
@@ -58,6 +64,9 @@ pub struct SimCounters {
 #[derive(Debug, Clone)]
 struct PhysicalPage {
     size: usize,
+    /// What was written to the page; `None` until the first write (a new page reads as
+    /// zeros, as the fake's memfd pages do; a real GPU's are undefined).
+    contents: Option<Vec<u8>>,
     mapped_at: Option<DevicePtr>,
     released: bool,
 }
@@ -345,6 +354,42 @@ impl SimDevice {
         true
     }
 
+    /// The pieces of `[ptr, ptr + len)` in accessible mappings, as (handle, offset in the page,
+    /// length, offset in the range); an error when any byte is not accessible (what a kernel
+    /// touching unmapped or sleeping memory would hit: an illegal address).
+    fn mapped_pieces(
+        &self,
+        call: &'static str,
+        ptr: DevicePtr,
+        len: usize,
+    ) -> Result<Vec<(PhysicalHandle, usize, usize, usize)>, DeviceError> {
+        let end = ptr + len as u64;
+        let mut cursor = ptr;
+        let mut pieces = Vec::new();
+        while cursor < end {
+            match self.mappings.range(..=cursor).next_back() {
+                Some((&start, m)) if m.accessible && cursor < start + m.size as u64 => {
+                    let piece_end = end.min(start + m.size as u64);
+                    pieces.push((
+                        m.handle,
+                        (cursor - start) as usize,
+                        (piece_end - cursor) as usize,
+                        (cursor - ptr) as usize,
+                    ));
+                    cursor = piece_end;
+                }
+                _ => {
+                    return Err(DeviceError::Driver {
+                        call,
+                        code: 700,
+                        message: format!("an illegal memory access was encountered at {cursor:#x}"),
+                    });
+                }
+            }
+        }
+        Ok(pieces)
+    }
+
     fn take_fault(&mut self, op: SimOp) -> Result<(), DeviceError> {
         match self.faults.get_mut(&op).and_then(VecDeque::pop_front) {
             Some(Some(error)) => Err(error),
@@ -594,6 +639,7 @@ impl Device for SimDevice {
             handle,
             PhysicalPage {
                 size,
+                contents: None,
                 mapped_at: None,
                 released: false,
             },
@@ -694,6 +740,37 @@ impl Device for SimDevice {
                 self.physical_in_use -= mapping.size;
             }
         }
+        Ok(())
+    }
+
+    fn synchronize_device(&mut self) -> Result<(), DeviceError> {
+        self.counters.device_synchronizations += 1;
+        self.take_fault(SimOp::SynchronizeDevice)?;
+        self.complete_all_streams();
+        Ok(())
+    }
+
+    fn copy_to_host(&mut self, ptr: DevicePtr, host: &mut [u8]) -> Result<(), DeviceError> {
+        self.take_fault(SimOp::CopyToHost)?;
+        for (handle, offset, len, at) in self.mapped_pieces("cuMemcpyDtoH_v2", ptr, host.len())? {
+            let target = &mut host[at..at + len];
+            match &self.pages[&handle].contents {
+                Some(contents) => target.copy_from_slice(&contents[offset..offset + len]),
+                None => target.fill(0),
+            }
+        }
+        self.counters.bytes_copied += host.len() as u64;
+        Ok(())
+    }
+
+    fn copy_from_host(&mut self, ptr: DevicePtr, host: &[u8]) -> Result<(), DeviceError> {
+        self.take_fault(SimOp::CopyFromHost)?;
+        for (handle, offset, len, at) in self.mapped_pieces("cuMemcpyHtoD_v2", ptr, host.len())? {
+            let page = self.pages.get_mut(&handle).expect("a mapped page exists");
+            let contents = page.contents.get_or_insert_with(|| vec![0; page.size]);
+            contents[offset..offset + len].copy_from_slice(&host[at..at + len]);
+        }
+        self.counters.bytes_copied += host.len() as u64;
         Ok(())
     }
 

@@ -1,0 +1,107 @@
+"""Sleep and wake: give the GPU memory back and take it again, at the same addresses.
+
+Use::
+
+    with ferrocache.region("weights"):      # allocations of this thread go under the tag
+        model = build_model().cuda()
+    report = ferrocache.sleep("weights")     # copied to host memory, then given back
+    ...                                      # another user of the GPU allocates it
+    ferrocache.wake("weights")               # mapped again at the same addresses, restored
+
+See docs/sleep.md. Touching memory while it sleeps is the program's error (an illegal address on
+a GPU); so is reading memory that slept without a backup before writing it again (its bytes
+after wake are undefined: zeros on the fake CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence, Union
+
+from . import _lib
+
+__all__ = ["SleepReport", "region", "sleep", "wake"]
+
+Tags = Union[None, str, Sequence[str]]
+
+_thread = threading.local()
+
+
+@dataclass(frozen=True)
+class SleepReport:
+    """What a :func:`sleep` or :func:`wake` moved, summed over devices."""
+
+    #: Segments that slept (or woke).
+    segments: int
+    #: Their bytes: device memory given back (or taken again).
+    bytes: int
+    #: Live allocations in them.
+    blocks: int
+    #: Bytes copied to host memory (sleep with backup) or back (wake).
+    copied_bytes: int
+    #: Bytes that matched but cannot sleep: segments made before sleep-ability was on
+    #: (``FERROCACHE_SLEEP=1``, or the first :func:`region`), and expandable segments.
+    skipped_bytes: int
+    #: Host time taken.
+    seconds: float
+
+
+def _check_tag(tag: object) -> str:
+    if not isinstance(tag, str) or not tag or "\n" in tag:
+        raise ValueError(f"a tag is a non-empty string without newlines, not {tag!r}")
+    return tag
+
+
+def _tags_argument(tags: Tags) -> Optional[bytes]:
+    if tags is None:
+        return None
+    names = [tags] if isinstance(tags, str) else list(tags)
+    return _lib.encode("\n".join(_check_tag(name) for name in names))
+
+
+def _set_thread_tag(tag: Optional[str]) -> None:
+    _lib.call_status("ferrocache_set_thread_tag", _lib.encode(tag))
+
+
+@contextlib.contextmanager
+def region(tag: str) -> Iterator[None]:
+    """Allocations this thread makes inside the block go under ``tag`` (regions nest; the
+    innermost tag counts), so that :func:`sleep` and :func:`wake` can name them. The first
+    region makes new memory sleep-able (VMM-backed). A CUDA graph capture still takes the
+    allocations on its streams into its own pool."""
+    _check_tag(tag)
+    stack: list[str] = _thread.__dict__.setdefault("tags", [])
+    _set_thread_tag(tag)
+    stack.append(tag)
+    try:
+        yield
+    finally:
+        stack.pop()
+        _set_thread_tag(stack[-1] if stack else None)
+
+
+def _report(fields: dict[str, float]) -> SleepReport:
+    return SleepReport(
+        segments=int(fields["segments"]),
+        bytes=int(fields["bytes"]),
+        blocks=int(fields["blocks"]),
+        copied_bytes=int(fields["copied_bytes"]),
+        skipped_bytes=int(fields["skipped_bytes"]),
+        seconds=float(fields["seconds"]),
+    )
+
+
+def sleep(tags: Tags = None, backup: bool = True) -> SleepReport:
+    """Gives back the device memory of ``tags`` (one tag or several; ``None``: all memory that
+    can sleep), live and cached alike, after waiting for the device. With ``backup`` the bytes
+    are copied to host memory first; without, they are dropped. Addresses stay reserved. Memory
+    already asleep is left as it is, so calling it twice is harmless."""
+    return _report(_lib.call_json("ferrocache_sleep", _tags_argument(tags), int(bool(backup))))
+
+
+def wake(tags: Tags = None) -> SleepReport:
+    """Maps the memory of ``tags`` (``None``: all) back at the same addresses and restores what
+    was backed up. Memory awake is left as it is; after a failure, calling it again goes on."""
+    return _report(_lib.call_json("ferrocache_wake", _tags_argument(tags)))

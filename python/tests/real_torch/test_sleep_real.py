@@ -1,0 +1,150 @@
+"""Sleep and wake under real PyTorch on the fake CUDA (docs/sleep.md): the memory goes back to
+the driver, a raw driver allocation takes it, and after wake every tensor holds its bytes at the
+same ``data_ptr()``, and a graph captured before sleep addresses mapped memory again."""
+
+from __future__ import annotations
+
+import textwrap
+
+from torch_env import GIB, require_real_torch, run_torch, torch_env
+
+require_real_torch()
+
+#: A trainer's state written with host-to-device copies (no kernel runs on the fake), a raw
+#: driver allocation as another user of the GPU would make, and where a pointer's segment is.
+SETUP = """
+    import ctypes
+    ferrocache.install()
+    torch.manual_seed(0)
+    cuda = ctypes.CDLL("libcuda.so")
+
+    def raw_alloc_and_free(size):
+        torch.cuda.synchronize()  # the runtime made the primary context current on this thread
+        ptr = ctypes.c_uint64()
+        status = cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size))
+        if status == 0:
+            assert cuda.cuMemFree_v2(ptr) == 0
+        return status
+
+    def trainer_state(n_layers=6, width=512):
+        state = {}
+        for i in range(n_layers):
+            for kind in ("weight", "grad", "exp_avg", "exp_avg_sq"):
+                host = torch.randn(width, width)
+                state[f"{kind}{i}"] = (host, host.to("cuda"))
+        return state
+
+    def intact(state):
+        return all(torch.equal(dev.cpu(), host) for host, dev in state.values())
+
+    def segment_of(ptr):
+        for seg in ferrocache.snapshot()["segments"]:
+            if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+                return seg["address"]
+        return None
+"""
+
+
+def run(code: str, **env: str) -> dict:
+    return run_torch(textwrap.dedent(SETUP) + textwrap.dedent(code), env=torch_env(2 * GIB, **env))
+
+
+def test_everything_sleeps_with_backup_and_wakes_at_the_same_addresses() -> None:
+    out = run(
+        """
+        state = trainer_state()
+        ptrs = {k: dev.data_ptr() for k, (host, dev) in state.items()}
+        s = torch.cuda.Stream()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            graph_out = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        graph_ptr = graph_out.data_ptr()
+        out = {}
+        reserved = torch.cuda.memory_reserved()
+        free_before = torch.cuda.mem_get_info()[0]
+        report = ferrocache.sleep(backup=True)
+        out["slept all reserved"] = report.bytes == reserved
+        out["copied"] = report.copied_bytes == report.bytes
+        out["skipped"] = report.skipped_bytes
+        out["reserved asleep"] = torch.cuda.memory_reserved()
+        out["stats asleep"] = torch.cuda.memory_stats()["reserved_bytes.all.current"]
+        out["snapshot asleep"] = len(ferrocache.snapshot()["segments"])
+        out["free grew"] = torch.cuda.mem_get_info()[0] - free_before >= report.bytes
+        out["raw allocation of what slept"] = raw_alloc_and_free(report.bytes)
+        out["sleep again"] = ferrocache.sleep().segments
+        woke = ferrocache.wake()
+        out["woke what slept"] = woke.bytes == report.bytes
+        out["same pointers"] = all(dev.data_ptr() == ptrs[k] for k, (host, dev) in state.items())
+        out["bytes intact"] = intact(state)
+        out["reserved awake"] = torch.cuda.memory_reserved() == reserved
+        out["graph memory mapped"] = segment_of(graph_ptr) is not None
+        graph_out.copy_(torch.ones(1 << 20, dtype=torch.uint8))
+        out["graph output readable"] = bool(graph_out.cpu().eq(1).all())
+        g.replay()
+        torch.cuda.synchronize()
+        out["wake again"] = ferrocache.wake().segments
+        result(out)
+        """,
+        FERROCACHE_SLEEP="1",
+    )
+    assert out == {
+        "slept all reserved": True,
+        "copied": True,
+        "skipped": 0,
+        "reserved asleep": 0,
+        "stats asleep": 0,
+        "snapshot asleep": 0,
+        "free grew": True,
+        "raw allocation of what slept": 0,
+        "sleep again": 0,
+        "woke what slept": True,
+        "same pointers": True,
+        "bytes intact": True,
+        "reserved awake": True,
+        "graph memory mapped": True,
+        "graph output readable": True,
+        "wake again": 0,
+    }
+
+
+def test_a_tag_sleeps_without_backup_while_another_stays_awake() -> None:
+    out = run(
+        """
+        with ferrocache.region("weights"):
+            weights = trainer_state(n_layers=4)
+        with ferrocache.region("kv_cache"):
+            kv = torch.ones(64 << 20, dtype=torch.uint8).to("cuda")
+        kv_ptr = kv.data_ptr()
+        out = {}
+        free_before = torch.cuda.mem_get_info()[0]
+        reserved = torch.cuda.memory_reserved()
+        report = ferrocache.sleep("kv_cache", backup=False)
+        out["kv bytes"] = report.bytes
+        out["copied"] = report.copied_bytes
+        out["free grew"] = torch.cuda.mem_get_info()[0] - free_before >= report.bytes
+        out["reserved shrank"] = reserved - torch.cuda.memory_reserved() == report.bytes
+        out["raw allocation of what slept"] = raw_alloc_and_free(report.bytes)
+        # The awake tag works on: a new allocation under it, and its bytes.
+        with ferrocache.region("weights"):
+            extra = torch.full((1 << 20,), 7, dtype=torch.uint8).to("cuda")
+        out["weights intact"] = intact(weights)
+        ferrocache.wake("kv_cache")
+        out["kv same pointer"] = kv.data_ptr() == kv_ptr
+        out["kv dropped reads zeros on the fake"] = int(kv.cpu().sum())
+        out["weights intact after"] = intact(weights)
+        out["extra intact"] = bool(extra.cpu().eq(7).all())
+        result(out)
+        """
+    )
+    assert out == {
+        "kv bytes": 64 << 20,
+        "copied": 0,
+        "free grew": True,
+        "reserved shrank": True,
+        "raw allocation of what slept": 0,
+        "weights intact": True,
+        "kv same pointer": True,
+        "kv dropped reads zeros on the fake": 0,
+        "weights intact after": True,
+        "extra intact": True,
+    }

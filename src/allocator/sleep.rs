@@ -1,0 +1,425 @@
+//! Sleep and wake: give a segment's physical memory back to the device and take it again later,
+//! at the same addresses.
+//!
+//! Once sleep-ability is on ([`DeviceAllocator::set_sleepable`], or the first tagged
+//! allocation), every new ordinary segment is VMM-backed ([`Backing::Vmm`]): an address range
+//! reserved with `cuMemAddressReserve`, one physical allocation of the same size
+//! (`cuMemCreate`) mapped into it and made accessible. Its size and its blocks are PyTorch's, as
+//! for a `cudaMalloc`'d segment: only what it is made of differs.
+//!
+//! - [`DeviceAllocator::sleep`] waits for the device, copies each chosen segment to host memory
+//!   (when asked to), unmaps it and releases its physical memory. The address range stays
+//!   reserved, every block stays where it was, live ones included; a sleeping free block serves
+//!   no request.
+//! - [`DeviceAllocator::wake`] creates physical memory again, maps it at the same address,
+//!   grants access and copies the backup back.
+//!
+//! Both are idempotent (a segment asleep is not slept again) and all-or-nothing per segment: a
+//! driver call that fails leaves that segment either fully awake or fully asleep with its
+//! backup, and the call can be repeated. Expandable segments do not sleep yet: they are
+//! reported as skipped.
+
+use super::DeviceAllocator;
+use super::block::{Backing, BlockId, VmmId};
+use super::expandable::{LeftoverPage, PageRange};
+use super::private_pool::Owner;
+use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle};
+use crate::logging;
+use std::time::{Duration, Instant};
+
+/// What the log says when the device refuses to take memory back.
+const LEFTOVER: &str = "the device refused to take memory back; empty_cache retries it";
+
+/// A VMM-backed segment.
+#[derive(Debug)]
+pub struct VmmSegment {
+    base: DevicePtr,
+    /// The segment's size (what its blocks tile).
+    size: usize,
+    /// The reserved and mapped size: `size` in whole pages of the device's granularity.
+    mapped_size: usize,
+    /// The physical memory mapped now; `None` while asleep.
+    handle: Option<PhysicalHandle>,
+    /// The segment's bytes, copied to host memory when it went to sleep with a backup.
+    backup: Option<Vec<u8>>,
+}
+
+/// What a sleep or a wake moved.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SleepReport {
+    /// Segments that went to sleep (or woke).
+    pub segments: usize,
+    /// Their bytes (physical memory given back, or taken again).
+    pub bytes: usize,
+    /// Live blocks in them: allocations whose memory slept (or woke).
+    pub blocks: usize,
+    /// Bytes copied to host memory (sleep) or back from it (wake).
+    pub copied_bytes: usize,
+    /// Bytes of segments that matched but cannot sleep: `cudaMalloc`'d before sleep-ability
+    /// was on, or expandable.
+    pub skipped_bytes: usize,
+    pub elapsed: Duration,
+}
+
+/// Why a sleep or wake stopped. What was done before the failure stays done (and is in
+/// `done`); the segment being worked on is left whole, awake or asleep with its backup; the
+/// call may be repeated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SleepError {
+    /// Sleep and wake wait for the device, which a CUDA graph capture forbids.
+    Capturing,
+    /// A driver call failed.
+    Device {
+        error: DeviceError,
+        done: SleepReport,
+    },
+}
+
+impl std::fmt::Display for SleepError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SleepError::Capturing => {
+                f.write_str("cannot sleep or wake while a CUDA graph capture is under way")
+            }
+            SleepError::Device { error, done } => write!(
+                f,
+                "CUDA error: {error} (after {} segment(s), {} bytes; call again to retry)",
+                done.segments, done.bytes
+            ),
+        }
+    }
+}
+
+impl std::error::Error for SleepError {}
+
+/// Which segments a sleep or wake is about.
+#[derive(Debug, Clone, Copy)]
+pub enum Tags<'a> {
+    /// Everything the allocator holds.
+    All,
+    /// The memory allocated under these tags.
+    Only(&'a [u32]),
+}
+
+impl<D: Device> DeviceAllocator<D> {
+    /// Makes new ordinary segments VMM-backed (on), so that they can sleep, or `cudaMalloc`'d
+    /// again (off). Segments already made keep their backing.
+    pub fn set_sleepable(&mut self, on: bool) {
+        self.sleepable = on;
+    }
+
+    pub fn is_sleepable(&self) -> bool {
+        self.sleepable
+    }
+
+    /// The owner of tag `tag`'s allocations; a tag turns sleep-ability on.
+    pub(super) fn tagged_owner(&mut self, tag: u32) -> Owner {
+        self.sleepable = true;
+        Owner::Tagged(self.pools.tag_index(tag))
+    }
+
+    /// Bytes of VMM-backed segments asleep now.
+    pub fn sleeping_bytes(&self) -> usize {
+        self.vmm_segments
+            .iter()
+            .flatten()
+            .filter(|s| s.handle.is_none())
+            .map(|s| s.size)
+            .sum()
+    }
+
+    /// A new VMM-backed segment of `size` bytes: its base and backing. `Ok(None)` when the
+    /// device is out of memory; nothing is left behind on any failure.
+    pub(super) fn new_vmm_segment(
+        &mut self,
+        size: usize,
+    ) -> Result<Option<(DevicePtr, Backing)>, DeviceError> {
+        let granularity = self.device.page_granularity()?;
+        let mapped_size = size.div_ceil(granularity) * granularity;
+        let base = match self.device.reserve_address_range(mapped_size) {
+            Ok(base) => base,
+            Err(DeviceError::OutOfMemory) => return Ok(None),
+            Err(err) => return Err(err),
+        };
+        let handle = match self.map_physical(base, mapped_size) {
+            Ok(handle) => handle,
+            Err(err) => {
+                self.free_range_or_keep(base, mapped_size);
+                return match err {
+                    DeviceError::OutOfMemory => Ok(None),
+                    err => Err(err),
+                };
+            }
+        };
+        let segment = VmmSegment {
+            base,
+            size,
+            mapped_size,
+            handle: Some(handle),
+            backup: None,
+        };
+        let id = super::block::place_in_free_slot(&mut self.vmm_segments, segment);
+        Ok(Some((base, Backing::Vmm(id as VmmId))))
+    }
+
+    /// Creates `size` bytes of physical memory, maps it at `base` and grants access: all or
+    /// nothing (what the device will not take back becomes a leftover page).
+    fn map_physical(
+        &mut self,
+        base: DevicePtr,
+        size: usize,
+    ) -> Result<PhysicalHandle, DeviceError> {
+        let handle = self.device.create_physical(size)?;
+        if let Err(err) = self.device.map(base, size, handle) {
+            self.release_or_keep(handle, None);
+            return Err(err);
+        }
+        if let Err(err) = self.device.set_access(base, size) {
+            self.unmap_and_release_or_keep(base, size, handle);
+            return Err(err);
+        }
+        Ok(handle)
+    }
+
+    /// Releases physical memory; what the device refuses is kept, retried by `empty_cache`.
+    fn release_or_keep(&mut self, handle: PhysicalHandle, mapped_at: Option<(DevicePtr, usize)>) {
+        if let Err(err) = self.device.release_physical(handle) {
+            logging::device_error(LEFTOVER, &err);
+            self.leftover_pages.push(LeftoverPage { mapped_at, handle });
+        }
+    }
+
+    fn unmap_and_release_or_keep(&mut self, base: DevicePtr, size: usize, handle: PhysicalHandle) {
+        if let Err(err) = self.device.unmap(base, size) {
+            logging::device_error(LEFTOVER, &err);
+            self.leftover_pages.push(LeftoverPage {
+                mapped_at: Some((base, size)),
+                handle,
+            });
+        } else {
+            self.release_or_keep(handle, None);
+        }
+    }
+
+    fn free_range_or_keep(&mut self, ptr: DevicePtr, size: usize) {
+        if let Err(err) = self.device.free_address_range(ptr, size) {
+            logging::device_error(LEFTOVER, &err);
+            self.leftover_ranges.push(PageRange { ptr, size });
+        }
+    }
+
+    /// Gives a wholly free, awake VMM-backed segment back to the device. The unmap decides:
+    /// if it fails nothing changed; a release or address free that fails after it leaves a
+    /// leftover, retried by every `empty_cache`.
+    pub(super) fn release_vmm_segment(&mut self, id: VmmId) -> Result<(), DeviceError> {
+        let segment = self.vmm_segments[id as usize]
+            .as_ref()
+            .expect("a live VMM segment");
+        let (base, mapped_size, handle) = (segment.base, segment.mapped_size, segment.handle);
+        if let Some(handle) = handle {
+            self.device.unmap(base, mapped_size)?;
+            self.release_or_keep(handle, None);
+        }
+        self.free_range_or_keep(base, mapped_size);
+        self.vmm_segments[id as usize] = None;
+        Ok(())
+    }
+
+    /// The first block of each segment of `tags`, with whether it can sleep.
+    fn segments_of(&self, tags: Tags<'_>) -> Vec<(BlockId, Option<VmmId>)> {
+        self.arena
+            .iter()
+            .filter(|(_, b)| b.prev.is_none())
+            .filter(|(_, b)| match (tags, b.owner) {
+                (Tags::All, _) => true,
+                (Tags::Only(tags), Owner::Tagged(index)) => {
+                    tags.contains(&self.pools.tag_of(index))
+                }
+                (Tags::Only(_), _) => false,
+            })
+            .map(|(id, b)| {
+                let vmm = match b.backing {
+                    Backing::Vmm(vmm) => Some(vmm),
+                    _ => None,
+                };
+                (id, vmm)
+            })
+            .collect()
+    }
+
+    /// Marks every block of the segment starting at `head` asleep or awake; returns the live
+    /// blocks among them.
+    fn set_segment_asleep(&mut self, head: BlockId, asleep: bool) -> usize {
+        let mut live = 0;
+        let mut cursor = Some(head);
+        while let Some(id) = cursor {
+            let block = self.arena.get_mut(id);
+            block.asleep = asleep;
+            live += usize::from(!block.is_available());
+            cursor = block.next;
+        }
+        live
+    }
+
+    fn vmm(&self, id: VmmId) -> &VmmSegment {
+        self.vmm_segments[id as usize]
+            .as_ref()
+            .expect("a live VMM segment")
+    }
+
+    fn vmm_mut(&mut self, id: VmmId) -> &mut VmmSegment {
+        self.vmm_segments[id as usize]
+            .as_mut()
+            .expect("a live VMM segment")
+    }
+
+    /// Runs `per_segment` on each segment of `tags` (its first block and VMM segment, if
+    /// any) after `prepare`, refused during a capture, timed, and stopped at the first driver
+    /// failure with what was done by then.
+    fn each_segment(
+        &mut self,
+        tags: Tags<'_>,
+        prepare: impl FnOnce(&mut Self) -> Result<(), DeviceError>,
+        mut per_segment: impl FnMut(
+            &mut Self,
+            BlockId,
+            Option<VmmId>,
+            &mut SleepReport,
+        ) -> Result<(), DeviceError>,
+    ) -> Result<SleepReport, SleepError> {
+        if !self.captures.is_empty() {
+            return Err(SleepError::Capturing);
+        }
+        let started = Instant::now();
+        let mut report = SleepReport::default();
+        let outcome = prepare(self).and_then(|()| {
+            self.segments_of(tags)
+                .into_iter()
+                .try_for_each(|(head, vmm)| per_segment(self, head, vmm, &mut report))
+        });
+        report.elapsed = started.elapsed();
+        match outcome {
+            Ok(()) => Ok(report),
+            Err(error) => Err(SleepError::Device {
+                error,
+                done: report,
+            }),
+        }
+    }
+
+    /// Puts the memory of `tags` to sleep: waits for the device, copies each segment to host
+    /// memory when `backup` (otherwise its contents are dropped), unmaps it and releases its
+    /// physical memory. Addresses, blocks and live allocations stay. Segments already asleep
+    /// are left as they are.
+    pub fn sleep(&mut self, tags: Tags<'_>, backup: bool) -> Result<SleepReport, SleepError> {
+        // Unmapping does not wait for kernels still using the memory, and a backup must see
+        // their results: everything queued so far finishes first.
+        let prepare = |this: &mut Self| {
+            this.synchronize_and_free_events()?;
+            this.device.synchronize_device()
+        };
+        let report = self.each_segment(tags, prepare, |this, head, vmm, report| {
+            this.sleep_segment(head, vmm, backup, report)
+        })?;
+        logging::slept(&report, backup);
+        Ok(report)
+    }
+
+    fn sleep_segment(
+        &mut self,
+        head: BlockId,
+        vmm: Option<VmmId>,
+        backup: bool,
+        report: &mut SleepReport,
+    ) -> Result<(), DeviceError> {
+        let Some(vmm) = vmm else {
+            report.skipped_bytes += self.segment_size(head);
+            return Ok(());
+        };
+        let segment = self.vmm(vmm);
+        let Some(handle) = segment.handle else {
+            return Ok(());
+        };
+        let (base, size, mapped_size) = (segment.base, segment.size, segment.mapped_size);
+        let saved = if backup {
+            let mut bytes = vec![0; size];
+            self.device.copy_to_host(base, &mut bytes)?;
+            Some(bytes)
+        } else {
+            None
+        };
+        self.device.unmap(base, mapped_size)?;
+        // Unmapped: the segment sleeps. A release the device refuses leaves the memory held
+        // until a later `empty_cache` retries it, not the segment awake.
+        self.release_or_keep(handle, None);
+        report.copied_bytes += saved.as_ref().map_or(0, Vec::len);
+        let segment = self.vmm_mut(vmm);
+        segment.handle = None;
+        segment.backup = saved;
+        let pool = self.arena.get(head).pool;
+        report.blocks += self.set_segment_asleep(head, true);
+        report.segments += 1;
+        report.bytes += size;
+        self.sleeping_segments += 1;
+        self.total_allocated_memory -= size;
+        self.stats.reserved_bytes.decrease(pool, size as u64);
+        Ok(())
+    }
+
+    /// Wakes the memory of `tags`: creates physical memory again, maps it at the same
+    /// addresses, grants access and copies back what was backed up. Segments awake are left as
+    /// they are.
+    pub fn wake(&mut self, tags: Tags<'_>) -> Result<SleepReport, SleepError> {
+        let report = self.each_segment(tags, |_| Ok(()), Self::wake_segment)?;
+        logging::woke(&report);
+        Ok(report)
+    }
+
+    fn wake_segment(
+        &mut self,
+        head: BlockId,
+        vmm: Option<VmmId>,
+        report: &mut SleepReport,
+    ) -> Result<(), DeviceError> {
+        let Some(vmm) = vmm else { return Ok(()) };
+        let segment = self.vmm(vmm);
+        if segment.handle.is_some() {
+            return Ok(());
+        }
+        let (base, size, mapped_size) = (segment.base, segment.size, segment.mapped_size);
+        let handle = self.map_physical(base, mapped_size)?;
+        let backup = self.vmm_mut(vmm).backup.take();
+        if let Some(bytes) = &backup
+            && let Err(err) = self.device.copy_from_host(base, bytes)
+        {
+            // The segment goes back to sleep whole, its backup kept for the next try.
+            self.unmap_and_release_or_keep(base, mapped_size, handle);
+            self.vmm_mut(vmm).backup = backup;
+            return Err(err);
+        }
+        report.copied_bytes += backup.as_ref().map_or(0, Vec::len);
+        self.vmm_mut(vmm).handle = Some(handle);
+        let pool = self.arena.get(head).pool;
+        report.blocks += self.set_segment_asleep(head, false);
+        report.segments += 1;
+        report.bytes += size;
+        self.sleeping_segments -= 1;
+        self.total_allocated_memory += size;
+        self.stats.reserved_bytes.increase(pool, size as u64);
+        Ok(())
+    }
+
+    /// The bytes of the segment whose first block is `head`.
+    fn segment_size(&self, head: BlockId) -> usize {
+        let mut size = 0;
+        let mut cursor = Some(head);
+        while let Some(id) = cursor {
+            let b = self.arena.get(id);
+            if b.mapped {
+                size += b.size;
+            }
+            cursor = b.next;
+        }
+        size
+    }
+}

@@ -1,0 +1,322 @@
+//! Sleep and wake on the simulated GPU: the memory goes back to the device and comes again at
+//! the same addresses, with the same bytes when backed up, and PyTorch's decisions unchanged.
+
+use ferrocache::allocator::DeviceAllocator;
+use ferrocache::allocator::sleep::{SleepError, Tags};
+use ferrocache::config::Config;
+use ferrocache::device::sim::{SimDevice, SimOp};
+use ferrocache::device::{Device, DeviceError, DevicePtr};
+
+const MIB: usize = 1 << 20;
+const CAPACITY: usize = 1 << 30;
+const WEIGHTS: u32 = 1;
+const KV_CACHE: u32 = 2;
+
+fn sleepable() -> DeviceAllocator<SimDevice> {
+    let mut a = DeviceAllocator::new(SimDevice::new(CAPACITY), 0, Config::default());
+    a.set_sleepable(true);
+    a
+}
+
+fn checked(a: &DeviceAllocator<SimDevice>) {
+    if let Err(why) = a.check_invariants() {
+        panic!("invariant broken: {why}");
+    }
+    assert_eq!(
+        a.stats().reserved_bytes.all.current as usize,
+        a.device().physical_in_use(),
+        "what is reserved is what the device holds"
+    );
+}
+
+/// A recognisable pattern for the allocation at `ptr`.
+fn pattern(ptr: DevicePtr, size: usize) -> Vec<u8> {
+    (0..size)
+        .map(|i| (ptr as usize / 512 + i * 7) as u8)
+        .collect()
+}
+
+fn write(a: &mut DeviceAllocator<SimDevice>, ptr: DevicePtr, size: usize) {
+    a.device_mut()
+        .copy_from_host(ptr, &pattern(ptr, size))
+        .unwrap();
+}
+
+fn read(a: &mut DeviceAllocator<SimDevice>, ptr: DevicePtr, size: usize) -> Vec<u8> {
+    let mut bytes = vec![0; size];
+    a.device_mut().copy_to_host(ptr, &mut bytes).unwrap();
+    bytes
+}
+
+/// Small and large allocations, some freed again (cached), each written with its pattern.
+fn fill(a: &mut DeviceAllocator<SimDevice>, tag: Option<u32>) -> Vec<(DevicePtr, usize)> {
+    let mut live = Vec::new();
+    for (i, size) in [4096, 700_000, 3 * MIB, 25 * MIB, 512, 9 * MIB]
+        .iter()
+        .enumerate()
+    {
+        let ptr = a.malloc_tagged(*size, 0, tag).unwrap();
+        write(a, ptr, *size);
+        if i % 3 == 2 {
+            a.free(ptr).unwrap();
+        } else {
+            live.push((ptr, *size));
+        }
+    }
+    live
+}
+
+#[test]
+fn sleep_with_backup_gives_the_memory_back_and_wake_restores_it_at_the_same_addresses() {
+    let mut a = sleepable();
+    let live = fill(&mut a, None);
+    let reserved = a.reserved_bytes();
+    let free_before = a.device_mut().mem_get_info().unwrap().free;
+
+    let slept = a.sleep(Tags::All, true).unwrap();
+    assert_eq!(slept.bytes, reserved);
+    assert_eq!(slept.copied_bytes, reserved);
+    assert_eq!(slept.blocks, live.len());
+    assert_eq!(a.reserved_bytes(), 0);
+    assert_eq!(a.stats().reserved_bytes.all.current, 0);
+    assert!(
+        a.segments().is_empty(),
+        "a snapshot shows no sleeping segment"
+    );
+    assert_eq!(
+        a.device_mut().mem_get_info().unwrap().free,
+        free_before + reserved
+    );
+    for &(ptr, size) in &live {
+        assert!(
+            !a.device().is_accessible(ptr, size),
+            "{ptr:#x} still mapped"
+        );
+        // Touching sleeping memory is the program's error, and the device says so.
+        let touched = a.device_mut().copy_to_host(ptr, &mut [0; 8]);
+        assert!(matches!(
+            touched,
+            Err(DeviceError::Driver { code: 700, .. })
+        ));
+    }
+    checked(&a);
+
+    // Another user of the device takes the memory, and gives it back.
+    let raw = a.device_mut().malloc(CAPACITY, 0).unwrap();
+    a.device_mut().free(raw).unwrap();
+
+    // Allocations while asleep are served normally, never from sleeping memory.
+    let during = a.malloc(700_000, 0).unwrap();
+    assert!(a.device().is_accessible(during, 700_000));
+    assert!(live.iter().all(|&(ptr, _)| ptr != during));
+    checked(&a);
+
+    let woke = a.wake(Tags::All).unwrap();
+    assert_eq!(woke.bytes, reserved);
+    assert_eq!(woke.blocks, live.len());
+    for &(ptr, size) in &live {
+        assert_eq!(read(&mut a, ptr, size), pattern(ptr, size), "{ptr:#x}");
+        assert_eq!(a.allocation_info(ptr).unwrap().ptr, ptr);
+    }
+    a.free(during).unwrap();
+    checked(&a);
+    // Everything goes back as usual.
+    for &(ptr, _) in &live {
+        a.free(ptr).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().physical_in_use(), 0);
+    assert_eq!(a.device().reserved_ranges(), 0);
+}
+
+#[test]
+fn sleep_and_wake_are_idempotent() {
+    let mut a = sleepable();
+    fill(&mut a, None);
+    let first = a.sleep(Tags::All, true).unwrap();
+    assert!(first.segments > 0);
+    assert_eq!(a.sleep(Tags::All, true).unwrap().segments, 0);
+    assert_eq!(a.wake(Tags::All).unwrap().segments, first.segments);
+    assert_eq!(a.wake(Tags::All).unwrap().segments, 0);
+    checked(&a);
+}
+
+#[test]
+fn a_tag_sleeps_alone_and_without_backup_reads_zeros_after_wake() {
+    let mut a = DeviceAllocator::new(SimDevice::new(CAPACITY), 0, Config::default());
+    let weights = fill(&mut a, Some(WEIGHTS));
+    let cache = fill(&mut a, Some(KV_CACHE));
+    assert!(a.is_sleepable(), "a tag turns sleep-ability on");
+    // Blocks of different tags never share a segment, so never a page.
+    for &(w, _) in &weights {
+        let (base, size) = a.base_allocation(w).unwrap();
+        for &(c, _) in &cache {
+            assert!(c < base || c >= base + size as u64);
+        }
+    }
+    let slept = a.sleep(Tags::Only(&[KV_CACHE]), false).unwrap();
+    assert_eq!(slept.copied_bytes, 0);
+    assert_eq!(slept.blocks, cache.len());
+    for &(ptr, size) in &weights {
+        assert_eq!(read(&mut a, ptr, size), pattern(ptr, size));
+    }
+    // The awake tag allocates as usual.
+    let more = a.malloc_tagged(3 * MIB, 0, Some(WEIGHTS)).unwrap();
+    write(&mut a, more, 3 * MIB);
+    checked(&a);
+    a.wake(Tags::Only(&[KV_CACHE])).unwrap();
+    for &(ptr, size) in &cache {
+        assert_eq!(read(&mut a, ptr, size), vec![0; size], "dropped contents");
+    }
+    for &(ptr, size) in &weights {
+        assert_eq!(read(&mut a, ptr, size), pattern(ptr, size));
+    }
+    checked(&a);
+}
+
+#[test]
+fn segments_made_before_sleep_ability_are_reported_as_skipped() {
+    let mut a = DeviceAllocator::new(SimDevice::new(CAPACITY), 0, Config::default());
+    let ptr = a.malloc(3 * MIB, 0).unwrap();
+    let slept = a.sleep(Tags::All, true).unwrap();
+    assert_eq!(slept.segments, 0);
+    assert_eq!(slept.skipped_bytes, a.reserved_bytes());
+    assert!(a.device().is_accessible(ptr, 3 * MIB));
+}
+
+/// The same program with sleep-ability on (never used) and off: the same addresses, the same
+/// segments, the same statistics. (On the simulated GPU, a reservation and a `cudaMalloc` of
+/// one size get the same address.)
+#[test]
+fn sleep_ability_on_changes_no_decision() {
+    let run = |on: bool| {
+        let mut a = DeviceAllocator::new(SimDevice::new(64 << 30), 0, Config::default());
+        a.set_sleepable(on);
+        let mut ptrs = Vec::new();
+        let mut live = Vec::new();
+        for i in 0..400usize {
+            let size = (i * 7919 % 97 + 1) * if i % 5 == 0 { MIB } else { 4096 };
+            let stream = (i % 3) as u64;
+            if i % 4 == 3 && !live.is_empty() {
+                a.free(live.swap_remove(i % live.len())).unwrap();
+            }
+            let ptr = a.malloc(size, stream).unwrap();
+            ptrs.push(ptr);
+            live.push(ptr);
+            if i % 150 == 149 {
+                a.empty_cache().unwrap();
+            }
+        }
+        checked(&a);
+        (ptrs, a.stats().clone())
+    };
+    let (off_ptrs, off_stats) = run(false);
+    let (on_ptrs, on_stats) = run(true);
+    assert_eq!(off_ptrs, on_ptrs);
+    assert_eq!(off_stats, on_stats);
+}
+
+fn fault() -> DeviceError {
+    DeviceError::Driver {
+        call: "injected",
+        code: 999,
+        message: "injected".into(),
+    }
+}
+
+/// Every driver call of a sleep, then of a wake, fails once, in the middle (the second
+/// segment's): no segment is left half-mapped, no backup is lost, and calling again finishes.
+#[test]
+fn a_driver_failure_in_the_middle_of_sleep_or_wake_loses_nothing() {
+    let sleep_ops = [SimOp::SynchronizeDevice, SimOp::CopyToHost, SimOp::Unmap];
+    let wake_ops = [
+        SimOp::CreatePhysical,
+        SimOp::Map,
+        SimOp::SetAccess,
+        SimOp::CopyFromHost,
+    ];
+    for (op, during_sleep) in sleep_ops
+        .iter()
+        .map(|&op| (op, true))
+        .chain(wake_ops.iter().map(|&op| (op, false)))
+    {
+        let mut a = sleepable();
+        let live = fill(&mut a, None);
+        let reserved = a.reserved_bytes();
+        let nth = if op == SimOp::SynchronizeDevice { 1 } else { 2 };
+        if during_sleep {
+            a.device_mut().fail_nth(op, nth, fault());
+            let err = a.sleep(Tags::All, true).unwrap_err();
+            assert!(matches!(err, SleepError::Device { .. }), "{op:?}");
+            checked(&a);
+        } else {
+            a.sleep(Tags::All, true).unwrap();
+            a.device_mut().fail_nth(op, nth, fault());
+            let err = a.wake(Tags::All).unwrap_err();
+            let SleepError::Device { done, .. } = err else {
+                panic!("{op:?}: {err}")
+            };
+            assert_eq!(done.segments, 1, "{op:?}: the first segment woke");
+            checked(&a);
+            // Every segment is mapped whole or not at all.
+            for &(ptr, size) in &live {
+                let (base, segment) = a.base_allocation(ptr).unwrap();
+                let whole = a.device().is_accessible(base, segment);
+                assert!(
+                    whole || !a.device().is_accessible(ptr, size.min(512)),
+                    "{op:?}"
+                );
+            }
+        }
+        // Calling again finishes the job; then wake brings back every byte.
+        a.sleep(Tags::All, true).unwrap();
+        assert_eq!(a.reserved_bytes(), 0, "{op:?}");
+        a.wake(Tags::All).unwrap();
+        assert_eq!(a.reserved_bytes(), reserved, "{op:?}");
+        for &(ptr, size) in &live {
+            assert_eq!(
+                read(&mut a, ptr, size),
+                pattern(ptr, size),
+                "{op:?} {ptr:#x}"
+            );
+        }
+        checked(&a);
+        // What the device refused to take back is retried by empty_cache.
+        for &(ptr, _) in &live {
+            a.free(ptr).unwrap();
+        }
+        a.empty_cache().unwrap();
+        assert_eq!(a.device().physical_in_use(), 0, "{op:?}");
+        assert_eq!(a.device().reserved_ranges(), 0, "{op:?}");
+    }
+}
+
+#[test]
+fn a_release_the_device_refuses_during_sleep_is_retried_by_empty_cache() {
+    let mut a = sleepable();
+    let live = fill(&mut a, None);
+    a.device_mut().fail_nth(SimOp::ReleasePhysical, 1, fault());
+    let slept = a.sleep(Tags::All, true).unwrap();
+    assert_eq!(a.reserved_bytes(), 0);
+    assert!(a.device().physical_in_use() > 0, "one release was refused");
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().physical_in_use(), 0);
+    a.wake(Tags::All).unwrap();
+    assert_eq!(a.reserved_bytes(), slept.bytes);
+    for &(ptr, size) in &live {
+        assert_eq!(read(&mut a, ptr, size), pattern(ptr, size));
+    }
+}
+
+#[test]
+fn sleep_and_wake_are_refused_during_a_capture() {
+    let mut a = sleepable();
+    fill(&mut a, None);
+    a.begin_allocate_to_pool((1, 0), Box::new(|_| Ok(true)))
+        .unwrap();
+    assert_eq!(a.sleep(Tags::All, true), Err(SleepError::Capturing));
+    assert_eq!(a.wake(Tags::All), Err(SleepError::Capturing));
+    a.end_allocate_to_pool((1, 0)).unwrap();
+    assert!(a.sleep(Tags::All, true).unwrap().segments > 0);
+    checked(&a);
+}

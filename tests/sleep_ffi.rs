@@ -1,0 +1,241 @@
+//! Sleep and wake through the C ABI (function pointers into the real `libferrocache.so`), on the
+//! fake libcuda: the memory goes back to the driver, a raw driver allocation gets it, and wake
+//! brings every byte back at the same address. Each scenario runs in a process of its own.
+
+mod cdylib;
+mod support;
+
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::ptr;
+
+use cdylib::Ferrocache;
+use serde_json::Value;
+use support::{FakeCuda, in_own_process, new_stream};
+
+const MIB: usize = 1 << 20;
+
+type MallocFn = unsafe extern "C" fn(usize, c_int, *mut c_void) -> *mut c_void;
+type TagFn = unsafe extern "C" fn(*const c_char) -> c_int;
+type SleepFn = unsafe extern "C" fn(*const c_char, c_int) -> *mut c_char;
+type WakeFn = unsafe extern "C" fn(*const c_char) -> *mut c_char;
+type StringFreeFn = unsafe extern "C" fn(*mut c_char);
+type StatusFn = unsafe extern "C" fn() -> c_int;
+type LastErrorFn = unsafe extern "C" fn() -> *const c_char;
+
+struct Api {
+    library: Ferrocache,
+}
+
+impl Api {
+    fn malloc(&self, size: usize, stream: u64) -> *mut c_void {
+        let malloc: MallocFn = self.library.function("rust_malloc");
+        // SAFETY: plain values; a stream handle is only passed on.
+        unsafe { malloc(size, 0, ptr::without_provenance_mut(stream as usize)) }
+    }
+
+    fn set_tag(&self, tag: Option<&str>) {
+        let set: TagFn = self.library.function("ferrocache_set_thread_tag");
+        let tag = tag.map(|t| CString::new(t).unwrap());
+        // SAFETY: NULL or a NUL-terminated string.
+        let status = unsafe { set(tag.as_ref().map_or(ptr::null(), |t| t.as_ptr())) };
+        assert_eq!(status, 0, "{}", self.last_error());
+    }
+
+    fn report(&self, text: *mut c_char) -> Value {
+        assert!(!text.is_null(), "{}", self.last_error());
+        // SAFETY: a string from ferrocache, freed once below.
+        let json = unsafe { CStr::from_ptr(text) }.to_str().unwrap().to_owned();
+        let free: StringFreeFn = self.library.function("ferrocache_string_free");
+        // SAFETY: returned by ferrocache, not freed before.
+        unsafe { free(text) };
+        serde_json::from_str(&json).unwrap()
+    }
+
+    fn sleep(&self, tags: Option<&str>, backup: bool) -> Value {
+        let sleep: SleepFn = self.library.function("ferrocache_sleep");
+        let tags = tags.map(|t| CString::new(t).unwrap());
+        // SAFETY: NULL or a NUL-terminated string.
+        let text = unsafe {
+            sleep(
+                tags.as_ref().map_or(ptr::null(), |t| t.as_ptr()),
+                c_int::from(backup),
+            )
+        };
+        self.report(text)
+    }
+
+    fn wake(&self, tags: Option<&str>) -> Value {
+        let wake: WakeFn = self.library.function("ferrocache_wake");
+        let tags = tags.map(|t| CString::new(t).unwrap());
+        // SAFETY: NULL or a NUL-terminated string.
+        let text = unsafe { wake(tags.as_ref().map_or(ptr::null(), |t| t.as_ptr())) };
+        self.report(text)
+    }
+
+    fn check_invariants(&self) {
+        let check: StatusFn = self.library.function("ferrocache_check_invariants");
+        // SAFETY: no arguments.
+        assert_eq!(unsafe { check() }, 0, "{}", self.last_error());
+    }
+
+    fn last_error(&self) -> String {
+        let last: LastErrorFn = self.library.function("ferrocache_last_error");
+        // SAFETY: ferrocache's per-thread error text, valid until the next call.
+        unsafe { CStr::from_ptr(last()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+/// The fake's device memory is host memory: a pattern written straight into an allocation.
+fn write(ptr: *mut c_void, len: usize, seed: u8) {
+    // SAFETY: a live allocation from ferrocache on the fake (host memory), mapped, used only here.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(ptr.cast::<u8>(), len) };
+    for (i, b) in bytes.iter_mut().enumerate() {
+        *b = seed.wrapping_add(i as u8);
+    }
+}
+
+fn holds(ptr: *mut c_void, len: usize, seed: u8) -> bool {
+    // SAFETY: as in `write`; the memory is mapped again.
+    let bytes = unsafe { std::slice::from_raw_parts(ptr.cast::<u8>(), len) };
+    bytes
+        .iter()
+        .enumerate()
+        .all(|(i, &b)| b == seed.wrapping_add(i as u8))
+}
+
+/// The driver's `cuMemGetInfo` and `cuMemAlloc`/`cuMemFree`, called as another user of the
+/// device would (after `new_stream`, device 0's primary context is current on this thread).
+struct Driver {
+    cuda: libloading::Library,
+}
+
+impl Driver {
+    fn open() -> Driver {
+        // SAFETY: the fake, already loaded by ferrocache.
+        let cuda = unsafe { libloading::Library::new("libcuda.so") }.expect("load the fake");
+        Driver { cuda }
+    }
+
+    fn free_memory(&self) -> usize {
+        // SAFETY: the driver API's signature; two live out pointers.
+        unsafe {
+            let info = self
+                .cuda
+                .get::<unsafe extern "C" fn(*mut usize, *mut usize) -> c_int>(b"cuMemGetInfo_v2")
+                .unwrap();
+            let (mut free, mut total) = (0, 0);
+            assert_eq!(info(&mut free, &mut total), 0);
+            free
+        }
+    }
+
+    fn alloc_and_free(&self, size: usize) {
+        // SAFETY: the driver API's signatures; a live out pointer.
+        unsafe {
+            let alloc = self
+                .cuda
+                .get::<unsafe extern "C" fn(*mut u64, usize) -> c_int>(b"cuMemAlloc_v2")
+                .unwrap();
+            let free = self
+                .cuda
+                .get::<unsafe extern "C" fn(u64) -> c_int>(b"cuMemFree_v2")
+                .unwrap();
+            let mut ptr = 0;
+            assert_eq!(
+                alloc(&mut ptr, size),
+                0,
+                "the raw allocation of {size} bytes"
+            );
+            assert_eq!(free(ptr), 0);
+        }
+    }
+}
+
+fn as_usize(v: &Value) -> usize {
+    v.as_u64().unwrap() as usize
+}
+
+#[test]
+fn everything_sleeps_a_raw_allocation_takes_the_memory_and_wake_restores_it() {
+    let test = "everything_sleeps_a_raw_allocation_takes_the_memory_and_wake_restores_it";
+    in_own_process(test, &[("FERROCACHE_SLEEP", "1")], || {
+        let api = Api {
+            library: Ferrocache::open(),
+        };
+        let fake = FakeCuda::open();
+        let stream = new_stream();
+        let driver = Driver::open();
+        let sizes = [4096, 3 * MIB, 25 * MIB, 100 * MIB];
+        let live: Vec<(*mut c_void, usize, u8)> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &size)| {
+                let ptr = api.malloc(size, if i % 2 == 0 { 0 } else { stream });
+                assert!(!ptr.is_null(), "{}", api.last_error());
+                write(ptr, size, i as u8 * 31);
+                (ptr, size, i as u8 * 31)
+            })
+            .collect();
+        let free_before = driver.free_memory();
+        let slept = api.sleep(None, true);
+        let bytes = as_usize(&slept["bytes"]);
+        assert!(bytes >= sizes.iter().sum::<usize>(), "{slept}");
+        assert_eq!(as_usize(&slept["blocks"]), live.len());
+        assert_eq!(as_usize(&slept["skipped_bytes"]), 0);
+        assert!(driver.free_memory() >= free_before + bytes);
+        assert_eq!(fake.stat("live_physical"), 0);
+        // Another user of the device takes the memory that slept.
+        driver.alloc_and_free(driver.free_memory() - 64 * MIB);
+        assert_eq!(
+            as_usize(&api.sleep(None, true)["segments"]),
+            0,
+            "idempotent"
+        );
+        api.check_invariants();
+
+        let woke = api.wake(None);
+        assert_eq!(as_usize(&woke["bytes"]), bytes);
+        for &(ptr, size, seed) in &live {
+            assert!(holds(ptr, size, seed), "{ptr:?}");
+        }
+        assert_eq!(as_usize(&api.wake(None)["segments"]), 0, "idempotent");
+        api.check_invariants();
+    });
+}
+
+#[test]
+fn a_tag_sleeps_without_backup_while_another_stays_awake() {
+    let test = "a_tag_sleeps_without_backup_while_another_stays_awake";
+    in_own_process(test, &[], || {
+        let api = Api {
+            library: Ferrocache::open(),
+        };
+        let _stream = new_stream();
+        // Made before the first tag: `cudaMalloc`'d, so it cannot sleep.
+        let untagged = api.malloc(30 * MIB, 0);
+        api.set_tag(Some("weights"));
+        let weights = api.malloc(30 * MIB, 0);
+        api.set_tag(Some("kv_cache"));
+        let cache = api.malloc(30 * MIB, 0);
+        api.set_tag(None);
+        for (ptr, seed) in [(weights, 1), (cache, 2), (untagged, 3)] {
+            assert!(!ptr.is_null(), "{}", api.last_error());
+            write(ptr, 30 * MIB, seed);
+        }
+        let slept = api.sleep(Some("kv_cache"), false);
+        assert_eq!(as_usize(&slept["blocks"]), 1, "{slept}");
+        assert_eq!(as_usize(&slept["copied_bytes"]), 0);
+        assert!(holds(weights, 30 * MIB, 1) && holds(untagged, 30 * MIB, 3));
+        api.wake(Some("kv_cache"));
+        assert!(holds(weights, 30 * MIB, 1));
+        api.check_invariants();
+        // Sleeping everything covers the tags but not the segment made before the first tag.
+        let all = api.sleep(None, true);
+        assert_eq!(as_usize(&all["blocks"]), 2, "{all}");
+        assert!(as_usize(&all["skipped_bytes"]) >= 30 * MIB, "{all}");
+        api.wake(None);
+        assert!(holds(weights, 30 * MIB, 1) && holds(untagged, 30 * MIB, 3));
+    });
+}
