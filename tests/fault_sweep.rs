@@ -232,12 +232,7 @@ impl Api {
     }
 
     fn last_error(&self) -> String {
-        let last_error: unsafe extern "C" fn() -> *const c_char =
-            self.library.function("ferrocache_last_error");
-        // SAFETY: a NUL-terminated string, valid until our next call on this thread.
-        unsafe { CStr::from_ptr(last_error()) }
-            .to_string_lossy()
-            .into_owned()
+        self.library.last_error()
     }
 }
 

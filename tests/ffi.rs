@@ -66,11 +66,7 @@ impl Api {
     }
 
     fn last_error(&self) -> String {
-        let last_error: StringFn = self.library.function("ferrocache_last_error");
-        // SAFETY: a NUL-terminated string that stays valid until our next call on this thread.
-        unsafe { CStr::from_ptr(last_error()) }
-            .to_string_lossy()
-            .into_owned()
+        self.library.last_error()
     }
 
     /// Takes a string the library returned: its text, after freeing it; `None` for NULL.

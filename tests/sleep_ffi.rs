@@ -20,7 +20,6 @@ type SleepFn = unsafe extern "C" fn(*const c_char, c_int) -> *mut c_char;
 type WakeFn = unsafe extern "C" fn(*const c_char) -> *mut c_char;
 type StringFreeFn = unsafe extern "C" fn(*mut c_char);
 type StatusFn = unsafe extern "C" fn() -> c_int;
-type LastErrorFn = unsafe extern "C" fn() -> *const c_char;
 
 struct Api {
     library: Ferrocache,
@@ -79,11 +78,7 @@ impl Api {
     }
 
     fn last_error(&self) -> String {
-        let last: LastErrorFn = self.library.function("ferrocache_last_error");
-        // SAFETY: ferrocache's per-thread error text, valid until the next call.
-        unsafe { CStr::from_ptr(last()) }
-            .to_string_lossy()
-            .into_owned()
+        self.library.last_error()
     }
 }
 

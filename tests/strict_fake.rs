@@ -6,7 +6,7 @@
 mod cdylib;
 mod support;
 
-use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ffi::{c_int, c_void};
 use std::ptr;
 
 use cdylib::Ferrocache;
@@ -84,12 +84,7 @@ impl Api {
     }
 
     fn last_error(&self) -> String {
-        let last_error: unsafe extern "C" fn() -> *const c_char =
-            self.library.function("ferrocache_last_error");
-        // SAFETY: a NUL-terminated string valid until our next call on this thread.
-        unsafe { CStr::from_ptr(last_error()) }
-            .to_string_lossy()
-            .into_owned()
+        self.library.last_error()
     }
 }
 

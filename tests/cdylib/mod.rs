@@ -61,4 +61,14 @@ impl Ferrocache {
     pub fn address(&self, name: &str) -> *mut std::ffi::c_void {
         self.function(name)
     }
+
+    /// `ferrocache_last_error()`: why this thread's last call failed, or "".
+    pub fn last_error(&self) -> String {
+        let last_error: unsafe extern "C" fn() -> *const std::ffi::c_char =
+            self.function("ferrocache_last_error");
+        // SAFETY: a NUL-terminated string, valid until our next call on this thread.
+        unsafe { std::ffi::CStr::from_ptr(last_error()) }
+            .to_string_lossy()
+            .into_owned()
+    }
 }
