@@ -142,6 +142,11 @@ impl AddressSpace {
     pub fn base(&self) -> u64 {
         self.base
     }
+
+    /// Whether `address` lies in the block: device address space, never host memory.
+    pub fn contains(&self, address: u64) -> bool {
+        (self.base..self.reservations.start + self.reservations.size).contains(&address)
+    }
 }
 
 /// `length` bytes of inaccessible address space, aligned to the granularity, at `hint` when

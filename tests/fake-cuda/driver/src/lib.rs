@@ -23,6 +23,7 @@ mod faults;
 mod memory;
 mod nvml;
 mod peer;
+mod shared_devices;
 mod stubs;
 mod sync;
 mod vmm;
@@ -188,6 +189,12 @@ pub struct Driver {
     /// Other processes on the GPUs (`FAKE_NVML_OTHER_PROCESSES`): NVML lists them, and their
     /// memory is not free for this one.
     other_processes: Vec<nvml::OtherProcess>,
+    /// Where the processes of one machine book their device memory
+    /// (`FAKE_LIBCUDA_SHARED_DEVICES`), if they share it.
+    shared: Option<shared_devices::SharedDevices>,
+    /// The error every later call returns, once work took an illegal address: "This leaves the
+    /// process in an inconsistent state and any further CUDA work will return the same error."
+    sticky_error: Option<CuResult>,
     /// `nvmlInit_v2` calls not yet undone by `nvmlShutdown`.
     nvml_starts: u32,
     /// Where device addresses come from (None if the kernel refused the address space).
@@ -246,6 +253,7 @@ impl Driver {
             other_processes: std::env::var("FAKE_NVML_OTHER_PROCESSES")
                 .map(|list| nvml::OtherProcess::parse_list(&list))
                 .unwrap_or_default(),
+            shared: shared_devices::SharedDevices::from_environment(),
             address_space,
             event_delay: env_or("FAKE_LIBCUDA_EVENT_DELAY", 0),
             next_handle: 1,
@@ -276,18 +284,49 @@ impl Driver {
             .filter(move |other| other.device == device)
     }
 
+    /// Bytes the processes of `FAKE_NVML_OTHER_PROCESSES` hold on `device`.
+    fn listed_others_bytes(&self, device: i32) -> u64 {
+        self.others_on(device).map(|other| other.bytes).sum()
+    }
+
+    /// The other live processes that share the machine's devices
+    /// (`FAKE_LIBCUDA_SHARED_DEVICES`) and hold memory on `device`, with their bytes.
+    fn sharing_processes(&self, device: i32) -> Vec<(u32, u64)> {
+        self.shared
+            .as_ref()
+            .map(|shared| shared.others(device))
+            .unwrap_or_default()
+    }
+
     /// What `cuMemGetInfo` calls free on `device`: its capacity less what this process and the
     /// other processes hold there.
     fn free_bytes(&self, device: i32) -> u64 {
-        let others: u64 = self.others_on(device).map(|other| other.bytes).sum();
+        let sharing: u64 = self
+            .sharing_processes(device)
+            .iter()
+            .map(|&(_, bytes)| bytes)
+            .sum();
         self.capacity
             .saturating_sub(self.bytes_in_use[device as usize])
-            .saturating_sub(others)
+            .saturating_sub(self.listed_others_bytes(device))
+            .saturating_sub(sharing)
     }
 
-    /// Claims `size` bytes of `device`'s free memory (each device has `capacity` bytes).
+    /// Claims `size` bytes of `device`'s free memory (each device has `capacity` bytes, shared
+    /// with the other processes of the machine under `FAKE_LIBCUDA_SHARED_DEVICES`).
     fn charge(&mut self, device: i32, size: u64) -> Outcome {
-        if self.free_bytes(device) < size {
+        let ours = self.bytes_in_use[device as usize];
+        let fits = match &self.shared {
+            Some(shared) => shared.try_book(
+                device,
+                ours,
+                size,
+                self.listed_others_bytes(device),
+                self.capacity,
+            ),
+            None => self.free_bytes(device) >= size,
+        };
+        if !fits {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         self.bytes_in_use[device as usize] += size;
@@ -297,6 +336,9 @@ impl Driver {
     /// Gives back what [`Driver::charge`] claimed.
     fn uncharge(&mut self, device: i32, size: u64) {
         self.bytes_in_use[device as usize] -= size;
+        if let Some(shared) = &self.shared {
+            shared.book(device, self.bytes_in_use[device as usize]);
+        }
     }
 }
 
@@ -312,6 +354,13 @@ fn parse_number(text: &str) -> Option<u64> {
 /// Writes the ordering check's counts (`FAKE_CUDA_ORDER_REPORT`) as the process exits.
 extern "C" fn report_at_exit() {
     fake_cuda_write_order_report();
+    // What this process holds on the shared devices goes with it (a reader would drop its
+    // lines anyway once the pid is gone).
+    if let Ok(driver) = DRIVER.try_lock()
+        && let Some(shared) = &driver.shared
+    {
+        shared.leave();
+    }
 }
 
 /// Writes the ordering check's counts now: for a process that ends with `_exit`, which runs no
@@ -353,9 +402,23 @@ fn call(name: &'static str, body: impl FnOnce(&mut Driver) -> Outcome) -> CuResu
     })
 }
 
-/// Runs the body of the driver function `name`, which works without `cuInit`.
+/// Runs the body of the driver function `name`, which works without `cuInit`. After work took
+/// an illegal address, every call but the error-text look-ups returns that error; a body that
+/// takes one (a copy or memset touching memory it may not) makes it so.
 fn call_before_init(name: &'static str, body: impl FnOnce(&mut Driver) -> Outcome) -> CuResult {
-    counted_call(name, true, body)
+    counted_call(name, true, |driver| {
+        let answers_anyway = matches!(name, "cuGetErrorString" | "cuGetErrorName");
+        if let Some(code) = driver.sticky_error
+            && !answers_anyway
+        {
+            return Err(code);
+        }
+        let outcome = body(driver);
+        if outcome == Err(CUDA_ERROR_ILLEGAL_ADDRESS) {
+            driver.sticky_error = Some(CUDA_ERROR_ILLEGAL_ADDRESS);
+        }
+        outcome
+    })
 }
 
 /// Runs the body of the exported function `name` (the driver's or NVML's, whose codes agree on

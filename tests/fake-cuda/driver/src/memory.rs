@@ -34,6 +34,16 @@ impl Driver {
         self.check_accessible_mapping(ptr, len)
     }
 
+    /// Whether `ptr` lies in device address space (live memory, reserved ranges mapped or not,
+    /// freed memory): a copy checks such a side, rather than take it for host memory.
+    pub fn is_device_address(&self, ptr: u64) -> bool {
+        self.device_of_pointer(ptr).is_some()
+            || self
+                .address_space
+                .as_ref()
+                .is_some_and(|space| space.contains(ptr))
+    }
+
     /// The device that owns the device memory at `ptr`, or None for any other address.
     pub fn device_of_pointer(&self, ptr: u64) -> Option<i32> {
         if let Some((&start, allocation)) = self.allocations.range(..=ptr).next_back()
@@ -207,7 +217,7 @@ fn check_sides(driver: &Driver, node: Node) -> Outcome {
         if side == 0 && count > 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        if driver.device_of_pointer(side).is_some() {
+        if driver.is_device_address(side) {
             driver.check_device_range(side, count)?;
         }
     }
@@ -230,12 +240,14 @@ fn copy_synchronously(driver: &mut Driver, node: Node, what: &str) -> Outcome {
     Ok(())
 }
 
-/// A device side that must be device memory (`cuMemcpyDtoD` and the like).
+/// A device side that must be device memory or device address space (`cuMemcpyDtoD` and the
+/// like); whether it may be touched is checked with the work.
 fn require_device(driver: &Driver, ptr: u64) -> Outcome {
-    driver
-        .device_of_pointer(ptr)
-        .map(drop)
-        .ok_or(CUDA_ERROR_INVALID_VALUE)
+    if driver.is_device_address(ptr) {
+        Ok(())
+    } else {
+        Err(CUDA_ERROR_INVALID_VALUE)
+    }
 }
 
 const LEGACY_STREAM: *mut c_void = std::ptr::null_mut();

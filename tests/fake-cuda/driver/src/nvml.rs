@@ -9,8 +9,10 @@
 //!   `device::nvml`) lists the processes on the GPU with the memory each uses: NVML is started
 //!   (`nvmlInit_v2`, counted, undone by `nvmlShutdown`; the device calls answer "uninitialized"
 //!   before), the device is found by its PCI bus id, and its compute processes are the other
-//!   processes `FAKE_NVML_OTHER_PROCESSES` names, then this one once it has retained the
-//!   device's primary context, with the bytes it holds there (`cuMemAlloc` and `cuMemCreate`).
+//!   processes `FAKE_NVML_OTHER_PROCESSES` names, then the other live processes that share the
+//!   device (`FAKE_LIBCUDA_SHARED_DEVICES`, `shared_devices.rs`), then this one once it has
+//!   retained the device's primary context, with the bytes it holds there (`cuMemAlloc` and
+//!   `cuMemCreate`).
 //!
 //! The calls are counted (`fake_cuda_stat`) and fail on request (`fake_cuda_fail_next`) like the
 //! driver's, with the NVML code given; fault sweeps leave them out.
@@ -137,7 +139,10 @@ impl Driver {
 
     /// The compute processes on `device` and their memory, in the order NVML lists them here.
     fn compute_processes(&self, device: i32) -> Vec<(u32, u64)> {
-        let others = self.others_on(device).map(|other| (other.pid, other.bytes));
+        let others = self
+            .others_on(device)
+            .map(|other| (other.pid, other.bytes))
+            .chain(self.sharing_processes(device));
         let has_context = self
             .primary_context_refs
             .get(device as usize)

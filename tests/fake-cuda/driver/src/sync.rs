@@ -247,9 +247,14 @@ impl Driver {
         };
         let mut touches = Vec::new();
         for (start, len, write) in sides {
-            if self.device_of_pointer(start).is_some() {
-                self.check_device_range(start, len)
-                    .map_err(|_| CUDA_ERROR_ILLEGAL_ADDRESS)?;
+            if self.is_device_address(start) {
+                self.check_device_range(start, len).map_err(|code| {
+                    if code == CUDA_ERROR_ILLEGAL_ADDRESS {
+                        code
+                    } else {
+                        crate::vmm::illegal_address(start, len, "not live device memory")
+                    }
+                })?;
                 touches.push(Touch { start, len, write });
             }
         }

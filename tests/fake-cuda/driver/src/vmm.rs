@@ -152,33 +152,47 @@ impl Driver {
     /// Succeeds when `[ptr, ptr + len)` is wholly mapped and the device that touches it has
     /// access to every page: the calling thread's context's device, when that is the pages'
     /// device or a peer that can reach it directly; otherwise the driver stages the copy
-    /// through the host and the pages' own device touches them. A range not mapped is an
-    /// invalid value; mapped pages the touching device may not access are an illegal address,
-    /// the fault its copy engine or a kernel would take.
+    /// through the host and the pages' own device touches them. Reserved address space that is
+    /// not mapped (never, or no more: sleeping memory), or mapped pages the touching device may
+    /// not access, are an illegal address, the fault its copy engine or a kernel would take
+    /// (said on stderr; the caller makes it sticky). A range outside any one reservation is an
+    /// invalid value.
     pub fn check_accessible_mapping(&self, ptr: u64, len: u64) -> Outcome {
-        let starts = self
-            .mappings_covering(ptr, len)
-            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if self.reservation_containing(ptr, len).is_none() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let Some(starts) = self.mappings_covering(ptr, len) else {
+            return Err(illegal_address(ptr, len, "reserved but not mapped"));
+        };
         if starts
             .iter()
             .all(|start| self.mappings[start].access.is_empty())
         {
-            return Err(CUDA_ERROR_INVALID_VALUE);
+            return Err(illegal_address(
+                ptr,
+                len,
+                "mapped without access for any device",
+            ));
         }
         let device = self.require_primary_context()?;
-        let reachable = |start: &u64| {
+        let toucher = |start: &u64| {
             let owner = self.mapped_device(*start).unwrap_or(device);
-            let toucher = if owner == device || self.can_access_peer(device, owner) {
+            if owner == device || self.can_access_peer(device, owner) {
                 device
             } else {
                 owner
-            };
-            self.mappings[start].access.contains_key(&toucher)
+            }
         };
-        if starts.iter().all(reachable) {
-            Ok(())
-        } else {
-            Err(CUDA_ERROR_ILLEGAL_ADDRESS)
+        match starts
+            .iter()
+            .find(|start| !self.mappings[*start].access.contains_key(&toucher(start)))
+        {
+            None => Ok(()),
+            Some(start) => Err(illegal_address(
+                ptr,
+                len,
+                &format!("mapped without access for device {}", toucher(start)),
+            )),
         }
     }
 
@@ -192,7 +206,7 @@ impl Driver {
 
     fn reservation_containing(&self, ptr: u64, len: u64) -> Option<u64> {
         let (&start, &size) = self.reservations.range(..=ptr).next_back()?;
-        (ptr + len <= start + size).then_some(start)
+        (ptr.checked_add(len)? <= start + size).then_some(start)
     }
 
     /// Drops a physical handle's memory once it is released and no longer mapped.
@@ -208,6 +222,17 @@ impl Driver {
             self.physical.remove(&handle);
         }
     }
+}
+
+/// The illegal address a copy, memset or graph node takes at `[ptr, ptr + len)`, said on stderr
+/// with why (the real driver says nothing, but a test that meets it wants to know where).
+pub fn illegal_address(ptr: u64, len: u64, why: &str) -> CuResult {
+    eprintln!(
+        "fake-cuda: ILLEGAL ADDRESS: device memory [{ptr:#x}, {:#x}) is {why}; every later call \
+         returns CUDA_ERROR_ILLEGAL_ADDRESS",
+        ptr.saturating_add(len)
+    );
+    CUDA_ERROR_ILLEGAL_ADDRESS
 }
 
 fn is_granular(value: u64) -> bool {
