@@ -11,8 +11,8 @@ use cudarc::driver::sys;
 use ferrocache::device::cuda::CudaDevice;
 use ferrocache::device::{Device, DeviceError, ProcessMemory};
 use support::{
-    FakeCuda, in_own_process, in_own_process_with_library_path, in_own_process_without_libcuda,
-    in_own_process_without_nvml, stub_libcuda_dir,
+    FakeCuda, in_own_process, in_own_process_stderr, in_own_process_with_library_path,
+    in_own_process_without_libcuda, in_own_process_without_nvml, stub_libcuda_dir,
 };
 
 const MIB: usize = 1 << 20;
@@ -878,14 +878,17 @@ fn expandable_pages_are_reachable_from_a_peer_device() {
 
 /// The fake's rule that the test above relies on: pages granted to device 0 alone are an
 /// illegal address for device 1, enabled peer access or not, while memory from `cuMemAlloc`
-/// is reachable.
+/// is reachable. An illegal address is sticky (every later call of the process returns it),
+/// so each case runs in a process of its own (`FAKE_TEST_CASE`).
 #[test]
 fn pages_granted_to_one_device_are_an_illegal_address_for_another() {
-    let env = [("FAKE_LIBCUDA_DEVICE_COUNT", "2")];
-    in_own_process(
-        "pages_granted_to_one_device_are_an_illegal_address_for_another",
-        &env,
-        || {
+    let test = "pages_granted_to_one_device_are_an_illegal_address_for_another";
+    for case in ["without peer access", "with peer access"] {
+        let env = [("FAKE_LIBCUDA_DEVICE_COUNT", "2"), ("FAKE_TEST_CASE", case)];
+        in_own_process(test, &env, || {
+            if std::env::var("FAKE_TEST_CASE").as_deref() != Ok(case) {
+                return;
+            }
             let fake = FakeCuda::open();
             let mut device = open_device();
             let page = device.page_granularity().expect("granularity");
@@ -908,25 +911,73 @@ fn pages_granted_to_one_device_are_an_illegal_address_for_another() {
             assert_eq!(fake.memset(base, 1, page), 0, "the owner reaches it");
             let plain = device.malloc(page, 0).expect("malloc");
             fake.make_current(1);
-            assert_eq!(fake.memset(base, 1, page), CUDA_ERROR_ILLEGAL_ADDRESS);
-            assert_eq!(fake.enable_peer_access(0), 0);
+            if case == "with peer access" {
+                assert_eq!(fake.enable_peer_access(0), 0);
+                assert_eq!(
+                    fake.memset(plain, 1, page),
+                    0,
+                    "it applies to cuMemAlloc memory"
+                );
+            }
             assert_eq!(
                 fake.memset(base, 1, page),
                 CUDA_ERROR_ILLEGAL_ADDRESS,
-                "peer access does not apply to mapped pages"
+                "{case}: peer access does not apply to mapped pages"
             );
             assert_eq!(
-                fake.memset(plain, 1, page),
-                0,
-                "it does to cuMemAlloc memory"
+                fake.synchronize(),
+                CUDA_ERROR_ILLEGAL_ADDRESS as std::ffi::c_int,
+                "sticky"
             );
-            set_current_context(ptr::null_mut());
-            device.free(plain).expect("free");
-            device.unmap(base, page).expect("unmap");
-            device.release_physical(handle).expect("release");
-            device.free_address_range(base, page).expect("free range");
-        },
-    );
+        });
+    }
+}
+
+/// Reserved address space with no pages mapped (never mapped, or unmapped since: memory that
+/// sleeps) is an illegal address for a copy or memset, as a GPU's copy engine faults there,
+/// whichever call reaches it; the fake says where on stderr, and the error is sticky: every
+/// later call of the process returns it, but the error-text look-ups.
+#[test]
+fn touching_reserved_but_unmapped_memory_is_a_sticky_illegal_address() {
+    let test = "touching_reserved_but_unmapped_memory_is_a_sticky_illegal_address";
+    let stderr = in_own_process_stderr(test, &[], || {
+        let fake = FakeCuda::open();
+        let mut device = open_device();
+        let page = device.page_granularity().expect("granularity");
+        let base = device.reserve_address_range(4 * page).expect("reserve");
+        let handle = device.create_physical(page).expect("create");
+        device.map(base, page, handle).expect("map");
+        device.set_access(base, page).expect("set_access");
+        fake.make_current(0);
+        assert_eq!(fake.memset(base, 1, page), 0, "mapped and accessible");
+        assert_eq!(fake.synchronize(), 0);
+        // The unified copy would have taken the address for host memory before.
+        let host = vec![7u8; 4096];
+        let unified_copy: unsafe extern "C" fn(u64, u64, usize) -> u32 = fake.function("cuMemcpy");
+        // SAFETY: the driver checks the device side; the host side is live.
+        let copied = unsafe { unified_copy(base + 2 * page as u64, host.as_ptr() as u64, 4096) };
+        assert_eq!(copied, CUDA_ERROR_ILLEGAL_ADDRESS);
+        for (what, code) in [
+            ("a memset of mapped pages", fake.memset(base, 1, page)),
+            ("a synchronization", fake.synchronize() as u32),
+        ] {
+            assert_eq!(code, CUDA_ERROR_ILLEGAL_ADDRESS, "sticky: {what}");
+        }
+        let name: unsafe extern "C" fn(u32, *mut *const std::ffi::c_char) -> u32 =
+            fake.function("cuGetErrorName");
+        let mut text = ptr::null();
+        // SAFETY: a live out pointer.
+        assert_eq!(unsafe { name(CUDA_ERROR_ILLEGAL_ADDRESS, &mut text) }, 0);
+        std::mem::forget(device); // its teardown would only meet the sticky error
+    });
+    if let Some(stderr) = stderr {
+        let lines: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.contains("ILLEGAL ADDRESS"))
+            .collect();
+        assert_eq!(lines.len(), 1, "{stderr}");
+        assert!(lines[0].contains("is reserved but not mapped"), "{stderr}");
+    }
 }
 
 /// Should the driver refuse to grant the peers access, they are dropped (with a WARN line) and

@@ -234,3 +234,49 @@ fn a_tag_sleeps_without_backup_while_another_stays_awake() {
         assert!(holds(weights, 30 * MIB, 1) && holds(untagged, 30 * MIB, 3));
     });
 }
+
+/// A copy into memory that sleeps is an illegal address on the fake, as on a GPU: the driver
+/// names the address on stderr and every later call fails the same way, so wake reports the
+/// error instead of waking (CUDA is unusable in the process).
+#[test]
+fn a_copy_into_sleeping_memory_is_a_sticky_illegal_address() {
+    let test = "a_copy_into_sleeping_memory_is_a_sticky_illegal_address";
+    let stderr = support::in_own_process_stderr(test, &[("FERROCACHE_SLEEP", "1")], || {
+        let api = Api {
+            library: Ferrocache::open(),
+        };
+        let _stream = new_stream();
+        let driver = Driver::open();
+        let ptr = api.malloc(25 * MIB, 0);
+        assert!(!ptr.is_null(), "{}", api.last_error());
+        write(ptr, 25 * MIB, 5);
+        api.sleep(None, true);
+        eprintln!("sleeping block at {:#x}", ptr as u64);
+        let host = vec![1u8; 4096];
+        // SAFETY: the driver API's signature; the host side is live.
+        let copied = unsafe {
+            driver
+                .cuda
+                .get::<unsafe extern "C" fn(u64, *const c_void, usize) -> c_int>(b"cuMemcpyHtoD_v2")
+                .unwrap()(ptr as u64, host.as_ptr().cast(), host.len())
+        };
+        assert_eq!(copied, 700, "CUDA_ERROR_ILLEGAL_ADDRESS");
+        let wake: WakeFn = api.library.function("ferrocache_wake");
+        // SAFETY: NULL: every tag.
+        assert!(unsafe { wake(ptr::null()) }.is_null(), "wake fails");
+        let error = api.last_error();
+        assert!(error.contains("illegal memory access"), "{error}");
+    });
+    if let Some(stderr) = stderr {
+        let line = stderr
+            .lines()
+            .find(|l| l.contains("ILLEGAL ADDRESS"))
+            .unwrap_or_else(|| panic!("no ILLEGAL ADDRESS line:\n{stderr}"));
+        assert!(line.contains("is reserved but not mapped"), "{line}");
+        let address = stderr
+            .lines()
+            .find_map(|l| l.strip_prefix("sleeping block at "))
+            .expect("the child says where the block is");
+        assert!(line.contains(&format!("[{address}, ")), "{line}");
+    }
+}

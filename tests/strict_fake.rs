@@ -443,3 +443,136 @@ fn no_expandable_block_is_handed_to_another_stream_while_work_may_touch_it() {
         true,
     );
 }
+
+// ---- Device memory shared by the processes of one machine --------------------------------
+
+const CUDA_ERROR_OUT_OF_MEMORY: c_int = 2;
+
+/// `cuMemGetInfo`'s free bytes on the current context's device.
+fn free_memory(fake: &FakeCuda) -> usize {
+    let info: unsafe extern "C" fn(*mut usize, *mut usize) -> c_int =
+        fake.function("cuMemGetInfo_v2");
+    let (mut free, mut total) = (0, 0);
+    // SAFETY: two live out pointers.
+    assert_eq!(unsafe { info(&mut free, &mut total) }, 0);
+    free
+}
+
+/// `cuMemAlloc` of `size` bytes: the address, or the driver's code.
+fn try_device_alloc(fake: &FakeCuda, size: usize) -> Result<u64, c_int> {
+    let alloc: unsafe extern "C" fn(*mut u64, usize) -> c_int = fake.function("cuMemAlloc_v2");
+    let mut ptr = 0;
+    // SAFETY: a live out pointer.
+    match unsafe { alloc(&mut ptr, size) } {
+        0 => Ok(ptr),
+        code => Err(code),
+    }
+}
+
+/// `nvmlProcessInfo_v1_t`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct NvmlProcess {
+    pid: u32,
+    used_gpu_memory: u64,
+}
+
+/// What NVML lists on device 0 (PCI bus 1): each compute process and the bytes it uses.
+fn nvml_processes(fake: &FakeCuda) -> Vec<(u32, u64)> {
+    let init: unsafe extern "C" fn() -> u32 = fake.function("nvmlInit_v2");
+    let by_bus: unsafe extern "C" fn(*const std::ffi::c_char, *mut usize) -> u32 =
+        fake.function("nvmlDeviceGetHandleByPciBusId_v2");
+    let processes: unsafe extern "C" fn(usize, *mut u32, *mut NvmlProcess) -> u32 =
+        fake.function("nvmlDeviceGetComputeRunningProcesses");
+    let mut handle = 0;
+    let mut infos = [NvmlProcess::default(); 8];
+    let mut count = infos.len() as u32;
+    // SAFETY: NVML's signatures; live out pointers, room for `count` entries.
+    unsafe {
+        assert_eq!(init(), 0);
+        assert_eq!(by_bus(c"0000:01:00.0".as_ptr(), &mut handle), 0);
+        assert_eq!(processes(handle, &mut count, infos.as_mut_ptr()), 0);
+    }
+    infos[..count as usize]
+        .iter()
+        .map(|p| (p.pid, p.used_gpu_memory))
+        .collect()
+}
+
+/// With `FAKE_LIBCUDA_SHARED_DEVICES`, two processes draw on one capacity, as on one GPU: each
+/// sees the other's memory as used (`cuMemGetInfo`, out of memory, NVML's list), and what a
+/// process that crashed held is free again.
+#[test]
+fn device_memory_is_shared_by_the_processes_of_one_machine() {
+    let test = "device_memory_is_shared_by_the_processes_of_one_machine";
+    let table = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("shared-devices-{}", std::process::id()));
+    if !support::is_child_for(test) {
+        let _ = std::fs::remove_file(&table);
+    }
+    let table_text = table.display().to_string();
+    let env = [
+        ("FAKE_LIBCUDA_SHARED_DEVICES", table_text.as_str()),
+        ("FAKE_LIBCUDA_TOTAL_MEM", "268435456"),
+    ];
+    in_own_process(test, &env, || {
+        let fake = FakeCuda::open();
+        fake.make_current(0);
+        if std::env::var("FAKE_TEST_ROLE").as_deref() == Ok("second") {
+            second_process_on_a_shared_device(&fake);
+        }
+        let held = device_alloc(&fake, 192 * MIB);
+        assert_eq!(free_memory(&fake), 64 * MIB);
+        let mut second = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .env("FAKE_TEST_ROLE", "second")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("start the second process");
+        let mut said =
+            std::io::BufRead::lines(std::io::BufReader::new(second.stdout.take().unwrap()));
+        assert!(
+            said.any(|line| line.is_ok_and(|l| l.ends_with("second: holding 64 MiB"))),
+            "the second process failed: {:?}",
+            second.wait()
+        );
+        assert_eq!(free_memory(&fake), 0, "the second process holds the rest");
+        assert_eq!(try_device_alloc(&fake, MIB), Err(CUDA_ERROR_OUT_OF_MEMORY));
+        assert_eq!(
+            nvml_processes(&fake),
+            [(second.id(), 64 << 20), (std::process::id(), 192 << 20)]
+        );
+        std::io::Write::write_all(&mut second.stdin.take().unwrap(), b"go\n").unwrap();
+        let status = second.wait().unwrap();
+        assert!(!status.success(), "the second process crashes on purpose");
+        assert_eq!(
+            free_memory(&fake),
+            64 * MIB,
+            "a crashed process holds nothing"
+        );
+        assert_eq!(nvml_processes(&fake), [(std::process::id(), 192 << 20)]);
+        assert_eq!(fake.call_with_handle("cuMemFree_v2", held), 0);
+        assert_eq!(free_memory(&fake), 256 * MIB);
+    });
+    let _ = std::fs::remove_file(&table);
+}
+
+/// The second process of the test above: finds 64 MiB free, takes them, says so, and crashes
+/// (abort: no exit handler removes its line from the table) once told to.
+fn second_process_on_a_shared_device(fake: &FakeCuda) -> ! {
+    assert_eq!(
+        free_memory(fake),
+        64 * MIB,
+        "the first process holds 192 MiB"
+    );
+    assert_eq!(
+        try_device_alloc(fake, 128 * MIB),
+        Err(CUDA_ERROR_OUT_OF_MEMORY)
+    );
+    try_device_alloc(fake, 64 * MIB).expect("the 64 MiB left");
+    println!("second: holding 64 MiB");
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    std::process::abort();
+}
