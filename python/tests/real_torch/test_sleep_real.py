@@ -1,12 +1,16 @@
 """Sleep and wake under real PyTorch on the fake CUDA (docs/sleep.md): the memory goes back to
-the driver, a raw driver allocation takes it, and after wake every tensor holds its bytes at the
-same ``data_ptr()``, and a graph captured before sleep addresses mapped memory again."""
+the driver, a raw driver allocation takes it (in the same process, and in a second process on
+the same fake GPU), and after wake every tensor holds its bytes at the same ``data_ptr()``, and
+a graph captured before sleep addresses mapped memory again. A copy into a sleeping tensor is
+an illegal address, as on a GPU."""
 
 from __future__ import annotations
 
+import json
 import textwrap
+from pathlib import Path
 
-from torch_env import GIB, require_real_torch, run_torch, torch_env
+from torch_env import GIB, MIB, require_real_torch, run_torch, run_torch_process, torch_env
 
 require_real_torch()
 
@@ -148,3 +152,111 @@ def test_a_tag_sleeps_without_backup_while_another_stays_awake() -> None:
         "weights intact after": True,
         "extra intact": True,
     }
+
+
+#: The other process, a stand-in for an inference engine: raw driver calls through ctypes, no
+#: torch. It tries to allocate ``argv[1]`` bytes, says how that went, waits for a line on stdin,
+#: tries again, frees, and says how that went.
+OTHER_PROCESS = r"""
+import ctypes, sys
+cuda = ctypes.CDLL("libcuda.so.1")
+context = ctypes.c_void_p()
+assert cuda.cuInit(0) == 0
+assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), 0) == 0
+assert cuda.cuCtxSetCurrent(context) == 0
+size = ctypes.c_size_t(int(sys.argv[1]))
+
+def allocate_and_free():
+    free, total, ptr = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_uint64()
+    assert cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0
+    status = cuda.cuMemAlloc_v2(ctypes.byref(ptr), size)
+    if status == 0:
+        assert cuda.cuMemsetD8_v2(ptr, 0xAB, 1 << 20) == 0  # it is this process's memory now
+        assert cuda.cuMemFree_v2(ptr) == 0
+    print(status, free.value, flush=True)
+
+allocate_and_free()
+sys.stdin.readline()
+allocate_and_free()
+"""
+
+
+def test_another_process_allocates_what_slept(tmp_path: Path) -> None:
+    out = run(
+        f"""
+        import subprocess, sys
+        state = trainer_state()
+        activations = torch.empty({1536 * MIB}, dtype=torch.uint8, device="cuda")
+        ptrs = {{k: dev.data_ptr() for k, (host, dev) in state.items()}}
+        activations_ptr = activations.data_ptr()
+        free_awake = torch.cuda.mem_get_info()[0]
+        wanted = free_awake + {GIB}  # more than is free, less than what will sleep
+        other = subprocess.Popen([sys.executable, "-c", {OTHER_PROCESS!r}, str(wanted)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        out = {{}}
+        status, free_seen = map(int, other.stdout.readline().split())
+        out["other: out of memory while awake"] = status == 2
+        out["other sees what this one sees"] = free_seen == free_awake
+        report = ferrocache.sleep(backup=True)
+        out["slept more than the other wants"] = report.bytes > {GIB}
+        other.stdin.write("go\n")
+        other.stdin.flush()
+        status, free_seen = map(int, other.stdout.readline().split())
+        out["other: allocated what slept"] = status
+        out["other saw it free"] = free_seen >= free_awake + report.bytes
+        out["other exited"] = other.wait()
+        woke = ferrocache.wake()
+        out["woke what slept"] = woke.bytes == report.bytes
+        out["same pointers"] = (
+            all(dev.data_ptr() == ptrs[k] for k, (host, dev) in state.items())
+            and activations.data_ptr() == activations_ptr
+        )
+        out["bytes intact"] = intact(state)
+        out["free as before"] = torch.cuda.mem_get_info()[0] == free_awake
+        result(out)
+        """,
+        FERROCACHE_SLEEP="1",
+        FAKE_LIBCUDA_SHARED_DEVICES=str(tmp_path / "devices"),
+    )
+    assert out == {
+        "other: out of memory while awake": True,
+        "other sees what this one sees": True,
+        "slept more than the other wants": True,
+        "other: allocated what slept": 0,
+        "other saw it free": True,
+        "other exited": 0,
+        "woke what slept": True,
+        "same pointers": True,
+        "bytes intact": True,
+        "free as before": True,
+    }
+
+
+def test_a_copy_into_a_sleeping_tensor_is_an_illegal_address() -> None:
+    process = run_torch_process(
+        """
+        ferrocache.install()
+        tensor = torch.ones(1 << 20, dtype=torch.uint8).to("cuda")
+        ferrocache.sleep()
+        try:
+            tensor.copy_(torch.zeros(1 << 20, dtype=torch.uint8))
+            torch.cuda.synchronize()
+            error = None
+        except Exception as e:  # torch.AcceleratorError in torch 2.15
+            error = str(e)
+        print("OUTCOME " + json.dumps({"error": error, "ptr": tensor.data_ptr()}), flush=True)
+        os._exit(0)  # CUDA is unusable in this process: no teardown
+        """,
+        env=torch_env(FERROCACHE_SLEEP="1"),
+    )
+    outcome = next(
+        json.loads(line.removeprefix("OUTCOME "))
+        for line in process.stdout.splitlines()
+        if line.startswith("OUTCOME ")
+    )
+    assert outcome["error"] is not None, "the copy went through"
+    assert "illegal memory access" in outcome["error"]
+    named = [line for line in process.stderr.splitlines() if "ILLEGAL ADDRESS" in line]
+    assert len(named) == 1, process.stderr
+    assert f"[{outcome['ptr']:#x}, " in named[0]
+    assert "reserved but not mapped" in named[0]
