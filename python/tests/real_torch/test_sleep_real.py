@@ -199,7 +199,7 @@ def test_another_process_allocates_what_slept(tmp_path: Path) -> None:
         out["other sees what this one sees"] = free_seen == free_awake
         report = ferrocache.sleep(backup=True)
         out["slept more than the other wants"] = report.bytes > {GIB}
-        other.stdin.write("go\n")
+        other.stdin.write("go\\n")
         other.stdin.flush()
         status, free_seen = map(int, other.stdout.readline().split())
         out["other: allocated what slept"] = status
