@@ -320,3 +320,204 @@ fn sleep_and_wake_are_refused_during_a_capture() {
     assert!(a.sleep(Tags::All, true).unwrap().segments > 0);
     checked(&a);
 }
+
+fn expandable() -> DeviceAllocator<SimDevice> {
+    let config = Config {
+        expandable_segments: true,
+        ..Config::default()
+    };
+    DeviceAllocator::new(SimDevice::new(CAPACITY), 0, config)
+}
+
+/// Expandable segments' mapped pages sleep and wake at the same addresses: the physical memory
+/// goes back to the device, the bytes come back from the backup, and a sleeping segment does
+/// not grow (an allocation that would need it reserves a new segment).
+#[test]
+fn expandable_segments_sleep_with_backup_and_wake_at_the_same_addresses() {
+    let mut a = expandable();
+    let live = fill(&mut a, None);
+    let reserved = a.reserved_bytes();
+    let ranges = a.device().reserved_ranges();
+    let free_before = a.device_mut().mem_get_info().unwrap().free;
+
+    let slept = a.sleep(Tags::All, true).unwrap();
+    assert_eq!(slept.skipped_bytes, 0, "expandable memory sleeps");
+    assert_eq!(slept.bytes, reserved);
+    assert_eq!(slept.copied_bytes, reserved);
+    assert_eq!(slept.blocks, live.len());
+    assert_eq!(a.reserved_bytes(), 0);
+    assert_eq!(a.sleeping_bytes(), reserved);
+    assert!(a.segments().is_empty());
+    assert_eq!(
+        a.device_mut().mem_get_info().unwrap().free,
+        free_before + reserved
+    );
+    for &(ptr, size) in &live {
+        assert!(!a.device().is_accessible(ptr, size.min(512)));
+    }
+    checked(&a);
+    assert_eq!(a.sleep(Tags::All, true).unwrap().segments, 0, "idempotent");
+
+    // Another user takes all of the device's memory, and gives it back.
+    let raw = a.device_mut().malloc(CAPACITY, 0).unwrap();
+    a.device_mut().free(raw).unwrap();
+
+    // The sleeping segments do not grow: new requests reserve segments of their own.
+    let small = a.malloc(4096, 0).unwrap();
+    let large = a.malloc(30 * MIB, 0).unwrap();
+    assert_eq!(a.device().reserved_ranges(), ranges + 2);
+    for during in [small, large] {
+        assert!(a.device().is_accessible(during, 512));
+        for &(ptr, size) in &live {
+            let (base, segment) = a.base_allocation(ptr).unwrap();
+            assert!(
+                during < base || during >= base + segment as u64,
+                "{during:#x} lies in the sleeping segment of {ptr:#x} ({size} bytes)"
+            );
+        }
+    }
+    checked(&a);
+
+    let woke = a.wake(Tags::All).unwrap();
+    assert_eq!(woke.bytes, reserved);
+    assert_eq!(woke.copied_bytes, reserved);
+    assert_eq!(woke.blocks, live.len());
+    assert_eq!(a.sleeping_bytes(), 0);
+    for &(ptr, size) in &live {
+        assert_eq!(read(&mut a, ptr, size), pattern(ptr, size), "{ptr:#x}");
+    }
+    checked(&a);
+    assert_eq!(a.wake(Tags::All).unwrap().segments, 0, "idempotent");
+    // Awake, the segment grows again, and everything goes back as usual.
+    let grown = a.malloc(3 * MIB, 0).unwrap();
+    write(&mut a, grown, 3 * MIB);
+    for ptr in live.iter().map(|&(ptr, _)| ptr).chain([small, large, grown]) {
+        a.free(ptr).unwrap();
+    }
+    a.empty_cache().unwrap();
+    checked(&a);
+    assert_eq!(a.device().physical_in_use(), 0);
+    assert_eq!(a.device().reserved_ranges(), 0);
+}
+
+/// Each tag's pools have expandable segments of their own, so a tag's pages hold no other
+/// tag's blocks, and one tag sleeps (here without backup) while the other works on.
+#[test]
+fn expandable_segments_of_a_tag_sleep_alone() {
+    let mut a = expandable();
+    let weights = fill(&mut a, Some(WEIGHTS));
+    let cache = fill(&mut a, Some(KV_CACHE));
+    let untagged = fill(&mut a, None);
+    for &(w, _) in &weights {
+        let (base, size) = a.base_allocation(w).unwrap();
+        for &(other, _) in cache.iter().chain(&untagged) {
+            assert!(other < base || other >= base + size as u64);
+        }
+    }
+    let slept = a.sleep(Tags::Only(&[KV_CACHE]), false).unwrap();
+    assert_eq!(slept.copied_bytes, 0);
+    assert_eq!(slept.blocks, cache.len());
+    for &(ptr, size) in weights.iter().chain(&untagged) {
+        assert_eq!(read(&mut a, ptr, size), pattern(ptr, size));
+    }
+    let more = a.malloc_tagged(3 * MIB, 0, Some(WEIGHTS)).unwrap();
+    write(&mut a, more, 3 * MIB);
+    checked(&a);
+    a.wake(Tags::Only(&[KV_CACHE])).unwrap();
+    for &(ptr, size) in &cache {
+        assert_eq!(read(&mut a, ptr, size), vec![0; size], "dropped contents");
+    }
+    for &(ptr, size) in weights.iter().chain(&untagged) {
+        assert_eq!(read(&mut a, ptr, size), pattern(ptr, size));
+    }
+    checked(&a);
+}
+
+/// Every driver call of an expandable segment's sleep, then of its wake, fails once, at its
+/// second page: no page is left half-mapped, no backup is lost, every segment is mapped whole
+/// or not at all after a failed wake, and calling again finishes the job.
+#[test]
+fn a_driver_failure_while_expandable_pages_sleep_or_wake_loses_nothing() {
+    let sleep_ops = [
+        SimOp::SynchronizeDevice,
+        SimOp::CopyToHost,
+        SimOp::Unmap,
+        SimOp::ReleasePhysical,
+    ];
+    let wake_ops = [
+        SimOp::CreatePhysical,
+        SimOp::Map,
+        SimOp::SetAccess,
+        SimOp::CopyFromHost,
+    ];
+    for (op, during_sleep) in sleep_ops
+        .iter()
+        .map(|&op| (op, true))
+        .chain(wake_ops.iter().map(|&op| (op, false)))
+    {
+        let mut a = expandable();
+        let live = fill(&mut a, None);
+        let reserved = a.reserved_bytes();
+        let nth = if op == SimOp::SynchronizeDevice { 1 } else { 2 };
+        if during_sleep {
+            a.device_mut().fail_nth(op, nth, fault());
+            match a.sleep(Tags::All, true) {
+                // The device keeps a page it would not take back: a leftover for empty_cache.
+                Ok(_) if op == SimOp::ReleasePhysical => a.empty_cache().unwrap(),
+                Ok(_) => panic!("{op:?}: the sleep did not fail"),
+                Err(err) => assert!(matches!(err, SleepError::Device { .. }), "{op:?}"),
+            }
+            checked(&a);
+        } else {
+            a.sleep(Tags::All, true).unwrap();
+            a.device_mut().fail_nth(op, nth, fault());
+            let err = a.wake(Tags::All).unwrap_err();
+            assert!(matches!(err, SleepError::Device { .. }), "{op:?}");
+            checked(&a);
+            for &(ptr, size) in &live {
+                let (base, segment) = a.base_allocation(ptr).unwrap();
+                let mapped = a.device().is_accessible(ptr, size);
+                let others = live.iter().filter(|&&(p, _)| p >= base && p < base + segment as u64);
+                assert!(
+                    others.into_iter().all(|&(p, s)| a.device().is_accessible(p, s) == mapped),
+                    "{op:?}: a segment half awake"
+                );
+            }
+        }
+        a.sleep(Tags::All, true).unwrap();
+        assert_eq!(a.reserved_bytes(), 0, "{op:?}");
+        a.wake(Tags::All).unwrap();
+        assert_eq!(a.reserved_bytes(), reserved, "{op:?}");
+        for &(ptr, size) in &live {
+            assert_eq!(read(&mut a, ptr, size), pattern(ptr, size), "{op:?} {ptr:#x}");
+        }
+        checked(&a);
+        for &(ptr, _) in &live {
+            a.free(ptr).unwrap();
+        }
+        a.empty_cache().unwrap();
+        assert_eq!(a.device().physical_in_use(), 0, "{op:?}");
+        assert_eq!(a.device().reserved_ranges(), 0, "{op:?}");
+    }
+}
+
+/// Sleeping memory is out of `empty_cache`'s reach: a sleeping segment whose blocks are all
+/// free keeps its addresses (and its backup) until it wakes.
+#[test]
+fn empty_cache_leaves_sleeping_expandable_pages_alone() {
+    let mut a = expandable();
+    let live = fill(&mut a, None);
+    a.sleep(Tags::All, true).unwrap();
+    for &(ptr, _) in &live {
+        a.free(ptr).unwrap();
+    }
+    let sleeping = a.sleeping_bytes();
+    a.empty_cache().unwrap();
+    assert_eq!(a.sleeping_bytes(), sleeping);
+    checked(&a);
+    a.wake(Tags::All).unwrap();
+    a.empty_cache().unwrap();
+    checked(&a);
+    assert_eq!(a.device().physical_in_use(), 0);
+    assert_eq!(a.device().reserved_ranges(), 0);
+}
