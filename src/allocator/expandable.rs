@@ -299,7 +299,12 @@ impl ExpandableSegment {
             slept.pages += 1;
             slept.copied_bytes += saved.as_ref().map_or(0, Vec::len);
             self.asleep.insert(i, saved);
-            if device.release_physical(handle).is_err() {
+            if let Err(err) = device.release_physical(handle) {
+                // The page sleeps either way; its memory is held until `empty_cache` retries.
+                logging::device_error(
+                    "the device refused to take a sleeping page back; empty_cache retries it",
+                    &err,
+                );
                 leftovers.push(LeftoverPage {
                     mapped_at: None,
                     handle,
