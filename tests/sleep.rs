@@ -391,7 +391,11 @@ fn expandable_segments_sleep_with_backup_and_wake_at_the_same_addresses() {
     // Awake, the segment grows again, and everything goes back as usual.
     let grown = a.malloc(3 * MIB, 0).unwrap();
     write(&mut a, grown, 3 * MIB);
-    for ptr in live.iter().map(|&(ptr, _)| ptr).chain([small, large, grown]) {
+    for ptr in live
+        .iter()
+        .map(|&(ptr, _)| ptr)
+        .chain([small, large, grown])
+    {
         a.free(ptr).unwrap();
     }
     a.empty_cache().unwrap();
@@ -477,9 +481,13 @@ fn a_driver_failure_while_expandable_pages_sleep_or_wake_loses_nothing() {
             for &(ptr, size) in &live {
                 let (base, segment) = a.base_allocation(ptr).unwrap();
                 let mapped = a.device().is_accessible(ptr, size);
-                let others = live.iter().filter(|&&(p, _)| p >= base && p < base + segment as u64);
+                let others = live
+                    .iter()
+                    .filter(|&&(p, _)| p >= base && p < base + segment as u64);
                 assert!(
-                    others.into_iter().all(|&(p, s)| a.device().is_accessible(p, s) == mapped),
+                    others
+                        .into_iter()
+                        .all(|&(p, s)| a.device().is_accessible(p, s) == mapped),
                     "{op:?}: a segment half awake"
                 );
             }
@@ -489,7 +497,11 @@ fn a_driver_failure_while_expandable_pages_sleep_or_wake_loses_nothing() {
         a.wake(Tags::All).unwrap();
         assert_eq!(a.reserved_bytes(), reserved, "{op:?}");
         for &(ptr, size) in &live {
-            assert_eq!(read(&mut a, ptr, size), pattern(ptr, size), "{op:?} {ptr:#x}");
+            assert_eq!(
+                read(&mut a, ptr, size),
+                pattern(ptr, size),
+                "{op:?} {ptr:#x}"
+            );
         }
         checked(&a);
         for &(ptr, _) in &live {

@@ -267,7 +267,11 @@ fn expandable_pages_wake_granted_to_the_peer_device() {
         let copy = api.malloc(size, 0);
         assert!(!copy.is_null(), "{}", api.last_error());
         fake.make_current(1);
-        assert_eq!(fake.copy(copy as u64, block as u64, size), 0, "device 1 reads");
+        assert_eq!(
+            fake.copy(copy as u64, block as u64, size),
+            0,
+            "device 1 reads"
+        );
         assert_eq!(fake.synchronize(), 0);
         fake.make_current(0);
         assert!(holds(copy, size, 7));

@@ -326,8 +326,8 @@ impl<D: Device> DeviceAllocator<D> {
             this.synchronize_and_free_events()?;
             this.device.synchronize_device()
         };
-        let report = self.each_segment(tags, prepare, |this, head, backing, report| {
-            match backing {
+        let report =
+            self.each_segment(tags, prepare, |this, head, backing, report| match backing {
                 Backing::Plain => {
                     report.skipped_bytes += this.segment_size(head);
                     Ok(())
@@ -336,8 +336,7 @@ impl<D: Device> DeviceAllocator<D> {
                 Backing::Expandable(segment) => {
                     this.sleep_expandable(head, segment, backup, report)
                 }
-            }
-        })?;
+            })?;
         logging::slept(&report, backup);
         Ok(report)
     }
@@ -383,13 +382,15 @@ impl<D: Device> DeviceAllocator<D> {
     /// addresses, grants access and copies back what was backed up. Segments awake are left as
     /// they are.
     pub fn wake(&mut self, tags: Tags<'_>) -> Result<SleepReport, SleepError> {
-        let report = self.each_segment(tags, |_| Ok(()), |this, head, backing, report| {
-            match backing {
+        let report = self.each_segment(
+            tags,
+            |_| Ok(()),
+            |this, head, backing, report| match backing {
                 Backing::Plain => Ok(()),
                 Backing::Vmm(vmm) => this.wake_segment(head, vmm, report),
                 Backing::Expandable(segment) => this.wake_expandable(head, segment, report),
-            }
-        })?;
+            },
+        )?;
         logging::woke(&report);
         Ok(report)
     }
