@@ -76,6 +76,13 @@ def test_sleep_ability_never_used_changes_no_decision(setting: tuple) -> None:
     assert divergence is None, str(divergence)
 
 
+def test_sleep_ability_never_used_changes_no_decision_in_a_training_shape() -> None:
+    case = shapes.shaped_program(0, harness.SETTINGS[0])
+    case.sleep_ability = True
+    divergence = harness.compare(case)
+    assert divergence is None, str(divergence)
+
+
 def fixed_id(case: harness.Case) -> str:
     return case.program.replace(", ", "-").replace(" ", "-")
 
