@@ -533,3 +533,38 @@ fn empty_cache_leaves_sleeping_expandable_pages_alone() {
     assert_eq!(a.device().physical_in_use(), 0);
     assert_eq!(a.device().reserved_ranges(), 0);
 }
+
+/// The memory fraction bounds what the allocator reserves, sleeping memory included when it
+/// wakes: past the limit a segment stays asleep, the call says so, and it finishes once the
+/// limit allows (for VMM-backed and for expandable segments).
+#[test]
+fn wake_stops_at_the_memory_fraction_and_finishes_once_it_allows() {
+    for mut a in [sleepable(), expandable()] {
+        let live = fill(&mut a, None);
+        let reserved = a.reserved_bytes();
+        a.sleep(Tags::All, true).unwrap();
+        // Room for less than what slept.
+        let fraction = (reserved / 2) as f64 / CAPACITY as f64;
+        a.set_memory_fraction(fraction).unwrap();
+        let err = a.wake(Tags::All).unwrap_err();
+        let SleepError::OverMemoryFraction { done, allowed, .. } = err else {
+            panic!("{err}")
+        };
+        assert!(err_text_says_fraction(&a.wake(Tags::All).unwrap_err()));
+        assert!(a.reserved_bytes() <= allowed);
+        assert_eq!(a.reserved_bytes(), done.bytes);
+        assert!(a.sleeping_bytes() > 0);
+        checked(&a);
+        a.set_memory_fraction(1.0).unwrap();
+        a.wake(Tags::All).unwrap();
+        assert_eq!(a.reserved_bytes(), reserved);
+        for &(ptr, size) in &live {
+            assert_eq!(read(&mut a, ptr, size), pattern(ptr, size), "{ptr:#x}");
+        }
+        checked(&a);
+    }
+}
+
+fn err_text_says_fraction(err: &SleepError) -> bool {
+    err.to_string().contains("memory fraction")
+}

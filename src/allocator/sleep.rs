@@ -79,6 +79,34 @@ pub enum SleepError {
         error: DeviceError,
         done: SleepReport,
     },
+    /// Waking the next segment would take the memory reserved past the memory-fraction limit
+    /// (`set_per_process_memory_fraction`), which bounds what the allocator reserves from the
+    /// device, as for a new segment. It stays asleep.
+    OverMemoryFraction {
+        /// The bytes the segment would take.
+        needed: usize,
+        /// The bytes reserved now.
+        reserved: usize,
+        /// The limit.
+        allowed: usize,
+        done: SleepReport,
+    },
+}
+
+/// What stops a sleep or wake part-way (made into a [`SleepError`] with what was done).
+enum Stop {
+    Device(DeviceError),
+    OverMemoryFraction {
+        needed: usize,
+        reserved: usize,
+        allowed: usize,
+    },
+}
+
+impl From<DeviceError> for Stop {
+    fn from(error: DeviceError) -> Stop {
+        Stop::Device(error)
+    }
 }
 
 impl std::fmt::Display for SleepError {
@@ -91,6 +119,20 @@ impl std::fmt::Display for SleepError {
                 f,
                 "CUDA error: {error} (after {} segment(s), {} bytes; call again to retry)",
                 done.segments, done.bytes
+            ),
+            SleepError::OverMemoryFraction {
+                needed,
+                reserved,
+                allowed,
+                done,
+            } => write!(
+                f,
+                "waking a segment of {needed} bytes would reserve {} bytes, past the memory \
+                 fraction's limit of {allowed} bytes (after {} segment(s), {} bytes woke); free \
+                 memory (empty_cache) or raise the fraction, and call again",
+                reserved + needed,
+                done.segments,
+                done.bytes
             ),
         }
     }
@@ -288,19 +330,14 @@ impl<D: Device> DeviceAllocator<D> {
         &mut self,
         tags: Tags<'_>,
         prepare: impl FnOnce(&mut Self) -> Result<(), DeviceError>,
-        mut per_segment: impl FnMut(
-            &mut Self,
-            BlockId,
-            Backing,
-            &mut SleepReport,
-        ) -> Result<(), DeviceError>,
+        mut per_segment: impl FnMut(&mut Self, BlockId, Backing, &mut SleepReport) -> Result<(), Stop>,
     ) -> Result<SleepReport, SleepError> {
         if !self.captures.is_empty() {
             return Err(SleepError::Capturing);
         }
         let started = Instant::now();
         let mut report = SleepReport::default();
-        let outcome = prepare(self).and_then(|()| {
+        let outcome = prepare(self).map_err(Stop::Device).and_then(|()| {
             self.segments_of(tags)
                 .into_iter()
                 .try_for_each(|(head, backing)| per_segment(self, head, backing, &mut report))
@@ -308,8 +345,18 @@ impl<D: Device> DeviceAllocator<D> {
         report.elapsed = started.elapsed();
         match outcome {
             Ok(()) => Ok(report),
-            Err(error) => Err(SleepError::Device {
+            Err(Stop::Device(error)) => Err(SleepError::Device {
                 error,
+                done: report,
+            }),
+            Err(Stop::OverMemoryFraction {
+                needed,
+                reserved,
+                allowed,
+            }) => Err(SleepError::OverMemoryFraction {
+                needed,
+                reserved,
+                allowed,
                 done: report,
             }),
         }
@@ -332,9 +379,9 @@ impl<D: Device> DeviceAllocator<D> {
                     report.skipped_bytes += this.segment_size(head);
                     Ok(())
                 }
-                Backing::Vmm(vmm) => this.sleep_segment(head, vmm, backup, report),
+                Backing::Vmm(vmm) => Ok(this.sleep_segment(head, vmm, backup, report)?),
                 Backing::Expandable(segment) => {
-                    this.sleep_expandable(head, segment, backup, report)
+                    Ok(this.sleep_expandable(head, segment, backup, report)?)
                 }
             })?;
         logging::slept(&report, backup);
@@ -380,15 +427,38 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// Wakes the memory of `tags`: creates physical memory again, maps it at the same
     /// addresses, grants access and copies back what was backed up. Segments awake are left as
-    /// they are.
+    /// they are. Under a memory fraction, a segment whose wake would reserve past the limit
+    /// stays asleep and the call stops there ([`SleepError::OverMemoryFraction`]), as a new
+    /// segment would be refused: the fraction bounds what the allocator reserves.
     pub fn wake(&mut self, tags: Tags<'_>) -> Result<SleepReport, SleepError> {
         let report = self.each_segment(
             tags,
             |_| Ok(()),
-            |this, head, backing, report| match backing {
-                Backing::Plain => Ok(()),
-                Backing::Vmm(vmm) => this.wake_segment(head, vmm, report),
-                Backing::Expandable(segment) => this.wake_expandable(head, segment, report),
+            |this, head, backing, report| {
+                let needed = match backing {
+                    Backing::Plain => return Ok(()),
+                    Backing::Vmm(vmm) => match this.vmm(vmm).handle {
+                        Some(_) => return Ok(()),
+                        None => this.vmm(vmm).size,
+                    },
+                    Backing::Expandable(segment) => this.segment(segment).sleeping_bytes(),
+                };
+                if let Some(allowed) = this.allowed_memory_maximum
+                    && this.total_allocated_memory + needed > allowed
+                {
+                    return Err(Stop::OverMemoryFraction {
+                        needed,
+                        reserved: this.total_allocated_memory,
+                        allowed,
+                    });
+                }
+                match backing {
+                    Backing::Plain => Ok(()),
+                    Backing::Vmm(vmm) => Ok(this.wake_segment(head, vmm, report)?),
+                    Backing::Expandable(segment) => {
+                        Ok(this.wake_expandable(head, segment, report)?)
+                    }
+                }
             },
         )?;
         logging::woke(&report);

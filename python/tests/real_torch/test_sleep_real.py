@@ -212,3 +212,36 @@ def test_expandable_segments_sleep_with_backup_and_wake_at_the_same_addresses() 
         "wake again": 0,
         "all given back": 0,
     }
+
+
+def test_wake_stops_at_the_memory_fraction() -> None:
+    out = run(
+        """
+        state = trainer_state()
+        ptrs = {k: dev.data_ptr() for k, (host, dev) in state.items()}
+        out = {}
+        report = ferrocache.sleep(backup=True)
+        total = torch.cuda.mem_get_info()[1]
+        torch.cuda.set_per_process_memory_fraction(report.bytes / 2 / total)
+        try:
+            ferrocache.wake()
+            out["refused"] = "no"
+        except RuntimeError as err:
+            out["refused"] = "memory fraction" in str(err)
+        out["within the limit"] = torch.cuda.memory_reserved() <= report.bytes / 2
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        ferrocache.wake()
+        out["all awake"] = torch.cuda.memory_reserved() == report.bytes
+        out["same pointers"] = all(dev.data_ptr() == ptrs[k] for k, (host, dev) in state.items())
+        out["bytes intact"] = intact(state)
+        result(out)
+        """,
+        FERROCACHE_SLEEP="1",
+    )
+    assert out == {
+        "refused": True,
+        "within the limit": True,
+        "all awake": True,
+        "same pointers": True,
+        "bytes intact": True,
+    }
