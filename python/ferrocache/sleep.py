@@ -42,7 +42,7 @@ class SleepReport:
     #: Bytes copied to host memory (sleep with backup) or back (wake).
     copied_bytes: int
     #: Bytes that matched but cannot sleep: segments made before sleep-ability was on
-    #: (``FERROCACHE_SLEEP=1``, or the first :func:`region`), and expandable segments.
+    #: (``FERROCACHE_SLEEP=1``, or the first :func:`region`). Expandable segments always can.
     skipped_bytes: int
     #: Host time taken.
     seconds: float

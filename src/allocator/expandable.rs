@@ -194,22 +194,8 @@ impl ExpandableSegment {
                 Ok(self.range_of_pages(begin, end))
             }
             Err(err) => {
-                // The original error is the one worth reporting; a page the device will not
-                // take back now becomes a leftover, retried later.
-                for (i, handle) in created.into_iter().enumerate() {
-                    let page = self.page_ptr(begin + i);
-                    if i < mapped && device.unmap(page, self.page_size).is_err() {
-                        leftovers.push(LeftoverPage {
-                            mapped_at: Some((page, self.page_size)),
-                            handle,
-                        });
-                    } else if device.release_physical(handle).is_err() {
-                        leftovers.push(LeftoverPage {
-                            mapped_at: None,
-                            handle,
-                        });
-                    }
-                }
+                let pages = (begin..end).map(|i| self.page_ptr(i));
+                give_back(device, pages.zip(created), mapped, self.page_size, leftovers);
                 self.trim();
                 Err(err)
             }
@@ -353,20 +339,8 @@ impl ExpandableSegment {
             Ok(())
         })();
         if let Err(err) = outcome {
-            for (k, handle) in created.into_iter().enumerate() {
-                let page = self.page_ptr(indices[k]);
-                if k < mapped && device.unmap(page, self.page_size).is_err() {
-                    leftovers.push(LeftoverPage {
-                        mapped_at: Some((page, self.page_size)),
-                        handle,
-                    });
-                } else if device.release_physical(handle).is_err() {
-                    leftovers.push(LeftoverPage {
-                        mapped_at: None,
-                        handle,
-                    });
-                }
-            }
+            let pages = indices.iter().map(|&i| self.page_ptr(i));
+            give_back(device, pages.zip(created), mapped, self.page_size, leftovers);
             return Err(err);
         }
         let end = indices.last().map_or(0, |last| last + 1);
@@ -390,6 +364,31 @@ impl ExpandableSegment {
     fn trim(&mut self) {
         while matches!(self.pages.last(), Some(None)) {
             self.pages.pop();
+        }
+    }
+}
+
+/// Undoes a growth or a wake that failed part-way: unmaps the first `mapped` of the pages just
+/// created (each at its address) and releases them all. The original error is the one worth
+/// reporting; a page the device will not take back becomes a leftover, retried later.
+fn give_back<D: Device>(
+    device: &mut D,
+    created: impl Iterator<Item = (DevicePtr, PhysicalHandle)>,
+    mapped: usize,
+    page_size: usize,
+    leftovers: &mut Vec<LeftoverPage>,
+) {
+    for (i, (page, handle)) in created.enumerate() {
+        if i < mapped && device.unmap(page, page_size).is_err() {
+            leftovers.push(LeftoverPage {
+                mapped_at: Some((page, page_size)),
+                handle,
+            });
+        } else if device.release_physical(handle).is_err() {
+            leftovers.push(LeftoverPage {
+                mapped_at: None,
+                handle,
+            });
         }
     }
 }
