@@ -568,3 +568,48 @@ fn wake_stops_at_the_memory_fraction_and_finishes_once_it_allows() {
 fn err_text_says_fraction(err: &SleepError) -> bool {
     err.to_string().contains("memory fraction")
 }
+
+/// With expandable segments, a CUDA graph's private pool sleeps and wakes with the rest under
+/// `sleep()` of everything, and a block used on another stream (`record_stream`) and freed
+/// while asleep waits for its event as usual, then serves again after wake.
+#[test]
+fn expandable_private_pools_and_record_stream_keep_their_rules_across_sleep() {
+    let mut a = expandable();
+    a.device_mut().set_complete_immediately(false);
+    let live = fill(&mut a, None);
+    let shared = a.malloc(5 * MIB, 0).unwrap();
+    write(&mut a, shared, 5 * MIB);
+    a.record_stream(shared, 0x2000).unwrap();
+    a.begin_allocate_to_pool((1, 0), Box::new(|_| Ok(true)))
+        .unwrap();
+    let graph = a.malloc(3 * MIB, 0).unwrap();
+    a.end_allocate_to_pool((1, 0)).unwrap();
+    write(&mut a, graph, 3 * MIB);
+    assert_ne!(a.base_allocation(graph), a.base_allocation(shared));
+
+    a.sleep(Tags::All, true).unwrap();
+    assert!(!a.device().is_accessible(graph, 512));
+    a.free(shared).unwrap(); // records an event on the other stream
+    checked(&a);
+    let during = a.malloc(5 * MIB, 0).unwrap();
+    assert_ne!(during, shared, "a sleeping block serves nobody");
+    checked(&a);
+
+    a.wake(Tags::All).unwrap();
+    assert_eq!(read(&mut a, graph, 3 * MIB), pattern(graph, 3 * MIB));
+    for &(ptr, size) in &live {
+        assert_eq!(read(&mut a, ptr, size), pattern(ptr, size));
+    }
+    checked(&a);
+    a.device_mut().set_complete_immediately(true);
+    a.free(during).unwrap();
+    // Awake, the cached blocks (the one freed while asleep among them) serve again: no new
+    // memory is taken.
+    let (ranges, reserved) = (a.device().reserved_ranges(), a.reserved_bytes());
+    for _ in 0..2 {
+        a.malloc(5 * MIB, 0).unwrap();
+    }
+    assert_eq!(a.device().reserved_ranges(), ranges);
+    assert_eq!(a.reserved_bytes(), reserved);
+    checked(&a);
+}

@@ -195,7 +195,13 @@ impl ExpandableSegment {
             }
             Err(err) => {
                 let pages = (begin..end).map(|i| self.page_ptr(i));
-                give_back(device, pages.zip(created), mapped, self.page_size, leftovers);
+                give_back(
+                    device,
+                    pages.zip(created),
+                    mapped,
+                    self.page_size,
+                    leftovers,
+                );
                 self.trim();
                 Err(err)
             }
@@ -340,7 +346,13 @@ impl ExpandableSegment {
         })();
         if let Err(err) = outcome {
             let pages = indices.iter().map(|&i| self.page_ptr(i));
-            give_back(device, pages.zip(created), mapped, self.page_size, leftovers);
+            give_back(
+                device,
+                pages.zip(created),
+                mapped,
+                self.page_size,
+                leftovers,
+            );
             return Err(err);
         }
         let end = indices.last().map_or(0, |last| last + 1);
