@@ -324,8 +324,8 @@ impl<D: Device> DeviceAllocator<D> {
     }
 
     /// Runs `per_segment` on each segment of `tags` (its first block and backing) after
-    /// `prepare`, refused during a capture, timed, and stopped at the first driver
-    /// failure with what was done by then.
+    /// `prepare`, refused during a capture, timed, and stopped at the first failure (a driver
+    /// call, or a wake past the memory fraction) with what was done by then.
     fn each_segment(
         &mut self,
         tags: Tags<'_>,
