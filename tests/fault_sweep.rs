@@ -16,9 +16,10 @@
 //! - after a sticky error ferrocache logs it once and makes no further driver call (only the
 //!   look-up of the error's text).
 //!
-//! The program comes in four parts, each swept on its own: with ordinary segments (it also
+//! The program comes in five parts, each swept on its own: with ordinary segments (it also
 //! allocates once while a capture is under way without a pool), with `expandable_segments:True`,
-//! with sleep and wake of VMM-backed segments (`FERROCACHE_SLEEP=1`, docs/sleep.md), and CUDA
+//! with sleep and wake of VMM-backed segments (`FERROCACHE_SLEEP=1`, docs/sleep.md), the same
+//! with expandable segments, whose pages sleep and wake, and CUDA
 //! graph captures into a private pool shared by two graphs, made as PyTorch's
 //! `CUDAGraph` makes them: its pool hooks with PyTorch's C++ types and its stream filter, which
 //! asks the driver for the stream's capture (`tests/cpp/capture_hooks.cpp`).
@@ -621,7 +622,7 @@ fn run_child(which: &str) {
         "segments" => segments_program(&mut program, &fake, streams),
         "expandable" => expandable_program(&mut program, &fake, streams),
         "capture" => capture_program(&mut program, &fake, streams),
-        "sleep" => sleep_program(&mut program, &fake, streams),
+        "sleep" | "sleep_expandable" => sleep_program(&mut program, &fake, streams),
         other => panic!("no program {other}"),
     }
     let calls = program.sweep.calls();
@@ -698,7 +699,7 @@ fn settings(which: &str) -> Vec<(&'static str, String)> {
         ("FAKE_LIBCUDA_TOTAL_MEM", DEVICE_MEMORY.to_string()),
         ("TORCH_CUDA_ALLOC_LOG_LEVEL", "INFO".to_string()),
     ];
-    if which == "expandable" {
+    if which == "expandable" || which == "sleep_expandable" {
         env.push(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True".into()));
     }
     if which == "sleep" {
@@ -1007,6 +1008,15 @@ fn every_driver_call_of_the_expandable_program_fails_once() {
 #[test]
 fn every_driver_call_of_the_sleep_program_fails_once() {
     sweep_or_child("every_driver_call_of_the_sleep_program_fails_once", "sleep");
+}
+
+/// The sleep program with expandable segments: their pages sleep and wake.
+#[test]
+fn every_driver_call_of_the_expandable_sleep_program_fails_once() {
+    sweep_or_child(
+        "every_driver_call_of_the_expandable_sleep_program_fails_once",
+        "sleep_expandable",
+    );
 }
 
 /// The runs that went wrong before their fixes, by call index: each must still be that call

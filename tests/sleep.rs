@@ -320,3 +320,296 @@ fn sleep_and_wake_are_refused_during_a_capture() {
     assert!(a.sleep(Tags::All, true).unwrap().segments > 0);
     checked(&a);
 }
+
+fn expandable() -> DeviceAllocator<SimDevice> {
+    let config = Config {
+        expandable_segments: true,
+        ..Config::default()
+    };
+    DeviceAllocator::new(SimDevice::new(CAPACITY), 0, config)
+}
+
+/// Expandable segments' mapped pages sleep and wake at the same addresses: the physical memory
+/// goes back to the device, the bytes come back from the backup, and a sleeping segment does
+/// not grow (an allocation that would need it reserves a new segment).
+#[test]
+fn expandable_segments_sleep_with_backup_and_wake_at_the_same_addresses() {
+    let mut a = expandable();
+    let live = fill(&mut a, None);
+    let reserved = a.reserved_bytes();
+    let ranges = a.device().reserved_ranges();
+    let free_before = a.device_mut().mem_get_info().unwrap().free;
+
+    let slept = a.sleep(Tags::All, true).unwrap();
+    assert_eq!(slept.skipped_bytes, 0, "expandable memory sleeps");
+    assert_eq!(slept.bytes, reserved);
+    assert_eq!(slept.copied_bytes, reserved);
+    assert_eq!(slept.blocks, live.len());
+    assert_eq!(a.reserved_bytes(), 0);
+    assert_eq!(a.sleeping_bytes(), reserved);
+    assert!(a.segments().is_empty());
+    assert_eq!(
+        a.device_mut().mem_get_info().unwrap().free,
+        free_before + reserved
+    );
+    for &(ptr, size) in &live {
+        assert!(!a.device().is_accessible(ptr, size.min(512)));
+    }
+    checked(&a);
+    assert_eq!(a.sleep(Tags::All, true).unwrap().segments, 0, "idempotent");
+
+    // Another user takes all of the device's memory, and gives it back.
+    let raw = a.device_mut().malloc(CAPACITY, 0).unwrap();
+    a.device_mut().free(raw).unwrap();
+
+    // The sleeping segments do not grow: new requests reserve segments of their own.
+    let small = a.malloc(4096, 0).unwrap();
+    let large = a.malloc(30 * MIB, 0).unwrap();
+    assert_eq!(a.device().reserved_ranges(), ranges + 2);
+    for during in [small, large] {
+        assert!(a.device().is_accessible(during, 512));
+        for &(ptr, size) in &live {
+            let (base, segment) = a.base_allocation(ptr).unwrap();
+            assert!(
+                during < base || during >= base + segment as u64,
+                "{during:#x} lies in the sleeping segment of {ptr:#x} ({size} bytes)"
+            );
+        }
+    }
+    checked(&a);
+
+    let woke = a.wake(Tags::All).unwrap();
+    assert_eq!(woke.bytes, reserved);
+    assert_eq!(woke.copied_bytes, reserved);
+    assert_eq!(woke.blocks, live.len());
+    assert_eq!(a.sleeping_bytes(), 0);
+    for &(ptr, size) in &live {
+        assert_eq!(read(&mut a, ptr, size), pattern(ptr, size), "{ptr:#x}");
+    }
+    checked(&a);
+    assert_eq!(a.wake(Tags::All).unwrap().segments, 0, "idempotent");
+    // Awake, the segment grows again, and everything goes back as usual.
+    let grown = a.malloc(3 * MIB, 0).unwrap();
+    write(&mut a, grown, 3 * MIB);
+    for ptr in live
+        .iter()
+        .map(|&(ptr, _)| ptr)
+        .chain([small, large, grown])
+    {
+        a.free(ptr).unwrap();
+    }
+    a.empty_cache().unwrap();
+    checked(&a);
+    assert_eq!(a.device().physical_in_use(), 0);
+    assert_eq!(a.device().reserved_ranges(), 0);
+}
+
+/// Each tag's pools have expandable segments of their own, so a tag's pages hold no other
+/// tag's blocks, and one tag sleeps (here without backup) while the other works on.
+#[test]
+fn expandable_segments_of_a_tag_sleep_alone() {
+    let mut a = expandable();
+    let weights = fill(&mut a, Some(WEIGHTS));
+    let cache = fill(&mut a, Some(KV_CACHE));
+    let untagged = fill(&mut a, None);
+    for &(w, _) in &weights {
+        let (base, size) = a.base_allocation(w).unwrap();
+        for &(other, _) in cache.iter().chain(&untagged) {
+            assert!(other < base || other >= base + size as u64);
+        }
+    }
+    let slept = a.sleep(Tags::Only(&[KV_CACHE]), false).unwrap();
+    assert_eq!(slept.copied_bytes, 0);
+    assert_eq!(slept.blocks, cache.len());
+    for &(ptr, size) in weights.iter().chain(&untagged) {
+        assert_eq!(read(&mut a, ptr, size), pattern(ptr, size));
+    }
+    let more = a.malloc_tagged(3 * MIB, 0, Some(WEIGHTS)).unwrap();
+    write(&mut a, more, 3 * MIB);
+    checked(&a);
+    a.wake(Tags::Only(&[KV_CACHE])).unwrap();
+    for &(ptr, size) in &cache {
+        assert_eq!(read(&mut a, ptr, size), vec![0; size], "dropped contents");
+    }
+    for &(ptr, size) in weights.iter().chain(&untagged) {
+        assert_eq!(read(&mut a, ptr, size), pattern(ptr, size));
+    }
+    checked(&a);
+}
+
+/// Every driver call of an expandable segment's sleep, then of its wake, fails once, at its
+/// second page: no page is left half-mapped, no backup is lost, every segment is mapped whole
+/// or not at all after a failed wake, and calling again finishes the job.
+#[test]
+fn a_driver_failure_while_expandable_pages_sleep_or_wake_loses_nothing() {
+    let sleep_ops = [
+        SimOp::SynchronizeDevice,
+        SimOp::CopyToHost,
+        SimOp::Unmap,
+        SimOp::ReleasePhysical,
+    ];
+    let wake_ops = [
+        SimOp::CreatePhysical,
+        SimOp::Map,
+        SimOp::SetAccess,
+        SimOp::CopyFromHost,
+    ];
+    for (op, during_sleep) in sleep_ops
+        .iter()
+        .map(|&op| (op, true))
+        .chain(wake_ops.iter().map(|&op| (op, false)))
+    {
+        let mut a = expandable();
+        let live = fill(&mut a, None);
+        let reserved = a.reserved_bytes();
+        let nth = if op == SimOp::SynchronizeDevice { 1 } else { 2 };
+        if during_sleep {
+            a.device_mut().fail_nth(op, nth, fault());
+            match a.sleep(Tags::All, true) {
+                // The device keeps a page it would not take back: a leftover for empty_cache.
+                Ok(_) if op == SimOp::ReleasePhysical => a.empty_cache().unwrap(),
+                Ok(_) => panic!("{op:?}: the sleep did not fail"),
+                Err(err) => assert!(matches!(err, SleepError::Device { .. }), "{op:?}"),
+            }
+            checked(&a);
+        } else {
+            a.sleep(Tags::All, true).unwrap();
+            a.device_mut().fail_nth(op, nth, fault());
+            let err = a.wake(Tags::All).unwrap_err();
+            assert!(matches!(err, SleepError::Device { .. }), "{op:?}");
+            checked(&a);
+            for &(ptr, size) in &live {
+                let (base, segment) = a.base_allocation(ptr).unwrap();
+                let mapped = a.device().is_accessible(ptr, size);
+                let others = live
+                    .iter()
+                    .filter(|&&(p, _)| p >= base && p < base + segment as u64);
+                assert!(
+                    others
+                        .into_iter()
+                        .all(|&(p, s)| a.device().is_accessible(p, s) == mapped),
+                    "{op:?}: a segment half awake"
+                );
+            }
+        }
+        a.sleep(Tags::All, true).unwrap();
+        assert_eq!(a.reserved_bytes(), 0, "{op:?}");
+        a.wake(Tags::All).unwrap();
+        assert_eq!(a.reserved_bytes(), reserved, "{op:?}");
+        for &(ptr, size) in &live {
+            assert_eq!(
+                read(&mut a, ptr, size),
+                pattern(ptr, size),
+                "{op:?} {ptr:#x}"
+            );
+        }
+        checked(&a);
+        for &(ptr, _) in &live {
+            a.free(ptr).unwrap();
+        }
+        a.empty_cache().unwrap();
+        assert_eq!(a.device().physical_in_use(), 0, "{op:?}");
+        assert_eq!(a.device().reserved_ranges(), 0, "{op:?}");
+    }
+}
+
+/// Sleeping memory is out of `empty_cache`'s reach: a sleeping segment whose blocks are all
+/// free keeps its addresses (and its backup) until it wakes.
+#[test]
+fn empty_cache_leaves_sleeping_expandable_pages_alone() {
+    let mut a = expandable();
+    let live = fill(&mut a, None);
+    a.sleep(Tags::All, true).unwrap();
+    for &(ptr, _) in &live {
+        a.free(ptr).unwrap();
+    }
+    let sleeping = a.sleeping_bytes();
+    a.empty_cache().unwrap();
+    assert_eq!(a.sleeping_bytes(), sleeping);
+    checked(&a);
+    a.wake(Tags::All).unwrap();
+    a.empty_cache().unwrap();
+    checked(&a);
+    assert_eq!(a.device().physical_in_use(), 0);
+    assert_eq!(a.device().reserved_ranges(), 0);
+}
+
+/// The memory fraction bounds what the allocator reserves, sleeping memory included when it
+/// wakes: past the limit a segment stays asleep, the call says so, and it finishes once the
+/// limit allows (for VMM-backed and for expandable segments).
+#[test]
+fn wake_stops_at_the_memory_fraction_and_finishes_once_it_allows() {
+    for mut a in [sleepable(), expandable()] {
+        let live = fill(&mut a, None);
+        let reserved = a.reserved_bytes();
+        a.sleep(Tags::All, true).unwrap();
+        // Room for less than what slept.
+        let fraction = (reserved / 2) as f64 / CAPACITY as f64;
+        a.set_memory_fraction(fraction).unwrap();
+        let err = a.wake(Tags::All).unwrap_err();
+        let SleepError::OverMemoryFraction { done, allowed, .. } = err else {
+            panic!("{err}")
+        };
+        assert!(err_text_says_fraction(&a.wake(Tags::All).unwrap_err()));
+        assert!(a.reserved_bytes() <= allowed);
+        assert_eq!(a.reserved_bytes(), done.bytes);
+        assert!(a.sleeping_bytes() > 0);
+        checked(&a);
+        a.set_memory_fraction(1.0).unwrap();
+        a.wake(Tags::All).unwrap();
+        assert_eq!(a.reserved_bytes(), reserved);
+        for &(ptr, size) in &live {
+            assert_eq!(read(&mut a, ptr, size), pattern(ptr, size), "{ptr:#x}");
+        }
+        checked(&a);
+    }
+}
+
+fn err_text_says_fraction(err: &SleepError) -> bool {
+    err.to_string().contains("memory fraction")
+}
+
+/// With expandable segments, a CUDA graph's private pool sleeps and wakes with the rest under
+/// `sleep()` of everything, and a block used on another stream (`record_stream`) and freed
+/// while asleep waits for its event as usual, then serves again after wake.
+#[test]
+fn expandable_private_pools_and_record_stream_keep_their_rules_across_sleep() {
+    let mut a = expandable();
+    a.device_mut().set_complete_immediately(false);
+    let live = fill(&mut a, None);
+    let shared = a.malloc(5 * MIB, 0).unwrap();
+    write(&mut a, shared, 5 * MIB);
+    a.record_stream(shared, 0x2000).unwrap();
+    a.begin_allocate_to_pool((1, 0), Box::new(|_| Ok(true)))
+        .unwrap();
+    let graph = a.malloc(3 * MIB, 0).unwrap();
+    a.end_allocate_to_pool((1, 0)).unwrap();
+    write(&mut a, graph, 3 * MIB);
+    assert_ne!(a.base_allocation(graph), a.base_allocation(shared));
+
+    a.sleep(Tags::All, true).unwrap();
+    assert!(!a.device().is_accessible(graph, 512));
+    a.free(shared).unwrap(); // records an event on the other stream
+    checked(&a);
+    let during = a.malloc(5 * MIB, 0).unwrap();
+    assert_ne!(during, shared, "a sleeping block serves nobody");
+    checked(&a);
+
+    a.wake(Tags::All).unwrap();
+    assert_eq!(read(&mut a, graph, 3 * MIB), pattern(graph, 3 * MIB));
+    for &(ptr, size) in &live {
+        assert_eq!(read(&mut a, ptr, size), pattern(ptr, size));
+    }
+    checked(&a);
+    a.device_mut().set_complete_immediately(true);
+    a.free(during).unwrap();
+    // Awake, the cached blocks (the one freed while asleep among them) serve again: no new
+    // memory is taken.
+    let (ranges, reserved) = (a.device().reserved_ranges(), a.reserved_bytes());
+    for _ in 0..2 {
+        a.malloc(5 * MIB, 0).unwrap();
+    }
+    assert_eq!(a.device().reserved_ranges(), ranges);
+    assert_eq!(a.reserved_bytes(), reserved);
+    checked(&a);
+}

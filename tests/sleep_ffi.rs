@@ -280,3 +280,48 @@ fn a_copy_into_sleeping_memory_is_a_sticky_illegal_address() {
         assert!(line.contains(&format!("[{address}, ")), "{line}");
     }
 }
+
+/// Expandable segments sleep and wake through the C ABI, and the pages mapped at wake are
+/// granted to the same devices as when they were first mapped: the peer device 1 reads them
+/// (without the grant, its copy is an illegal address).
+#[test]
+fn expandable_pages_wake_granted_to_the_peer_device() {
+    let test = "expandable_pages_wake_granted_to_the_peer_device";
+    let env = [
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+        ("FAKE_LIBCUDA_DEVICE_COUNT", "2"),
+    ];
+    in_own_process(test, &env, || {
+        let api = Api {
+            library: Ferrocache::open(),
+        };
+        let fake = FakeCuda::open();
+        let _stream = new_stream();
+        let size = 30 * MIB;
+        let block = api.malloc(size, 0);
+        assert!(!block.is_null(), "{}", api.last_error());
+        write(block, size, 7);
+        let slept = api.sleep(None, true);
+        assert_eq!(as_usize(&slept["skipped_bytes"]), 0, "{slept}");
+        assert!(as_usize(&slept["bytes"]) >= size, "{slept}");
+        assert_eq!(fake.stat("live_physical"), 0);
+        api.check_invariants();
+        let woke = api.wake(None);
+        assert_eq!(woke["bytes"], slept["bytes"]);
+        assert!(holds(block, size, 7));
+        // Awake, the segment grows for a second block (pages mapped, not woken).
+        let copy = api.malloc(size, 0);
+        assert!(!copy.is_null(), "{}", api.last_error());
+        fake.make_current(1);
+        assert_eq!(
+            fake.copy(copy as u64, block as u64, size),
+            0,
+            "device 1 reads"
+        );
+        assert_eq!(fake.synchronize(), 0);
+        fake.make_current(0);
+        assert!(holds(copy, size, 7));
+        assert_eq!(fake.stat("cuMemAlloc_v2"), 0, "all of it expandable");
+        api.check_invariants();
+    });
+}

@@ -389,12 +389,19 @@ fn hand_blocks_between_streams(api: &Api, fake: &FakeCuda) {
 /// Runs [`hand_blocks_between_streams`] under `conf` (and cross-stream reuse when asked), with
 /// events that answer "not ready" twice and every violation fatal.
 fn check_hand_overs(test: &str, conf: &str, cross_stream: bool) {
+    check_hand_overs_with(test, conf, cross_stream, false);
+}
+
+/// [`check_hand_overs`], with sleep-ability on (`FERROCACHE_SLEEP=1`: ordinary segments are
+/// VMM-backed, so `empty_cache` unmaps them) when `sleep_ability`.
+fn check_hand_overs_with(test: &str, conf: &str, cross_stream: bool, sleep_ability: bool) {
     let env = [
         ("PYTORCH_CUDA_ALLOC_CONF", conf),
         (
             "FERROCACHE_CROSS_STREAM",
             if cross_stream { "1" } else { "0" },
         ),
+        ("FERROCACHE_SLEEP", if sleep_ability { "1" } else { "0" }),
         ("FAKE_LIBCUDA_EVENT_DELAY", "2"),
         ("FAKE_CUDA_ORDER_FATAL", "1"),
     ];
@@ -404,7 +411,7 @@ fn check_hand_overs(test: &str, conf: &str, cross_stream: bool) {
         hand_blocks_between_streams(&api, &fake);
         assert_eq!(fake.stat("order_violations"), 0);
         assert!(fake.stat("order_handoffs_checked") > 0);
-        if conf.is_empty() {
+        if conf.is_empty() && !sleep_ability {
             assert!(fake.stat("order_frees_checked") > 0);
         } else {
             assert!(fake.stat("order_unmaps_checked") > 0);
@@ -415,6 +422,18 @@ fn check_hand_overs(test: &str, conf: &str, cross_stream: bool) {
 #[test]
 fn no_block_is_handed_over_while_work_may_touch_it() {
     check_hand_overs("no_block_is_handed_over_while_work_may_touch_it", "", false);
+}
+
+/// With sleep-ability on, a segment's release is an unmap, which (unlike `cudaFree`) does not
+/// wait for the device: ferrocache waits for the segment's stream first.
+#[test]
+fn no_sleepable_segment_is_unmapped_while_work_may_touch_it() {
+    check_hand_overs_with(
+        "no_sleepable_segment_is_unmapped_while_work_may_touch_it",
+        "",
+        false,
+        true,
+    );
 }
 
 #[test]

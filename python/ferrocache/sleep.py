@@ -42,7 +42,7 @@ class SleepReport:
     #: Bytes copied to host memory (sleep with backup) or back (wake).
     copied_bytes: int
     #: Bytes that matched but cannot sleep: segments made before sleep-ability was on
-    #: (``FERROCACHE_SLEEP=1``, or the first :func:`region`), and expandable segments.
+    #: (``FERROCACHE_SLEEP=1``, or the first :func:`region`). Expandable segments always can.
     skipped_bytes: int
     #: Host time taken.
     seconds: float
@@ -103,5 +103,7 @@ def sleep(tags: Tags = None, backup: bool = True) -> SleepReport:
 
 def wake(tags: Tags = None) -> SleepReport:
     """Maps the memory of ``tags`` (``None``: all) back at the same addresses and restores what
-    was backed up. Memory awake is left as it is; after a failure, calling it again goes on."""
+    was backed up. Memory awake is left as it is; after a failure, calling it again goes on.
+    Under a memory fraction, memory whose wake would reserve past the limit stays asleep and a
+    RuntimeError says so (docs/sleep.md)."""
     return _report(_lib.call_json("ferrocache_wake", _tags_argument(tags)))

@@ -152,9 +152,16 @@ impl<D: Device> DeviceAllocator<D> {
                     if head.ptr != segment.base() || end != segment.base() + segment.size() as u64 {
                         return Err(format!("expandable segment {e} is not tiled by its blocks"));
                     }
+                    if head.asleep != segment.is_asleep() {
+                        return Err(format!(
+                            "expandable segment {e}: blocks asleep {}, pages asleep {}",
+                            head.asleep,
+                            segment.is_asleep()
+                        ));
+                    }
                     recomputed
                         .reserved_bytes
-                        .increase(pool, segment_size as u64);
+                        .increase(pool, (segment_size - segment.sleeping_bytes()) as u64);
                 }
             }
         }

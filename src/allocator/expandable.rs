@@ -12,6 +12,7 @@ use super::{AllocError, DeviceAllocator, Request};
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 use crate::logging;
 use crate::policy::{self, PoolKind};
+use std::collections::BTreeMap;
 
 /// A mapped or unmapped range, as `SegmentRange` in PyTorch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +31,19 @@ pub struct ExpandableSegment {
     pool: PoolKind,
     /// The physical page mapped at each page index, if any; trimmed of trailing `None`s.
     pages: Vec<Option<PhysicalHandle>>,
+    /// Pages asleep (see [`sleep`](super::sleep)), by index: unmapped and released, their bytes
+    /// kept in host memory when they went to sleep with a backup. Their blocks stay mapped in
+    /// the allocator's books; they come back at the same addresses when the segment wakes.
+    asleep: BTreeMap<usize, Option<Vec<u8>>>,
+}
+
+/// What [`ExpandableSegment::sleep_pages`] did before it finished or failed.
+#[derive(Debug, Default)]
+pub struct PagesSlept {
+    pub pages: usize,
+    pub copied_bytes: usize,
+    /// The driver failure that stopped it: the pages before it sleep, the rest stay mapped.
+    pub error: Option<DeviceError>,
 }
 
 /// `numSegments`: pages needed to hold `size` bytes.
@@ -64,6 +78,7 @@ impl ExpandableSegment {
             stream,
             pool,
             pages: Vec::new(),
+            asleep: BTreeMap::new(),
         })
     }
 
@@ -88,9 +103,26 @@ impl ExpandableSegment {
         self.page_size
     }
 
-    /// Bytes currently backed by physical pages.
+    /// Bytes of the pages that the segment's mapped blocks cover: backed by physical pages, or
+    /// asleep.
     pub fn mapped_bytes(&self) -> usize {
+        self.awake_bytes() + self.sleeping_bytes()
+    }
+
+    /// Bytes currently backed by physical pages.
+    pub fn awake_bytes(&self) -> usize {
         self.pages.iter().flatten().count() * self.page_size
+    }
+
+    /// Bytes of the pages asleep.
+    pub fn sleeping_bytes(&self) -> usize {
+        self.asleep.len() * self.page_size
+    }
+
+    /// Whether any page is asleep. Such a segment does not grow, and its free blocks serve
+    /// nobody, until it wakes.
+    pub fn is_asleep(&self) -> bool {
+        !self.asleep.is_empty()
     }
 
     /// Whether every page under `[ptr, ptr + size)` is mapped.
@@ -162,22 +194,14 @@ impl ExpandableSegment {
                 Ok(self.range_of_pages(begin, end))
             }
             Err(err) => {
-                // The original error is the one worth reporting; a page the device will not
-                // take back now becomes a leftover, retried later.
-                for (i, handle) in created.into_iter().enumerate() {
-                    let page = self.page_ptr(begin + i);
-                    if i < mapped && device.unmap(page, self.page_size).is_err() {
-                        leftovers.push(LeftoverPage {
-                            mapped_at: Some((page, self.page_size)),
-                            handle,
-                        });
-                    } else if device.release_physical(handle).is_err() {
-                        leftovers.push(LeftoverPage {
-                            mapped_at: None,
-                            handle,
-                        });
-                    }
-                }
+                let pages = (begin..end).map(|i| self.page_ptr(i));
+                give_back(
+                    device,
+                    pages.zip(created),
+                    mapped,
+                    self.page_size,
+                    leftovers,
+                );
                 self.trim();
                 Err(err)
             }
@@ -227,6 +251,122 @@ impl ExpandableSegment {
         (self.range_of_pages(begin, end), None)
     }
 
+    /// Puts every mapped page to sleep: with `backup`, copies each to host memory first (a
+    /// failed copy changes nothing); then unmaps each page and releases its physical memory.
+    /// Each page is all or nothing: an unmap that fails stops the call with the pages before it
+    /// asleep (with their backups) and the rest mapped as they were. A release the device
+    /// refuses after the unmap leaves the page asleep and its memory a leftover.
+    pub fn sleep_pages<D: Device>(
+        &mut self,
+        device: &mut D,
+        backup: bool,
+        leftovers: &mut Vec<LeftoverPage>,
+    ) -> PagesSlept {
+        let mapped: Vec<(usize, PhysicalHandle)> = self
+            .pages
+            .iter()
+            .enumerate()
+            .filter_map(|(i, page)| page.map(|handle| (i, handle)))
+            .collect();
+        let mut backups: Vec<Option<Vec<u8>>> = Vec::with_capacity(mapped.len());
+        let mut slept = PagesSlept::default();
+        for &(i, _) in &mapped {
+            if !backup {
+                backups.push(None);
+                continue;
+            }
+            let mut bytes = vec![0; self.page_size];
+            if let Err(err) = device.copy_to_host(self.page_ptr(i), &mut bytes) {
+                slept.error = Some(err);
+                return slept;
+            }
+            backups.push(Some(bytes));
+        }
+        for ((i, handle), saved) in mapped.into_iter().zip(backups) {
+            if let Err(err) = device.unmap(self.page_ptr(i), self.page_size) {
+                slept.error = Some(err);
+                break;
+            }
+            self.pages[i] = None;
+            slept.pages += 1;
+            slept.copied_bytes += saved.as_ref().map_or(0, Vec::len);
+            self.asleep.insert(i, saved);
+            if let Err(err) = device.release_physical(handle) {
+                // The page sleeps either way; its memory is held until `empty_cache` retries.
+                logging::device_error(
+                    "the device refused to take a sleeping page back; empty_cache retries it",
+                    &err,
+                );
+                leftovers.push(LeftoverPage {
+                    mapped_at: None,
+                    handle,
+                });
+            }
+        }
+        self.trim();
+        slept
+    }
+
+    /// Wakes every sleeping page at its address: creates physical memory, maps it, grants
+    /// access (to the devices [`Device::set_access`] grants, peers included) and copies the
+    /// backups back. Returns the pages woken and the bytes copied.
+    ///
+    /// All or nothing for the segment: on any failure every page this call created is unmapped
+    /// and released again (what the device refuses becomes a leftover), and every page stays
+    /// asleep with its backup, as in [`map`](Self::map).
+    pub fn wake_pages<D: Device>(
+        &mut self,
+        device: &mut D,
+        leftovers: &mut Vec<LeftoverPage>,
+    ) -> Result<(usize, usize), DeviceError> {
+        let indices: Vec<usize> = self.asleep.keys().copied().collect();
+        let mut created: Vec<PhysicalHandle> = Vec::with_capacity(indices.len());
+        let mut mapped = 0;
+        let mut copied = 0;
+        let outcome = (|| {
+            for _ in &indices {
+                created.push(device.create_physical(self.page_size)?);
+            }
+            for (&i, &handle) in indices.iter().zip(&created) {
+                device.map(self.page_ptr(i), self.page_size, handle)?;
+                mapped += 1;
+            }
+            // One grant per run of consecutive pages, as `map` grants a range.
+            for run in indices.chunk_by(|a, b| a + 1 == *b) {
+                let first = run[0];
+                device.set_access(self.page_ptr(first), run.len() * self.page_size)?;
+            }
+            for &i in &indices {
+                if let Some(bytes) = &self.asleep[&i] {
+                    device.copy_from_host(self.page_ptr(i), bytes)?;
+                    copied += bytes.len();
+                }
+            }
+            Ok(())
+        })();
+        if let Err(err) = outcome {
+            let pages = indices.iter().map(|&i| self.page_ptr(i));
+            give_back(
+                device,
+                pages.zip(created),
+                mapped,
+                self.page_size,
+                leftovers,
+            );
+            return Err(err);
+        }
+        let end = indices.last().map_or(0, |last| last + 1);
+        if self.pages.len() < end {
+            self.pages.resize(end, None);
+        }
+        for (i, handle) in indices.into_iter().zip(created) {
+            debug_assert!(self.pages[i].is_none());
+            self.pages[i] = Some(handle);
+        }
+        self.asleep.clear();
+        Ok((mapped, copied))
+    }
+
     /// Gives the address range back. Every page must have been unmapped.
     pub fn release<D: Device>(&self, device: &mut D) -> Result<(), DeviceError> {
         debug_assert_eq!(self.mapped_bytes(), 0);
@@ -236,6 +376,31 @@ impl ExpandableSegment {
     fn trim(&mut self) {
         while matches!(self.pages.last(), Some(None)) {
             self.pages.pop();
+        }
+    }
+}
+
+/// Undoes a growth or a wake that failed part-way: unmaps the first `mapped` of the pages just
+/// created (each at its address) and releases them all. The original error is the one worth
+/// reporting; a page the device will not take back becomes a leftover, retried later.
+fn give_back<D: Device>(
+    device: &mut D,
+    created: impl Iterator<Item = (DevicePtr, PhysicalHandle)>,
+    mapped: usize,
+    page_size: usize,
+    leftovers: &mut Vec<LeftoverPage>,
+) {
+    for (i, (page, handle)) in created.enumerate() {
+        if i < mapped && device.unmap(page, page_size).is_err() {
+            leftovers.push(LeftoverPage {
+                mapped_at: Some((page, page_size)),
+                handle,
+            });
+        } else if device.release_physical(handle).is_err() {
+            leftovers.push(LeftoverPage {
+                mapped_at: None,
+                handle,
+            });
         }
     }
 }
@@ -346,7 +511,12 @@ impl<D: Device> DeviceAllocator<D> {
             bytes >= request.size
         };
         let pool = self.pools.get(request.owner, request.pool);
-        for unmapped in pool.unmapped_of(request.stream) {
+        // A sleeping segment does not grow (its pages come back only at wake): the request
+        // looks further, or reserves a new segment.
+        for unmapped in pool
+            .unmapped_of(request.stream)
+            .filter(|&id| !arena.get(id).asleep)
+        {
             // A free mapped block just before the unmapped space extends it downwards.
             let start = available(arena.get(unmapped).prev).unwrap_or(unmapped);
             if has_room(start) {

@@ -219,7 +219,7 @@ pub struct DeviceAllocator<D: Device> {
     sleepable: bool,
     /// VMM-backed segments; `None` marks a released slot.
     vmm_segments: Vec<Option<sleep::VmmSegment>>,
-    /// VMM-backed segments asleep now.
+    /// Segments asleep now (VMM-backed, or expandable with a page asleep).
     sleeping_segments: usize,
     /// Whether [`replace_config`](Self::replace_config) was called: the oversize counters then
     /// count by the `max_split_size` of each moment, as PyTorch's do, and no longer match the
@@ -1193,9 +1193,13 @@ impl<D: Device> DeviceAllocator<D> {
         let mut to_unmap = Vec::new();
         for id in self.pools.get(owner, pool).cached() {
             let b = self.arena.get(id);
+            if b.asleep {
+                // Sleeping memory keeps its addresses until it wakes.
+                continue;
+            }
             if b.backing.is_expandable() {
                 to_unmap.push(id);
-            } else if !b.is_split() && !b.asleep {
+            } else if !b.is_split() {
                 whole.push(id);
             }
         }
@@ -1245,7 +1249,12 @@ impl<D: Device> DeviceAllocator<D> {
         };
         // The device first: if it refuses, the segment stays cached and nothing changes.
         match self.arena.get(id).backing {
-            Backing::Vmm(vmm) => self.release_vmm_segment(vmm)?,
+            Backing::Vmm(vmm) => {
+                // `cudaFree` waits for the device; `cuMemUnmap` does not, and work queued on
+                // the block's stream may still use the memory (as for expandable pages).
+                self.device.synchronize_stream(stream)?;
+                self.release_vmm_segment(vmm)?
+            }
             _ => self.device.free(ptr)?,
         }
         let block = self.arena.remove(id);

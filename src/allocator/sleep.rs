@@ -16,12 +16,18 @@
 //!
 //! Both are idempotent (a segment asleep is not slept again) and all-or-nothing per segment: a
 //! driver call that fails leaves that segment either fully awake or fully asleep with its
-//! backup, and the call can be repeated. Expandable segments do not sleep yet: they are
-//! reported as skipped.
+//! backup, and the call can be repeated.
+//!
+//! Expandable segments are VMM-backed already, one physical allocation per page: their mapped
+//! pages sleep and wake at the same addresses ([`ExpandableSegment::sleep_pages`],
+//! [`ExpandableSegment::wake_pages`]). Their sleep is all or nothing per page (an unmap that
+//! fails leaves the pages before it asleep, the rest mapped, and the segment counts as asleep
+//! until a wake), their wake all or nothing per segment. A sleeping expandable segment does
+//! not grow: a request that would need it reserves a new segment, as when the stream had none.
 
 use super::DeviceAllocator;
-use super::block::{Backing, BlockId, VmmId};
-use super::expandable::{LeftoverPage, PageRange};
+use super::block::{Backing, BlockId, ExpandableId, VmmId};
+use super::expandable::{ExpandableSegment, LeftoverPage, PageRange};
 use super::private_pool::Owner;
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle};
 use crate::logging;
@@ -56,7 +62,7 @@ pub struct SleepReport {
     /// Bytes copied to host memory (sleep) or back from it (wake).
     pub copied_bytes: usize,
     /// Bytes of segments that matched but cannot sleep: `cudaMalloc`'d before sleep-ability
-    /// was on, or expandable.
+    /// was on.
     pub skipped_bytes: usize,
     pub elapsed: Duration,
 }
@@ -73,6 +79,34 @@ pub enum SleepError {
         error: DeviceError,
         done: SleepReport,
     },
+    /// Waking the next segment would take the memory reserved past the memory-fraction limit
+    /// (`set_per_process_memory_fraction`), which bounds what the allocator reserves from the
+    /// device, as for a new segment. It stays asleep.
+    OverMemoryFraction {
+        /// The bytes the segment would take.
+        needed: usize,
+        /// The bytes reserved now.
+        reserved: usize,
+        /// The limit.
+        allowed: usize,
+        done: SleepReport,
+    },
+}
+
+/// What stops a sleep or wake part-way (made into a [`SleepError`] with what was done).
+enum Stop {
+    Device(DeviceError),
+    OverMemoryFraction {
+        needed: usize,
+        reserved: usize,
+        allowed: usize,
+    },
+}
+
+impl From<DeviceError> for Stop {
+    fn from(error: DeviceError) -> Stop {
+        Stop::Device(error)
+    }
 }
 
 impl std::fmt::Display for SleepError {
@@ -85,6 +119,20 @@ impl std::fmt::Display for SleepError {
                 f,
                 "CUDA error: {error} (after {} segment(s), {} bytes; call again to retry)",
                 done.segments, done.bytes
+            ),
+            SleepError::OverMemoryFraction {
+                needed,
+                reserved,
+                allowed,
+                done,
+            } => write!(
+                f,
+                "waking a segment of {needed} bytes would reserve {} bytes, past the memory \
+                 fraction's limit of {allowed} bytes (after {} segment(s), {} bytes woke); free \
+                 memory (empty_cache) or raise the fraction, and call again",
+                reserved + needed,
+                done.segments,
+                done.bytes
             ),
         }
     }
@@ -118,14 +166,22 @@ impl<D: Device> DeviceAllocator<D> {
         Owner::Tagged(self.pools.tag_index(tag))
     }
 
-    /// Bytes of VMM-backed segments asleep now.
+    /// Bytes asleep now, in VMM-backed segments and in expandable segments' pages.
     pub fn sleeping_bytes(&self) -> usize {
-        self.vmm_segments
+        let vmm: usize = self
+            .vmm_segments
             .iter()
             .flatten()
             .filter(|s| s.handle.is_none())
             .map(|s| s.size)
-            .sum()
+            .sum();
+        let expandable: usize = self
+            .expandable_segments
+            .iter()
+            .flatten()
+            .map(ExpandableSegment::sleeping_bytes)
+            .sum();
+        vmm + expandable
     }
 
     /// A new VMM-backed segment of `size` bytes: its base and backing. `Ok(None)` when the
@@ -225,8 +281,8 @@ impl<D: Device> DeviceAllocator<D> {
         Ok(())
     }
 
-    /// The first block of each segment of `tags`, with whether it can sleep.
-    fn segments_of(&self, tags: Tags<'_>) -> Vec<(BlockId, Option<VmmId>)> {
+    /// The first block of each segment of `tags`, with what the segment is made of.
+    fn segments_of(&self, tags: Tags<'_>) -> Vec<(BlockId, Backing)> {
         self.arena
             .iter()
             .filter(|(_, b)| b.prev.is_none())
@@ -237,13 +293,7 @@ impl<D: Device> DeviceAllocator<D> {
                 }
                 (Tags::Only(_), _) => false,
             })
-            .map(|(id, b)| {
-                let vmm = match b.backing {
-                    Backing::Vmm(vmm) => Some(vmm),
-                    _ => None,
-                };
-                (id, vmm)
-            })
+            .map(|(id, b)| (id, b.backing))
             .collect()
     }
 
@@ -273,35 +323,40 @@ impl<D: Device> DeviceAllocator<D> {
             .expect("a live VMM segment")
     }
 
-    /// Runs `per_segment` on each segment of `tags` (its first block and VMM segment, if
-    /// any) after `prepare`, refused during a capture, timed, and stopped at the first driver
-    /// failure with what was done by then.
+    /// Runs `per_segment` on each segment of `tags` (its first block and backing) after
+    /// `prepare`, refused during a capture, timed, and stopped at the first failure (a driver
+    /// call, or a wake past the memory fraction) with what was done by then.
     fn each_segment(
         &mut self,
         tags: Tags<'_>,
         prepare: impl FnOnce(&mut Self) -> Result<(), DeviceError>,
-        mut per_segment: impl FnMut(
-            &mut Self,
-            BlockId,
-            Option<VmmId>,
-            &mut SleepReport,
-        ) -> Result<(), DeviceError>,
+        mut per_segment: impl FnMut(&mut Self, BlockId, Backing, &mut SleepReport) -> Result<(), Stop>,
     ) -> Result<SleepReport, SleepError> {
         if !self.captures.is_empty() {
             return Err(SleepError::Capturing);
         }
         let started = Instant::now();
         let mut report = SleepReport::default();
-        let outcome = prepare(self).and_then(|()| {
+        let outcome = prepare(self).map_err(Stop::Device).and_then(|()| {
             self.segments_of(tags)
                 .into_iter()
-                .try_for_each(|(head, vmm)| per_segment(self, head, vmm, &mut report))
+                .try_for_each(|(head, backing)| per_segment(self, head, backing, &mut report))
         });
         report.elapsed = started.elapsed();
         match outcome {
             Ok(()) => Ok(report),
-            Err(error) => Err(SleepError::Device {
+            Err(Stop::Device(error)) => Err(SleepError::Device {
                 error,
+                done: report,
+            }),
+            Err(Stop::OverMemoryFraction {
+                needed,
+                reserved,
+                allowed,
+            }) => Err(SleepError::OverMemoryFraction {
+                needed,
+                reserved,
+                allowed,
                 done: report,
             }),
         }
@@ -318,9 +373,17 @@ impl<D: Device> DeviceAllocator<D> {
             this.synchronize_and_free_events()?;
             this.device.synchronize_device()
         };
-        let report = self.each_segment(tags, prepare, |this, head, vmm, report| {
-            this.sleep_segment(head, vmm, backup, report)
-        })?;
+        let report =
+            self.each_segment(tags, prepare, |this, head, backing, report| match backing {
+                Backing::Plain => {
+                    report.skipped_bytes += this.segment_size(head);
+                    Ok(())
+                }
+                Backing::Vmm(vmm) => Ok(this.sleep_segment(head, vmm, backup, report)?),
+                Backing::Expandable(segment) => {
+                    Ok(this.sleep_expandable(head, segment, backup, report)?)
+                }
+            })?;
         logging::slept(&report, backup);
         Ok(report)
     }
@@ -328,14 +391,10 @@ impl<D: Device> DeviceAllocator<D> {
     fn sleep_segment(
         &mut self,
         head: BlockId,
-        vmm: Option<VmmId>,
+        vmm: VmmId,
         backup: bool,
         report: &mut SleepReport,
     ) -> Result<(), DeviceError> {
-        let Some(vmm) = vmm else {
-            report.skipped_bytes += self.segment_size(head);
-            return Ok(());
-        };
         let segment = self.vmm(vmm);
         let Some(handle) = segment.handle else {
             return Ok(());
@@ -368,9 +427,40 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// Wakes the memory of `tags`: creates physical memory again, maps it at the same
     /// addresses, grants access and copies back what was backed up. Segments awake are left as
-    /// they are.
+    /// they are. Under a memory fraction, a segment whose wake would reserve past the limit
+    /// stays asleep and the call stops there ([`SleepError::OverMemoryFraction`]), as a new
+    /// segment would be refused: the fraction bounds what the allocator reserves.
     pub fn wake(&mut self, tags: Tags<'_>) -> Result<SleepReport, SleepError> {
-        let report = self.each_segment(tags, |_| Ok(()), Self::wake_segment)?;
+        let report = self.each_segment(
+            tags,
+            |_| Ok(()),
+            |this, head, backing, report| {
+                let needed = match backing {
+                    Backing::Plain => return Ok(()),
+                    Backing::Vmm(vmm) => match this.vmm(vmm).handle {
+                        Some(_) => return Ok(()),
+                        None => this.vmm(vmm).size,
+                    },
+                    Backing::Expandable(segment) => this.segment(segment).sleeping_bytes(),
+                };
+                if let Some(allowed) = this.allowed_memory_maximum
+                    && this.total_allocated_memory + needed > allowed
+                {
+                    return Err(Stop::OverMemoryFraction {
+                        needed,
+                        reserved: this.total_allocated_memory,
+                        allowed,
+                    });
+                }
+                match backing {
+                    Backing::Plain => Ok(()),
+                    Backing::Vmm(vmm) => Ok(this.wake_segment(head, vmm, report)?),
+                    Backing::Expandable(segment) => {
+                        Ok(this.wake_expandable(head, segment, report)?)
+                    }
+                }
+            },
+        )?;
         logging::woke(&report);
         Ok(report)
     }
@@ -378,10 +468,9 @@ impl<D: Device> DeviceAllocator<D> {
     fn wake_segment(
         &mut self,
         head: BlockId,
-        vmm: Option<VmmId>,
+        vmm: VmmId,
         report: &mut SleepReport,
     ) -> Result<(), DeviceError> {
-        let Some(vmm) = vmm else { return Ok(()) };
         let segment = self.vmm(vmm);
         if segment.handle.is_some() {
             return Ok(());
@@ -406,6 +495,62 @@ impl<D: Device> DeviceAllocator<D> {
         self.sleeping_segments -= 1;
         self.total_allocated_memory += size;
         self.stats.reserved_bytes.increase(pool, size as u64);
+        Ok(())
+    }
+
+    /// Puts the mapped pages of expandable segment `id` (first block `head`) to sleep. A
+    /// failure part-way leaves the pages slept so far asleep, counted in `report`; the
+    /// segment then counts as asleep, and a later sleep goes on with the pages still mapped.
+    fn sleep_expandable(
+        &mut self,
+        head: BlockId,
+        id: ExpandableId,
+        backup: bool,
+        report: &mut SleepReport,
+    ) -> Result<(), DeviceError> {
+        let segment = self.expandable_segments[id as usize]
+            .as_mut()
+            .expect("a live expandable segment");
+        let was_asleep = segment.is_asleep();
+        let slept = segment.sleep_pages(&mut self.device, backup, &mut self.leftover_pages);
+        let (pool, bytes) = (segment.pool(), slept.pages * segment.page_size());
+        if slept.pages > 0 {
+            if !was_asleep {
+                report.blocks += self.set_segment_asleep(head, true);
+                self.sleeping_segments += 1;
+            }
+            report.segments += 1;
+            report.bytes += bytes;
+            report.copied_bytes += slept.copied_bytes;
+            self.total_allocated_memory -= bytes;
+            self.stats.reserved_bytes.decrease(pool, bytes as u64);
+        }
+        slept.error.map_or(Ok(()), Err)
+    }
+
+    /// Wakes the sleeping pages of expandable segment `id` (first block `head`), all or
+    /// nothing.
+    fn wake_expandable(
+        &mut self,
+        head: BlockId,
+        id: ExpandableId,
+        report: &mut SleepReport,
+    ) -> Result<(), DeviceError> {
+        let segment = self.expandable_segments[id as usize]
+            .as_mut()
+            .expect("a live expandable segment");
+        if !segment.is_asleep() {
+            return Ok(());
+        }
+        let (pages, copied) = segment.wake_pages(&mut self.device, &mut self.leftover_pages)?;
+        let (pool, bytes) = (segment.pool(), pages * segment.page_size());
+        report.blocks += self.set_segment_asleep(head, false);
+        report.segments += 1;
+        report.bytes += bytes;
+        report.copied_bytes += copied;
+        self.sleeping_segments -= 1;
+        self.total_allocated_memory += bytes;
+        self.stats.reserved_bytes.increase(pool, bytes as u64);
         Ok(())
     }
 

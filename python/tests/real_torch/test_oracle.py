@@ -62,6 +62,27 @@ def test_programs_shaped_like_training_agree(seed: int, setting: tuple) -> None:
     assert divergence is None, str(divergence)
 
 
+#: Sleep-ability on from the start (FERROCACHE_SLEEP=1) and never used: VMM-backed ordinary
+#: segments, compared as the cuMemAlloc / cuMemFree they stand for; decisions stay PyTorch's
+#: (docs/sleep.md). One setting with ordinary segments under a limit, one with expandable ones.
+SLEEP_SETTINGS = [s for s in harness.SETTINGS if s[0] in ("gc_0.6_fraction_0.7", "expandable")]
+
+
+@pytest.mark.parametrize("setting", SLEEP_SETTINGS, ids=[s[0] for s in SLEEP_SETTINGS])
+def test_sleep_ability_never_used_changes_no_decision(setting: tuple) -> None:
+    case = harness.random_program(0, setting)
+    case.sleep_ability = True
+    divergence = harness.compare(case)
+    assert divergence is None, str(divergence)
+
+
+def test_sleep_ability_never_used_changes_no_decision_in_a_training_shape() -> None:
+    case = shapes.shaped_program(0, harness.SETTINGS[0])
+    case.sleep_ability = True
+    divergence = harness.compare(case)
+    assert divergence is None, str(divergence)
+
+
 def fixed_id(case: harness.Case) -> str:
     return case.program.replace(", ", "-").replace(" ", "-")
 

@@ -260,3 +260,100 @@ def test_a_copy_into_a_sleeping_tensor_is_an_illegal_address() -> None:
     assert len(named) == 1, process.stderr
     assert f"[{outcome['ptr']:#x}, " in named[0]
     assert "reserved but not mapped" in named[0]
+
+
+def test_expandable_segments_sleep_with_backup_and_wake_at_the_same_addresses() -> None:
+    out = run(
+        """
+        state = trainer_state()
+        small = torch.arange(1000, dtype=torch.int32).to("cuda")  # the small pool's segment
+        ptrs = {k: dev.data_ptr() for k, (host, dev) in state.items()}
+        out = {}
+        out["expandable"] = all(s["is_expandable"] for s in ferrocache.snapshot()["segments"])
+        mapped = [(s["address"], s["address"] + s["total_size"]) for s in ferrocache.snapshot()["segments"]]
+        reserved = torch.cuda.memory_reserved()
+        free_before = torch.cuda.mem_get_info()[0]
+        report = ferrocache.sleep(backup=True)
+        out["slept all reserved"] = report.bytes == reserved
+        out["copied"] = report.copied_bytes == report.bytes
+        out["skipped"] = report.skipped_bytes
+        out["reserved asleep"] = torch.cuda.memory_reserved()
+        out["free grew"] = torch.cuda.mem_get_info()[0] - free_before >= report.bytes
+        out["raw allocation of what slept"] = raw_alloc_and_free(report.bytes)
+        out["sleep again"] = ferrocache.sleep().segments
+        # Allocations while asleep come from new segments: a sleeping one neither serves nor
+        # grows (growing would map pages at the end of its mapped range).
+        during = torch.full((3 << 20,), 5, dtype=torch.uint8).to("cuda")
+        out["new memory elsewhere"] = not any(a <= during.data_ptr() <= b for a, b in mapped)
+        reserved_during = torch.cuda.memory_reserved()
+        woke = ferrocache.wake()
+        out["woke what slept"] = woke.bytes == report.bytes
+        out["same pointers"] = all(dev.data_ptr() == ptrs[k] for k, (host, dev) in state.items())
+        out["bytes intact"] = intact(state)
+        out["small intact"] = bool(small.cpu().eq(torch.arange(1000, dtype=torch.int32)).all())
+        out["during intact"] = bool(during.cpu().eq(5).all())
+        out["reserved awake"] = torch.cuda.memory_reserved() == reserved_during + report.bytes
+        # Awake, they grow again.
+        grown = torch.full((4 << 20,), 9, dtype=torch.uint8).to("cuda")
+        out["grown intact"] = bool(grown.cpu().eq(9).all())
+        out["wake again"] = ferrocache.wake().segments
+        del state, small, during, grown
+        torch.cuda.empty_cache()
+        out["all given back"] = torch.cuda.memory_reserved()
+        result(out)
+        """,
+        PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+    )
+    assert out == {
+        "expandable": True,
+        "slept all reserved": True,
+        "copied": True,
+        "skipped": 0,
+        "reserved asleep": 0,
+        "free grew": True,
+        "raw allocation of what slept": 0,
+        "new memory elsewhere": True,
+        "sleep again": 0,
+        "woke what slept": True,
+        "same pointers": True,
+        "bytes intact": True,
+        "small intact": True,
+        "during intact": True,
+        "reserved awake": True,
+        "grown intact": True,
+        "wake again": 0,
+        "all given back": 0,
+    }
+
+
+def test_wake_stops_at_the_memory_fraction() -> None:
+    out = run(
+        """
+        state = trainer_state()
+        ptrs = {k: dev.data_ptr() for k, (host, dev) in state.items()}
+        out = {}
+        report = ferrocache.sleep(backup=True)
+        total = torch.cuda.mem_get_info()[1]
+        torch.cuda.set_per_process_memory_fraction(report.bytes / 2 / total)
+        try:
+            ferrocache.wake()
+            out["refused"] = "no"
+        except RuntimeError as err:
+            out["refused"] = "memory fraction" in str(err)
+        out["within the limit"] = torch.cuda.memory_reserved() <= report.bytes / 2
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        ferrocache.wake()
+        out["all awake"] = torch.cuda.memory_reserved() == report.bytes
+        out["same pointers"] = all(dev.data_ptr() == ptrs[k] for k, (host, dev) in state.items())
+        out["bytes intact"] = intact(state)
+        result(out)
+        """,
+        FERROCACHE_SLEEP="1",
+    )
+    assert out == {
+        "refused": True,
+        "within the limit": True,
+        "all awake": True,
+        "same pointers": True,
+        "bytes intact": True,
+    }

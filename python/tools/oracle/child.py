@@ -18,6 +18,13 @@ changed since the step before (``initial`` for the first). A layout is the segme
 order, each ``[offset, total_size, segment_type, stream, is_expandable, blocks]`` with blocks
 ``[offset in segment, size, state, requested_size]``; it is taken after the ops that made device
 calls (``changes``), after every op (``every``), after the listed ops, and always at the end.
+
+``"vmm_segments_as_malloc": true`` (ferrocache with ``FERROCACHE_SLEEP=1`` and ordinary
+segments): each segment is then a reserved range with one physical allocation mapped into it,
+where PyTorch makes one ``cuMemAlloc``. :class:`VmmSegmentsAsMalloc` writes those calls as the
+``cuMemAlloc`` / ``cuMemFree`` they stand for, and addresses count from the fake's arena of
+reservations: both arenas place by lowest-address first fit, and segments are whole 2 MiB
+granules, so the same decisions give the same offsets in either.
 """
 
 from __future__ import annotations
@@ -38,6 +45,54 @@ def fake_address_base() -> int:
     fake = ctypes.CDLL("libcuda.so.1")
     fake.fake_cuda_address_base.restype = ctypes.c_uint64
     return int(fake.fake_cuda_address_base())
+
+
+def fake_reservation_base() -> int:
+    """The start of the fake CUDA's arena of ``cuMemAddressReserve`` ranges."""
+    fake = ctypes.CDLL("libcuda.so.1")
+    fake.fake_cuda_reservation_base.restype = ctypes.c_uint64
+    return int(fake.fake_cuda_reservation_base())
+
+
+class VmmSegmentsAsMalloc:
+    """Rewrites the call log of a run whose ordinary segments are VMM-backed (ferrocache's
+    sleep-ability) as the calls PyTorch makes for them: ``cuMemAddressReserve rN S +O``,
+    ``cuMemCreate S ok``, ``cuMemMap rN 0 S`` is ``cuMemAlloc_v2 S ok +O``; the same with
+    ``cuMemCreate S oom`` and ``cuMemAddressFree rN S`` is ``cuMemAlloc_v2 S oom``; and
+    ``cuMemUnmap rN 0 S``, ``cuMemAddressFree rN S`` of such a segment is ``cuMemFree_v2 S +O``.
+    Any other call stays as it is, so a difference in what was called still shows."""
+
+    def __init__(self) -> None:
+        #: Live VMM-backed segments: range name -> (size, offset).
+        self.segments: dict[str, tuple[str, str]] = {}
+
+    def __call__(self, calls: list[str]) -> list[str]:
+        out: list[str] = []
+        i = 0
+        while i < len(calls):
+            words = calls[i].split()
+            following = calls[i + 1 : i + 3]
+            if words[0] == "cuMemAddressReserve" and len(words) == 4:
+                _, name, size, offset = words
+                if following == [f"cuMemCreate {size} ok", f"cuMemMap {name} 0 {size}"]:
+                    self.segments[name] = (size, offset)
+                    out.append(f"cuMemAlloc_v2 {size} ok {offset}")
+                    i += 3
+                    continue
+                if following == [f"cuMemCreate {size} oom", f"cuMemAddressFree {name} {size}"]:
+                    out.append(f"cuMemAlloc_v2 {size} oom")
+                    i += 3
+                    continue
+            if words[0] == "cuMemUnmap" and len(words) == 4 and words[1] in self.segments:
+                size, offset = self.segments[words[1]]
+                if words[2:] == ["0", size] and following[:1] == [f"cuMemAddressFree {words[1]} {size}"]:
+                    del self.segments[words[1]]
+                    out.append(f"cuMemFree_v2 {size} {offset}")
+                    i += 2
+                    continue
+            out.append(calls[i])
+            i += 1
+        return out
 
 
 def run(program: dict[str, Any]) -> dict[str, Any]:
@@ -64,6 +119,9 @@ def run(program: dict[str, Any]) -> dict[str, Any]:
     if capacity is not None and torch.cuda.mem_get_info()[1] != capacity:
         raise RuntimeError(f"the fake GPU has {torch.cuda.mem_get_info()[1]} bytes, not {capacity}")
     base = fake_address_base()
+    as_malloc = VmmSegmentsAsMalloc() if use_ferrocache and program.get("vmm_segments_as_malloc") else None
+    if as_malloc is not None:
+        base = fake_reservation_base()
     streams = [torch.cuda.default_stream()] + [torch.cuda.Stream() for _ in range(program["streams"] - 1)]
     stream_index = {s.cuda_stream: i for i, s in enumerate(streams)}
     log = open(os.environ["FAKE_CUDA_CALL_LOG"], encoding="utf-8")
@@ -113,6 +171,8 @@ def run(program: dict[str, Any]) -> dict[str, Any]:
         else:
             raise ValueError(f"unknown op {kind!r}")
         calls = log.read().splitlines()
+        if as_malloc is not None:
+            calls = as_malloc(calls)
         stats = dict(stats_of())
         step: dict[str, Any] = {
             "calls": calls,

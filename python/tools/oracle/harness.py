@@ -71,11 +71,15 @@ class Case:
     #: When the block layouts are compared: "every" op, the ops that made device "changes", or
     #: only the "end" (always compared too).
     layout: str = "every"
+    #: ferrocache runs with sleep-ability on from the start (``FERROCACHE_SLEEP=1``), never
+    #: used: its ordinary segments are VMM-backed, its decisions must stay PyTorch's.
+    sleep_ability: bool = False
 
     def describe(self) -> str:
         what = self.program or f"seed {self.seed}"
+        sleep = ", FERROCACHE_SLEEP=1" if self.sleep_ability else ""
         return (
-            f"{what}, setting {self.setting} (PYTORCH_CUDA_ALLOC_CONF={self.conf!r}), "
+            f"{what}, setting {self.setting} (PYTORCH_CUDA_ALLOC_CONF={self.conf!r}{sleep}), "
             f"capacity {self.capacity >> 20} MiB, {self.streams} streams, event delay "
             f"{self.event_delay}, {len(self.ops)} ops"
         )
@@ -140,6 +144,8 @@ def environment(case: Case) -> dict[str, Optional[str]]:
         "FAKE_LIBCUDA_EVENT_DELAY": str(case.event_delay),
         "FAKE_CUDA_QUIET": "1",
         "TORCH_CUDA_ALLOC_LOG_LEVEL": "ERROR",
+        # Read by ferrocache only.
+        "FERROCACHE_SLEEP": "1" if case.sleep_ability else None,
     }
 
 
@@ -152,6 +158,9 @@ def program_of(case: Case, allocator: str, history: Optional[str] = None, layout
         "history": history,
         "capacity": case.capacity,
         "layout": case.layout if layout is None else layout,
+        # With expandable segments, sleep-ability changes no device call: the segments are
+        # reserved ranges either way.
+        "vmm_segments_as_malloc": case.sleep_ability and "expandable_segments:True" not in case.conf,
     }
 
 
@@ -594,6 +603,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         "recording with `ferrocache replay` under the same setting; every segment decision and "
         "the peak reserved must be PyTorch's",
     )
+    parser.add_argument(
+        "--sleep-ability", action="store_true",
+        help="run ferrocache with FERROCACHE_SLEEP=1 (sleep-ability on, never used: ordinary "
+        "segments VMM-backed); its VMM calls are compared as the cuMemAlloc / cuMemFree they stand for",
+    )
     parser.add_argument("--record", metavar="DIR", help="write the committed native recordings to DIR and stop")
     args = parser.parse_args(argv)
     if args.record:
@@ -629,6 +643,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             for case in cases:
                 case.layout = args.layout
         what = "programs x settings (random, shaped, and the fixed ties)"
+    if args.sleep_ability:
+        for case in cases:
+            case.sleep_ability = True
     runs, ops, failures, departures = run_cases(cases, args.keep_going)
     print(
         f"{runs} {what}, {ops} ops compared, {failures} with unexplained differences, "

@@ -87,6 +87,10 @@ impl Arena {
         self.free.insert(start, end);
     }
 
+    pub fn start(&self) -> u64 {
+        self.start
+    }
+
     /// The address's distance from the arena's start (what the call log writes).
     pub fn offset(&self, address: u64) -> u64 {
         address - self.start

@@ -584,3 +584,14 @@ pub extern "C" fn fake_cuda_address_base() -> u64 {
         .as_ref()
         .map_or(0, |space| space.base())
 }
+
+/// The start of the arena of `cuMemAddressReserve` ranges (see `address_space.rs`), or 0: a
+/// reserved address minus this is its offset in the call log, the same in every process that
+/// made the same reservations.
+#[unsafe(no_mangle)]
+pub extern "C" fn fake_cuda_reservation_base() -> u64 {
+    lock()
+        .address_space
+        .as_ref()
+        .map_or(0, |space| space.reservations.start())
+}
