@@ -121,7 +121,7 @@ def test_the_whole_run_with_a_pytorch_that_only_claims_a_gpu(tmp_path: Path) -> 
     statuses = {c["key"]: c["status"] for c in report["checks"]}
     assert list(statuses) == [
         "real_torch", "step_time", "losses", "peaks", "streams", "oom", "empty_cache", "expandable",
-        "cross_stream", "graphs", "peer", "memory_api", "host_cost", "example", "replay", "tune",
+        "cross_stream", "graphs", "peer", "sleep", "memory_api", "host_cost", "example", "replay", "tune",
     ]  # fmt: skip
     assert PASS not in statuses.values() and MEASURED not in statuses.values(), statuses
     assert statuses["peer"] == SKIPPED and statuses["step_time"] == ERROR
@@ -190,6 +190,21 @@ def test_verdicts_on_streams_oom_and_empty_cache() -> None:
     broken = {"streams": {"error": "Traceback\nRuntimeError: boom"}}
     result = checks.streams({"ferrocache": broken})
     assert result.status == ERROR and result.summary == "RuntimeError: boom"
+
+
+def test_verdict_on_sleep_and_wake() -> None:
+    gib = 1 << 30
+    good = {
+        "bytes": gib, "blocks": 16, "skipped_bytes": 0, "freed_while_asleep": gib, "intact": True,
+        "seconds": {"d2h": 0.1, "sleep": 0.125, "wake": 0.2, "h2d": 0.1},
+        "gb_per_s": {"d2h": 10.7, "sleep": 8.6, "wake": 5.4, "h2d": 10.7},
+    }  # fmt: skip
+    passed = checks.sleep_bandwidth(good)
+    assert passed.status == PASS and "sleep 0.80x the plain copy out" in passed.summary, passed.summary
+    assert checks.sleep_bandwidth({**good, "intact": False}).status == FAIL
+    assert checks.sleep_bandwidth({**good, "skipped_bytes": 1 << 20}).status == FAIL
+    assert checks.sleep_bandwidth({**good, "freed_while_asleep": gib // 2}).status == FAIL
+    assert checks.sleep_bandwidth({"error": "Traceback\nRuntimeError: boom"}).summary == "RuntimeError: boom"
 
 
 def test_verdict_on_the_replay() -> None:

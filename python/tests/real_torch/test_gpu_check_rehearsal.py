@@ -55,12 +55,12 @@ def test_the_gpu_check_runs_end_to_end_on_the_fake(tmp_path: Path) -> None:
     # Every step ran: none was cut by the budget, none failed.
     assert list(statuses) == [
         "real_torch", "step_time", "losses", "peaks", "streams", "oom", "empty_cache", "expandable",
-        "cross_stream", "graphs", "peer", "memory_api", "host_cost", "example", "replay", "tune",
+        "cross_stream", "graphs", "peer", "sleep", "memory_api", "host_cost", "example", "replay", "tune",
     ]  # fmt: skip
     assert not [key for key, (_, why) in statuses.items() if why.startswith("time budget")]
     assert statuses["real_torch"] == ("pass", "2 passed")
     # What the fake can do passes; the rest says why it did not run.
-    for key in ("empty_cache", "expandable", "peer"):
+    for key in ("empty_cache", "expandable", "peer", "sleep"):
         assert statuses[key][0] == "pass", (key, statuses[key])
     assert statuses["host_cost"][0] == "measured"
     needs_kernels = ("step_time", "losses", "peaks", "streams", "oom", "cross_stream", "graphs", "example", "replay", "tune")
@@ -72,4 +72,4 @@ def test_the_gpu_check_runs_end_to_end_on_the_fake(tmp_path: Path) -> None:
     assert page == (out / "gpu-results.md").read_text() and f"`{summary}`" in page
     assert (DOCS_RESULTS.read_bytes() if DOCS_RESULTS.exists() else None) == docs_before
     passed, skipped = (int(n) for n in SUMMARY.fullmatch(summary).groups())  # type: ignore[union-attr]
-    assert (passed, skipped) == (2 + 4 + (1 if compare.is_file() else 0), 10 + (0 if compare.is_file() else 1))
+    assert (passed, skipped) == (2 + 5 + (1 if compare.is_file() else 0), 10 + (0 if compare.is_file() else 1))

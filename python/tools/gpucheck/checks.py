@@ -31,6 +31,7 @@ TITLES = {
     "cross_stream": "Cross-stream reuse (FERROCACHE_CROSS_STREAM=1): the device waits",
     "graphs": "CUDA graphs: captured forward replayed among other allocations",
     "peer": "Peer copy, device 0 -> 1 -> 0 (also under expandable_segments:True)",
+    "sleep": "ferrocache.sleep(backup=True) and wake(): bandwidth against plain copies",
     "memory_api": "Every public torch.cuda memory function, both allocators (compare.py)",
     "example": "examples/train.py runs and prints the summary",
     "replay": "Replay of the native run's snapshot (ferrocache replay)",
@@ -418,6 +419,37 @@ def peer(results: Mapping[str, Mapping[str, Any]], device_count: int) -> CheckRe
         return CheckResult(key, title, SKIPPED, f"skipped on the fake: {skipped[0]}", [table])
     summary = "every copy came back bit for bit" + ("; the converting copy skipped on the fake" if skipped else "")
     return CheckResult(key, title, PASS, summary, [table])
+
+
+def sleep_bandwidth(run: Mapping[str, Any]) -> CheckResult:
+    """Sleep with backup and wake, against a plain device-to-host and host-to-device copy of the
+    same blocks in the same process: every byte back at its address, the memory given back while
+    asleep, and the four bandwidths side by side (reported, not judged: the copies dominate)."""
+    key, title = "sleep", TITLES["sleep"]
+    if "error" in run:
+        return CheckResult(key, title, ERROR, str(run["error"]).strip().splitlines()[-1][:400])
+    if ON_FAKE in run:
+        return CheckResult(key, title, SKIPPED, f"skipped on the fake: {run[ON_FAKE]}")
+    rates, seconds = run.get("gb_per_s", {}), run.get("seconds", {})
+    rows = [
+        [name, f"{seconds.get(part, 0.0) * 1e3:.1f}", f"{rates.get(part, 0.0):.2f}"]
+        for name, part in (("plain device-to-host copy", "d2h"), ("ferrocache.sleep(backup=True)", "sleep"),
+                           ("ferrocache.wake()", "wake"), ("plain host-to-device copy", "h2d"))
+    ]  # fmt: skip
+    table = Table(f"{run.get('bytes', 0) / (1 << 30):.2f} GiB in {run.get('blocks')} blocks",
+                  ["operation", "ms", "GB/s"], rows)  # fmt: skip
+    problems = []
+    if run.get("intact") is not True:
+        problems.append("a block's bytes or address changed across sleep and wake")
+    if run.get("skipped_bytes"):
+        problems.append(f"{run['skipped_bytes']} bytes could not sleep")
+    if int(run.get("freed_while_asleep", 0)) < int(run.get("bytes", 0)):
+        problems.append(f"mem_get_info gained {run.get('freed_while_asleep')} bytes while asleep, not {run.get('bytes')}")
+    if problems:
+        return CheckResult(key, title, FAIL, "; ".join(problems), [table])
+    d2h, sleep, wake, h2d = (rates.get(p, 0.0) for p in ("d2h", "sleep", "wake", "h2d"))
+    ratios = f"sleep {sleep / d2h:.2f}x the plain copy out, wake {wake / h2d:.2f}x the plain copy in" if d2h and h2d else ""
+    return CheckResult(key, title, PASS, f"every byte back at its address; {ratios}", [table])
 
 
 def memory_api(outcome: Mapping[str, Any]) -> CheckResult:

@@ -10,7 +10,8 @@ GPU (:mod:`gpucheck.real_torch`); (3) the training step under native and ferroca
 time and their ratio), then the same training under native with history recording (the
 control), expandable segments and cross-stream reuse (bit-identical losses, peaks); (4) per
 allocator: two streams with ``record_stream``, cross-stream reuse, a CUDA graph, ``empty_cache``
-against ``mem_get_info``, an out-of-memory error; (5) the peer copy where there are 2 GPUs;
+against ``mem_get_info``, an out-of-memory error; (5) the peer copy where there are 2 GPUs, and ferrocache's sleep and wake with backup
+against plain copies of the same bytes;
 (6) ``python/tools/memory_api/compare.py --markdown``; (7) host cost of ``torch.empty`` + free;
 (8) ``examples/train.py``; (9) the native snapshot replayed and (10) tuned with the installed
 ``ferrocache`` command.
@@ -586,6 +587,7 @@ def run_checks(ctx: Context) -> None:
         return checks.peer(runs_until_fake_stops(ctx, "peer", series), ctx.device_count)
 
     guarded(ctx, "peer", peer_copies, needs=40)
+    guarded(ctx, "sleep", lambda: checks.sleep_bandwidth(workload(ctx, "sleep", "ferrocache", "sleep")), needs=40)
     guarded(ctx, "memory_api", lambda: checks.memory_api(run_compare(ctx)), needs=40)
 
     def host_cost() -> CheckResult:

@@ -4,6 +4,7 @@ swapped once CUDA is initialised):
     python -m gpucheck.workloads train    --allocator A --example examples/train.py --out r.json
     python -m gpucheck.workloads features --allocator A --out r.json
     python -m gpucheck.workloads peer     --allocator A --out r.json
+    python -m gpucheck.workloads sleep    --allocator ferrocache --out r.json
     python -m gpucheck.workloads bench    --allocator A          (the line protocol of bench.py)
 
 ``--allocator`` names a row of :data:`ALLOCATORS`: PyTorch's own (``native``, and
@@ -342,6 +343,89 @@ def peer(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------
+# sleep: the bandwidth of sleep and wake with backup, against plain copies of the same bytes
+# ------------------------------------------------------------------------------------------------
+
+#: The blocks that sleep: many, as a model's parameters and optimizer state are.
+SLEEP_BLOCK_BYTES = 64 << 20
+#: At most this much sleeps (a quarter of the free memory where that is less).
+SLEEP_BYTES_AT_MOST = 8 << 30
+#: On the fake CUDA, whose device memory is host memory, a small rehearsal.
+SLEEP_BYTES_ON_FAKE = 256 << 20
+
+
+def sleep_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
+    """Fills blocks of device memory by host-to-device copies, then times, in one process: a
+    plain device-to-host copy of every block into pageable host memory (what sleep's backup
+    does), ``ferrocache.sleep(backup=True)``, ``ferrocache.wake()``, and a plain host-to-device
+    copy of the same bytes; every block must hold its bytes, at its address, after wake."""
+    if not ALLOCATORS[args.allocator].ferrocache:
+        return {"error": "sleep needs ferrocache"}
+    os.environ["FERROCACHE_SLEEP"] = "1"  # every segment VMM-backed, so that all of it sleeps
+    torch = setup(args.allocator)
+    import ferrocache
+
+    free, _ = torch.cuda.mem_get_info()
+    total = SLEEP_BYTES_ON_FAKE if on_fake_cuda() else min(SLEEP_BYTES_AT_MOST, free // 4)
+    count = max(1, total // SLEEP_BLOCK_BYTES)
+    generator = torch.Generator().manual_seed(0)
+    patterns = [torch.randint(0, 256, (SLEEP_BLOCK_BYTES,), dtype=torch.uint8, generator=generator) for _ in range(4)]
+    blocks = [torch.empty(SLEEP_BLOCK_BYTES, dtype=torch.uint8, device="cuda") for _ in range(count)]
+    for i, block in enumerate(blocks):
+        block.copy_(patterns[i % len(patterns)])
+    torch.cuda.synchronize()
+    pointers = [block.data_ptr() for block in blocks]
+    host = torch.empty(SLEEP_BLOCK_BYTES, dtype=torch.uint8)  # pageable, like sleep's backup
+
+    def timed(work: Callable[[], Any]) -> tuple[float, Any]:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        answer = work()
+        torch.cuda.synchronize()
+        return time.perf_counter() - started, answer
+
+    def copy_out() -> None:
+        for block in blocks:
+            host.copy_(block)
+
+    def copy_in() -> None:
+        for block in blocks:
+            block.copy_(host)
+
+    moved = count * SLEEP_BLOCK_BYTES
+    d2h_seconds, _ = timed(copy_out)
+    for i, block in enumerate(blocks):  # copy_out left the blocks as they were; make sure
+        block.copy_(patterns[i % len(patterns)])
+    free_before, _ = torch.cuda.mem_get_info()
+    sleep_seconds, slept = timed(lambda: ferrocache.sleep(backup=True))
+    free_asleep, _ = torch.cuda.mem_get_info()
+    wake_seconds, woke = timed(ferrocache.wake)
+    intact = all(
+        block.data_ptr() == pointer and torch.equal(block.cpu(), patterns[i % len(patterns)])
+        for i, (block, pointer) in enumerate(zip(blocks, pointers))
+    )
+    h2d_seconds, _ = timed(copy_in)
+
+    def rate(seconds: float) -> float:
+        return moved / seconds / 1e9 if seconds > 0 else 0.0
+
+    return {
+        "allocator": args.allocator,
+        "bytes": moved,
+        "blocks": count,
+        "slept_bytes": slept.bytes,
+        "slept_copied_bytes": slept.copied_bytes,
+        "skipped_bytes": slept.skipped_bytes,
+        "woke_copied_bytes": woke.copied_bytes,
+        "freed_while_asleep": free_asleep - free_before,
+        "intact": intact,
+        "seconds": {"d2h": d2h_seconds, "sleep": sleep_seconds, "wake": wake_seconds, "h2d": h2d_seconds},
+        "gb_per_s": {"d2h": rate(d2h_seconds), "sleep": rate(sleep_seconds), "wake": rate(wake_seconds),
+                     "h2d": rate(h2d_seconds)},
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
 # bench: the worker of bench.interleaved
 # ------------------------------------------------------------------------------------------------
 
@@ -373,7 +457,7 @@ def bench_worker(args: argparse.Namespace) -> None:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m gpucheck.workloads")
-    parser.add_argument("workload", choices=("train", "features", "peer", "bench"))
+    parser.add_argument("workload", choices=("train", "features", "peer", "sleep", "bench"))
     parser.add_argument("--allocator", choices=ALLOCATORS, required=True)
     parser.add_argument("--out", type=Path, help="where the JSON result goes")
     parser.add_argument("--example", help="examples/train.py (for train)")
@@ -391,7 +475,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.out is None:
         raise SystemExit("--out is required")
-    programs = {"train": train, "features": features, "peer": peer}
+    programs = {"train": train, "features": features, "peer": peer, "sleep": sleep_bandwidth}
     try:
         result = programs[args.workload](args)
     except Exception as err:
