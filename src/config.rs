@@ -606,10 +606,11 @@ impl Config {
 ///   versions have neither key nor pass: `max_non_split_rounding_mb` keeps its value.
 ///
 /// Measured on each version's own allocator on the fake CUDA (docs/python.md, "Settings
-/// changed at run time"): 2.8.0 keeps `max_non_split_rounding_mb:40` across
-/// `_set_allocator_settings("max_split_size_mb:30")`, 2.13.0, 2.14.1 and 2.15.0 put it back.
-/// The keys a version accepts at all are its parser's business: it runs before ferrocache's
-/// and refuses what it lacks (2.8 refuses `large_segment_size_mb`).
+/// changed at run time"): 2.8.0 and 2.10.0 keep `max_non_split_rounding_mb:40` across
+/// `_set_allocator_settings("max_split_size_mb:30")`; 2.11.0, 2.13.0, 2.14.1 and 2.15.0 put it
+/// back; `large_segment_size_mb` is in the strings of 2.11.0's `libc10.so`, not 2.10.0's. The
+/// keys a version accepts at all are its parser's business: it runs before ferrocache's and
+/// refuses what it lacks (2.8 and 2.10 refuse `large_segment_size_mb`).
 fn reset_before_each_parse(config: &mut Config, version: (u32, u32)) -> AfterLargeSegmentPass {
     let default = Config::default();
     config.max_split_size = default.max_split_size;
@@ -623,7 +624,7 @@ fn reset_before_each_parse(config: &mut Config, version: (u32, u32)) -> AfterLar
 }
 
 /// The first PyTorch whose parse has the large-segment pass ([`reset_before_each_parse`]).
-const LARGE_SEGMENT_PASS_SINCE: (u32, u32) = (2, 13);
+const LARGE_SEGMENT_PASS_SINCE: (u32, u32) = (2, 11);
 
 /// What a parse does to `max_non_split_rounding_mb` after its large-segment pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1596,7 +1597,9 @@ mod tests {
         for (version, rounding_mb) in [
             ("2.4.1", 40),
             ("2.8.0", 40),
-            ("2.12.1", 40),
+            ("2.10.0", 40),
+            ("2.11.0", 20),
+            ("2.12.1", 20),
             ("2.13.0", 20),
             ("2.14.1", 20),
             ("2.15.0", 20),

@@ -228,7 +228,7 @@ step("25 MiB", lambda: E(25 * MIB))
 """
 
 #: The first PyTorch whose run-time parse puts max_non_split_rounding_mb back to
-#: large_segment_size_mb (measured: 2.8.0 keeps it; 2.11.0, 2.13.0, 2.14.1 and 2.15.0 put it back).
+#: large_segment_size_mb (measured: 2.8.0 and 2.10.0 keep it; 2.11.0, 2.13.0, 2.14.1 and 2.15.0 put it back).
 ROUNDING_PUT_BACK_SINCE = (2, 11)
 
 
