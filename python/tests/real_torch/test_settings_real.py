@@ -255,6 +255,46 @@ def test_settings_changed_at_run_time_decide_as_the_running_pytorch(scenario: st
         assert rounded[1] - rounded[0] == 3 * MIB + 512, rounded
 
 
+#: max_split_size_mb lowered at run time below a free block that a split left inside a
+#: segment, then a request that fails on the device (docs/python.md, "Settings changed at run
+#: time").
+OVERSIZE_REMAINDER = """
+MIB = 1 << 20
+
+def E(n):
+    return torch.empty(n, dtype=torch.uint8, device="cuda")
+
+a = E(230 * MIB)
+del a
+kept = E(1327756)  # split from the cached 230 MiB segment: a 229 MiB free remainder
+torch.cuda.memory._set_allocator_settings("max_split_size_mb:40")
+frees, live = fake_stat("cuMemFree_v2"), fake_stat("live_allocations")
+try:
+    E(1800 * MIB)
+    outcome = "ok"
+except RuntimeError as err:
+    outcome = [isinstance(err, torch.cuda.OutOfMemoryError), str(err).splitlines()[0]]
+result([outcome, fake_stat("cuMemFree_v2") - frees, fake_stat("live_allocations") - live])
+"""
+
+
+def test_a_lowered_max_split_size_makes_pytorch_free_the_middle_of_a_segment() -> None:
+    """Why PyTorch's own allocator answers "CUDA error: invalid argument" instead of out of
+    memory after max_split_size_mb was lowered at run time: when the device refuses a segment,
+    release_available_cached_blocks frees cached blocks of max_split_size or more, assuming
+    that such blocks are whole segments (never split). A remainder split off before the change
+    is not: PyTorch hands cuMemFree an address inside a segment, which the driver refuses
+    (cuMemFree: "dptr ... must have been returned by a previous call" to an allocation API),
+    on a GPU as on the fake. ferrocache releases whole segments only and answers out of
+    memory."""
+    native = run_torch(OVERSIZE_REMAINDER, env=torch_env(GIB))
+    ours = run_torch("ferrocache.install()\n" + OVERSIZE_REMAINDER, env=torch_env(GIB))
+    # One cuMemFree, refused: the one live allocation (the segment) is still there.
+    assert native == [[False, "CUDA error: invalid argument"], 1, 0], native
+    assert ours[0][0] is True and "CUDA out of memory" in ours[0][1], ours
+    assert ours[1:] == [0, 0], ours
+
+
 SUMMARY = r"""
 kept = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (3 << 20, 1000, 30 << 20, 700 << 10)]
 del kept[1]
