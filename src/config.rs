@@ -216,6 +216,10 @@ pub struct Config {
     /// The wording of the out-of-memory message: that of the PyTorch ferrocache runs under
     /// (`FERROCACHE_PYTORCH_VERSION`), PyTorch 2.15's by default.
     pub oom_wording: OomWording,
+    /// The PyTorch ferrocache runs under (`FERROCACHE_PYTORCH_VERSION`), as `(major, minor)`;
+    /// [`NEWEST_PYTORCH`] by default. What a run-time parse resets follows it
+    /// ([`reset_before_each_parse`]).
+    pub pytorch_version: (u32, u32),
     /// Things PyTorch lets pass that look like mistakes (a `,` where a `:` belongs, `40MB`, a
     /// variable hidden by another), one sentence each, no duplicates; for the caller to log.
     pub warnings: Vec<String>,
@@ -225,6 +229,9 @@ pub struct Config {
 /// `ferrocache.install()` from `torch.__version__`; unset, PyTorch 2.15's rules.
 pub const PYTORCH_VERSION_VAR: &str = "FERROCACHE_PYTORCH_VERSION";
 
+/// The newest PyTorch whose rules ferrocache knows, and follows when no version is given.
+pub const NEWEST_PYTORCH: (u32, u32) = (2, 15);
+
 /// Reads `FERROCACHE_PYTORCH_VERSION`: the rules that changed between PyTorch versions follow
 /// it; a value that is not a version is ignored with a warning.
 fn apply_pytorch_version_var(config: &mut Config, value: Option<String>) {
@@ -233,6 +240,7 @@ fn apply_pytorch_version_var(config: &mut Config, value: Option<String>) {
         Some((major, minor)) => {
             config.tie_rule = policy::tie_rule_of_pytorch(major, minor);
             config.oom_wording = policy::oom_wording_of_pytorch(major, minor);
+            config.pytorch_version = (major, minor);
         }
         None => push_unique(
             &mut config.warnings,
@@ -321,6 +329,7 @@ impl Default for Config {
             expandable_ignore_max_split: false,
             tie_rule: TieRule::default(),
             oom_wording: OomWording::default(),
+            pytorch_version: NEWEST_PYTORCH,
             warnings: Vec::new(),
         }
     }
@@ -358,7 +367,7 @@ impl Config {
             tokens: Tokens::new(text),
             config: Config::default(),
         };
-        parser.large_segment_pass()?;
+        parser.large_segment_pass(AfterLargeSegmentPass::RoundingFollowsLargeSegment)?;
         parser.accelerator_pass()?;
         parser.cuda_pass()?;
         Ok(parser.config)
@@ -367,7 +376,8 @@ impl Config {
     /// The settings after `torch.cuda.memory._set_allocator_settings(text)` (PyTorch's
     /// `setAllocatorSettings`), which parses `text` over the settings in effect rather than
     /// over the defaults: a key `text` names takes its new value, and every other key keeps
-    /// its value, except those [`reset_before_each_parse`] resets. ferrocache's own settings
+    /// its value, except those [`reset_before_each_parse`] resets for the PyTorch in use
+    /// ([`Config::pytorch_version`]). ferrocache's own settings
     /// and the PyTorch being modelled stay. [`Config::source`] becomes `text`, as PyTorch's
     /// `last_allocator_settings` does.
     ///
@@ -375,13 +385,13 @@ impl Config {
     /// (and the resets), ferrocache keeps every setting as it was.
     pub fn with_runtime_settings(&self, text: &str) -> Result<Config> {
         let mut start = self.clone();
-        reset_before_each_parse(&mut start);
+        let after_large_segment_pass = reset_before_each_parse(&mut start, self.pytorch_version);
         start.warnings.clear();
         let mut parser = Parser {
             tokens: Tokens::new(text),
             config: start,
         };
-        parser.large_segment_pass()?;
+        parser.large_segment_pass(after_large_segment_pass)?;
         parser.accelerator_pass()?;
         parser.cuda_pass()?;
         let mut config = parser.config;
@@ -579,15 +589,50 @@ impl Config {
     }
 }
 
-/// `AcceleratorAllocatorConfig::parseArgs` starts each parse by putting `max_split_size_mb`,
-/// `roundup_power2_divisions` and `garbage_collection_threshold` back to their defaults ("reset
-/// to its default value if not explicitly set each time"); its large-segment pass then makes
-/// `max_non_split_rounding_mb` `large_segment_size_mb` again. Every other key keeps its value.
-fn reset_before_each_parse(config: &mut Config) {
+/// What PyTorch `version`'s `setAllocatorSettings` (`torch.cuda.memory._set_allocator_settings`)
+/// does to the settings in effect around reading a run-time text; every key not reset here
+/// keeps its value unless the text names it. Returns what follows the large-segment pass.
+///
+/// - Every version from 2.4 on first puts `max_split_size_mb`, `roundup_power2_divisions` and
+///   `garbage_collection_threshold` back to their defaults: 2.4 to 2.8 at the top of
+///   `CUDAAllocatorConfig::parseArgs` (c10/cuda/CUDAAllocatorConfig.cpp, "If empty, set the
+///   default values": `m_max_split_size = ...max()`, `m_roundup_power2_divisions.assign(...)`,
+///   `m_garbage_collection_threshold = 0`), later ones at the top of
+///   `AcceleratorAllocatorConfig::parseArgs` (c10/core/AllocatorConfig.cpp, "reset to its
+///   default value if not explicitly set each time").
+/// - From [`LARGE_SEGMENT_PASS_SINCE`] on, the parse begins with a pass over
+///   `large_segment_size_mb`, which then sets `max_non_split_rounding_mb` to
+///   `large_segment_size_mb` (so a run-time text that does not name it puts it back). Older
+///   versions have neither key nor pass: `max_non_split_rounding_mb` keeps its value.
+///
+/// Measured on each version's own allocator on the fake CUDA (docs/python.md, "Settings
+/// changed at run time"): 2.8.0 and 2.10.0 keep `max_non_split_rounding_mb:40` across
+/// `_set_allocator_settings("max_split_size_mb:30")`; 2.11.0, 2.13.0, 2.14.1 and 2.15.0 put it
+/// back; `large_segment_size_mb` is in the strings of 2.11.0's `libc10.so`, not 2.10.0's. The
+/// keys a version accepts at all are its parser's business: it runs before ferrocache's and
+/// refuses what it lacks (2.8 and 2.10 refuse `large_segment_size_mb`).
+fn reset_before_each_parse(config: &mut Config, version: (u32, u32)) -> AfterLargeSegmentPass {
     let default = Config::default();
     config.max_split_size = default.max_split_size;
     config.roundup_power2_divisions = default.roundup_power2_divisions;
     config.garbage_collection_threshold = default.garbage_collection_threshold;
+    if version >= LARGE_SEGMENT_PASS_SINCE {
+        AfterLargeSegmentPass::RoundingFollowsLargeSegment
+    } else {
+        AfterLargeSegmentPass::RoundingKept
+    }
+}
+
+/// The first PyTorch whose parse has the large-segment pass ([`reset_before_each_parse`]).
+const LARGE_SEGMENT_PASS_SINCE: (u32, u32) = (2, 11);
+
+/// What a parse does to `max_non_split_rounding_mb` after its large-segment pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AfterLargeSegmentPass {
+    /// It becomes `large_segment_size_mb` (then a later key in the text may set it).
+    RoundingFollowsLargeSegment,
+    /// It keeps its value: the PyTorch has no large-segment pass.
+    RoundingKept,
 }
 
 /// The first of [`ALLOC_CONF_VARS`] that is set, with its value: the variable PyTorch parses.
@@ -988,7 +1033,7 @@ impl Parser {
 
     /// PyTorch reads `large_segment_size_mb` before anything else, looking at every token, and
     /// then makes it the default of `max_non_split_rounding_mb`.
-    fn large_segment_pass(&mut self) -> Result<()> {
+    fn large_segment_pass(&mut self, after: AfterLargeSegmentPass) -> Result<()> {
         let mut i = 0;
         while i < self.tokens.len() {
             if self.tokens.0[i] == "large_segment_size_mb" {
@@ -996,7 +1041,9 @@ impl Parser {
             }
             i += 1;
         }
-        self.config.max_non_split_rounding_size = self.config.large_segment_size;
+        if after == AfterLargeSegmentPass::RoundingFollowsLargeSegment {
+            self.config.max_non_split_rounding_size = self.config.large_segment_size;
+        }
         Ok(())
     }
 
@@ -1512,6 +1559,88 @@ mod tests {
             .unwrap();
         assert!(!again.expandable_segments);
         assert_eq!(again.max_split_size, 40 * MB);
+    }
+
+    /// The settings in effect under PyTorch `version` after `start` from the environment and
+    /// `runtime` from `_set_allocator_settings`.
+    fn after_runtime_parse(version: &str, start: &str, runtime: &str) -> Config {
+        let config = Config::from_vars(vars(&[
+            ("PYTORCH_CUDA_ALLOC_CONF", start),
+            (PYTORCH_VERSION_VAR, version),
+        ]))
+        .unwrap();
+        config.with_runtime_settings(runtime).unwrap()
+    }
+
+    #[test]
+    fn every_version_resets_the_same_three_keys_at_each_runtime_parse() {
+        for version in [
+            "2.4.1", "2.8.0", "2.9.1", "2.12.1", "2.13.0", "2.15.0", "2.16.0a0",
+        ] {
+            let changed = after_runtime_parse(
+                version,
+                "max_split_size_mb:64,roundup_power2_divisions:4,\
+                 garbage_collection_threshold:0.6,release_lock_on_cudamalloc:True",
+                "expandable_segments:True",
+            );
+            assert_eq!(changed.max_split_size, usize::MAX, "{version}");
+            assert_eq!(changed.roundup_power2_divisions, [0; 16], "{version}");
+            assert_eq!(changed.garbage_collection_threshold, 0.0, "{version}");
+            assert!(changed.release_lock_on_cudamalloc, "{version}: kept");
+            assert!(changed.expandable_segments, "{version}");
+        }
+    }
+
+    #[test]
+    fn max_non_split_rounding_is_kept_before_the_large_segment_pass_and_put_back_after() {
+        let start = "max_split_size_mb:30,max_non_split_rounding_mb:40";
+        for (version, rounding_mb) in [
+            ("2.4.1", 40),
+            ("2.8.0", 40),
+            ("2.10.0", 40),
+            ("2.11.0", 20),
+            ("2.12.1", 20),
+            ("2.13.0", 20),
+            ("2.14.1", 20),
+            ("2.15.0", 20),
+            ("2.16.0a0", 20),
+        ] {
+            let changed = after_runtime_parse(version, start, "max_split_size_mb:30");
+            assert_eq!(
+                changed.max_non_split_rounding_size,
+                rounding_mb * MB,
+                "torch {version}"
+            );
+            assert_eq!(changed.max_split_size, 30 * MB);
+            // Named again, it is taken on every version.
+            let named = after_runtime_parse(version, start, "max_non_split_rounding_mb:50");
+            assert_eq!(
+                named.max_non_split_rounding_size,
+                50 * MB,
+                "torch {version}"
+            );
+        }
+        // Where the pass exists, the rounding follows a large segment size given in the same
+        // text, and one given before.
+        let larger = after_runtime_parse("2.15.0", start, "large_segment_size_mb:40");
+        assert_eq!(larger.max_non_split_rounding_size, 40 * MB);
+        let kept = larger.with_runtime_settings("").unwrap();
+        assert_eq!(kept.large_segment_size, 40 * MB);
+        assert_eq!(kept.max_non_split_rounding_size, 40 * MB);
+    }
+
+    #[test]
+    fn without_a_version_the_newest_rules_apply() {
+        let config = Config::parse("max_non_split_rounding_mb:40").unwrap();
+        assert_eq!(config.pytorch_version, NEWEST_PYTORCH);
+        let changed = config.with_runtime_settings("").unwrap();
+        assert_eq!(changed.max_non_split_rounding_size, 20 * MB);
+        let unreadable = Config::from_vars(vars(&[
+            ("PYTORCH_CUDA_ALLOC_CONF", "max_non_split_rounding_mb:40"),
+            (PYTORCH_VERSION_VAR, "nightly"),
+        ]))
+        .unwrap();
+        assert_eq!(unreadable.pytorch_version, NEWEST_PYTORCH);
     }
 
     #[test]

@@ -1083,6 +1083,55 @@ fn expandable_segments_fall_back_to_plain_segments_without_virtual_memory() {
     }
 }
 
+/// `max_split_size_mb:30,max_non_split_rounding_mb:40` from the environment, then
+/// `max_split_size_mb:30` at run time under PyTorch `version`: a cached 100 MiB block serves
+/// 70 MiB only while the rounding limit is still 40 MiB (`reset_before_each_parse`).
+fn rounding_after_a_runtime_parse(test: &str, version: &str, device_allocs: i64) {
+    let total = (256 * MIB).to_string();
+    let env = [
+        ("FAKE_LIBCUDA_TOTAL_MEM", total.as_str()),
+        (
+            "PYTORCH_CUDA_ALLOC_CONF",
+            "max_split_size_mb:30,max_non_split_rounding_mb:40",
+        ),
+        ("FERROCACHE_PYTORCH_VERSION", version),
+    ];
+    in_own_process(test, &env, || {
+        let api = Api::open();
+        let set: ConfigFn = api.library.function("ferrocache_set_allocator_settings");
+        let text = CString::new("max_split_size_mb:30").unwrap();
+        // SAFETY: a NUL-terminated string.
+        assert_eq!(unsafe { set(text.as_ptr()) }, 0, "{}", api.last_error());
+        let big = api.alloc(100 * MIB, 0, 0);
+        assert_eq!(api.free(big), 0);
+        let oversize = api.alloc(70 * MIB, 0, 0);
+        assert_eq!(
+            api.stat("num_device_alloc"),
+            device_allocs,
+            "torch {version}"
+        );
+        assert_eq!(api.free(oversize), 0);
+    });
+}
+
+#[test]
+fn a_runtime_parse_keeps_max_non_split_rounding_under_pytorch_2_10() {
+    rounding_after_a_runtime_parse(
+        "a_runtime_parse_keeps_max_non_split_rounding_under_pytorch_2_10",
+        "2.10.0",
+        1,
+    );
+}
+
+#[test]
+fn a_runtime_parse_puts_max_non_split_rounding_back_from_pytorch_2_11() {
+    rounding_after_a_runtime_parse(
+        "a_runtime_parse_puts_max_non_split_rounding_back_from_pytorch_2_11",
+        "2.11.0+cu130",
+        2,
+    );
+}
+
 type FractionFn = unsafe extern "C" fn(c_int) -> c_double;
 type EnableFn = unsafe extern "C" fn(c_int) -> c_int;
 

@@ -108,11 +108,12 @@ def with_settings_changes(seed: int, fraction: Optional[float] = None) -> harnes
     under one).
 
     No request exceeds half the device, and expandable segments are toggled only in
-    :data:`EXPANDABLE_TOGGLED`, which never runs out of memory: once the settings were changed at
-    run time, PyTorch 2.15's own allocator answers a request larger than the device with "CUDA
-    error: invalid argument" on the fake, not with an out-of-memory error (with the same
-    settings given at start it answers out of memory), which leaves nothing to compare. Under a
-    fraction, the fraction's limit still runs out."""
+    :data:`EXPANDABLE_TOGGLED`, which never runs out of memory: once ``max_split_size_mb`` was
+    lowered at run time below a free remainder of a split segment, PyTorch's own allocator
+    answers a request the device refuses with "CUDA error: invalid argument" (it hands cuMemFree
+    an address inside a segment, on a GPU as on the fake; test_settings_real.py::
+    test_a_lowered_max_split_size_makes_pytorch_free_the_middle_of_a_segment), which leaves
+    nothing to compare. Under a fraction, the fraction's limit still runs out."""
     case = harness.random_program(seed, ("defaults", "", fraction), length=160)
     rng = random.Random(seed)
     ops: list[dict[str, Any]] = []

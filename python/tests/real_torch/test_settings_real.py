@@ -193,6 +193,110 @@ def test_out_of_memory_messages_and_counts_are_pytorchs(scenario: tuple) -> None
             assert listed.group(1) == (others if fake else ""), outcome
 
 
+#: Settings changed at run time, under every PyTorch version: what the running PyTorch keeps
+#: and resets at each ``_set_allocator_settings`` parse shows in which cached block serves the
+#: next request (src/config.rs ``reset_before_each_parse``).
+RUNTIME_CHANGES = """
+S = torch.cuda.memory._set_allocator_settings
+step("100 MiB", lambda: E(100 * MIB))
+kept.clear()
+step("max_split_size_mb:30", lambda: S("max_split_size_mb:30"))
+# 100 MiB serves 70 MiB only within max_non_split_rounding_mb: 40 kept, or 20 put back.
+step("70 MiB", lambda: E(70 * MIB))
+kept.clear()
+step("roundup_power2_divisions:4 (max_split_size_mb reset)", lambda: S("roundup_power2_divisions:4"))
+step("10 MiB, split from a cached block", lambda: E(10 * MIB))
+step("3 MiB + 1, rounded to 3.5 MiB", lambda: E(3 * MIB + 1))
+step("empty text (roundup_power2_divisions reset)", lambda: S(""))
+step("3 MiB + 1, rounded to 512 bytes", lambda: E(3 * MIB + 1))
+"""
+
+#: Expandable segments turned on and off at run time, where PyTorch's own expandable segments
+#: run on the fake: measured on 2.8 to 2.11, 2.14 and 2.15; 2.13 fails at
+#: nvmlDeviceGetGpuFabricInfoV, which the fake answers NVML_ERROR_NOT_SUPPORTED; 2.4 to 2.7 and
+#: 2.12 were not measured.
+EXPANDABLE_RUNS_ON_THE_FAKE = TORCH_VERSION >= (2, 8) and TORCH_VERSION not in ((2, 12), (2, 13))
+EXPANDABLE_AT_RUN_TIME = """
+S = torch.cuda.memory._set_allocator_settings
+step("30 MiB", lambda: E(30 * MIB))
+step("expandable_segments:True", lambda: S("expandable_segments:True"))
+step("30 MiB, expandable", lambda: E(30 * MIB))
+step("5 MiB, expandable", lambda: E(5 * MIB))
+kept.clear()
+step("expandable_segments:False,max_split_size_mb:40", lambda: S("expandable_segments:False,max_split_size_mb:40"))
+step("20 MiB, not from the expandable blocks", lambda: E(20 * MIB))
+step("max_split_size_mb:40 (expandable kept off)", lambda: S("max_split_size_mb:40"))
+step("25 MiB", lambda: E(25 * MIB))
+"""
+
+#: The first PyTorch whose run-time parse puts max_non_split_rounding_mb back to
+#: large_segment_size_mb (measured: 2.8.0 and 2.10.0 keep it; 2.11.0, 2.13.0, 2.14.1 and 2.15.0 put it back).
+ROUNDING_PUT_BACK_SINCE = (2, 11)
+
+
+@pytest.mark.parametrize("scenario", ["runtime_changes", "expandable_at_run_time"])
+def test_settings_changed_at_run_time_decide_as_the_running_pytorch(scenario: str) -> None:
+    """Both allocators under the installed PyTorch, with settings changed at run time: the same
+    outcomes and device allocations, reserved and allocated bytes after every step."""
+    if scenario == "expandable_at_run_time" and not EXPANDABLE_RUNS_ON_THE_FAKE:
+        pytest.skip(f"PyTorch {TORCH_VERSION}'s own expandable segments do not run on the fake")
+    steps = RUNTIME_CHANGES if scenario == "runtime_changes" else EXPANDABLE_AT_RUN_TIME
+    conf = "max_split_size_mb:30,max_non_split_rounding_mb:40" if scenario == "runtime_changes" else ""
+    native = run_scenario("native", conf, steps, {})
+    ours = run_scenario("ferrocache", conf, steps, {})
+    for a, b in zip(native, ours):
+        assert b == a, f"{scenario}: step {a[0]!r}:\npytorch    {a}\nferrocache {b}"
+    assert len(ours) == len(native)
+    stats = {label: counts for label, _, counts, _ in native}
+    if scenario == "runtime_changes":
+        # The scenario tells the versions' rules apart, under PyTorch's own allocator.
+        rounding_put_back = TORCH_VERSION >= ROUNDING_PUT_BACK_SINCE
+        assert stats["70 MiB"]["num_device_alloc"] == (2 if rounding_put_back else 1), native
+        assert stats["10 MiB, split from a cached block"]["num_device_alloc"] == stats["70 MiB"]["num_device_alloc"]
+        rounded = [stats[label]["allocated_bytes.all.current"] for label in ("3 MiB + 1, rounded to 3.5 MiB", "3 MiB + 1, rounded to 512 bytes")]  # fmt: skip
+        assert rounded[1] - rounded[0] == 3 * MIB + 512, rounded
+
+
+#: max_split_size_mb lowered at run time below a free block that a split left inside a
+#: segment, then a request that fails on the device (docs/python.md, "Settings changed at run
+#: time").
+OVERSIZE_REMAINDER = """
+MIB = 1 << 20
+
+def E(n):
+    return torch.empty(n, dtype=torch.uint8, device="cuda")
+
+a = E(230 * MIB)
+del a
+kept = E(1327756)  # split from the cached 230 MiB segment: a 229 MiB free remainder
+torch.cuda.memory._set_allocator_settings("max_split_size_mb:40")
+frees, live = fake_stat("cuMemFree_v2"), fake_stat("live_allocations")
+try:
+    E(1800 * MIB)
+    outcome = "ok"
+except RuntimeError as err:
+    outcome = [isinstance(err, torch.cuda.OutOfMemoryError), str(err).splitlines()[0]]
+result([outcome, fake_stat("cuMemFree_v2") - frees, fake_stat("live_allocations") - live])
+"""
+
+
+def test_a_lowered_max_split_size_makes_pytorch_free_the_middle_of_a_segment() -> None:
+    """Why PyTorch's own allocator answers "CUDA error: invalid argument" instead of out of
+    memory after max_split_size_mb was lowered at run time: when the device refuses a segment,
+    release_available_cached_blocks frees cached blocks of max_split_size or more, assuming
+    that such blocks are whole segments (never split). A remainder split off before the change
+    is not: PyTorch hands cuMemFree an address inside a segment, which the driver refuses
+    (cuMemFree: "dptr ... must have been returned by a previous call" to an allocation API),
+    on a GPU as on the fake. ferrocache releases whole segments only and answers out of
+    memory."""
+    native = run_torch(OVERSIZE_REMAINDER, env=torch_env(GIB))
+    ours = run_torch("ferrocache.install()\n" + OVERSIZE_REMAINDER, env=torch_env(GIB))
+    # One cuMemFree, refused: the one live allocation (the segment) is still there.
+    assert native == [[False, "CUDA error: invalid argument"], 1, 0], native
+    assert ours[0][0] is True and "CUDA out of memory" in ours[0][1], ours
+    assert ours[1:] == [0, 0], ours
+
+
 SUMMARY = r"""
 kept = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (3 << 20, 1000, 30 << 20, 700 << 10)]
 del kept[1]
