@@ -2,10 +2,11 @@
 //!
 //! One fixed program — allocations of many sizes on 3 streams, `record_stream` with late events,
 //! a memory fraction, an out-of-memory with its retries, `empty_cache`, then everything freed —
-//! runs once to count the N driver calls it makes. Then it runs again N times per kind of error,
-//! in a process of its own each time, with call i failing: out of memory, an invalid value, an
-//! invalid handle, "not permitted during capture", and a sticky illegal address after which
-//! every call fails. After each run:
+//! runs once to count the N driver calls it makes. Then it runs again, in a process of its own
+//! each time, with call i failing, for every i: with one kind of error each, in rotation along
+//! the calls (CI), or with each kind in turn (`FERROCACHE_FAULT_SWEEP=every-kind`, by hand): out
+//! of memory, an invalid value, an invalid handle, "not permitted during capture", and a sticky
+//! illegal address after which every call fails. After each run:
 //! - the process exited normally and nothing panicked;
 //! - the failure reached the caller: an operation's result or error differs from the clean
 //!   run's, or an ERROR line was logged, or (out of memory) the allocator logged its retry;
@@ -888,7 +889,31 @@ fn judge_sticky(run: &RunResult, fail_at: u64, call: &str) -> Option<String> {
     })
 }
 
-/// Counts the program's calls, fails each one with each kind of error, and reports.
+/// Set to `every-kind`: every call fails with each of the [`KINDS`] in turn (5 runs a call), as
+/// by hand (`FERROCACHE_FAULT_SWEEP=every-kind cargo test --release --test fault_sweep`).
+/// Unset, as in CI: every call fails once, the kinds taken in rotation along the calls, so that
+/// each kind still fails a fifth of the calls, in a fifth of the time.
+const SWEEP_MODE: &str = "FERROCACHE_FAULT_SWEEP";
+
+fn every_kind_at_every_call() -> bool {
+    std::env::var(SWEEP_MODE).as_deref() == Ok("every-kind")
+}
+
+/// The runs of a sweep of `n` calls: (call index, kind).
+fn sweep_jobs(n: u64, every_kind: bool) -> Vec<(u64, Kind)> {
+    if every_kind {
+        (1..=n)
+            .flat_map(|i| KINDS.iter().map(move |&k| (i, k)))
+            .collect()
+    } else {
+        (1..=n)
+            .map(|i| (i, KINDS[(i as usize - 1) % KINDS.len()]))
+            .collect()
+    }
+}
+
+/// Counts the program's calls, fails each one (with each kind of error, or with one kind each,
+/// see [`SWEEP_MODE`]), and reports.
 fn sweep(test: &str, which: &str) {
     let clean_kind = Kind {
         name: "none",
@@ -913,9 +938,7 @@ fn sweep(test: &str, which: &str) {
         eprintln!("  {outcome}");
     }
 
-    let jobs: Vec<(u64, Kind)> = (1..=n)
-        .flat_map(|i| KINDS.iter().map(move |&k| (i, k)))
-        .collect();
+    let jobs = sweep_jobs(n, every_kind_at_every_call());
     let next = Mutex::new(0usize);
     let failures = Mutex::new(Vec::new());
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get().min(4));
@@ -954,9 +977,13 @@ fn sweep(test: &str, which: &str) {
     }
     let kinds: Vec<&str> = KINDS.iter().map(|k| k.name).collect();
     eprintln!(
-        "fault sweep, {which} program: N = {n} driver calls, {} runs ({} kinds each: {})",
+        "fault sweep, {which} program: N = {n} driver calls, {} runs ({}: {})",
         jobs.len(),
-        KINDS.len(),
+        if every_kind_at_every_call() {
+            "every kind at every call"
+        } else {
+            "one kind a call, in rotation"
+        },
         kinds.join(", ")
     );
     for (function, indices) in &by_function {

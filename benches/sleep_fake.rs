@@ -1,0 +1,126 @@
+//! Host cost of sleep and wake through the C ABI on the fake libcuda (`tests/fake-cuda/driver`,
+//! built with optimisations), as `ferrocache.sleep` / `ferrocache.wake` call them: the figures
+//! `benches/sleep.rs` gives for the core on the simulated GPU, with the driver calls of a real
+//! process (`cuCtxSynchronize`, then per segment `cuMemUnmap` + `cuMemRelease` to sleep and
+//! `cuMemCreate` + `cuMemMap` + `cuMemSetAccess` to wake) made into the fake.
+//!
+//! `cargo bench --bench sleep_fake`
+//!
+//! - `sleep_wake_fake/{1,10}GiB`: a sleep and a wake without backup (the copies are the device's
+//!   bandwidth, measured by `scripts/gpu-check` on a GPU) of 1 GiB and 10 GiB held as live
+//!   2 MiB blocks from `rust_malloc`, ten to each 20 MiB segment, with `FERROCACHE_SLEEP=1`.
+//!
+//! As `benches/c_abi.rs` does, `main` runs this program again with the fake first on
+//! `LD_LIBRARY_PATH` (cudarc-style loading reads it at start).
+
+#[path = "../tests/cdylib/mod.rs"]
+mod cdylib;
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use criterion::{BenchmarkId, Criterion};
+use std::ffi::{CStr, c_char, c_int, c_void};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::Command;
+use std::ptr;
+
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+/// A large-pool request: PyTorch serves it from a 20 MiB segment, split ten ways.
+const BLOCK: usize = 2 * MIB;
+/// Set in the rerun process, whose libcuda is the fake.
+const CHILD_VARIABLE: &str = "FERROCACHE_BENCH_CHILD";
+
+type MallocFn = unsafe extern "C" fn(usize, c_int, *mut c_void) -> *mut c_void;
+type SleepFn = unsafe extern "C" fn(*const c_char, c_int) -> *mut c_char;
+type WakeFn = unsafe extern "C" fn(*const c_char) -> *mut c_char;
+type StringFreeFn = unsafe extern "C" fn(*mut c_char);
+
+struct Abi {
+    malloc: MallocFn,
+    sleep: SleepFn,
+    wake: WakeFn,
+    string_free: StringFreeFn,
+}
+
+impl Abi {
+    fn open() -> Abi {
+        // Leaked: the functions are used until the process ends.
+        let library = Box::leak(Box::new(cdylib::Ferrocache::open()));
+        Abi {
+            malloc: library.function("rust_malloc"),
+            sleep: library.function("ferrocache_sleep"),
+            wake: library.function("ferrocache_wake"),
+            string_free: library.function("ferrocache_string_free"),
+        }
+    }
+
+    /// The report's text, freed; a NULL answer (an error) stops the benchmark.
+    fn answered(&self, report: *mut c_char, what: &str) {
+        assert!(!report.is_null(), "{what} failed");
+        // SAFETY: a non-NULL answer is a NUL-terminated string from ferrocache, freed once here.
+        unsafe {
+            let _ = CStr::from_ptr(report);
+            (self.string_free)(report);
+        }
+    }
+
+    fn sleep_and_wake(&self) {
+        // SAFETY: NULL tags means all memory; the functions are ferrocache's exports.
+        let slept = unsafe { (self.sleep)(ptr::null(), 0) };
+        self.answered(slept, "ferrocache_sleep");
+        // SAFETY: as above.
+        let woke = unsafe { (self.wake)(ptr::null()) };
+        self.answered(woke, "ferrocache_wake");
+    }
+}
+
+/// The fake libcuda built with optimisations for a measuring run; a test run (`cargo test
+/// --benches`) uses the tests' debug build.
+fn fake_libcuda_for_this_run() -> PathBuf {
+    if !std::env::args().any(|arg| arg == "--bench") {
+        return support::fake_libcuda_dir().to_path_buf();
+    }
+    support::build_fake_libcuda("release")
+}
+
+fn main() {
+    if std::env::var_os(CHILD_VARIABLE).is_none() {
+        let fake = fake_libcuda_for_this_run();
+        let mut command = Command::new(std::env::current_exe().expect("this program's path"));
+        for variable in support::INHERITED_SETTINGS {
+            command.env_remove(variable);
+        }
+        let error = command
+            .args(std::env::args_os().skip(1))
+            .env(CHILD_VARIABLE, "1")
+            .env("LD_LIBRARY_PATH", fake)
+            .env("FERROCACHE_SLEEP", "1")
+            .env("FAKE_LIBCUDA_TOTAL_MEM", (16 * GIB).to_string())
+            .exec();
+        panic!("could not run the benchmark again on the fake libcuda: {error}");
+    }
+    let abi = Abi::open();
+    let mut criterion = Criterion::default().configure_from_args();
+    let mut group = criterion.benchmark_group("sleep_wake_fake");
+    group.sample_size(20);
+    let mut held = 0;
+    for gib in [1, 10] {
+        // Blocks stay live across the cases: the 10 GiB case adds 9 GiB to the first one's.
+        while held < gib * GIB {
+            // SAFETY: a plain allocation on the default stream of device 0.
+            let block = unsafe { (abi.malloc)(BLOCK, 0, ptr::null_mut()) };
+            assert!(
+                !block.is_null(),
+                "rust_malloc of 2 MiB failed with {held} bytes held"
+            );
+            held += BLOCK;
+        }
+        group.bench_function(BenchmarkId::from_parameter(format!("{gib}GiB")), |b| {
+            b.iter(|| abi.sleep_and_wake())
+        });
+    }
+    group.finish();
+    criterion.final_summary();
+}
