@@ -25,9 +25,7 @@ use ferrocache::config::Config;
 use ferrocache::device::sim::SimDevice;
 use std::ffi::{c_int, c_void};
 use std::hint::black_box;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::ptr;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Barrier};
@@ -36,8 +34,6 @@ use std::time::{Duration, Instant};
 
 const SMALL: usize = 4 << 10;
 const LARGE: usize = 64 << 20;
-/// Set in the rerun process, whose libcuda is the fake.
-const CHILD_VARIABLE: &str = "FERROCACHE_BENCH_CHILD";
 
 type Stream = *mut c_void;
 type MallocFn = unsafe extern "C" fn(usize, c_int, Stream) -> *mut c_void;
@@ -417,32 +413,12 @@ fn print_summary(started: std::time::SystemTime) {
     }
 }
 
-/// The fake libcuda for a measuring run: built with optimisations, because the record_stream
-/// pair calls it four times (`cuCtxGetCurrent` and `cuEventRecord` on free, `cuCtxGetCurrent`
-/// and `cuEventQuery` on the next malloc) and the debug build the tests use would make its own
-/// cost most of that figure. Cache hits never call it. A test run (`cargo test --benches`,
-/// without `--bench`) uses the tests' debug build, which it already has.
-fn fake_libcuda_for_this_run() -> PathBuf {
-    if !std::env::args().any(|arg| arg == "--bench") {
-        return support::fake_libcuda_dir().to_path_buf();
-    }
-    support::build_fake_libcuda("release")
-}
-
+// The fake libcuda of a measuring run is built with optimisations: the record_stream pair calls
+// it four times (`cuCtxGetCurrent` and `cuEventRecord` on free, `cuCtxGetCurrent` and
+// `cuEventQuery` on the next malloc), and the debug build would make its own cost most of that
+// figure. Cache hits never call it.
 fn main() {
-    if std::env::var_os(CHILD_VARIABLE).is_none() {
-        let fake = fake_libcuda_for_this_run();
-        let mut command = Command::new(std::env::current_exe().expect("this program's path"));
-        for variable in support::INHERITED_SETTINGS {
-            command.env_remove(variable);
-        }
-        let error = command
-            .args(std::env::args_os().skip(1))
-            .env(CHILD_VARIABLE, "1")
-            .env("LD_LIBRARY_PATH", fake)
-            .exec();
-        panic!("could not run the benchmark again on the fake libcuda: {error}");
-    }
+    support::rerun_benchmark_on_the_fake_libcuda(&[]);
     let started = std::time::SystemTime::now();
     let abi = Abi::open();
     // Started first, as PyTorch's threads are: glibc's malloc skips its locks only while a

@@ -10,8 +10,8 @@
 //!   bandwidth, measured by `scripts/gpu-check` on a GPU) of 1 GiB and 10 GiB held as live
 //!   2 MiB blocks from `rust_malloc`, ten to each 20 MiB segment, with `FERROCACHE_SLEEP=1`.
 //!
-//! As `benches/c_abi.rs` does, `main` runs this program again with the fake first on
-//! `LD_LIBRARY_PATH` (cudarc-style loading reads it at start).
+//! `main` runs this program again with the fake first on `LD_LIBRARY_PATH`
+//! (`support::rerun_benchmark_on_the_fake_libcuda`).
 
 #[path = "../tests/cdylib/mod.rs"]
 mod cdylib;
@@ -20,17 +20,12 @@ mod support;
 
 use criterion::{BenchmarkId, Criterion};
 use std::ffi::{CStr, c_char, c_int, c_void};
-use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
-use std::process::Command;
 use std::ptr;
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
 /// A large-pool request: PyTorch serves it from a 20 MiB segment, split ten ways.
 const BLOCK: usize = 2 * MIB;
-/// Set in the rerun process, whose libcuda is the fake.
-const CHILD_VARIABLE: &str = "FERROCACHE_BENCH_CHILD";
 
 type MallocFn = unsafe extern "C" fn(usize, c_int, *mut c_void) -> *mut c_void;
 type SleepFn = unsafe extern "C" fn(*const c_char, c_int) -> *mut c_char;
@@ -76,31 +71,11 @@ impl Abi {
     }
 }
 
-/// The fake libcuda built with optimisations for a measuring run; a test run (`cargo test
-/// --benches`) uses the tests' debug build.
-fn fake_libcuda_for_this_run() -> PathBuf {
-    if !std::env::args().any(|arg| arg == "--bench") {
-        return support::fake_libcuda_dir().to_path_buf();
-    }
-    support::build_fake_libcuda("release")
-}
-
 fn main() {
-    if std::env::var_os(CHILD_VARIABLE).is_none() {
-        let fake = fake_libcuda_for_this_run();
-        let mut command = Command::new(std::env::current_exe().expect("this program's path"));
-        for variable in support::INHERITED_SETTINGS {
-            command.env_remove(variable);
-        }
-        let error = command
-            .args(std::env::args_os().skip(1))
-            .env(CHILD_VARIABLE, "1")
-            .env("LD_LIBRARY_PATH", fake)
-            .env("FERROCACHE_SLEEP", "1")
-            .env("FAKE_LIBCUDA_TOTAL_MEM", (16 * GIB).to_string())
-            .exec();
-        panic!("could not run the benchmark again on the fake libcuda: {error}");
-    }
+    support::rerun_benchmark_on_the_fake_libcuda(&[
+        ("FERROCACHE_SLEEP", "1".to_string()),
+        ("FAKE_LIBCUDA_TOTAL_MEM", (16 * GIB).to_string()),
+    ]);
     let abi = Abi::open();
     let mut criterion = Criterion::default().configure_from_args();
     let mut group = criterion.benchmark_group("sleep_wake_fake");

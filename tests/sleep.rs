@@ -224,6 +224,41 @@ fn fault() -> DeviceError {
     }
 }
 
+/// Each call of `sleep_ops` to fail during a sleep (`true`), then each of `wake_ops` during a
+/// wake (`false`).
+fn failing_during_sleep_then_wake(
+    sleep_ops: &[SimOp],
+    wake_ops: &[SimOp],
+) -> impl Iterator<Item = (SimOp, bool)> {
+    let during_sleep = sleep_ops.iter().map(|&op| (op, true));
+    during_sleep.chain(wake_ops.iter().map(|&op| (op, false)))
+}
+
+/// After a sleep or wake that `op` failed: calling sleep and wake again finishes the job and
+/// brings back every byte of `live`; once everything is freed, `empty_cache` gives the device
+/// back all it held, what it refused to take back before included.
+fn sleep_and_wake_again_lose_nothing(
+    a: &mut DeviceAllocator<SimDevice>,
+    live: &[(DevicePtr, usize)],
+    reserved: usize,
+    op: SimOp,
+) {
+    a.sleep(Tags::All, true).unwrap();
+    assert_eq!(a.reserved_bytes(), 0, "{op:?}");
+    a.wake(Tags::All).unwrap();
+    assert_eq!(a.reserved_bytes(), reserved, "{op:?}");
+    for &(ptr, size) in live {
+        assert_eq!(read(a, ptr, size), pattern(ptr, size), "{op:?} {ptr:#x}");
+    }
+    checked(a);
+    for &(ptr, _) in live {
+        a.free(ptr).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().physical_in_use(), 0, "{op:?}");
+    assert_eq!(a.device().reserved_ranges(), 0, "{op:?}");
+}
+
 /// Every driver call of a sleep, then of a wake, fails once, in the middle (the second
 /// segment's): no segment is left half-mapped, no backup is lost, and calling again finishes.
 #[test]
@@ -235,11 +270,7 @@ fn a_driver_failure_in_the_middle_of_sleep_or_wake_loses_nothing() {
         SimOp::SetAccess,
         SimOp::CopyFromHost,
     ];
-    for (op, during_sleep) in sleep_ops
-        .iter()
-        .map(|&op| (op, true))
-        .chain(wake_ops.iter().map(|&op| (op, false)))
-    {
+    for (op, during_sleep) in failing_during_sleep_then_wake(&sleep_ops, &wake_ops) {
         let mut a = sleepable();
         let live = fill(&mut a, None);
         let reserved = a.reserved_bytes();
@@ -268,26 +299,7 @@ fn a_driver_failure_in_the_middle_of_sleep_or_wake_loses_nothing() {
                 );
             }
         }
-        // Calling again finishes the job; then wake brings back every byte.
-        a.sleep(Tags::All, true).unwrap();
-        assert_eq!(a.reserved_bytes(), 0, "{op:?}");
-        a.wake(Tags::All).unwrap();
-        assert_eq!(a.reserved_bytes(), reserved, "{op:?}");
-        for &(ptr, size) in &live {
-            assert_eq!(
-                read(&mut a, ptr, size),
-                pattern(ptr, size),
-                "{op:?} {ptr:#x}"
-            );
-        }
-        checked(&a);
-        // What the device refused to take back is retried by empty_cache.
-        for &(ptr, _) in &live {
-            a.free(ptr).unwrap();
-        }
-        a.empty_cache().unwrap();
-        assert_eq!(a.device().physical_in_use(), 0, "{op:?}");
-        assert_eq!(a.device().reserved_ranges(), 0, "{op:?}");
+        sleep_and_wake_again_lose_nothing(&mut a, &live, reserved, op);
     }
 }
 
@@ -454,11 +466,7 @@ fn a_driver_failure_while_expandable_pages_sleep_or_wake_loses_nothing() {
         SimOp::SetAccess,
         SimOp::CopyFromHost,
     ];
-    for (op, during_sleep) in sleep_ops
-        .iter()
-        .map(|&op| (op, true))
-        .chain(wake_ops.iter().map(|&op| (op, false)))
-    {
+    for (op, during_sleep) in failing_during_sleep_then_wake(&sleep_ops, &wake_ops) {
         let mut a = expandable();
         let live = fill(&mut a, None);
         let reserved = a.reserved_bytes();
@@ -492,24 +500,7 @@ fn a_driver_failure_while_expandable_pages_sleep_or_wake_loses_nothing() {
                 );
             }
         }
-        a.sleep(Tags::All, true).unwrap();
-        assert_eq!(a.reserved_bytes(), 0, "{op:?}");
-        a.wake(Tags::All).unwrap();
-        assert_eq!(a.reserved_bytes(), reserved, "{op:?}");
-        for &(ptr, size) in &live {
-            assert_eq!(
-                read(&mut a, ptr, size),
-                pattern(ptr, size),
-                "{op:?} {ptr:#x}"
-            );
-        }
-        checked(&a);
-        for &(ptr, _) in &live {
-            a.free(ptr).unwrap();
-        }
-        a.empty_cache().unwrap();
-        assert_eq!(a.device().physical_in_use(), 0, "{op:?}");
-        assert_eq!(a.device().reserved_ranges(), 0, "{op:?}");
+        sleep_and_wake_again_lose_nothing(&mut a, &live, reserved, op);
     }
 }
 

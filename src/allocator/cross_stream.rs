@@ -239,9 +239,7 @@ impl<D: Device> DeviceAllocator<D> {
         &mut self,
         request: &Request,
     ) -> Result<Option<BlockId>, AllocError> {
-        if let Some(allowed) = self.allowed_memory_maximum
-            && self.total_allocated_memory + request.alloc_size > allowed
-        {
+        if self.memory_fraction_refuses(request.alloc_size).is_some() {
             return Ok(None);
         }
         let arena = &self.arena;

@@ -658,9 +658,7 @@ impl<D: Device> DeviceAllocator<D> {
             self.stats.num_alloc_retries += 1;
         }
         let size = request.alloc_size;
-        if let Some(allowed) = self.allowed_memory_maximum
-            && self.total_allocated_memory + size > allowed
-        {
+        if self.memory_fraction_refuses(size).is_some() {
             return Ok(None);
         }
         if self.config.throw_on_cudamalloc_oom && self.rejects_preemptively(size)? {
@@ -687,6 +685,14 @@ impl<D: Device> DeviceAllocator<D> {
         block.backing = backing;
         self.count_segment_taken(request.owner);
         Ok(Some(id))
+    }
+
+    /// PyTorch's memory fraction (`alloc_block`: `set_fraction && total_allocated_memory + size >
+    /// allowed_memory_maximum`): whether reserving `size` more bytes from the device would take
+    /// the memory held past the limit of `set_per_process_memory_fraction`: that limit if so.
+    pub(super) fn memory_fraction_refuses(&self, size: usize) -> Option<usize> {
+        self.allowed_memory_maximum
+            .filter(|&allowed| self.total_allocated_memory + size > allowed)
     }
 
     /// `throw_on_cudamalloc_oom`: whether a device allocation of `size` would take the memory

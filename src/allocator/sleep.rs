@@ -443,9 +443,7 @@ impl<D: Device> DeviceAllocator<D> {
                     },
                     Backing::Expandable(segment) => this.segment(segment).sleeping_bytes(),
                 };
-                if let Some(allowed) = this.allowed_memory_maximum
-                    && this.total_allocated_memory + needed > allowed
-                {
+                if let Some(allowed) = this.memory_fraction_refuses(needed) {
                     return Err(Stop::OverMemoryFraction {
                         needed,
                         reserved: this.total_allocated_memory,

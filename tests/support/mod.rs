@@ -172,6 +172,38 @@ pub fn fake_libcuda_dir() -> &'static Path {
     DIR.get_or_init(|| build_fake_libcuda("debug"))
 }
 
+/// Set in a benchmark's rerun, whose libcuda is the fake.
+const BENCH_CHILD_VARIABLE: &str = "FERROCACHE_BENCH_CHILD";
+
+/// For a benchmark's `main`: unless this process is already the rerun, runs this program again
+/// in its place (`exec`) with the fake libcuda first on `LD_LIBRARY_PATH` (libcuda is loaded
+/// from the search path the process started with), `env` added and
+/// [`INHERITED_SETTINGS`] removed. A measuring run (`--bench`) gets the fake built with
+/// optimisations, so that its own cost stays out of figures that call it; a test run (`cargo
+/// test --benches`) the tests' debug build, which it already has.
+pub fn rerun_benchmark_on_the_fake_libcuda(env: &[(&str, String)]) {
+    use std::os::unix::process::CommandExt;
+    if std::env::var_os(BENCH_CHILD_VARIABLE).is_some() {
+        return;
+    }
+    let fake = if std::env::args().any(|arg| arg == "--bench") {
+        build_fake_libcuda("release")
+    } else {
+        fake_libcuda_dir().to_path_buf()
+    };
+    let mut command = Command::new(std::env::current_exe().expect("this program's path"));
+    for variable in INHERITED_SETTINGS {
+        command.env_remove(variable);
+    }
+    let error = command
+        .args(std::env::args_os().skip(1))
+        .env(BENCH_CHILD_VARIABLE, "1")
+        .env("LD_LIBRARY_PATH", fake)
+        .envs(env.iter().map(|(name, value)| (name, value)))
+        .exec();
+    panic!("could not run the benchmark again on the fake libcuda: {error}");
+}
+
 /// Builds the fake libcuda with cargo's `profile` (`debug`, or `release` for a measuring run);
 /// the directory that holds it.
 pub fn build_fake_libcuda(profile: &str) -> PathBuf {
