@@ -6,6 +6,7 @@
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use ferrocache::config::Config;
+use ferrocache::policy::TieRule;
 use ferrocache::replay::{self, DeviceWorkload, ReplayOptions, Workload, demo};
 use std::time::Duration;
 
@@ -25,7 +26,7 @@ fn workloads() -> Vec<(String, DeviceWorkload)> {
         for name in TRACES {
             match replay::load(&dir.join(name)) {
                 Ok(snapshot) => {
-                    let mut workload = Workload::reconstruct(&snapshot);
+                    let mut workload = Workload::reconstruct(&snapshot, TieRule::default());
                     if !workload.devices.is_empty() {
                         out.push((name.to_string(), workload.devices.remove(0)));
                     }

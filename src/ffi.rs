@@ -1691,7 +1691,14 @@ pub unsafe extern "C" fn ferrocache_advise(
             // SAFETY: non-NULL, and the caller promises `length` readable bytes.
             let bytes = unsafe { std::slice::from_raw_parts(snapshot.cast::<u8>(), length) };
             let only = usize::try_from(device).ok();
-            tune::tune_snapshot(bytes, only, given, limit, TieRule::default())?
+            tune::tune_snapshot(
+                bytes,
+                only,
+                given,
+                limit,
+                TieRule::default(),
+                crate::config::tie_rule_from_env(),
+            )?
         };
         let mut value = tune::report::json(&tuning);
         let table = tune::report::text(&tuning, &tune::report::TextOptions::default());

@@ -10,6 +10,7 @@ pub mod lock;
 pub mod logging;
 pub mod policy;
 pub mod replay;
+pub mod trace;
 pub mod tune;
 
 /// The property tests' configuration, shared with the integration tests.

@@ -8,6 +8,7 @@
 mod harness;
 
 use ferrocache::config::{Config, LogLevel};
+use ferrocache::policy::TieRule;
 use ferrocache::replay::{self, ReplayErrorKind, Workload, pickle};
 use harness::{CountingAllocator, within_memory_bound};
 use std::path::Path;
@@ -42,7 +43,7 @@ fn check_config(data: &[u8]) {
 fn check_snapshot(data: &[u8]) -> Result<(), replay::ReplayError> {
     let result = within_memory_bound(data.len(), || {
         replay::parse_snapshot(data, "input").map(|snapshot| {
-            let _ = Workload::reconstruct(&snapshot);
+            let _ = Workload::reconstruct(&snapshot, TieRule::default());
         })
     });
     within_memory_bound(data.len(), || {

@@ -2,7 +2,7 @@
 //! that go wrong in every way a replay can.
 
 use ferrocache::config::Config;
-use ferrocache::policy::PoolKind;
+use ferrocache::policy::{PoolKind, TieRule};
 use ferrocache::replay::{
     self, DeviceWorkload, NativeFigures, Op, ReplayOptions, ReplayReport, StartAllocation,
     StartSegment, StartState, Workload, demo, faithful,
@@ -18,7 +18,7 @@ const GIB: u64 = 1 << 30;
 fn trace(name: &str) -> Option<DeviceWorkload> {
     let dir = traces_dir()?;
     let snapshot = replay::load(&dir.join(name)).expect("the shared trace loads");
-    let mut workload = Workload::reconstruct(&snapshot);
+    let mut workload = Workload::reconstruct(&snapshot, TieRule::default());
     assert_eq!(workload.devices.len(), 1, "{name}: one device");
     Some(workload.devices.remove(0))
 }
@@ -379,7 +379,7 @@ fn native_recording(name: &str) -> DeviceWorkload {
         .join("tests/data/oracle")
         .join(name);
     let snapshot = replay::load(&path).expect("the committed recording loads");
-    let mut workload = Workload::reconstruct(&snapshot);
+    let mut workload = Workload::reconstruct(&snapshot, TieRule::default());
     workload.devices.remove(0)
 }
 
@@ -456,7 +456,7 @@ fn calibration(name: &str) -> DeviceWorkload {
         .join("tests/data/calibration")
         .join(name);
     let snapshot = replay::load(&path).expect("the committed recording loads");
-    let mut workload = Workload::reconstruct(&snapshot);
+    let mut workload = Workload::reconstruct(&snapshot, TieRule::default());
     assert_eq!(workload.devices.len(), 1, "{name}: one device replayed");
     workload.devices.remove(0)
 }
@@ -572,7 +572,6 @@ fn imported_in_address_order_the_replay_departs_and_says_where() {
 
 #[test]
 fn the_tie_rule_is_found_from_the_recordings_own_decisions() {
-    use ferrocache::policy::TieRule;
     // Recorded by PyTorch 2.11: the lower address wins a tie.
     let workload = calibration("calibration_torch_2_11.pickle");
     assert_eq!(workload.tie_rule, Some(TieRule::Address));

@@ -1,7 +1,7 @@
 //! The replay reader over the three shared PyTorch snapshots and over hostile input.
 
 use ferrocache::config::Config;
-use ferrocache::policy;
+use ferrocache::policy::{self, TieRule};
 use ferrocache::replay::{
     self, BlockSizeSource, DeviceWorkload, Op, ReplayError, ReplayErrorKind, Workload,
 };
@@ -108,7 +108,7 @@ fn shared_traces_give_the_readme_figures() {
         let started = Instant::now();
         let snapshot = replay::load(&path).unwrap_or_else(|e| panic!("{e}"));
         let loaded = started.elapsed();
-        let workload = Workload::reconstruct(&snapshot);
+        let workload = Workload::reconstruct(&snapshot, TieRule::default());
         let reconstructed = started.elapsed() - loaded;
         assert_eq!(snapshot.event_count(), expected.events, "{}", expected.file);
         assert!(workload.settings_recorded || expected.file == "eor_nn.pickle");
@@ -174,7 +174,7 @@ fn shared_traces_give_the_readme_figures() {
 fn older_blocks_freed_in_the_trace_get_sizes_by_the_rules() {
     let Some(dir) = traces_dir() else { return };
     let snapshot = replay::load(&dir.join("bcrafton_0c0e8a7.pickle")).unwrap();
-    let w = &Workload::reconstruct(&snapshot).devices[0];
+    let w = &Workload::reconstruct(&snapshot, TieRule::default()).devices[0];
     let from_trace: Vec<_> = w
         .start_allocations
         .iter()
@@ -354,7 +354,7 @@ fn small_snapshot_reconstructs_from_pickle_and_json_alike() {
     let path = write_temp("small.json", json_text.as_bytes());
     assert_eq!(replay::load(&path).unwrap(), from_json);
 
-    let w = &Workload::reconstruct(&from_pickle).devices[0];
+    let w = &Workload::reconstruct(&from_pickle, TieRule::default()).devices[0];
     let f = &w.figures;
     assert_eq!(f.live_at_start_blocks, 2);
     assert_eq!(f.live_at_start_requested, 4_000_000 + 2_621_440);
@@ -565,7 +565,7 @@ fn read_anything(bytes: &[u8], file: &str) -> bool {
     match replay::parse_snapshot(bytes, file) {
         Ok(snapshot) => {
             // Whatever parses must also reconstruct without panicking.
-            let _ = Workload::reconstruct(&snapshot);
+            let _ = Workload::reconstruct(&snapshot, TieRule::default());
             true
         }
         Err(err) => {
@@ -696,7 +696,7 @@ fn calibration_snapshot(name: &str) -> replay::Snapshot {
 
 /// The self-check of every device of a snapshot, under PyTorch's defaults.
 fn self_checks(snapshot: &replay::Snapshot) -> Vec<(usize, replay::faithful::Reproduction)> {
-    Workload::reconstruct(snapshot)
+    Workload::reconstruct(snapshot, TieRule::default())
         .devices
         .iter()
         .map(|d| {
@@ -712,7 +712,7 @@ fn several_device_traces_with_one_filled_replay_that_device() {
     let snapshot = calibration_snapshot("calibration_two_devices.pickle");
     assert_eq!(snapshot.device_traces.len(), 2);
     assert!(snapshot.device_traces[0].is_empty());
-    let workload = Workload::reconstruct(&snapshot);
+    let workload = Workload::reconstruct(&snapshot, TieRule::default());
     // Device 0 holds a segment made before recording, and nothing happened on it.
     assert_eq!(workload.idle_devices, vec![0]);
     assert_eq!(workload.devices.len(), 1);
@@ -724,7 +724,7 @@ fn several_device_traces_with_one_filled_replay_that_device() {
     let older = written_back(&snapshot, true, false, None);
     let older = replay::parse_snapshot(&older, "older.json").unwrap();
     assert!(older.segments.iter().all(|s| s.device == 1));
-    let workload = Workload::reconstruct(&older);
+    let workload = Workload::reconstruct(&older, TieRule::default());
     assert!(workload.idle_devices.is_empty());
     assert_eq!(
         self_checks(&older)[0].1.segment_allocs,
@@ -745,8 +745,8 @@ fn recordings_without_time_us_replay_alike() {
     assert!(b[0].1.reproduced(), "{}", b[0].1.describe());
     assert_eq!(a, b);
     let (a, b) = (
-        Workload::reconstruct(&with_time),
-        Workload::reconstruct(&without),
+        Workload::reconstruct(&with_time, TieRule::default()),
+        Workload::reconstruct(&without, TieRule::default()),
     );
     assert_eq!(a.devices[0].ops, b.devices[0].ops);
     assert_eq!(a.devices[0].start_order, b.devices[0].start_order);

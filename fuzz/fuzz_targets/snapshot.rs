@@ -4,6 +4,7 @@
 //! Properties: no panic, no hang, no stack overflow, memory within the bound.
 #![no_main]
 
+use ferrocache::policy::TieRule;
 use ferrocache::replay::{Workload, parse_snapshot, pickle};
 use ferrocache_fuzz::{CountingAllocator, within_memory_bound};
 use libfuzzer_sys::fuzz_target;
@@ -14,7 +15,7 @@ static ALLOCATOR: CountingAllocator = CountingAllocator;
 fuzz_target!(|data: &[u8]| {
     within_memory_bound(data.len(), || {
         if let Ok(snapshot) = parse_snapshot(data, "fuzz-input") {
-            let _ = Workload::reconstruct(&snapshot);
+            let _ = Workload::reconstruct(&snapshot, TieRule::default());
         }
     });
     within_memory_bound(data.len(), || {

@@ -10,20 +10,9 @@ use std::sync::Arc;
 /// [`DeviceAllocator::malloc_with_stack`]); 0 means none. The allocator only stores it.
 pub type StackId = u64;
 
-/// What a trace entry records, with PyTorch's action names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TraceAction {
-    Alloc,
-    FreeRequested,
-    FreeCompleted,
-    SegmentAlloc,
-    SegmentFree,
-    SegmentMap,
-    SegmentUnmap,
-    Oom,
-    Snapshot,
-}
+/// What a trace entry records, with PyTorch's action names: the vocabulary the snapshot reader
+/// shares ([`crate::trace`]).
+pub use crate::trace::TraceAction;
 
 /// One entry of `device_traces`.
 #[derive(Debug, Clone, PartialEq)]

@@ -142,7 +142,7 @@ fn ops_command(traces: &[PathBuf]) -> u8 {
                 continue;
             }
         };
-        let workload = Workload::reconstruct(&snapshot);
+        let workload = Workload::reconstruct(&snapshot, config::tie_rule_from_env());
         for device in &workload.devices {
             let program = crate::replay::program::program_json(&path.display().to_string(), device);
             say!("{program}");

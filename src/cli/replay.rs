@@ -7,7 +7,7 @@ use super::{
     CROSS_STREAM_SUFFIX, FILE_ERROR, GIB, SUCCESS, Setting, USAGE_ERROR, conf_name,
     load_or_complain, parse_capacity, parse_settings, percent, ratio_of, trim_float,
 };
-use crate::config::Config;
+use crate::config::{self, Config};
 use crate::replay::{
     self, DeviceWorkload, NativeFigures, PlotPanel, PlotSeries, ReplayOptions, ReplayReport,
     StartState, Workload, demo, demo_fsdp, faithful, faithful::Reproduction,
@@ -145,7 +145,7 @@ pub(super) fn replay_command(args: &ReplayArgs) -> u8 {
         let Some(snapshot) = load_or_complain(path, &mut failed) else {
             continue;
         };
-        let mut workload = Workload::reconstruct(&snapshot);
+        let mut workload = Workload::reconstruct(&snapshot, config::tie_rule_from_env());
         if args.serve_final_oom {
             for device in &mut workload.devices {
                 if let Some(size) = crate::tune::serve_final_oom(device) {

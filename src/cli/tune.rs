@@ -72,7 +72,7 @@ pub(super) fn tune_command(args: &TuneArgs) -> u8 {
             continue;
         };
         let name = path.display().to_string();
-        let workload = Workload::reconstruct(&snapshot);
+        let workload = Workload::reconstruct(&snapshot, config::tie_rule_from_env());
         notes.extend(idle_devices_note(&name, &workload));
         for device in &workload.devices {
             notes.extend(workload_notes(&name, &workload, device, &probe));

@@ -24,7 +24,9 @@
 
 use super::bytes;
 use super::engine::{self, DEFAULT_CAPACITY, ReplayOptions, ReplayReport, StartState};
-use super::workload::{DeviceWorkload, Op, SegmentRef};
+use super::reconstruct::reconstruct;
+use super::snapshot::Snapshot;
+use super::workload::{DeviceWorkload, Op, SegmentRef, Workload};
 use crate::config::Config;
 use crate::policy::TieRule;
 
@@ -55,6 +57,21 @@ impl Closeness {
                 + report.matching_segment_releases
                 + report.placements_matching,
         }
+    }
+}
+
+impl Workload {
+    /// The workload of `snapshot` as every replay of it starts: reconstructed
+    /// ([`reconstruct`], a pure function of the snapshot), then each device settled by the
+    /// faithful pass ([`settle`]): the order PyTorch made its start segments in and its tie rule,
+    /// found from its decisions; where they do not tell, `assumed` is kept (the caller's
+    /// PyTorch: `FERROCACHE_PYTORCH_VERSION`'s rule for the command line, 2.15's by default).
+    pub fn reconstruct(snapshot: &Snapshot, assumed: TieRule) -> Workload {
+        let mut workload = reconstruct(snapshot);
+        for device in &mut workload.devices {
+            settle(device, &workload.config, assumed);
+        }
+        workload
     }
 }
 

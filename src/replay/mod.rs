@@ -2,7 +2,8 @@
 //!
 //! A snapshot (`torch.cuda.memory._dump_snapshot()`) holds the allocator's state at the END of
 //! recording and the trace of what happened while recording. This module reads it
-//! ([`pickle`], [`snapshot`]) and turns it into what a replay needs ([`workload`]): the segments and
+//! ([`pickle`], [`snapshot`]) and turns it into what a replay needs ([`workload`], made by
+//! [`reconstruct`] and settled by [`faithful`]'s replays against the recording): the segments and
 //! allocations that existed when recording began, the ordered operations to replay with dense ids,
 //! PyTorch's own segment decisions to compare against, and PyTorch's own figures (peak requested
 //! and reserved bytes) replayed from the trace's accounting. [`engine`] replays a workload through
@@ -10,13 +11,16 @@
 //! workload; [`plot`] draws memory over a replay.
 //!
 //! ```no_run
+//! use ferrocache::policy::TieRule;
 //! use ferrocache::replay::{load, Workload};
 //! let snapshot = load(std::path::Path::new("snapshot.pickle")).unwrap();
-//! let workload = Workload::reconstruct(&snapshot);
+//! let workload = Workload::reconstruct(&snapshot, TieRule::default());
 //! for device in &workload.devices {
 //!     println!("peak requested {} bytes", device.figures.peak_requested);
 //! }
 //! ```
+
+#![forbid(unsafe_code)]
 
 pub mod demo;
 pub mod demo_fsdp;
@@ -27,9 +31,11 @@ mod op_list;
 pub mod pickle;
 pub mod plot;
 pub mod program;
+pub mod reconstruct;
 pub mod snapshot;
 pub mod workload;
 
+pub use crate::trace::TraceAction;
 pub use engine::{
     DEFAULT_CAPACITY, MemoryPoint, Misplacement, NativeFigures, ReleaseMismatch, ReplayOptions,
     ReplayReport, SegmentMismatch, StartReport, StartState, replay,
@@ -38,8 +44,7 @@ pub use job::{JobSummary, RankError, assign_ranks, rank_of_path};
 pub use pickle::{Document, PickleError, PickleErrorKind, PickleValue, ValueRef};
 pub use plot::{PlotPanel, PlotSeries, render_svg};
 pub use snapshot::{
-    Action, AllocatorSettings, BlockState, BlockStatus, Segment, Snapshot, TraceEvent, load,
-    parse_snapshot,
+    AllocatorSettings, BlockState, BlockStatus, Segment, Snapshot, TraceEvent, load, parse_snapshot,
 };
 pub use workload::{
     Allocation, BlockSizeSource, DeviceWorkload, Diagnostics, Figures, Op, OpOrigin, Placement,

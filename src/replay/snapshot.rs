@@ -8,6 +8,7 @@ use super::pickle::{Document, PickleErrorKind, ValueRef};
 use super::{ReplayError, ReplayErrorKind};
 use crate::config::Config;
 use crate::policy::{K_ROUNDUP_POWER_OF_TWO_INTERVALS, K_SMALL_BUFFER};
+use crate::trace::TraceAction;
 use std::path::Path;
 
 /// A recorded snapshot.
@@ -62,87 +63,12 @@ impl BlockStatus {
     }
 }
 
-/// What a trace entry records.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Action {
-    Alloc,
-    /// The program freed the block (`size` is its requested size).
-    FreeRequested,
-    /// The block went back to the cache: right after `FreeRequested`, or later when the block
-    /// was used on other streams.
-    FreeCompleted,
-    /// `free` of older and profiler-made snapshots: requested and completed at once.
-    Free,
-    SegmentAlloc,
-    SegmentFree,
-    /// Pages mapped into an expandable segment.
-    SegmentMap,
-    SegmentUnmap,
-    /// An allocation PyTorch could not satisfy.
-    Oom,
-    /// A snapshot was taken (`size` is the active bytes then).
-    Snapshot,
-    /// A user annotation.
-    UserDefined,
-    Other(String),
-}
-
-impl Action {
-    pub fn from_name(name: &str) -> Action {
-        match name {
-            "alloc" => Action::Alloc,
-            "free_requested" => Action::FreeRequested,
-            "free_completed" => Action::FreeCompleted,
-            "free" => Action::Free,
-            "segment_alloc" => Action::SegmentAlloc,
-            "segment_free" => Action::SegmentFree,
-            "segment_map" => Action::SegmentMap,
-            "segment_unmap" => Action::SegmentUnmap,
-            "oom" => Action::Oom,
-            "snapshot" => Action::Snapshot,
-            "user_defined" => Action::UserDefined,
-            other => Action::Other(other.to_string()),
-        }
-    }
-
-    /// PyTorch's name for the action.
-    pub fn name(&self) -> &str {
-        match self {
-            Action::Alloc => "alloc",
-            Action::FreeRequested => "free_requested",
-            Action::FreeCompleted => "free_completed",
-            Action::Free => "free",
-            Action::SegmentAlloc => "segment_alloc",
-            Action::SegmentFree => "segment_free",
-            Action::SegmentMap => "segment_map",
-            Action::SegmentUnmap => "segment_unmap",
-            Action::Oom => "oom",
-            Action::Snapshot => "snapshot",
-            Action::UserDefined => "user_defined",
-            Action::Other(name) => name,
-        }
-    }
-
-    /// Actions whose `addr` and `size` describe a block or a segment.
-    fn needs_addr_and_size(&self) -> bool {
-        matches!(
-            self,
-            Action::Alloc
-                | Action::FreeRequested
-                | Action::FreeCompleted
-                | Action::Free
-                | Action::SegmentAlloc
-                | Action::SegmentFree
-                | Action::SegmentMap
-                | Action::SegmentUnmap
-        )
-    }
-}
-
 /// One trace entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TraceEvent {
-    pub action: Action,
+    /// What the entry records; `None` for an action this reader does not know (counted by
+    /// the reconstruction, otherwise ignored).
+    pub action: Option<TraceAction>,
     /// Block or segment address; 0 for actions without one.
     pub addr: u64,
     /// Requested size for alloc/free, segment size for segment events, rounded size for oom.
@@ -542,14 +468,14 @@ fn trace_event(value: V<'_>, trace_path: &str, index: usize) -> Result<TraceEven
         }
     }
     let action_value = action.ok_or_else(|| format!("`{}` has no `action`", path()))?;
-    let action = Action::from_name(action_value.as_str().ok_or_else(|| {
+    let action = TraceAction::from_name(action_value.as_str().ok_or_else(|| {
         format!(
             "`{}.action` is {}, not a str",
             path(),
             action_value.type_name()
         )
     })?);
-    let (addr, size) = if action.needs_addr_and_size() {
+    let (addr, size) = if action.is_some_and(TraceAction::names_a_block_or_segment) {
         let field = |v: Option<V<'_>>, key: &str| -> Result<u64, String> {
             let v = v.ok_or_else(|| format!("`{}` has no `{key}`", path()))?;
             unsigned(v, key, &path())

@@ -8,9 +8,7 @@ use crate::allocator::history::{MemorySnapshot, TraceAction};
 use crate::allocator::{AllocError, DeviceAllocator, OutOfMemoryError};
 use crate::config::Config;
 use crate::device::sim::SimDevice;
-use crate::replay::{
-    Action, AllocatorSettings, BlockState, BlockStatus, Segment, Snapshot, TraceEvent,
-};
+use crate::replay::{AllocatorSettings, BlockState, BlockStatus, Segment, Snapshot, TraceEvent};
 
 /// The out-of-memory advice replays at most this many events in all (candidates times the
 /// history's length), so that the line comes within a few seconds however long the history;
@@ -58,7 +56,7 @@ pub fn to_replay_snapshot(snapshot: &MemorySnapshot, config: &Config, device: us
         .iter()
         .flatten()
         .map(|e| TraceEvent {
-            action: action(e.action),
+            action: Some(e.action),
             addr: if e.action == TraceAction::Oom {
                 0
             } else {
@@ -74,20 +72,6 @@ pub fn to_replay_snapshot(snapshot: &MemorySnapshot, config: &Config, device: us
         segments,
         device_traces,
         allocator_settings: Some(settings_of(config)),
-    }
-}
-
-fn action(action: TraceAction) -> Action {
-    match action {
-        TraceAction::Alloc => Action::Alloc,
-        TraceAction::FreeRequested => Action::FreeRequested,
-        TraceAction::FreeCompleted => Action::FreeCompleted,
-        TraceAction::SegmentAlloc => Action::SegmentAlloc,
-        TraceAction::SegmentFree => Action::SegmentFree,
-        TraceAction::SegmentMap => Action::SegmentMap,
-        TraceAction::SegmentUnmap => Action::SegmentUnmap,
-        TraceAction::Oom => Action::Oom,
-        TraceAction::Snapshot => Action::Snapshot,
     }
 }
 
@@ -136,7 +120,7 @@ pub fn live_subject(
     let index = usize::try_from(device).map_err(|_| format!("invalid device ordinal {device}"))?;
     let replay_snapshot = to_replay_snapshot(snapshot, config, index);
     let name = format!("this process (device {device})");
-    let mut subjects = Subject::from_snapshot(&name, None, &replay_snapshot);
+    let mut subjects = Subject::from_snapshot(&name, None, &replay_snapshot, config.tie_rule);
     let index = subjects
         .iter()
         .position(|s| s.workload.device == index)

@@ -29,6 +29,7 @@ use crate::replay::{
     self, DeviceWorkload, MemoryPoint, Op, ReplayOptions, ReplayReport, Snapshot, StartState,
     Workload,
 };
+use crate::trace::TraceAction;
 use rayon::prelude::*;
 use std::time::{Duration, Instant};
 
@@ -87,9 +88,15 @@ impl Subject {
         true
     }
 
-    /// One subject per device of `snapshot`, named after `name`.
-    pub fn from_snapshot(name: &str, rank: Option<u32>, snapshot: &Snapshot) -> Vec<Subject> {
-        let workload = Workload::reconstruct(snapshot);
+    /// One subject per device of `snapshot`, named after `name`; `assumed` is the tie rule kept
+    /// where the recording's decisions do not tell ([`Workload::reconstruct`]).
+    pub fn from_snapshot(
+        name: &str,
+        rank: Option<u32>,
+        snapshot: &Snapshot,
+        assumed: TieRule,
+    ) -> Vec<Subject> {
+        let workload = Workload::reconstruct(snapshot, assumed);
         let recorded = recorded_setting(snapshot, &workload);
         Subject::from_workload(name, rank, workload, recorded)
     }
@@ -204,7 +211,7 @@ pub fn recorded_capacity(snapshot: &Snapshot, workload: &DeviceWorkload) -> Opti
     let trace = snapshot.device_traces.get(workload.device)?;
     let mut best: Option<u64> = None;
     for (index, event) in trace.iter().enumerate() {
-        if event.action != replay::Action::Oom {
+        if event.action != Some(TraceAction::Oom) {
             continue;
         }
         let Some(free) = event.device_free else {
@@ -234,16 +241,19 @@ pub fn search_capacity(given: Option<u64>, recorded: Option<u64>) -> (u64, Capac
 
 /// `ferrocache tune` on one snapshot's bytes (pickle or JSON), as `ferrocache.advise(snapshot)`
 /// asks it: every device of it, or only `device`; a recording that ends in an out-of-memory has
-/// that request served ([`Subject::serve_final_oom`]).
+/// that request served ([`Subject::serve_final_oom`]). `tie_rule` is the rule the settings are
+/// judged by; `assumed`, the rule kept for the recording where its decisions do not tell
+/// ([`Workload::reconstruct`]).
 pub fn tune_snapshot(
     bytes: &[u8],
     device: Option<usize>,
     capacity: Option<u64>,
     max_candidates: Option<usize>,
     tie_rule: TieRule,
+    assumed: TieRule,
 ) -> Result<Tuning, String> {
     let snapshot = replay::parse_snapshot(bytes, "the snapshot").map_err(|e| e.to_string())?;
-    let workload = Workload::reconstruct(&snapshot);
+    let workload = Workload::reconstruct(&snapshot, assumed);
     let recorded = recorded_setting(&snapshot, &workload);
     let recorded_capacity = workload
         .devices

@@ -1,7 +1,7 @@
 //! A parsed snapshot written back as JSON, with the keys older PyTorch versions lacked left
 //! out on request: tests feed it to the reader as such a version's snapshot.
 
-use ferrocache::replay::{BlockStatus, Snapshot};
+use ferrocache::replay::{BlockStatus, Snapshot, TraceAction};
 use serde_json::{Value, json};
 
 /// `snapshot` written back as JSON, as a snapshot of older PyTorch would have it: without
@@ -46,7 +46,7 @@ pub fn written_back(
             trace
                 .iter()
                 .map(|e| {
-                    let mut entry = json!({"action": e.action.name(), "addr": e.addr,
+                    let mut entry = json!({"action": e.action.map_or("unknown", TraceAction::name), "addr": e.addr,
                                            "size": e.size, "stream": e.stream});
                     if time_us {
                         entry["time_us"] = json!(e.time_us);
