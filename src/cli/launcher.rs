@@ -18,7 +18,7 @@
 //! launcher passes on only those sent to it alone.
 
 use super::USAGE_ERROR;
-use super::job::JobRow;
+use super::rows::JobRow;
 use super::table::{aligned_lines, job_table};
 use crate::config::{
     self, ALLOC_CONF_VARS, CROSS_STREAM_VAR, Config, LOG_LEVEL_VAR, LogLevel, SNAPSHOT_ON_OOM_VAR,

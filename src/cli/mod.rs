@@ -40,6 +40,7 @@ macro_rules! complain {
 mod job;
 mod launcher;
 mod replay;
+mod rows;
 mod table;
 mod tune;
 

@@ -1,7 +1,10 @@
 //! `ferrocache replay`: snapshots (or a built-in demo) replayed on a simulated GPU under several
 //! settings, one row per trace and setting.
 
-use super::job::{job_ranks, job_rows};
+#![forbid(unsafe_code)]
+
+use super::job::job_ranks;
+use super::rows::{Row, job_rows};
 use super::table::{column_key, print_job_table, print_table};
 use super::{
     CROSS_STREAM_SUFFIX, FILE_ERROR, GIB, SUCCESS, Setting, USAGE_ERROR, conf_name,
@@ -9,13 +12,12 @@ use super::{
 };
 use crate::config::{self, Config};
 use crate::replay::{
-    self, DeviceWorkload, NativeFigures, PlotPanel, PlotSeries, ReplayOptions, ReplayReport,
-    StartState, Workload, demo, demo_fsdp, faithful, faithful::Reproduction,
+    self, DeviceWorkload, NativeFigures, PlotPanel, PlotSeries, ReplayOptions, StartState,
+    Workload, demo, demo_fsdp, faithful,
 };
 use crate::tune::report::{bytes, grouped, wrap};
 use crate::tune::{same_policy, short_trace};
 use clap::Args;
-use serde_json::json;
 use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -73,19 +75,6 @@ const DEMO_NAME: &str = "demo";
 const FSDP_DEMO_CONFIGURATIONS: [&str; 2] = ["", "expandable_segments:True"];
 const FSDP_DEMO_NAME: &str = "demo-fsdp (4 streams)";
 const FSDP_ONE_STREAM_NAME: &str = "demo-fsdp (1 stream)";
-
-/// One replay's row.
-pub(super) struct Row {
-    /// The trace as given (with the device when a snapshot has several), or `demo`.
-    pub(super) trace: String,
-    /// Its rank, with `--job`.
-    pub(super) rank: Option<u32>,
-    pub(super) conf: String,
-    pub(super) report: ReplayReport,
-    pub(super) native: Option<NativeFigures>,
-    /// The self-check of the row's recording (the same for each of its rows).
-    pub(super) check: Option<Reproduction>,
-}
 
 pub(super) fn replay_command(args: &ReplayArgs) -> u8 {
     if args.traces.is_empty() && !args.demo {
@@ -338,32 +327,9 @@ fn with_cross_stream(setting: Setting) -> Setting {
 /// Prints a JSON row at once (so long runs stream), or keeps it for the table.
 fn emit(json: bool, row: Row, rows: &mut Vec<Row>) {
     if json {
-        let native = row.native.as_ref();
-        let mut value = json!({
-            "trace": row.trace,
-            "conf": row.conf,
-            "events": row.report.events,
-            "peak_requested_bytes": row.report.peak_requested,
-            "peak_reserved_bytes": row.report.peak_reserved,
-            "utilization": row.report.utilization(),
-            "segment_allocs": row.report.segment_allocs,
-            "device_mallocs": row.report.device_mallocs,
-            "device_frees": row.report.device_frees,
-            "retries": row.report.retries,
-            "cross_stream_reuses": row.report.cross_stream_reuses,
-            "ooms": row.report.ooms,
-            "native_peak_reserved_bytes": native.map(|n| n.peak_reserved),
-            "native_segment_allocs": native.map(|n| n.segment_allocs),
-            "matching_segment_allocs": native.map(|_| row.report.matching_segment_allocs),
-            "events_per_second": row.report.events_per_second(),
-            "self_check": row.check.as_ref().map(Reproduction::json),
-        });
-        if let (Some(rank), Some(object)) = (row.rank, value.as_object_mut()) {
-            object.insert("rank".to_string(), json!(rank));
-        }
         let mut out = std::io::stdout().lock();
         // A closed pipe (`| head`) is not worth a panic.
-        let _ = writeln!(out, "{value}");
+        let _ = writeln!(out, "{}", row.to_json());
     }
     rows.push(row);
 }

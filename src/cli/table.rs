@@ -1,8 +1,9 @@
 //! The tables `replay` prints: one row per trace and setting, and with `--job` one per setting
 //! for the whole job.
 
-use super::job::JobRow;
-use super::replay::Row;
+#![forbid(unsafe_code)]
+
+use super::rows::{JobRow, Row};
 use super::{conf_name, percent};
 use crate::tune::report::{bytes, grouped, wrap, write_rows};
 use crate::tune::short_trace;

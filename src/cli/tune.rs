@@ -1,5 +1,7 @@
 //! `ferrocache tune`: search the settings on recordings and say what to set.
 
+#![forbid(unsafe_code)]
+
 use super::job::job_ranks;
 use super::replay::{idle_devices_note, workload_notes};
 use super::{FILE_ERROR, GIB, SUCCESS, USAGE_ERROR, load_or_complain, parse_capacity};
