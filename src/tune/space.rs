@@ -291,6 +291,56 @@ pub fn max_split_grid(sizes: &mut [u64]) -> Vec<u64> {
     picked.into_iter().collect()
 }
 
+/// `config` written as a `PYTORCH_CUDA_ALLOC_CONF` value: the keys ferrocache acts on that
+/// differ from PyTorch's defaults, in one order. `Config::parse` of it makes the same
+/// decisions (a test holds it to that).
+pub fn conf_of(config: &Config) -> String {
+    const MB: usize = 1 << 20;
+    let default = Config::default();
+    let mut keys: Vec<String> = Vec::new();
+    if config.large_segment_size != default.large_segment_size {
+        keys.push(format!(
+            "large_segment_size_mb:{}",
+            config.large_segment_size / MB
+        ));
+    }
+    if config.expandable_segments {
+        keys.push("expandable_segments:True".to_string());
+    }
+    if config.max_split_size != default.max_split_size {
+        keys.push(format!("max_split_size_mb:{}", config.max_split_size / MB));
+    }
+    if config.max_non_split_rounding_size != default.max_non_split_rounding_size {
+        keys.push(format!(
+            "max_non_split_rounding_mb:{}",
+            config.max_non_split_rounding_size / MB
+        ));
+    }
+    let divisions = &config.roundup_power2_divisions;
+    if *divisions != default.roundup_power2_divisions {
+        if divisions.iter().all(|&d| d == divisions[0]) && divisions[0].is_power_of_two() {
+            keys.push(format!("roundup_power2_divisions:{}", divisions[0]));
+        } else {
+            let entries: Vec<String> = divisions
+                .iter()
+                .enumerate()
+                .map(|(index, d)| format!("{}:{d}", 1u64 << index))
+                .collect();
+            keys.push(format!("roundup_power2_divisions:[{}]", entries.join(",")));
+        }
+    }
+    if config.garbage_collection_threshold > 0.0 {
+        keys.push(format!(
+            "garbage_collection_threshold:{}",
+            config.garbage_collection_threshold
+        ));
+    }
+    if let Some(fraction) = config.per_process_memory_fraction {
+        keys.push(format!("per_process_memory_fraction:{fraction}"));
+    }
+    keys.join(",")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
