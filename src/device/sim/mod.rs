@@ -7,35 +7,19 @@ use super::{
 };
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
+mod faults;
+mod streams;
+
+pub use faults::SimOp;
+pub use streams::SimWait;
+use streams::{SimEvent, StreamProgress};
+
 /// Where the simulated address space starts (the region real drivers hand out on x86-64).
 const ADDRESS_BASE: u64 = 0x7f00_0000_0000;
 /// Every allocation and reservation starts on a 2 MiB boundary, like large `cudaMalloc`s.
 const ADDRESS_ALIGNMENT: u64 = 2 << 20;
 /// The simulated page granularity of `cuMemCreate`.
 pub const SIM_PAGE_GRANULARITY: usize = 2 << 20;
-
-/// The operations of [`Device`], to aim injected faults at.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum SimOp {
-    Malloc,
-    Free,
-    MemGetInfo,
-    RecordEvent,
-    QueryEvent,
-    SynchronizeEvent,
-    SynchronizeStream,
-    WaitEvent,
-    ReserveAddressRange,
-    FreeAddressRange,
-    CreatePhysical,
-    ReleasePhysical,
-    Map,
-    SetAccess,
-    Unmap,
-    SynchronizeDevice,
-    CopyToHost,
-    CopyFromHost,
-}
 
 /// How many times each operation was called (successfully or not).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -76,36 +60,6 @@ struct Mapping {
     size: usize,
     handle: PhysicalHandle,
     accessible: bool,
-}
-
-#[derive(Debug, Clone)]
-struct SimEvent {
-    stream: StreamId,
-    sequence: u64,
-    /// What the recording stream had waited for by then: a stream that waits for this event
-    /// waits for all of it too (stream order is transitive).
-    waited_for: HashMap<StreamId, u64>,
-}
-
-#[derive(Debug, Clone, Default)]
-struct StreamProgress {
-    submitted: u64,
-    completed: u64,
-    /// Stream order, as a vector clock: per other stream, the last of its work (a sequence
-    /// number) that this stream's later work was made to wait for, directly or through
-    /// another stream's wait (`wait_event`).
-    waited_for: HashMap<StreamId, u64>,
-}
-
-/// One `wait_event` call, as the simulated device saw it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SimWait {
-    /// The stream told to wait.
-    pub stream: StreamId,
-    /// The stream the event was recorded on.
-    pub event_stream: StreamId,
-    /// The last work of `event_stream` that the event covers.
-    pub sequence: u64,
 }
 
 /// The simulated GPU.
@@ -189,110 +143,10 @@ impl SimDevice {
         self.complete_immediately = on;
     }
 
-    /// The next `count` calls of `op` fail with `error` (queued after faults already injected).
-    pub fn fail_next(&mut self, op: SimOp, count: usize, error: DeviceError) {
-        let queue = self.faults.entry(op).or_default();
-        queue.extend(std::iter::repeat_n(Some(error), count));
-    }
-
-    /// The `nth` call of `op` from now (1 = the next one) fails with `error`; the calls before
-    /// it pass. Use it to fail an operation in the middle of a sequence.
-    pub fn fail_nth(&mut self, op: SimOp, nth: usize, error: DeviceError) {
-        let queue = self.faults.entry(op).or_default();
-        queue.extend(std::iter::repeat_n(None, nth.saturating_sub(1)));
-        queue.push_back(Some(error));
-    }
-
-    /// Forgets every injected fault that has not fired yet.
-    pub fn clear_faults(&mut self) {
-        self.faults.clear();
-    }
-
-    /// The next `count` `malloc`s report out of memory.
-    pub fn fail_next_mallocs(&mut self, count: usize) {
-        self.fail_next(SimOp::Malloc, count, DeviceError::OutOfMemory);
-    }
-
     /// Physical memory (malloc + create_physical) beyond `limit` bytes reports out of memory;
     /// `None` lifts the limit (the capacity still applies).
     pub fn set_physical_limit(&mut self, limit: Option<usize>) {
         self.physical_limit = limit;
-    }
-
-    /// Completes all work submitted so far on `stream`: its recorded events become complete.
-    /// Work the stream waited for on other streams has necessarily completed too.
-    pub fn complete_stream(&mut self, stream: StreamId) {
-        let progress = self.streams.entry(stream).or_default();
-        progress.completed = progress.submitted;
-        let waited: Vec<(StreamId, u64)> =
-            progress.waited_for.iter().map(|(&s, &q)| (s, q)).collect();
-        for (other, sequence) in waited {
-            let other = self.streams.entry(other).or_default();
-            other.completed = other.completed.max(sequence);
-        }
-    }
-
-    /// Completes all work on every stream.
-    pub fn complete_all_streams(&mut self) {
-        for progress in self.streams.values_mut() {
-            progress.completed = progress.submitted;
-        }
-    }
-
-    /// Queues a piece of work (a kernel) on `stream`; returns its sequence number there. Tests
-    /// use it to model the program's use of memory on a stream.
-    pub fn submit_work(&mut self, stream: StreamId) -> u64 {
-        let immediate = self.complete_immediately;
-        let progress = self.stream_progress(stream);
-        progress.submitted += 1;
-        if immediate {
-            progress.completed = progress.submitted;
-        }
-        progress.submitted
-    }
-
-    /// The sequence number of the last completed work of `stream` (0: none yet).
-    pub fn last_completed(&self, stream: StreamId) -> u64 {
-        self.streams.get(&stream).map_or(0, |p| p.completed)
-    }
-
-    /// The sequence number of the last work queued on `stream` (0: none yet).
-    pub fn last_submitted(&self, stream: StreamId) -> u64 {
-        self.streams.get(&stream).map_or(0, |p| p.submitted)
-    }
-
-    /// Stream order: whether work queued on `later` from now on is sure to run after work
-    /// number `sequence` of `earlier` — the same stream, that work has completed, or `later`
-    /// waited for an event recorded on `earlier` after it.
-    pub fn is_ordered_after(&self, later: StreamId, earlier: StreamId, sequence: u64) -> bool {
-        if later == earlier || sequence == 0 {
-            return true;
-        }
-        let completed = self.streams.get(&earlier).map_or(0, |p| p.completed);
-        let waited = self
-            .streams
-            .get(&later)
-            .and_then(|p| p.waited_for.get(&earlier).copied())
-            .unwrap_or(0);
-        completed >= sequence || waited >= sequence
-    }
-
-    /// Keeps (or stops keeping) the log of waits that [`SimDevice::waits`] returns; stream
-    /// order is modelled either way. Benchmarks switch it off so memory stays flat.
-    pub fn set_record_waits(&mut self, on: bool) {
-        self.record_waits = on;
-    }
-
-    /// Every `wait_event` so far, in call order.
-    pub fn waits(&self) -> &[SimWait] {
-        &self.waits
-    }
-
-    /// Whether all work submitted on `stream` so far has completed.
-    pub fn stream_is_idle(&self, stream: StreamId) -> bool {
-        self.streams
-            .get(&stream)
-            .is_none_or(|p| p.completed == p.submitted)
     }
 
     pub fn counters(&self) -> &SimCounters {
@@ -390,13 +244,6 @@ impl SimDevice {
         Ok(pieces)
     }
 
-    fn take_fault(&mut self, op: SimOp) -> Result<(), DeviceError> {
-        match self.faults.get_mut(&op).and_then(VecDeque::pop_front) {
-            Some(Some(error)) => Err(error),
-            _ => Ok(()),
-        }
-    }
-
     fn claim_physical(&mut self, size: usize) -> Result<(), DeviceError> {
         let after = self.physical_in_use.saturating_add(size);
         if after > self.capacity || self.physical_limit.is_some_and(|limit| after > limit) {
@@ -454,16 +301,6 @@ impl SimDevice {
     fn unplace(&mut self, ptr: DevicePtr) {
         self.occupied.remove(&ptr);
         self.no_gap_below = self.no_gap_below.min(ptr);
-    }
-
-    fn stream_progress(&mut self, stream: StreamId) -> &mut StreamProgress {
-        self.streams.entry(stream).or_default()
-    }
-
-    fn event_is_complete(&self, event: &SimEvent) -> bool {
-        self.streams
-            .get(&event.stream)
-            .is_some_and(|p| p.completed >= event.sequence)
     }
 
     fn reservation_holding(&self, ptr: DevicePtr, size: usize) -> bool {
