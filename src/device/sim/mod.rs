@@ -2,6 +2,8 @@
 //! test says so, and fault injection on every operation, so that every path of the allocator,
 //! error paths included, runs in tests without hardware.
 
+#![forbid(unsafe_code)]
+
 use super::{
     Device, DeviceError, DevicePtr, EventHandle, MemInfo, PhysicalHandle, ProcessMemory, StreamId,
 };

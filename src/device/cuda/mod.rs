@@ -11,9 +11,7 @@
 
 use std::collections::HashMap;
 use std::ffi::CStr;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
-use std::sync::OnceLock;
 
 use super::driver::{self, sys};
 use super::nvml::{self, PciLocation};
@@ -22,6 +20,16 @@ use super::{
 };
 use crate::device::Device;
 use crate::logging;
+
+mod calls;
+mod context;
+
+pub use calls::unusable;
+use calls::{
+    DEFAULT_STREAM_HANDLES, check, check_call, error, event_handle, invoke, stream_handle,
+    unavailable,
+};
+use context::{ContextGuard, RelaxedCaptureMode, may_be_capturing};
 
 /// The oldest driver we accept, as `cuDriverGetVersion` reports it (CUDA 12.0).
 const MIN_DRIVER_VERSION: i32 = 12000;
@@ -522,104 +530,6 @@ impl Device for CudaDevice {
     }
 }
 
-/// Keeps a context current for its lifetime: pushes it if it was not current already, and pops
-/// it again on drop, which puts back whatever the caller had (or nothing).
-struct ContextGuard {
-    pushed: bool,
-}
-
-impl ContextGuard {
-    fn enter(context: sys::CUcontext) -> Result<ContextGuard, DeviceError> {
-        let mut current: sys::CUcontext = ptr::null_mut();
-        // SAFETY: the out pointer is a live local.
-        check_call("cuCtxGetCurrent", || unsafe {
-            sys::cuCtxGetCurrent(&mut current)
-        })?;
-        if current == context {
-            return Ok(ContextGuard { pushed: false });
-        }
-        // SAFETY: `context` is the retained primary context of our device.
-        check_call("cuCtxPushCurrent_v2", || unsafe {
-            sys::cuCtxPushCurrent_v2(context)
-        })?;
-        Ok(ContextGuard { pushed: true })
-    }
-}
-
-impl Drop for ContextGuard {
-    fn drop(&mut self) {
-        if !self.pushed {
-            return;
-        }
-        let mut popped: sys::CUcontext = ptr::null_mut();
-        // SAFETY: the out pointer is a live local; we pushed, so there is something to pop.
-        let result = check_call("cuCtxPopCurrent_v2", || unsafe {
-            sys::cuCtxPopCurrent_v2(&mut popped)
-        });
-        if let Err(e) = result {
-            logging::device_error("could not restore the caller's CUDA context", &e);
-        }
-    }
-}
-
-/// Switches the calling thread to relaxed stream-capture mode for its lifetime.
-struct RelaxedCaptureMode {
-    previous: u32,
-}
-
-impl RelaxedCaptureMode {
-    fn enter() -> Result<RelaxedCaptureMode, DeviceError> {
-        let previous =
-            exchange_capture_mode(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED as u32)?;
-        Ok(RelaxedCaptureMode { previous })
-    }
-}
-
-impl Drop for RelaxedCaptureMode {
-    fn drop(&mut self) {
-        if let Err(e) = exchange_capture_mode(self.previous) {
-            logging::device_error("could not restore the thread's stream capture mode", &e);
-        }
-    }
-}
-
-/// `cuThreadExchangeStreamCaptureMode`: sets `mode`, returns the previous one. Modes travel as
-/// plain integers so that no value the driver writes is ever read as a Rust enum.
-fn exchange_capture_mode(mode: u32) -> Result<u32, DeviceError> {
-    let mut mode = mode;
-    let mode_ptr = ptr::from_mut(&mut mode).cast::<sys::CUstreamCaptureMode>();
-    // SAFETY: `mode_ptr` points at a live u32, the C enum's size; the driver reads and writes it.
-    check_call("cuThreadExchangeStreamCaptureMode", || unsafe {
-        sys::cuThreadExchangeStreamCaptureMode(mode_ptr)
-    })?;
-    Ok(mode)
-}
-
-/// Whether `stream` may be capturing a CUDA graph. A capture error from the query counts as
-/// "maybe": the legacy stream answers so while another stream captures, exactly when relaxing
-/// is needed, and relaxing the mode around one malloc is harmless anyway. Any other error fails
-/// the allocation, as PyTorch's C10_CUDA_CHECK does (the stream handle is most likely bad).
-fn may_be_capturing(stream: StreamId) -> Result<bool, DeviceError> {
-    let mut status: u32 = 0;
-    let status_ptr = ptr::from_mut(&mut status).cast::<sys::CUstreamCaptureStatus>();
-    // SAFETY: `status_ptr` points at a live u32, the C enum's size; read back as an integer.
-    let result = invoke("cuStreamIsCapturing", || unsafe {
-        sys::cuStreamIsCapturing(stream_handle(stream), status_ptr)
-    })?;
-    if is_capture_error(result) {
-        return Ok(true);
-    }
-    check("cuStreamIsCapturing", result)?;
-    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE as u32)
-}
-
-/// The errors that a stream capture under way causes (`CUDA_ERROR_STREAM_CAPTURE_*`).
-fn is_capture_error(result: sys::CUresult) -> bool {
-    (sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED as u32
-        ..=sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD as u32)
-        .contains(&(result as u32))
-}
-
 /// Where physical memory lives, or who may access it: device `ordinal`.
 fn device_location(ordinal: i32) -> sys::CUmemLocation {
     sys::CUmemLocation {
@@ -682,126 +592,6 @@ fn device_attribute(
     Ok(value)
 }
 
-/// The handles of the default streams: NULL and `CU_STREAM_LEGACY` (the legacy default stream)
-/// and `CU_STREAM_PER_THREAD`.
-const DEFAULT_STREAM_HANDLES: StreamId = 2;
-
-/// A `cudaStream_t` value as the driver's handle type; 0 is the legacy default stream.
-fn stream_handle(stream: StreamId) -> sys::CUstream {
-    ptr::without_provenance_mut(stream as usize)
-}
-
-fn event_handle(event: EventHandle) -> sys::CUevent {
-    ptr::without_provenance_mut(event as usize)
-}
-
-/// Runs one driver call and returns the driver's code; a panic (which no driver function should
-/// cause) becomes an error instead of unwinding.
-fn invoke(
-    call: &'static str,
-    driver_call: impl FnOnce() -> sys::CUresult,
-) -> Result<sys::CUresult, DeviceError> {
-    if let Some(why) = UNUSABLE.get() {
-        // Every call would fail the same way: none is made, so nothing spins on a dead context.
-        return Err(DeviceError::Unusable(why.clone()));
-    }
-    catch_unwind(AssertUnwindSafe(driver_call)).map_err(|_| {
-        DeviceError::Unavailable(format!(
-            "the CUDA driver call {call} could not be made (it panicked)"
-        ))
-    })
-}
-
-/// [`invoke`], then [`check`].
-fn check_call(
-    call: &'static str,
-    driver_call: impl FnOnce() -> sys::CUresult,
-) -> Result<(), DeviceError> {
-    check(call, invoke(call, driver_call)?)
-}
-
-/// Success is `Ok`; out of memory is [`DeviceError::OutOfMemory`], which the allocator answers
-/// by freeing cached memory and retrying; anything else is a [`DeviceError::Driver`].
-fn check(call: &'static str, result: sys::CUresult) -> Result<(), DeviceError> {
-    match result {
-        sys::CUresult::CUDA_SUCCESS => Ok(()),
-        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(DeviceError::OutOfMemory),
-        failure => Err(error(call, failure)),
-    }
-}
-
-fn error(call: &'static str, result: sys::CUresult) -> DeviceError {
-    let message = error_string(result);
-    if is_sticky_error(result) {
-        let why = format!(
-            "CUDA is unusable in this process since {call} failed with error {}: {message}; \
-             ferrocache makes no more CUDA calls and every allocation fails (restart the process)",
-            result as i32
-        );
-        if UNUSABLE.set(why.clone()).is_ok() {
-            logging::context_unusable(&why);
-        }
-        return DeviceError::Unusable(why);
-    }
-    DeviceError::Driver {
-        call,
-        code: result as i32,
-        message,
-    }
-}
-
-/// Set by the first sticky error: why CUDA is unusable in this process.
-static UNUSABLE: OnceLock<String> = OnceLock::new();
-
-/// Why CUDA is unusable in this process, once a sticky error said so.
-pub fn unusable() -> Option<&'static str> {
-    UNUSABLE.get().map(String::as_str)
-}
-
-/// The errors that CUDA's documentation calls sticky: they leave the process's CUDA state
-/// inconsistent, every later call returns the same error, and only a new process recovers.
-fn is_sticky_error(result: sys::CUresult) -> bool {
-    use sys::CUresult::*;
-    matches!(
-        result,
-        CUDA_ERROR_ILLEGAL_ADDRESS
-            | CUDA_ERROR_LAUNCH_TIMEOUT
-            | CUDA_ERROR_ASSERT
-            | CUDA_ERROR_HARDWARE_STACK_ERROR
-            | CUDA_ERROR_ILLEGAL_INSTRUCTION
-            | CUDA_ERROR_MISALIGNED_ADDRESS
-            | CUDA_ERROR_INVALID_ADDRESS_SPACE
-            | CUDA_ERROR_INVALID_PC
-            | CUDA_ERROR_LAUNCH_FAILED
-    )
-}
-
-/// Turns an error from startup into [`DeviceError::Unavailable`], keeping the driver's words.
-fn unavailable(what: &str, error: DeviceError) -> DeviceError {
-    match error {
-        DeviceError::Unavailable(_) => error,
-        other => DeviceError::Unavailable(format!("{what}: {other}")),
-    }
-}
-
-/// The driver's description of an error code (`cuGetErrorString`).
-fn error_string(result: sys::CUresult) -> String {
-    let mut text: *const std::ffi::c_char = ptr::null();
-    // SAFETY: the out pointer is a live local.
-    let found = invoke("cuGetErrorString", || unsafe {
-        sys::cuGetErrorString(result, &mut text)
-    });
-    match found {
-        Ok(sys::CUresult::CUDA_SUCCESS) if !text.is_null() => {
-            // SAFETY: the driver returned a pointer to a static NUL-terminated string.
-            unsafe { CStr::from_ptr(text) }
-                .to_string_lossy()
-                .into_owned()
-        }
-        _ => format!("unrecognized CUDA error {}", result as i32),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -810,7 +600,13 @@ mod tests {
     fn every_driver_function_called_is_checked_up_front() {
         // A call missing from REQUIRED_SYMBOLS would go to cudarc's own function, which loads a
         // library of its own choosing.
-        for after in include_str!("cuda.rs").split("sys::cu").skip(1) {
+        let source = [
+            include_str!("mod.rs"),
+            include_str!("calls.rs"),
+            include_str!("context.rs"),
+        ]
+        .concat();
+        for after in source.split("sys::cu").skip(1) {
             let rest: String = after
                 .chars()
                 .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
