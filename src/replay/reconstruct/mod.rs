@@ -1,4 +1,5 @@
-//! The workload a snapshot describes, ready to replay, and PyTorch's own figures for it.
+//! Reconstruction: the workload a snapshot describes ([`Workload`]), and PyTorch's own figures
+//! for it, from the snapshot's end state and trace.
 //!
 //! Recording usually starts after the model is loaded, so the trace alone is not the workload.
 //! The state when recording began is found by undoing the trace, newest event first, on the end
