@@ -41,6 +41,7 @@ import glob
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -693,6 +694,31 @@ def step_time_runs(ctx: Context) -> dict[str, list[dict[str, Any]]]:
     return runs
 
 
+#: What the device tool brings back of a name: letters, digits, '.', '_' and '-'.
+RETURNABLE_NAME = re.compile(r"[A-Za-z0-9._-]+")
+#: The device tool's limits on what comes back of the output folder.
+RETURNED_FILES, RETURNED_FILE_BYTES, RETURNED_DEPTH = 8, 16 << 20, 2
+
+
+def output_problems(out: Path) -> list[str]:
+    """What in ``out`` would not come back from the GPU machine: more than 8 files, a file over
+    16 MiB, one more than 2 folders down, a name with other characters than letters, digits,
+    '.', '_' and '-'. Empty where all of it comes back."""
+    files = [path for path in out.rglob("*") if path.is_file() or path.is_symlink()]
+    problems = [f"{len(files)} files, more than {RETURNED_FILES}"] if len(files) > RETURNED_FILES else []
+    for path in files:
+        relative = path.relative_to(out)
+        if path.is_symlink():
+            problems.append(f"{relative}: a link")
+        elif path.stat().st_size > RETURNED_FILE_BYTES:
+            problems.append(f"{relative}: {path.stat().st_size} bytes, over 16 MiB")
+        if len(relative.parts) - 1 > RETURNED_DEPTH:
+            problems.append(f"{relative}: more than {RETURNED_DEPTH} folders down")
+        if not all(RETURNABLE_NAME.fullmatch(part) for part in relative.parts):
+            problems.append(f"{relative}: a name the device tool does not bring back")
+    return problems
+
+
 def checkpoint(ctx: Context, final: bool = False) -> None:
     """Writes the report, the page and the logs' archive as they stand; until the end, the
     steps not reached yet are listed as such."""
@@ -768,7 +794,12 @@ def run_checks(ctx: Context) -> None:
     ctx.steps_began = True
 
     guarded(ctx, "real_torch", lambda: run_real_torch_tests(ctx))
-    guarded(ctx, "step_time", lambda: checks.step_time(step_time_runs(ctx), args.warmup))
+    def step_time() -> CheckResult:
+        runs = step_time_runs(ctx)
+        (ctx.raw / "steptime.json").write_text(json.dumps(runs))
+        return checks.step_time(runs, args.warmup)
+
+    guarded(ctx, "step_time", step_time)
 
     runs: dict[str, dict[str, Any]] = {}
 
@@ -813,6 +844,7 @@ def run_checks(ctx: Context) -> None:
             if not features:
                 for allocator in ("native", "ferrocache", "ferrocache-expandable", "ferrocache-cross-stream"):
                     features[allocator] = workload(ctx, "features", allocator, f"features-{allocator}")
+                (ctx.raw / "features.json").write_text(json.dumps(features, indent=1))
             return judge(features)
 
         return step
@@ -1068,6 +1100,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 shutil.rmtree(directory, ignore_errors=True)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+    for problem in output_problems(out):
+        log(f"warning: {problem}: it would not come back from the GPU machine")
     log(f"results: {args.results} (and {', '.join(str(out / name) for name in OUTPUT_FILES[:-1])})")
     print(ctx.report.summary_line(), flush=True)
     return code
