@@ -605,6 +605,22 @@ def test_a_step_that_would_not_fit_the_budget_is_skipped_with_the_reason(tmp_pat
     assert json.loads((tmp_path / "report.json").read_text())["checks"][1]["summary"] == skipped.summary
 
 
+def test_at_the_cap_pytest_gets_sigint_and_a_grace_to_write_its_report(tmp_path: Path) -> None:
+    """As pytest does on SIGINT: the child writes what it has, then the group goes."""
+    report = tmp_path / "report.xml"
+    child = (
+        "import signal, sys, time\n"
+        "def interrupted(*_):\n"
+        f"    open({str(report)!r}, 'w').write('<testsuites/>'); sys.exit(2)\n"
+        "signal.signal(signal.SIGINT, interrupted)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    started = time.monotonic()
+    assert cli._run_all_logged([([sys.executable, "-c", child], tmp_path / "x.log")], timeout=2, grace=5) == [None]
+    assert report.read_text() == "<testsuites/>" and time.monotonic() - started < 6
+
+
 def test_commands_side_by_side_and_the_group_killed_at_the_deadline(tmp_path: Path) -> None:
     child = tmp_path / "child.pid"
     sleeper = f"import os, subprocess, sys; p = subprocess.Popen(['sleep', '60']); open({str(child)!r}, 'w').write(str(p.pid)); p.wait()"

@@ -85,6 +85,8 @@ BENCH_SIZES = (4 << 10, 8 << 20, 256 << 20)
 REPLAY_EXPANDABLE = "expandable_segments:True"
 #: A step that runs processes is not started with less time than this left of the budget.
 MINIMUM_STEP_SECONDS = 20.0
+#: At its step's cap, pytest gets SIGINT and this long to write its report before SIGKILL.
+PYTEST_GRACE_SECONDS = 8.0
 #: The most one benchmark reply may take (a worker that hangs costs this, not the step).
 BENCH_REPLY_SECONDS = 30.0
 #: The output's files: what comes back from the GPU machine (at most 8, none in a folder).
@@ -633,8 +635,10 @@ def run_real_torch_tests(ctx: Context) -> CheckResult:
         env["FERROCACHE_REAL_GPU"] = "1"
     narrowed = f" (-k {ctx.args.tests})" if ctx.args.tests else ""
     log(f"{len(tests)} real-PyTorch tests{narrowed}, {jobs} pytest processes ...")
-    timeout = max(ctx.step_left(), 0.0)
-    codes = processes.run_all_logged(commands, timeout, env=env, cwd=REPO)
+    # SIGINT at the cap, and a few seconds for pytest to write the outcomes of the tests that ran.
+    grace = PYTEST_GRACE_SECONDS
+    timeout = max(ctx.step_left() - grace, 0.0)
+    codes = processes.run_all_logged(commands, timeout, grace=grace, env=env, cwd=REPO)
     cases = [case for junit in reports if junit.is_file() for case in real_torch.results(junit)]
     problems = []
     for (_, log_file), junit, code in zip(commands, reports, codes):
@@ -792,6 +796,7 @@ def run_checks(ctx: Context) -> None:
     example = str(REPO / "examples" / "train.py")
     ctx.snapshots.mkdir(parents=True, exist_ok=True)
     ctx.steps_began = True
+    checkpoint(ctx)  # the machine and every step, "not reached yet", before the first one starts
 
     guarded(ctx, "real_torch", lambda: run_real_torch_tests(ctx))
     def step_time() -> CheckResult:

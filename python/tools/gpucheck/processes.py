@@ -67,11 +67,19 @@ def end_all() -> None:
         end(process)
 
 
-def wait(process: "subprocess.Popen[Any]", timeout: Optional[float]) -> Optional[int]:
-    """The exit status, or None after ``timeout`` seconds, the group then killed."""
+def wait(process: "subprocess.Popen[Any]", timeout: Optional[float], grace: float = 0.0) -> Optional[int]:
+    """The exit status, or None after ``timeout`` seconds, the group then killed; with a
+    ``grace``, SIGINT first and that many seconds to finish (pytest then writes its report
+    of the tests that ran)."""
     try:
         code = process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        if grace > 0:
+            try:
+                os.killpg(process.pid, signal.SIGINT)
+                process.wait(timeout=grace)
+            except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+                pass
         end(process)
         return None
     # The child is done; anything it left in its group (a daemon, a stray worker) goes too.
@@ -80,10 +88,11 @@ def wait(process: "subprocess.Popen[Any]", timeout: Optional[float]) -> Optional
 
 
 def run_all_logged(
-    commands: Sequence[tuple[Sequence[str], Path]], timeout: Optional[float] = None, **kwargs: Any
+    commands: Sequence[tuple[Sequence[str], Path]], timeout: Optional[float] = None, grace: float = 0.0, **kwargs: Any
 ) -> list[Optional[int]]:
     """Runs the commands side by side, each with its output in its log file; their exit
-    statuses, None for each one still running after ``timeout`` seconds (its group killed)."""
+    statuses, None for each one still running after ``timeout`` seconds (its group killed,
+    after SIGINT and ``grace`` seconds where one is given)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     started = []
     try:
@@ -96,7 +105,7 @@ def run_all_logged(
         codes: list[Optional[int]] = []
         for process, _ in started:
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            codes.append(wait(process, left))
+            codes.append(wait(process, left, grace))
         return codes
     finally:
         for process, out in started:
