@@ -250,6 +250,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if min(numbers) < 1 or args.warmup < 0:
         parser.error("--steps, --rounds, --train-steps, --bench-repetitions, --bench-iterations and --jobs "
                      "must be at least 1, --warmup at least 0")  # fmt: skip
+    if os.sep in args.python:  # the children run elsewhere; abspath, not resolve: a venv's python is a link
+        args.python = os.path.abspath(args.python)
     unknown = [key for key in skipped_steps(args) if key not in STEPS]
     if unknown:
         parser.error(f"--skip: no step {', '.join(unknown)} (the steps: {', '.join(STEPS)})")
