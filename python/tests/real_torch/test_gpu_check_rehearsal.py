@@ -43,9 +43,11 @@ DOCS_RESULTS = REPO / "docs" / "gpu-results.md"
 #: Two of the chosen tests: enough to show that the list runs under pytest from the check.
 TESTS = "test_install_makes_ferrocache_pytorchs_allocator_once or test_caching_allocator_alloc_and_delete_keep_working"
 SUMMARY = re.compile(r"gpu-check: (\d+) passed, (\d+) failed, (\d+) skipped in \d+ s; step time ferrocache/native .+")
-#: The steps whose outcome hangs on what kernels compute: on the fake, any outcome but a
-#: plumbing failure (a cap, the budget) will do.
-NEED_KERNELS = ("step_time", "losses", "peaks", "streams", "oom", "cross_stream", "graphs", "example")
+#: The steps whose outcome hangs on what kernels compute (in part: expandable judges streams and
+#: graphs too, peer a converting copy): on the fake, any outcome but a plumbing failure (a cap,
+#: the budget) will do. Their parts that need no kernel are checked on their own below.
+NEED_KERNELS = ("step_time", "losses", "peaks", "streams", "oom", "cross_stream", "graphs", "expandable", "peer",
+                "example")
 #: What a plumbing failure says.
 PLUMBING_FAILURES = ("stopped at the step's cap", "not run", "time budget", "cut short", "not reached")
 
@@ -84,9 +86,15 @@ def test_the_gpu_check_runs_end_to_end_on_the_fake(tmp_path: Path) -> None:
     plumbing = [key for key, (_, why) in statuses.items() if why.startswith(PLUMBING_FAILURES)]
     assert not plumbing, {key: statuses[key] for key in plumbing}
     assert statuses["real_torch"] == ("pass", "2 passed")
-    # What the fake can do passes; the rest says why it did not run, or ran on nothing.
-    for key in ("empty_cache", "expandable", "peer", "sleep"):
+    # What the fake can do without kernels passes: empty_cache, under expandable segments too,
+    # the peer copies (copies, not kernels), sleep and wake.
+    for key in ("empty_cache", "sleep"):
         assert statuses[key][0] == "pass", (key, statuses[key])
+    tables = {check["key"]: check["tables"] for check in report["checks"]}
+    parts = {row[0]: row[1] for row in tables["expandable"][0]["rows"]}
+    assert parts["torch.cuda.empty_cache() gives memory back"] == "pass", parts
+    copies = [row[1:3] for row in tables["peer"][0]["rows"]]
+    assert len(copies) == 4 and all(cell == "True" for row in copies for cell in row), copies
     assert statuses["host_cost"][0] == "measured"
     compare = REPO / "python" / "tools" / "memory_api" / "compare.py"
     assert statuses["memory_api"][0] == ("measured" if compare.is_file() else "skipped"), statuses["memory_api"]
