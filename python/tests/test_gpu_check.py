@@ -276,23 +276,21 @@ def test_what_would_not_come_back_is_named(tmp_path: Path) -> None:
 def test_the_snapshots_archive_stays_under_the_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both snapshots where they fit compressed; else the native one alone, which the replay
     needs; else none, and a note says why."""
-    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path / "out")]), Report(started="now"), tmp_path / "out")
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path / "out")]), Report(started="now"), tmp_path / "out",
+                      work=tmp_path / "work")  # fmt: skip
     ctx.out.mkdir()
     ctx.snapshots.mkdir(parents=True)
-    try:
-        (ctx.snapshots / cli.NATIVE_SNAPSHOT).write_bytes(b"native " * 1000)
-        (ctx.snapshots / cli.FERROCACHE_SNAPSHOT).write_bytes(os.urandom(64 << 10))  # does not compress
-        assert cli.archive_snapshots(ctx) == [cli.NATIVE_SNAPSHOT, cli.FERROCACHE_SNAPSHOT]
-        monkeypatch.setattr(cli, "ARCHIVE_LIMIT", 32 << 10)
-        assert cli.archive_snapshots(ctx) == [cli.NATIVE_SNAPSHOT]
-        with tarfile.open(ctx.out / cli.SNAPSHOTS_ARCHIVE) as archive:
-            assert archive.getnames() == [cli.NATIVE_SNAPSHOT]
-        assert ctx.report.notes[-1] == f"{cli.FERROCACHE_SNAPSHOT} left out of snapshots.tar.gz: over 0 MiB"
-        (ctx.snapshots / cli.NATIVE_SNAPSHOT).write_bytes(os.urandom(64 << 10))
-        assert cli.archive_snapshots(ctx) == []
-        assert ctx.report.notes[-1].startswith("no snapshot came back: compressed, each is over ")
-    finally:
-        shutil.rmtree(ctx.work_directory())
+    (ctx.snapshots / cli.NATIVE_SNAPSHOT).write_bytes(b"native " * 1000)
+    (ctx.snapshots / cli.FERROCACHE_SNAPSHOT).write_bytes(os.urandom(64 << 10))  # does not compress
+    assert cli.archive_snapshots(ctx) == [cli.NATIVE_SNAPSHOT, cli.FERROCACHE_SNAPSHOT]
+    monkeypatch.setattr(cli, "ARCHIVE_LIMIT", 32 << 10)
+    assert cli.archive_snapshots(ctx) == [cli.NATIVE_SNAPSHOT]
+    with tarfile.open(ctx.out / cli.SNAPSHOTS_ARCHIVE) as archive:
+        assert archive.getnames() == [cli.NATIVE_SNAPSHOT]
+    assert ctx.report.notes[-1] == f"{cli.FERROCACHE_SNAPSHOT} left out of snapshots.tar.gz: over 0 MiB"
+    (ctx.snapshots / cli.NATIVE_SNAPSHOT).write_bytes(os.urandom(64 << 10))
+    assert cli.archive_snapshots(ctx) == []
+    assert ctx.report.notes[-1].startswith("no snapshot came back: compressed, each is over ")
 
 
 def test_verdict_on_losses() -> None:
@@ -419,7 +417,7 @@ def test_the_replay_step_runs_the_ferrocache_command_and_tolerates_its_absence(
 ) -> None:
     snapshot = tmp_path / "native.pickle"
     snapshot.write_bytes(b"x")
-    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path)
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path, work=tmp_path / "work")
     ctx.logs.mkdir()
     command = tmp_path / "ferrocache"
     command.write_text('#!/bin/sh\necho "$@" >&2\necho \'{"conf": ""}\'\necho \'{"conf": "x"}\'\n')
@@ -456,7 +454,7 @@ def test_the_replay_and_tune_steps_with_the_installed_command_on_a_pytorch_recor
     snapshot = REPO / "tests" / "data" / "oracle" / "training_defaults.pickle"
     report = Report(started="now")
     report.environment["total_memory"] = 8 * 2**30
-    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), report, tmp_path, python=sys.executable)
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), report, tmp_path, python=sys.executable, work=tmp_path / "w")
     ctx.logs.mkdir()
     assert cli.ferrocache_command(ctx) == str(INSTALLED_COMMAND)
     replayed = checks.replay(cli.run_replay(ctx, snapshot), {})
@@ -547,7 +545,8 @@ def test_without_pytest_the_tests_are_skipped_with_how_to_bring_it(
     python = tmp_path / "python"
     python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")  # no site-packages: no pytest
     python.chmod(0o755)
-    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path, python=str(python))
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path, python=str(python),
+                      work=tmp_path / "work")  # fmt: skip
     monkeypatch.delenv(cli.WHEEL_ENV, raising=False)
     result = cli.run_real_torch_tests(ctx)
     assert result.status == SKIPPED
@@ -571,7 +570,7 @@ def test_the_wheel_is_unpacked_without_pip_and_its_command_runs(tmp_path: Path, 
     if not wheel:
         pytest.skip("FERROCACHE_WHEEL is not set (scripts/test-all sets it for the wheel's stage)")
     monkeypatch.delenv(cli.COMMAND_ENV, raising=False)
-    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path)
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path, work=tmp_path / "work")
     try:
         assert cli.install(ctx) == sys.executable
         imported = cli.probe_ferrocache(sys.executable, ctx.env())
@@ -587,7 +586,7 @@ def test_the_wheel_is_unpacked_without_pip_and_its_command_runs(tmp_path: Path, 
 
 def test_a_step_that_would_not_fit_the_budget_is_skipped_with_the_reason(tmp_path: Path) -> None:
     args = cli.parse_args(["--out", str(tmp_path), "--budget", "100", "--results", str(tmp_path / "page.md")])
-    ctx = cli.Context(args, Report(started="now"), tmp_path)
+    ctx = cli.Context(args, Report(started="now"), tmp_path, work=tmp_path / "work")
     ran = []
     cli.guarded(ctx, "peer", lambda: ran.append(1) or CheckResult("peer", "p", PASS, ""), needs=40)
     ctx.remaining = lambda: 30.0  # type: ignore[method-assign]

@@ -291,6 +291,7 @@ class Context:
     def work_directory(self) -> Path:
         if self.work is None:
             self.work = Path(tempfile.mkdtemp(prefix="gpu-check-work-"))
+        self.work.mkdir(parents=True, exist_ok=True)
         return self.work
 
     @property
