@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from conftest import REPO
@@ -47,13 +51,15 @@ def gpu_check(args: list[str], pythonpath: Path, timeout: float = 240) -> subpro
 
 def test_arguments() -> None:
     args = cli.parse_args([])
-    assert args.out == Path("gpu-check-out") and args.steps == 60 and args.budget == 450
+    assert args.out == Path("gpu-check-out") and args.budget == 360 and args.rounds == 3
     assert args.results == REPO / "docs" / "gpu-results.md"
-    assert args.steps - checks.WARMUP_STEPS >= checks.TIMED_STEPS
-    args = cli.parse_args(["--out", "x", "--steps", "3", "--skip-install"])
+    assert args.steps - args.warmup >= checks.STEP_TIME_STEPS, "at least 150 timed steps per run"
+    args = cli.parse_args(["--out", "x", "--steps", "3", "--skip-install", "--skip", "peer, sleep"])
     assert (args.out, args.steps, args.skip_install) == (Path("x"), 3, True)
-    with pytest.raises(SystemExit):
-        cli.parse_args(["--steps", "0"])
+    assert cli.skipped_steps(args) == ["peer", "sleep"]
+    for wrong in (["--steps", "0"], ["--skip", "replay"], ["--warmup", "-1"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(wrong)
 
 
 def test_without_pytorch_it_says_so_and_exits_2(tmp_path: Path) -> None:
@@ -109,8 +115,9 @@ def test_the_whole_run_with_a_pytorch_that_only_claims_a_gpu(tmp_path: Path) -> 
     )
     out = tmp_path / "out"
     process = gpu_check(
-        ["--out", str(out), "--steps", "1", "--bench-repetitions", "1", "--bench-iterations", "1",
-         "--tests", "test_install_makes_ferrocache_pytorchs_allocator_once"],
+        ["--out", str(out), "--steps", "1", "--rounds", "1", "--train-steps", "1", "--bench-repetitions", "1",
+         "--bench-iterations", "1", "--tests", "test_install_makes_ferrocache_pytorchs_allocator_once",
+         "--commit", "abc1234"],
         path,
     )  # fmt: skip
     assert process.returncode == 1, process.stderr
@@ -118,10 +125,12 @@ def test_the_whole_run_with_a_pytorch_that_only_claims_a_gpu(tmp_path: Path) -> 
     assert report["problem"] is None
     assert report["environment"]["device"] == "Fake GPU" and report["environment"]["capability"] == "9.0"
     assert report["environment"]["ferrocache"].startswith("0.")
+    assert report["environment"]["commit"] == "abc1234 (--commit)"
+    assert report["finished"] is True and report["stopped"] is None
     statuses = {c["key"]: c["status"] for c in report["checks"]}
-    assert list(statuses) == [
+    assert list(statuses) == list(cli.STEPS) == [
         "real_torch", "step_time", "losses", "peaks", "streams", "oom", "empty_cache", "expandable",
-        "cross_stream", "graphs", "peer", "sleep", "memory_api", "host_cost", "example", "replay", "tune",
+        "cross_stream", "graphs", "peer", "sleep", "memory_api", "host_cost", "example",
     ]  # fmt: skip
     assert PASS not in statuses.values() and MEASURED not in statuses.values(), statuses
     assert statuses["peer"] == SKIPPED and statuses["step_time"] == ERROR
@@ -129,8 +138,159 @@ def test_the_whole_run_with_a_pytorch_that_only_claims_a_gpu(tmp_path: Path) -> 
     assert summary.startswith("gpu-check: 0 passed, ") and " skipped in " in summary, summary
     assert summary.endswith("; step time ferrocache/native n/a (the training failed: see the results page)")
     page = (out / "page.md").read_text()
-    assert "| 2 | Training step time, ferrocache / native (median) | **ERROR** |" in page
-    assert (out / "logs" / "train-native.log").is_file()
+    assert f"| 2 | {checks.TITLES['step_time']} | **ERROR** |" in page
+    assert sorted(path.name for path in out.iterdir()) == ["gpu-results.md", "logs.tar.gz", "page.md", "report.json"]
+    assert cli.output_problems(out) == []
+    with tarfile.open(out / "logs.tar.gz") as archive:
+        names = archive.getnames()
+    assert {"logs/train-native.log", "logs/steptime-0-native.log", "logs/features-ferrocache.log"} <= set(names)
+
+
+#: A stand-in PyTorch that claims one GPU (every workload then fails quickly).
+CLAIMS_A_GPU = """
+__version__ = "2.9.0+fake"
+class version:
+    cuda = "12.8"
+class _Props:
+    name, total_memory, major, minor = "Fake GPU", 80 * 2**30, 9, 0
+class cuda:
+    is_available = staticmethod(lambda: True)
+    device_count = staticmethod(lambda: 1)
+    get_device_properties = staticmethod(lambda index: _Props())
+"""
+
+
+def wait_for(condition: "Callable[[], bool]", seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {seconds} s for {what}")
+        time.sleep(0.2)
+
+
+def process_is_gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state == "Z"  # dead, not yet reaped by its parent
+
+
+def test_a_hung_step_is_capped_the_next_ones_run_and_sigterm_leaves_a_complete_report(tmp_path: Path) -> None:
+    """The features workload hangs (a test-only hook); its step is cut at its cap (here 3 s)
+    and the steps after it run; a SIGTERM while the benchmark's workers hang then ends every
+    child's group and leaves a report that lists every step, reached or not."""
+    path = fake_torch(tmp_path / "lib", CLAIMS_A_GPU)
+    out, pids = tmp_path / "out", tmp_path / "hung.pids"
+    env = dict(os.environ, PYTHONPATH=str(path), GPU_CHECK_TEST_STEP_CAP="streams:3", GPU_CHECK_TEST_HANG_PIDS=str(pids))
+    command = [sys.executable, str(GPU_CHECK), "--python", sys.executable, "--results", str(out / "page.md"),
+               "--out", str(out), "--skip", "real_torch,step_time,losses,peaks", "--bench-repetitions", "1"]  # fmt: skip
+    started = time.monotonic()
+    process = subprocess.run(command, env=dict(env, GPU_CHECK_TEST_HANG="features"), capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    statuses = {c["key"]: (c["status"], c["summary"]) for c in report["checks"]}
+    assert time.monotonic() - started < 60, "the hang cost its step's cap, not the budget"
+    assert list(statuses) == list(cli.STEPS), statuses
+    # native's run hung and was stopped at the cap; ferrocache's, which the item judges, never started.
+    assert statuses["streams"] == (ERROR, "not run: the step's cap or the budget was spent"), statuses["streams"]
+    assert statuses["oom"][0] == ERROR, "judged on the same capped runs"
+    with tarfile.open(out / "logs.tar.gz") as archive:
+        raw = json.load(archive.extractfile("raw/features.json"))  # type: ignore[arg-type]
+    assert raw["native"]["error"].startswith("stopped at the step's cap, after 3 s")
+    for key in ("sleep", "memory_api", "host_cost", "example"):
+        assert not statuses[key][1].startswith(("not run", "time budget")), (key, statuses[key])
+    assert len(pids.read_text().split()) == 1, "the other three features runs were not started past the cap"
+    assert all(process_is_gone(int(pid)) for pid in pids.read_text().split())
+    assert process.returncode == 1 and report["finished"] is True and report["stopped"] is None
+
+    # SIGTERM while the benchmark's workers hang: halfway through the steps.
+    pids.unlink()
+    running = subprocess.Popen(command, env=dict(env, GPU_CHECK_TEST_HANG="bench"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    wait_for(lambda: pids.is_file() and len(pids.read_text().split()) == 2, 60, "both benchmark workers to hang")
+    during = json.loads((out / "report.json").read_text())
+    assert during["finished"] is False
+    assert {c["key"]: c["summary"] for c in during["checks"]}["example"].startswith("not reached yet")
+    running.send_signal(signal.SIGTERM)
+    stdout, stderr = running.communicate(timeout=30)
+    assert running.returncode == 1, stderr
+    report = json.loads((out / "report.json").read_text())
+    statuses = {c["key"]: (c["status"], c["summary"]) for c in report["checks"]}
+    assert list(statuses) == list(cli.STEPS)
+    assert report["finished"] is True and report["stopped"].startswith("stopped by SIGTERM after ")
+    assert statuses["sleep"][0] == ERROR and not statuses["sleep"][1].startswith("not run")
+    assert statuses["host_cost"][0] == ERROR and statuses["host_cost"][1].startswith("cut short: stopped by SIGTERM")
+    assert statuses["example"] == (SKIPPED, f"not run: {report['stopped']}")
+    assert all(process_is_gone(int(pid)) for pid in pids.read_text().split()), "the workers' groups were ended"
+    assert "(stopped by SIGTERM after " in stdout.splitlines()[-1]
+    assert cli.output_problems(out) == []
+    page = (out / "gpu-results.md").read_text()
+    assert "**Stopped before the end: stopped by SIGTERM after " in page
+
+
+#: The device tool's limits (/work/.library/device/README.md): a command of at most 2,000
+#: characters, at most 8 carried paths, timeout_s at most 600; at most 8 files come back.
+DOCUMENTED_CALL = re.compile(r"### The call\n.*?```json\n(?P<call>.*?)\n```", re.S)
+
+
+def test_the_documented_call_fits_the_device_tools_limits() -> None:
+    """docs/python.md writes the call down once; it carries dist/ (ignored by git), finds the
+    wheel by a glob, leaves the tool's timeout room after the budget and the SIGTERM, and
+    what it leaves in $OUT is at most 8 files, none in a folder."""
+    match = DOCUMENTED_CALL.search((REPO / "docs" / "python.md").read_text())
+    assert match, "docs/python.md has a '### The call' section with a json block"
+    call = json.loads(match["call"])
+    command = call["command"]
+    assert set(call) == {"command", "carry", "timeout_s"}
+    assert len(command) <= 2000 and len(call["carry"]) <= 8 and 1 <= call["timeout_s"] <= 600
+    assert "dist" in call["carry"] and "--wheel 'dist/ferrocache-*.whl'" in command
+    assert "/dist/" in (REPO / ".gitignore").read_text(), "dist/ is ignored: carried, not copied with the tree"
+    assert "manylinux" not in command, "the wheel is found by its glob, not by its tags"
+    timeout = re.search(r"timeout -k (\d+) -s TERM (\d+) scripts/gpu-check", command)
+    assert timeout, command
+    kill_after, term_after = int(timeout[1]), int(timeout[2])
+    budget = cli.parse_args([]).budget
+    assert budget < term_after and term_after + kill_after < call["timeout_s"], "SIGTERM, then the tool's kill"
+    assert call["timeout_s"] + 120 + 300 <= 900, "a start, the call, and room for a retry in 15 minutes"
+    assert command.endswith("--out $OUT 2>&1 | tee $OUT/log") and "set -o pipefail" in command
+    assert len(cli.OUTPUT_FILES) <= 8 and cli.CALL_LOG == "log"
+    assert all(cli.RETURNABLE_NAME.fullmatch(name) for name in cli.OUTPUT_FILES)
+
+
+def test_what_would_not_come_back_is_named(tmp_path: Path) -> None:
+    for i in range(9):
+        (tmp_path / f"f{i}.txt").write_text("x")
+    (tmp_path / "a" / "b" / "c").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "c" / "deep.txt").write_text("x")
+    (tmp_path / "a" / "b" / "ok.txt").write_text("x")
+    (tmp_path / "a" / "big file").write_bytes(b"\0" * ((16 << 20) + 1))
+    assert sorted(cli.output_problems(tmp_path)) == [
+        "12 files, more than 8",
+        "a/b/c/deep.txt: more than 2 folders down",
+        "a/big file: 16777217 bytes, over 16 MiB",
+        "a/big file: a name the device tool does not bring back",
+    ]
+
+
+def test_the_snapshots_archive_stays_under_the_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both snapshots where they fit compressed; else the native one alone, which the replay
+    needs; else none, and a note says why."""
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path / "out")]), Report(started="now"), tmp_path / "out",
+                      work=tmp_path / "work")  # fmt: skip
+    ctx.out.mkdir()
+    ctx.snapshots.mkdir(parents=True)
+    (ctx.snapshots / cli.NATIVE_SNAPSHOT).write_bytes(b"native " * 1000)
+    (ctx.snapshots / cli.FERROCACHE_SNAPSHOT).write_bytes(os.urandom(64 << 10))  # does not compress
+    assert cli.archive_snapshots(ctx) == [cli.NATIVE_SNAPSHOT, cli.FERROCACHE_SNAPSHOT]
+    monkeypatch.setattr(cli, "ARCHIVE_LIMIT", 32 << 10)
+    assert cli.archive_snapshots(ctx) == [cli.NATIVE_SNAPSHOT]
+    with tarfile.open(ctx.out / cli.SNAPSHOTS_ARCHIVE) as archive:
+        assert archive.getnames() == [cli.NATIVE_SNAPSHOT]
+    assert ctx.report.notes[-1] == f"{cli.FERROCACHE_SNAPSHOT} left out of snapshots.tar.gz: over 0 MiB"
+    (ctx.snapshots / cli.NATIVE_SNAPSHOT).write_bytes(os.urandom(64 << 10))
+    assert cli.archive_snapshots(ctx) == []
+    assert ctx.report.notes[-1].startswith("no snapshot came back: compressed, each is over ")
 
 
 def test_verdict_on_losses() -> None:
@@ -257,7 +417,7 @@ def test_the_replay_step_runs_the_ferrocache_command_and_tolerates_its_absence(
 ) -> None:
     snapshot = tmp_path / "native.pickle"
     snapshot.write_bytes(b"x")
-    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path)
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path, work=tmp_path / "work")
     ctx.logs.mkdir()
     command = tmp_path / "ferrocache"
     command.write_text('#!/bin/sh\necho "$@" >&2\necho \'{"conf": ""}\'\necho \'{"conf": "x"}\'\n')
@@ -294,7 +454,7 @@ def test_the_replay_and_tune_steps_with_the_installed_command_on_a_pytorch_recor
     snapshot = REPO / "tests" / "data" / "oracle" / "training_defaults.pickle"
     report = Report(started="now")
     report.environment["total_memory"] = 8 * 2**30
-    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), report, tmp_path, python=sys.executable)
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), report, tmp_path, python=sys.executable, work=tmp_path / "w")
     ctx.logs.mkdir()
     assert cli.ferrocache_command(ctx) == str(INSTALLED_COMMAND)
     replayed = checks.replay(cli.run_replay(ctx, snapshot), {})
@@ -306,8 +466,47 @@ def test_the_replay_and_tune_steps_with_the_installed_command_on_a_pytorch_recor
     result = checks.tune(outcome)
     assert result.status == PASS, (result.summary, outcome)
     assert "replay agrees" in result.summary
-    assert (tmp_path / "tune.json").is_file() and (tmp_path / "logs" / "tune-confirm.log").is_file()
+    assert (ctx.raw / "tune.json").is_file() and (ctx.logs / "tune-confirm.log").is_file()
     assert cli.capacity_gib(8 * 2**30) == "8.0" and cli.capacity_gib(None) is None
+
+
+def test_analyse_replays_and_tunes_what_came_back_without_a_gpu(tmp_path: Path) -> None:
+    """scripts/gpu-check --analyse DIR on a GPU run's files (here one of PyTorch's own
+    recordings as the native snapshot): the replay and the tune are added to its report,
+    written to --results and --out; DIR itself is only read."""
+    if not INSTALLED_COMMAND.is_file():
+        pytest.skip(f"no installed ferrocache command at {INSTALLED_COMMAND} (scripts/python-tests)")
+    returned = tmp_path / "files_at"
+    returned.mkdir()
+    report = Report(started="then", environment={"total_memory": 8 * 2**30}, finished=True)
+    report.checks = [CheckResult("sleep", checks.TITLES["sleep"], PASS, "every byte back")]
+    (returned / "report.json").write_text(report.to_json())
+    with tarfile.open(returned / "snapshots.tar.gz", "w:gz") as archive:
+        archive.add(REPO / "tests" / "data" / "oracle" / "training_defaults.pickle", arcname=cli.NATIVE_SNAPSHOT)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "train-native.json").write_text(json.dumps({"peak_reserved": 5 << 20}))
+    with tarfile.open(returned / "logs.tar.gz", "w:gz") as archive:
+        archive.add(raw / "train-native.json", arcname="raw/train-native.json")
+    returned.chmod(0o555)  # the device tool's files_at is read-only
+    out = tmp_path / "out"
+    try:
+        process = subprocess.run(
+            [sys.executable, str(GPU_CHECK), "--analyse", str(returned), "--out", str(out), "--results", str(out / "page.md")],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        returned.chmod(0o755)
+    assert process.returncode == 0, process.stderr
+    analysed = json.loads((out / "report.json").read_text())
+    statuses = {c["key"]: (c["status"], c["summary"]) for c in analysed["checks"]}
+    assert list(statuses) == ["sleep", "replay", "tune"]
+    assert statuses["replay"][0] == MEASURED and statuses["replay"][1].startswith("PyTorch's segment decisions")
+    assert statuses["tune"][0] == PASS and statuses["tune"][1].endswith("replay agrees"), statuses["tune"]
+    replayed = next(c for c in analysed["checks"] if c["key"] == "replay")["tables"][0]["rows"][0]
+    assert replayed[4] == "5.0 MiB", "PyTorch on the GPU: the native run's figure from logs.tar.gz"
+    assert (out / "page.md").read_text() == (out / "gpu-results.md").read_text()
+    assert process.stdout.splitlines()[-1].startswith("gpu-check: 3 passed, 0 failed, 0 skipped in ")
 
 
 def test_the_report() -> None:
@@ -346,7 +545,8 @@ def test_without_pytest_the_tests_are_skipped_with_how_to_bring_it(
     python = tmp_path / "python"
     python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")  # no site-packages: no pytest
     python.chmod(0o755)
-    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path, python=str(python))
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path, python=str(python),
+                      work=tmp_path / "work")  # fmt: skip
     monkeypatch.delenv(cli.WHEEL_ENV, raising=False)
     result = cli.run_real_torch_tests(ctx)
     assert result.status == SKIPPED
@@ -357,7 +557,7 @@ def test_without_pytest_the_tests_are_skipped_with_how_to_bring_it(
     dist = tmp_path / "dist"
     dist.mkdir()
     (dist / "pytest-0-py3-none-any.whl").write_bytes(b"not a wheel")
-    monkeypatch.setenv(cli.WHEEL_ENV, str(dist / "ferrocache-0.1.0-py3-none-any.whl"))
+    ctx.args.wheel = str(dist / "ferrocache-0.1.0-py3-none-any.whl")
     assert cli.ensure_pytest(ctx) == f"pytest's wheels in {dist} did not unpack: File is not a zip file"
     assert ctx.site is not None
     shutil.rmtree(ctx.site)
@@ -370,7 +570,7 @@ def test_the_wheel_is_unpacked_without_pip_and_its_command_runs(tmp_path: Path, 
     if not wheel:
         pytest.skip("FERROCACHE_WHEEL is not set (scripts/test-all sets it for the wheel's stage)")
     monkeypatch.delenv(cli.COMMAND_ENV, raising=False)
-    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path)
+    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path)]), Report(started="now"), tmp_path, work=tmp_path / "work")
     try:
         assert cli.install(ctx) == sys.executable
         imported = cli.probe_ferrocache(sys.executable, ctx.env())
@@ -385,7 +585,8 @@ def test_the_wheel_is_unpacked_without_pip_and_its_command_runs(tmp_path: Path, 
 
 
 def test_a_step_that_would_not_fit_the_budget_is_skipped_with_the_reason(tmp_path: Path) -> None:
-    ctx = cli.Context(cli.parse_args(["--out", str(tmp_path), "--budget", "100"]), Report(started="now"), tmp_path)
+    args = cli.parse_args(["--out", str(tmp_path), "--budget", "100", "--results", str(tmp_path / "page.md")])
+    ctx = cli.Context(args, Report(started="now"), tmp_path, work=tmp_path / "work")
     ran = []
     cli.guarded(ctx, "peer", lambda: ran.append(1) or CheckResult("peer", "p", PASS, ""), needs=40)
     ctx.remaining = lambda: 30.0  # type: ignore[method-assign]
@@ -394,7 +595,24 @@ def test_a_step_that_would_not_fit_the_budget_is_skipped_with_the_reason(tmp_pat
     skipped = ctx.report.checks[1]
     assert skipped.status == SKIPPED
     assert skipped.summary == "time budget: 30 s left of 100, the step needs about 40"
-    assert ctx.report.summary_line().startswith("gpu-check: 1 passed, 0 failed, 1 skipped in ")
+    assert ctx.report.summary_line().startswith("gpu-check: 1 passed, 0 failed, 1 skipped (still running when this ")
+    assert json.loads((tmp_path / "report.json").read_text())["checks"][1]["summary"] == skipped.summary
+
+
+def test_at_the_cap_pytest_gets_sigint_and_a_grace_to_write_its_report(tmp_path: Path) -> None:
+    """As pytest does on SIGINT: the child writes what it has, then the group goes."""
+    report = tmp_path / "report.xml"
+    child = (
+        "import signal, sys, time\n"
+        "def interrupted(*_):\n"
+        f"    open({str(report)!r}, 'w').write('<testsuites/>'); sys.exit(2)\n"
+        "signal.signal(signal.SIGINT, interrupted)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    started = time.monotonic()
+    assert cli._run_all_logged([([sys.executable, "-c", child], tmp_path / "x.log")], timeout=2, grace=5) == [None]
+    assert report.read_text() == "<testsuites/>" and time.monotonic() - started < 6
 
 
 def test_commands_side_by_side_and_the_group_killed_at_the_deadline(tmp_path: Path) -> None:
@@ -496,20 +714,36 @@ def test_real_torch_results_from_junit(tmp_path: Path) -> None:
     assert stopped.counts() == {"passed": 1, "failed": 1, "skipped": 0}
 
 
+def step_run(host: float, events: float, steps: int = 150, warmup: int = 20, round_number: int = 0) -> dict:
+    """A step-time run's raw result: both models, each step the same time (warm-up steps 9 s)."""
+    def model() -> dict:
+        return {"host_seconds": [9.0] * warmup + [host] * steps, "event_seconds": [9.0] * warmup + [events] * steps}
+
+    return {"models": {"launch-bound": model(), "gpu-bound": model()}, "round": round_number}
+
+
 def test_verdict_on_step_time() -> None:
-    warm = [1.0] * checks.WARMUP_STEPS
     runs = {
-        "native": {"step_seconds": warm + [0.010] * 50},
-        "ferrocache": {"step_seconds": warm + [0.011] * 49 + [5.0]},
-        "ferrocache-expandable": {"error": "boom"},
+        "native": [step_run(0.010, 0.009), step_run(0.012, 0.009, round_number=1), step_run(0.011, 0.009)],
+        "ferrocache": [step_run(0.0101, 0.009), step_run(0.0111, 0.009), step_run(0.0131, 0.009)],
+        checks.NOISE: [step_run(0.011, 0.009), step_run(0.011, 0.009), step_run(0.011, 0.009)],
     }
-    result = checks.step_time(runs)
-    assert result.status == MEASURED and result.data["ratio"] == pytest.approx(1.1)
-    assert result.summary == "ferrocache/native 1.10 (11.00 ms vs 10.00 ms, median of 50 steps after 5 warm-up)"
-    short = checks.step_time({"native": {"step_seconds": warm + [0.01]}, "ferrocache": {"step_seconds": warm + [0.01]}})
-    assert short.summary.endswith("; fewer than 50 steps timed")
-    assert checks.step_time({"native": {"error": "exit status 1"}}).status == ERROR
-    fake = checks.step_time({"native": {checks.ON_FAKE: "needs kernels"}})
+    result = checks.step_time(runs, warmup=20)
+    assert result.status == MEASURED
+    assert result.data["ratio"] == pytest.approx(0.0111 / 0.011)
+    assert result.data["noise_floor"]["launch-bound"] == {"host": 1.0, "CUDA events": 1.0}
+    assert result.summary == (
+        "ferrocache/native launch-bound: 1.009 host, 1.000 CUDA events (native/native 1.000, 1.000); "
+        "gpu-bound: 1.009 host, 1.000 CUDA events (native/native 1.000, 1.000); 3 rounds of 150 timed steps"
+    )
+    row = result.tables[0].rows[1]
+    assert row == ["launch-bound", "host", "ferrocache", "3", "11.10 ms", "10.10 ms", "13.10 ms", "1.0091"]
+    short = checks.step_time({"native": [step_run(0.01, 0.01, steps=5)], "ferrocache": [step_run(0.01, 0.01, steps=5)]})
+    assert short.summary.endswith("1 rounds of 5 timed steps; fewer than 150 steps timed")
+    failed = checks.step_time({**runs, "ferrocache": [*runs["ferrocache"][:2], {"error": "exit status 1", "round": 2}]})
+    assert failed.status == ERROR and failed.summary.endswith("1 run(s) failed: ferrocache round 2: exit status 1")
+    assert checks.step_time({"native": [{"error": "exit status 1"}], "ferrocache": []}).status == ERROR
+    fake = checks.step_time({"native": [{checks.ON_FAKE: "needs kernels"}]})
     assert fake.status == SKIPPED and fake.summary == "skipped on the fake: needs kernels"
     assert checks.losses({"native": {checks.ON_FAKE: "needs kernels"}}).status == SKIPPED
 
@@ -569,9 +803,14 @@ def test_verdict_on_the_memory_api_table() -> None:
 def test_the_summary_line_counts_each_test_and_quotes_the_step_time() -> None:
     report = Report(started="now", seconds=312.4)
     tests = checks.real_torch([{"name": f"t{i}", "outcome": "passed", "seconds": 1.0} for i in range(20)])
-    step = CheckResult("step_time", "t", MEASURED, "s", data={"ratio": 0.987})
+    step = CheckResult("step_time", "t", MEASURED, "s", data={"ratio": 0.9874})
     report.checks = [tests, step, CheckResult("peer", "p", SKIPPED, "1 GPU"), CheckResult("x", "x", PASS, "")]
-    assert report.summary_line() == "gpu-check: 22 passed, 0 failed, 1 skipped in 312 s; step time ferrocache/native 0.99"
+    assert report.summary_line() == (
+        "gpu-check: 22 passed, 0 failed, 1 skipped (still running when this was written) in 312 s; "
+        "step time ferrocache/native 0.987"
+    )
+    report.finished = True
+    assert report.summary_line() == "gpu-check: 22 passed, 0 failed, 1 skipped in 312 s; step time ferrocache/native 0.987"
     report.checks = [CheckResult("step_time", "t", SKIPPED, "skipped on the fake: needs kernels")]
     assert report.summary_line() == (
         "gpu-check: 0 passed, 0 failed, 1 skipped in 312 s; step time ferrocache/native n/a "

@@ -14,9 +14,12 @@ import queue
 import statistics
 import subprocess
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Mapping, Optional, Sequence
+
+from . import processes
 
 
 class BenchError(RuntimeError):
@@ -86,21 +89,34 @@ def interleaved(
     logs: Path,
     env: Optional[Mapping[str, str]] = None,
     cwd: Optional[Path] = None,
-    timeout: float = 120.0,
+    timeout: float = 30.0,
+    deadline: Optional[float] = None,
 ) -> dict[str, Any]:
     """Starts one worker per entry of ``commands``, then for each repetition and size asks
     each worker in turn for a batch of ``iterations`` operations; the order of the workers
-    alternates from one repetition to the next.
+    alternates from one repetition to the next. Each reply may take ``timeout`` seconds (the
+    first, CUDA's start, three times that), and all of it must end by ``deadline`` (monotonic
+    seconds): past either, BenchError.
 
     Returns ``{"samples": {name: {size: [ns per op, ...]}}, "order": [[rep, size, name], ...]}``.
     """
     logs.mkdir(parents=True, exist_ok=True)
     workers: list[_Worker] = []
+
+    def within(seconds: float) -> float:
+        """A reply's wait: its own cap, never past the deadline."""
+        if deadline is None:
+            return seconds
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BenchError("the step's cap was reached before the benchmark ended")
+        return min(seconds, left)
+
     try:
         for name, command in commands.items():
             log = logs / f"bench-{name}.log"
             log_handle = open(log, "w")  # noqa: SIM115 - closed in the finally below
-            process = subprocess.Popen(
+            process = processes.popen(
                 list(command),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -110,11 +126,11 @@ def interleaved(
                 env=None if env is None else dict(env),
                 cwd=cwd,
             )
-            worker = _Worker(name, process, log, log_handle)
+            workers.append(_Worker(name, process, log, log_handle))
+        for worker in workers:  # after every fork: the readers are threads
             worker.start_reader()
-            workers.append(worker)
         for worker in workers:
-            ready = worker.reply(timeout)
+            ready = worker.reply(within(3 * timeout))
             if not ready.get("ready"):
                 raise BenchError(f"{worker.name} worker did not say it was ready: {ready}")
         samples: dict[str, dict[int, list[float]]] = {w.name: {s: [] for s in sizes} for w in workers}
@@ -124,7 +140,7 @@ def interleaved(
             for size in sizes:
                 for worker in turn:
                     worker.send(f"run {size} {iterations}")
-                    answer = worker.reply(timeout)
+                    answer = worker.reply(within(timeout))
                     value = answer.get("ns_per_op")
                     if not isinstance(value, (int, float)) or value < 0:
                         raise BenchError(f"{worker.name} worker answered {answer}")
@@ -136,10 +152,10 @@ def interleaved(
             if worker.process.poll() is None:
                 try:
                     worker.send("quit")
-                    worker.process.wait(timeout=30)
+                    worker.process.wait(timeout=10)
                 except (BenchError, subprocess.TimeoutExpired, OSError):
-                    worker.process.kill()
-                    worker.process.wait()
+                    pass
+            processes.end(worker.process)
             worker.log_handle.close()
 
 

@@ -20,7 +20,7 @@ TIMED_STEPS = 50
 #: The report's items, in order, with their titles.
 TITLES = {
     "real_torch": "Real-PyTorch tests (python/tests/real_torch) on the GPU",
-    "step_time": "Training step time, ferrocache / native (median)",
+    "step_time": "Training step time, ferrocache / native (interleaved runs, medians, noise floor)",
     "losses": "Same training, same losses (native vs ferrocache)",
     "host_cost": "Host cost of torch.empty + free (interleaved, medians)",
     "peaks": "Peak reserved and step time (training run)",
@@ -216,35 +216,86 @@ def _skipped_runs(key: str, title: str, runs: Mapping[str, Mapping[str, Any]]) -
     return skipped_on_fake(key, title, why) if why is not None else None
 
 
-def step_time(runs: Mapping[str, Mapping[str, Any]], ours: str = "ferrocache") -> CheckResult:
-    """The median time of a training step (after the warm-up steps) under each allocator, and
-    ferrocache's over native's: ``data["ratio"]``, which the summary line quotes."""
+#: The second native run of each step-time round: native against native, the noise floor.
+NOISE = "native-again"
+#: The step-time runs are at least this many steps after the warm-up.
+STEP_TIME_STEPS = 150
+#: How the step is timed: on the host (the step and a synchronize), and between CUDA events.
+TIMINGS = (("host_seconds", "host"), ("event_seconds", "CUDA events"))
+
+
+def _run_medians(runs: Sequence[Mapping[str, Any]], model: str, timing: str, warmup: int) -> list[float]:
+    """Each run's median step time (after the warm-up) for one model and timing."""
+    medians = []
+    for run in runs:
+        values = ((run.get("models") or {}).get(model) or {}).get(timing) or []
+        timed = values[warmup:]
+        if timed:
+            medians.append(statistics.median(timed))
+    return medians
+
+
+def step_time(runs: Mapping[str, Sequence[Mapping[str, Any]]], warmup: int = 20, ours: str = "ferrocache") -> CheckResult:
+    """The step time of native and ferrocache from interleaved runs, round by round (native,
+    ferrocache, native again; backwards in odd rounds): per model and timing, each run's median
+    step, the median of those with their minimum and maximum, ferrocache's over native's
+    (``data["ratio"]``: the launch-bound model on the host, which the summary line quotes), and
+    native-again's over native's, the noise floor: a difference below it is not one."""
     key, title = "step_time", TITLES["step_time"]
-    skipped = _skipped_runs(key, title, runs)
+    flat = {name: list(series) for name, series in runs.items()}
+    skipped = _skipped_runs(key, title, {f"{n}-{i}": r for n, s in flat.items() for i, r in enumerate(s)})
     if skipped:
         return skipped
-    medians: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for name, run in runs.items():
-        seconds = run.get("step_seconds") or []
-        timed = seconds[WARMUP_STEPS:]
-        if timed:
-            medians[name], counts[name] = statistics.median(timed), len(timed)
-    if "native" not in medians or ours not in medians:
-        broken = "; ".join(f"{n}: {r['error']}" for n, r in runs.items() if "error" in r)
-        return CheckResult(key, title, ERROR, broken or "no timed steps from native or ferrocache")
-    ratio = medians[ours] / medians["native"]
-    rows = [[name, milliseconds(value), str(counts[name]), f"{value / medians['native']:.3f}"]
-            for name, value in medians.items()]  # fmt: skip
-    timed = min(counts["native"], counts[ours])
-    summary = (
-        f"ferrocache/native {ratio:.2f} ({milliseconds(medians[ours])} vs {milliseconds(medians['native'])}, "
-        f"median of {timed} steps after {WARMUP_STEPS} warm-up)"
-    )
-    if timed < TIMED_STEPS:
-        summary += f"; fewer than {TIMED_STEPS} steps timed"
-    table = Table("", ["allocator", "median step", "steps timed", "ratio to native"], rows)
-    return CheckResult(key, title, MEASURED, summary, [table], data={"ratio": ratio, "medians": medians})
+    broken = [f"{name} round {run.get('round', '?')}: {run['error']}" for name, series in flat.items()
+              for run in series if "error" in run]  # fmt: skip
+    good = {name: [run for run in series if "models" in run] for name, series in flat.items()}
+    if not good.get("native") or not good.get(ours):
+        return CheckResult(key, title, ERROR, "; ".join(broken) or "no step-time run of native or ferrocache")
+    models = list(good["native"][0]["models"])
+    rows: list[list[str]] = []
+    ratios: dict[str, dict[str, float]] = {}
+    noise: dict[str, dict[str, float]] = {}
+    timed_steps = None
+    for model in models:
+        ratios[model], noise[model] = {}, {}
+        for timing, timing_name in TIMINGS:
+            medians = {name: _run_medians(series, model, timing, warmup) for name, series in good.items()}
+            if not medians.get("native") or not medians.get(ours):
+                continue
+            native = statistics.median(medians["native"])
+            for name, values in medians.items():
+                if not values:
+                    continue
+                middle = statistics.median(values)
+                rows.append([model, timing_name, name, str(len(values)), milliseconds(middle),
+                             milliseconds(min(values)), milliseconds(max(values)), f"{middle / native:.4f}"])  # fmt: skip
+            ratios[model][timing_name] = statistics.median(medians[ours]) / native
+            if medians.get(NOISE):
+                noise[model][timing_name] = statistics.median(medians[NOISE]) / native
+        counts = [len(run["models"][model]["host_seconds"][warmup:]) for series in good.values() for run in series
+                  if model in run["models"]]  # fmt: skip
+        timed_steps = min(counts + ([timed_steps] if timed_steps is not None else []))
+    first = models[0]
+    if "host" not in ratios.get(first, {}):
+        return CheckResult(key, title, ERROR, "; ".join(broken) or "no timed steps")
+    ratio = ratios[first]["host"]
+
+    def said(model: str) -> str:
+        parts = [f"{ratios[model][t]:.3f} {t}" for _, t in TIMINGS if t in ratios[model]]
+        floor = [f"{noise[model][t]:.3f}" for _, t in TIMINGS if t in noise[model]]
+        return f"{model}: {', '.join(parts)}" + (f" (native/native {', '.join(floor)})" if floor else "")
+
+    rounds = max(len(series) for series in good.values())
+    summary = f"ferrocache/native {'; '.join(said(model) for model in models if ratios[model])}; " \
+              f"{rounds} rounds of {timed_steps} timed steps"  # fmt: skip
+    if timed_steps is not None and timed_steps < STEP_TIME_STEPS:
+        summary += f"; fewer than {STEP_TIME_STEPS} steps timed"
+    if broken:
+        summary += f"; {len(broken)} run(s) failed: {broken[0]}"
+    headers = ["model", "timing", "allocator", "runs", "median of the runs' medians", "min", "max", "to native"]
+    table = Table("Each run's median step after the warm-up; the runs interleaved N F N', N' F N, ...:", headers, rows)
+    data = {"ratio": ratio, "ratios": ratios, "noise_floor": noise}
+    return CheckResult(key, title, ERROR if broken else MEASURED, summary, [table], data=data)
 
 
 def streams(features: Mapping[str, Mapping[str, Any]], ours_name: str = "ferrocache") -> CheckResult:

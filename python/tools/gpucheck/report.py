@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -12,6 +13,7 @@ PASS, FAIL, MEASURED, SKIPPED, ERROR = "pass", "FAIL", "measured", "skipped", "E
 FAILING = (FAIL, ERROR)
 #: The results' file name, in docs/ and in the output directory.
 RESULTS_NAME = "gpu-results.md"
+REPORT_NAME = "report.json"
 
 
 @dataclass
@@ -53,6 +55,10 @@ class Report:
     notes: list[str] = field(default_factory=list)
     problem: Optional[str] = None  # why the check could not run at all
     seconds: float = 0.0
+    #: False while the check runs (the page is rewritten after every step), True at the end.
+    finished: bool = False
+    #: Why the check ended before its last step (``stopped by SIGTERM``), or None.
+    stopped: Optional[str] = None
 
     def failed(self) -> bool:
         return self.problem is not None or any(c.status in FAILING for c in self.checks)
@@ -67,9 +73,13 @@ class Report:
             for outcome, number in check.counts().items():
                 totals[outcome] = totals.get(outcome, 0) + number
         counted = ", ".join(f"{n} {outcome}" for outcome, n in totals.items())
+        if self.stopped:
+            counted += f" ({self.stopped})"
+        elif not self.finished:
+            counted += " (still running when this was written)"
         step = next((c for c in self.checks if c.key == "step_time"), None)
         if step is not None and "ratio" in step.data:
-            ratio = f"{step.data['ratio']:.2f}"
+            ratio = f"{step.data['ratio']:.3f}"
         elif step is not None and step.status == SKIPPED:
             ratio = f"n/a ({step.summary})"
         else:
@@ -81,7 +91,13 @@ class Report:
 
     def to_markdown(self) -> str:
         lines = ["# ferrocache on a real GPU: scripts/gpu-check", ""]
-        lines.append(f"Started {self.started}, took {self.seconds:.0f} s.")
+        if self.finished:
+            lines.append(f"Started {self.started}, took {self.seconds:.0f} s.")
+        else:
+            lines.append(f"Started {self.started}; still running after {self.seconds:.0f} s when this page was "
+                         "written (it is rewritten after every step).")  # fmt: skip
+        if self.stopped:
+            lines += ["", f"**Stopped before the end: {self.stopped}.** The steps it did not reach say so."]
         lines += ["", f"`{self.summary_line()}`", ""]
         if self.problem is not None:
             lines += [f"**Could not run: {self.problem}**", ""]
@@ -115,14 +131,25 @@ class Report:
         return "\n".join(lines)
 
     def write(self, out: Path, results: Path) -> None:
-        """The Markdown to ``results`` (docs/gpu-results.md) and, with the JSON, into ``out``."""
+        """The Markdown to ``results`` (docs/gpu-results.md) and, with the JSON, into ``out``;
+        each file replaced whole (a kill halfway leaves the previous one)."""
         out.mkdir(parents=True, exist_ok=True)
         markdown = self.to_markdown()
         results.parent.mkdir(parents=True, exist_ok=True)
-        results.write_text(markdown, encoding="utf-8")
+        replace_file(results, markdown.encode())
         if results.resolve() != (out / RESULTS_NAME).resolve():
-            (out / RESULTS_NAME).write_text(markdown, encoding="utf-8")
-        (out / "report.json").write_text(self.to_json(), encoding="utf-8")
+            replace_file(out / RESULTS_NAME, markdown.encode())
+        replace_file(out / REPORT_NAME, self.to_json().encode())
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Writes ``path`` atomically: a temporary file beside it, then a rename over it."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
 
 
 def escape(text: str) -> str:

@@ -1,6 +1,7 @@
 """The GPU programs of the check, each run in a process of its own (an allocator cannot be
 swapped once CUDA is initialised):
 
+    python -m gpucheck.workloads steptime --allocator A --example examples/train.py --out r.json
     python -m gpucheck.workloads train    --allocator A --example examples/train.py --out r.json
     python -m gpucheck.workloads features --allocator A --out r.json
     python -m gpucheck.workloads peer     --allocator A --out r.json
@@ -123,7 +124,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     memory = memory_api(args.allocator)
     if args.record_history:
         if not ALLOCATORS[args.allocator].ferrocache:
-            torch.cuda.memory._record_memory_history(max_entries=args.history_entries)
+            # Python stacks only: C++ frames are symbolised through addr2line at the dump,
+            # which has taken minutes of the GPU's time (ferrocache records Python stacks).
+            torch.cuda.memory._record_memory_history(max_entries=args.history_entries, stacks="python")
         else:
             memory.record_memory_history(max_entries=args.history_entries)
     losses, seconds = example.train(torch, args.steps, seed=0)
@@ -143,6 +146,89 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             memory.dump_snapshot(args.snapshot)
         result["snapshot"] = args.snapshot
     return result
+
+
+# ------------------------------------------------------------------------------------------------
+# steptime: the time of a training step, on the host and on the GPU, for two models
+# ------------------------------------------------------------------------------------------------
+
+
+class StepModel(NamedTuple):
+    """examples/train.py's transformer at a size, and its batch."""
+
+    d_model: int
+    heads: int
+    layers: int
+    batch: int
+
+
+#: launch-bound: examples/train.py's small model, whose kernels are short, so that the host's
+#: launches (and allocations) set the pace; GPU-bound: a wider and deeper one, with TF32, that
+#: keeps the GPU busy.
+STEP_MODELS = {
+    "launch-bound": StepModel(d_model=256, heads=4, layers=4, batch=16),
+    "gpu-bound": StepModel(d_model=1024, heads=16, layers=6, batch=64),
+}
+#: Distinct batches made on the device before the timing, used in turn.
+STEP_BATCHES = 8
+
+
+def timed_steps(torch: Any, example: ModuleType, shape: StepModel, steps: int, warmup: int) -> dict[str, Any]:
+    """``steps`` training steps of a fresh model on batches already on the device; each step
+    timed on the host (perf_counter around the step and a synchronize) and with CUDA events
+    around the same work."""
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    model = example.build_model(torch, d_model=shape.d_model, heads=shape.heads, layers=shape.layers).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(STEP_BATCHES):
+        starts = torch.randint(0, example.VOCAB, (shape.batch, 1), generator=generator)
+        tokens = ((starts + torch.arange(example.SEQUENCE + 1)) % example.VOCAB).to(device)
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    torch.cuda.synchronize()
+    host: list[float] = []
+    for step in range(steps):
+        inputs, targets = batches[step % STEP_BATCHES]
+        started = time.perf_counter()
+        events[step][0].record()
+        logits = model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, example.VOCAB), targets.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        events[step][1].record()
+        torch.cuda.synchronize()
+        host.append(time.perf_counter() - started)
+    device_seconds = [start.elapsed_time(end) / 1e3 for start, end in events]
+    return {
+        "shape": shape._asdict(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "warmup": warmup,
+        "host_seconds": host,
+        "event_seconds": device_seconds,
+        "last_loss": float(loss.item()),
+    }
+
+
+def step_time(args: argparse.Namespace) -> dict[str, Any]:
+    """Both models, one after the other, in this process (one allocator)."""
+    torch = setup(args.allocator)
+    example = load_example(args.example)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    memory = memory_api(args.allocator)
+    models = {}
+    for name, shape in STEP_MODELS.items():
+        models[name] = timed_steps(torch, example, shape, args.steps, args.warmup)
+    return {
+        "allocator": args.allocator,
+        "models": models,
+        "peak_reserved": memory.max_memory_reserved(),
+        "num_device_alloc": memory.memory_stats().get("num_device_alloc"),
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -457,25 +543,44 @@ def bench_worker(args: argparse.Namespace) -> None:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m gpucheck.workloads")
-    parser.add_argument("workload", choices=("train", "features", "peer", "sleep", "bench"))
+    parser.add_argument("workload", choices=("steptime", "train", "features", "peer", "sleep", "bench"))
     parser.add_argument("--allocator", choices=ALLOCATORS, required=True)
     parser.add_argument("--out", type=Path, help="where the JSON result goes")
     parser.add_argument("--example", help="examples/train.py (for train)")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=20, help="steps left out of the step time (steptime)")
     parser.add_argument("--snapshot", help="dump a memory snapshot here at the end")
     parser.add_argument("--record-history", action="store_true", help="record allocator events")
-    parser.add_argument("--history-entries", type=int, default=1_000_000)
+    parser.add_argument("--history-entries", type=int, default=100_000)
     return parser.parse_args(argv)
+
+
+#: Test-only: the workload this names hangs (sleeps) before it starts, to show that the
+#: check caps it; GPU_CHECK_TEST_HANG_PIDS names a file that gets its process id.
+HANG_ENV = "GPU_CHECK_TEST_HANG"
+HANG_PIDS_ENV = "GPU_CHECK_TEST_HANG_PIDS"
+
+
+def hang_if_asked(workload: str) -> None:
+    if os.environ.get(HANG_ENV) != workload:
+        return
+    pids = os.environ.get(HANG_PIDS_ENV)
+    if pids:
+        with open(pids, "a") as handle:
+            handle.write(f"{os.getpid()}\n")
+    print(f"{HANG_ENV}={workload}: hanging", file=sys.stderr, flush=True)
+    time.sleep(3600)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    hang_if_asked(args.workload)
     if args.workload == "bench":
         bench_worker(args)
         return 0
     if args.out is None:
         raise SystemExit("--out is required")
-    programs = {"train": train, "features": features, "peer": peer, "sleep": sleep_bandwidth}
+    programs = {"steptime": step_time, "train": train, "features": features, "peer": peer, "sleep": sleep_bandwidth}
     try:
         result = programs[args.workload](args)
     except Exception as err:
