@@ -79,7 +79,9 @@ impl Arena {
         if map_file(self.start, self.size, libc::PROT_NONE, fd, 0) {
             self.backing = Some(fd);
         } else {
-            eprintln!("fake-cuda: could not map a memfd over device memory; CUDA IPC cannot share it");
+            eprintln!(
+                "fake-cuda: could not map a memfd over device memory; CUDA IPC cannot share it"
+            );
             // SAFETY: our own fd, closed once.
             unsafe { libc::close(fd) };
         }
@@ -128,7 +130,9 @@ impl Arena {
             return;
         };
         let Some(fd) = sized_memfd(c"fake-cuda-device-memory", self.size) else {
-            eprintln!("fake-cuda: a forked child could not copy its device memory: it is shared with the parent");
+            eprintln!(
+                "fake-cuda: a forked child could not copy its device memory: it is shared with the parent"
+            );
             return;
         };
         copy_data(parents, fd, self.size);

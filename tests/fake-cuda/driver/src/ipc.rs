@@ -616,10 +616,7 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(handle: *mut IpcHandle, dptr: u64) ->
                     shared.size.store(size, Ordering::Release);
                     shared.generation.store(generation, Ordering::Release);
                 }
-                driver
-                    .ipc
-                    .exports
-                    .insert(dptr, Export { slot, generation });
+                driver.ipc.exports.insert(dptr, Export { slot, generation });
                 (slot, generation)
             }
         };
@@ -858,9 +855,7 @@ pub unsafe extern "C" fn cuIpcGetEventHandle(
                     .event_slots
                     .take(EVENT_SLOTS)
                     .ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
-                let slot = registry
-                    .event_slot(index)
-                    .ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+                let slot = registry.event_slot(index).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
                 let generation = driver.ipc.new_generation();
                 slot.epoch.store(0, Ordering::Release);
                 slot.busy.store(u64::from(busy), Ordering::Release);

@@ -117,8 +117,7 @@ impl Driver {
             .as_mut()
             .and_then(|space| space.allocations.get_mut(allocation.device as usize))
         {
-            if first_page < end_page && !arena.give_back_pages(first_page, end_page - first_page)
-            {
+            if first_page < end_page && !arena.give_back_pages(first_page, end_page - first_page) {
                 eprintln!("fake-cuda: cuMemFree could not give pages back at {first_page:#x}");
             }
             arena.release(address, allocation.size);
