@@ -431,8 +431,9 @@ fn fetch_fd(pid: i32, fd: c_int, name: &str) -> Option<c_int> {
 }
 
 /// Whether `FAKE_LIBCUDA_IPC_PRIVATE_COPY=1` asks for a broken IPC: the importer gets a private
-/// copy of the bytes instead of the exporter's memory (to show that the tests notice).
-fn private_copies() -> bool {
+/// copy of the bytes instead of the exporter's memory, from `cuIpcOpenMemHandle` and
+/// `cuMemImportFromShareableHandle` alike (to show that the tests notice).
+pub fn private_copies() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
         std::env::var("FAKE_LIBCUDA_IPC_PRIVATE_COPY").is_ok_and(|v| !v.is_empty() && v != "0")
