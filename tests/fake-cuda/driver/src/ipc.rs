@@ -568,12 +568,13 @@ impl Driver {
 
 /// Registered with `pthread_atfork`: runs in the child of every `fork`.
 pub extern "C" fn after_fork_in_child() {
-    match DRIVER.try_lock() {
+    // Nothing may unwind into libc's fork.
+    let _ = std::panic::catch_unwind(|| match DRIVER.try_lock() {
         Ok(mut driver) => driver.after_fork(),
         Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner().after_fork(),
         // Another thread held the driver at the fork: the child cannot use it anyway.
         Err(std::sync::TryLockError::WouldBlock) => {}
-    }
+    });
 }
 
 // ---- Memory --------------------------------------------------------------------------------
