@@ -16,9 +16,15 @@
 //! ([`BASE_HINT`], with `MAP_FIXED_NOREPLACE`), so that absolute addresses, too, are the same in
 //! every process; should something else already sit there, the kernel chooses the base, and
 //! offsets and order still agree (`FAKE_LIBCUDA_ADDRESS_HINT=0` asks for that).
+//!
+//! Each device's `cuMemAlloc` arena is backed by a memfd as large as the arena (sparse: a page
+//! costs memory only once written), mapped over it `MAP_SHARED`: the offset of an address in the
+//! arena is its offset in the file, so another process can map the same pages (CUDA IPC,
+//! `ipc.rs`). Freed pages are punched out of the file and made inaccessible again. In a child
+//! forked after the driver started the arena becomes private memory again (`after_fork`).
 
 use std::collections::BTreeMap;
-use std::ffi::c_void;
+use std::ffi::{c_int, c_void};
 
 use crate::GRANULARITY;
 
@@ -41,6 +47,10 @@ pub struct Arena {
     size: u64,
     /// The free ranges: start -> end, disjoint, never adjacent (merged on release).
     free: BTreeMap<u64, u64>,
+    /// The memfd mapped over the whole arena (`cuMemAlloc` arenas), at offset `address -
+    /// start`; None where the arena is anonymous memory (the VMM arena, or no memfd could be
+    /// made).
+    backing: Option<c_int>,
 }
 
 impl Arena {
@@ -50,7 +60,100 @@ impl Arena {
         } else {
             BTreeMap::new()
         };
-        Arena { start, size, free }
+        Arena {
+            start,
+            size,
+            free,
+            backing: None,
+        }
+    }
+
+    /// Puts a memfd as large as the arena under it, `PROT_NONE` as the arena is. Said on stderr
+    /// if it cannot: the arena stays anonymous memory, which no other process can map.
+    fn back_with_memfd(&mut self) {
+        let Some(fd) = sized_memfd(c"fake-cuda-device-memory", self.size) else {
+            eprintln!("fake-cuda: no memfd for device memory; CUDA IPC cannot share it");
+            return;
+        };
+        if map_file(self.start, self.size, libc::PROT_NONE, fd, 0) {
+            self.backing = Some(fd);
+        } else {
+            eprintln!(
+                "fake-cuda: could not map a memfd over device memory; CUDA IPC cannot share it"
+            );
+            // SAFETY: our own fd, closed once.
+            unsafe { libc::close(fd) };
+        }
+    }
+
+    /// The memfd behind the arena, whose offsets are `address - start`, if it has one.
+    pub fn backing(&self) -> Option<c_int> {
+        self.backing
+    }
+
+    /// Gives the host memory of whole pages `[ptr, ptr + len)` back and makes them inaccessible:
+    /// punched out of the memfd (in every process that maps them) or, for anonymous memory,
+    /// replaced by fresh `PROT_NONE` memory.
+    pub fn give_back_pages(&self, ptr: u64, len: u64) -> bool {
+        let Some(fd) = self.backing else {
+            return put_back_inaccessible(ptr, len);
+        };
+        // SAFETY: whole pages of this arena, which only the driver maps; then a plain syscall on
+        // our own fd over the same range of the file.
+        unsafe {
+            libc::mprotect(ptr as *mut c_void, len as usize, libc::PROT_NONE) == 0
+                && libc::fallocate(
+                    fd,
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    (ptr - self.start) as libc::off_t,
+                    len as libc::off_t,
+                ) == 0
+        }
+    }
+
+    /// Puts the arena's own backing, `PROT_NONE`, back over whole pages `[ptr, ptr + len)` that
+    /// something else was mapped over (another process's memory opened with CUDA IPC).
+    pub fn restore_backing(&self, ptr: u64, len: u64) -> bool {
+        match self.backing {
+            Some(fd) => map_file(ptr, len, libc::PROT_NONE, fd, ptr - self.start),
+            None => put_back_inaccessible(ptr, len),
+        }
+    }
+
+    /// In a child forked after the driver started: the arena becomes the child's own, as a
+    /// fork's copy of private memory is. The parent's memfd is mapped privately (copy on write:
+    /// nothing is copied now; a page the child has not written shows the parent's bytes), but
+    /// for the `foreign` ranges (other processes' memory, left as they are), with the `open`
+    /// ranges (live allocations) readable and writable again. From then on the arena is
+    /// anonymous memory, which no other process can map (CUDA itself does not work in such a
+    /// child).
+    pub fn after_fork(&mut self, foreign: &[(u64, u64)], open: &[(u64, u64)]) {
+        let Some(parents) = self.backing.take() else {
+            return;
+        };
+        let mut from = self.start;
+        let end = self.start + self.size;
+        for &(start, len) in foreign.iter().chain([&(end, 0)]) {
+            if start > from {
+                // SAFETY: MAP_FIXED over whole pages of this arena, which only the driver maps.
+                unsafe {
+                    libc::mmap(
+                        from as *mut c_void,
+                        (start - from) as usize,
+                        libc::PROT_NONE,
+                        libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                        parents,
+                        (from - self.start) as libc::off_t,
+                    )
+                };
+            }
+            from = from.max(start + len);
+        }
+        // SAFETY: the child's copy of the parent's fd; the private mapping keeps the file.
+        unsafe { libc::close(parents) };
+        for &(start, len) in open {
+            open_pages(start, len);
+        }
     }
 
     /// The lowest `alignment`-aligned address at which `size` bytes are free, now taken; None
@@ -133,7 +236,11 @@ impl AddressSpace {
         let length = alloc_arena * devices + vmm_arena;
         let base = map_block(length, hint)?;
         let allocations = (0..devices)
-            .map(|device| Arena::new(base + device * alloc_arena, alloc_arena))
+            .map(|device| {
+                let mut arena = Arena::new(base + device * alloc_arena, alloc_arena);
+                arena.back_with_memfd();
+                arena
+            })
             .collect();
         let reservations = Arena::new(base + devices * alloc_arena, vmm_arena);
         Some(AddressSpace {
@@ -209,6 +316,39 @@ fn map_block(length: u64, hint: u64) -> Option<u64> {
         }
     }
     Some(start)
+}
+
+/// A memfd of `size` bytes (sparse), close-on-exec; None if the kernel refuses.
+pub fn sized_memfd(name: &std::ffi::CStr, size: u64) -> Option<c_int> {
+    // SAFETY: plain syscalls on a fresh fd we own; failure is checked.
+    unsafe {
+        let fd = libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC);
+        if fd < 0 {
+            return None;
+        }
+        if libc::ftruncate(fd, size as libc::off_t) != 0 {
+            libc::close(fd);
+            return None;
+        }
+        Some(fd)
+    }
+}
+
+/// Maps `len` bytes of the file `fd` from `offset` at `ptr`, shared, replacing what was there.
+pub fn map_file(ptr: u64, len: u64, protection: c_int, fd: c_int, offset: u64) -> bool {
+    // SAFETY: MAP_FIXED over whole pages inside the block of device addresses, which only the
+    // driver maps; the caller has forgotten what was mapped there.
+    let result = unsafe {
+        libc::mmap(
+            ptr as *mut c_void,
+            len as usize,
+            protection,
+            libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_NORESERVE,
+            fd,
+            offset as libc::off_t,
+        )
+    };
+    result != libc::MAP_FAILED
 }
 
 /// The host page size (the unit of protection).

@@ -20,6 +20,7 @@ mod address_space;
 mod call_log;
 mod device;
 mod faults;
+mod ipc;
 mod memory;
 mod nvml;
 mod peer;
@@ -221,6 +222,8 @@ pub struct Driver {
     sweep: faults::Sweep,
     /// Pending work on every stream, and the ordering check (`work.rs`).
     timeline: work::Timeline,
+    /// Memory and events shared with other processes (`ipc.rs`).
+    ipc: ipc::Ipc,
 }
 
 impl Driver {
@@ -244,6 +247,8 @@ impl Driver {
         }
         // SAFETY: registers a plain function with no arguments to run at exit.
         unsafe { libc::atexit(report_at_exit) };
+        // SAFETY: registers a plain function with no arguments to run in each forked child.
+        unsafe { libc::pthread_atfork(None, None, Some(ipc::after_fork_in_child)) };
         Driver {
             driver_version: env_or("FAKE_LIBCUDA_DRIVER_VERSION", 13020),
             device_count,
@@ -541,6 +546,9 @@ pub unsafe extern "C" fn fake_cuda_stat(name: *const c_char) -> i64 {
         "order_pending_uses" => driver.timeline.pending_uses(),
         "peer_links" => driver.peer_links.len() as u64,
         "rdma_capable_physical" => driver.rdma_capable_physical(),
+        "ipc_exports" => driver.ipc.live_exports(),
+        "ipc_opened" => driver.ipc.live_opened(),
+        "ipc_freed_while_open" => driver.ipc.freed_while_open,
         symbol if symbol.starts_with("cu") || symbol.starts_with("nvml") => {
             driver.calls.get(symbol).copied().unwrap_or(0)
         }
