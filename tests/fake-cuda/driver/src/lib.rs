@@ -18,8 +18,10 @@
 
 mod address_space;
 mod call_log;
+mod cubin;
 mod device;
 mod faults;
+mod launch;
 mod memory;
 mod nvml;
 mod peer;
@@ -210,8 +212,10 @@ pub struct Driver {
     /// Captures under way, by id (`sync.rs`).
     captures: HashMap<u64, sync::Capture>,
     /// Captured graphs and their instantiations: the work each holds.
-    graphs: HashMap<usize, Vec<sync::Node>>,
-    graph_execs: HashMap<usize, Vec<sync::Node>>,
+    graphs: HashMap<usize, Vec<sync::Step>>,
+    graph_execs: HashMap<usize, Vec<sync::Step>>,
+    /// Modules, functions and what is known of kernels' parameters (`launch.rs`).
+    kernels: launch::Kernels,
     /// How many queries a newly recorded event answers with `CUDA_ERROR_NOT_READY`.
     event_delay: u32,
     timed_events: u64,
@@ -540,6 +544,9 @@ pub unsafe extern "C" fn fake_cuda_stat(name: *const c_char) -> i64 {
         "order_violations" => driver.timeline.counts.violations,
         "order_pending_uses" => driver.timeline.pending_uses(),
         "peer_links" => driver.peer_links.len() as u64,
+        "kernel_launches" => driver.kernels.launches,
+        "kernel_pointer_arguments" => driver.kernels.pointer_arguments,
+        "kernels_without_parameter_info" => driver.kernels.without_parameter_info,
         "rdma_capable_physical" => driver.rdma_capable_physical(),
         symbol if symbol.starts_with("cu") || symbol.starts_with("nvml") => {
             driver.calls.get(symbol).copied().unwrap_or(0)

@@ -1,0 +1,1 @@
+//! cuDNN (to come).

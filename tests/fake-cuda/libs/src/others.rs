@@ -1,0 +1,1 @@
+//! cuFFT, cuSPARSE, cuSOLVER (to come).
