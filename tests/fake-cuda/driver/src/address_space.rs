@@ -16,9 +16,16 @@
 //! ([`BASE_HINT`], with `MAP_FIXED_NOREPLACE`), so that absolute addresses, too, are the same in
 //! every process; should something else already sit there, the kernel chooses the base, and
 //! offsets and order still agree (`FAKE_LIBCUDA_ADDRESS_HINT=0` asks for that).
+//!
+//! Each device's `cuMemAlloc` arena is backed by a memfd as large as the arena (sparse: a page
+//! costs memory only once written), mapped over it `MAP_SHARED`: the offset of an address in the
+//! arena is its offset in the file, so another process can map the same pages (CUDA IPC,
+//! `ipc.rs`). Freed pages are punched out of the file and made inaccessible again. A child
+//! forked after the driver started gets a memfd of its own holding a copy of the parent's
+//! (`after_fork`), as a fork copies private memory.
 
 use std::collections::BTreeMap;
-use std::ffi::c_void;
+use std::ffi::{c_int, c_void};
 
 use crate::GRANULARITY;
 
@@ -41,6 +48,10 @@ pub struct Arena {
     size: u64,
     /// The free ranges: start -> end, disjoint, never adjacent (merged on release).
     free: BTreeMap<u64, u64>,
+    /// The memfd mapped over the whole arena (`cuMemAlloc` arenas), at offset `address -
+    /// start`; None where the arena is anonymous memory (the VMM arena, or no memfd could be
+    /// made).
+    backing: Option<c_int>,
 }
 
 impl Arena {
@@ -50,7 +61,95 @@ impl Arena {
         } else {
             BTreeMap::new()
         };
-        Arena { start, size, free }
+        Arena {
+            start,
+            size,
+            free,
+            backing: None,
+        }
+    }
+
+    /// Puts a memfd as large as the arena under it, `PROT_NONE` as the arena is. Said on stderr
+    /// if it cannot: the arena stays anonymous memory, which no other process can map.
+    fn back_with_memfd(&mut self) {
+        let Some(fd) = sized_memfd(c"fake-cuda-device-memory", self.size) else {
+            eprintln!("fake-cuda: no memfd for device memory; CUDA IPC cannot share it");
+            return;
+        };
+        if map_file(self.start, self.size, libc::PROT_NONE, fd, 0) {
+            self.backing = Some(fd);
+        } else {
+            eprintln!(
+                "fake-cuda: could not map a memfd over device memory; CUDA IPC cannot share it"
+            );
+            // SAFETY: our own fd, closed once.
+            unsafe { libc::close(fd) };
+        }
+    }
+
+    /// The memfd behind the arena, whose offsets are `address - start`, if it has one.
+    pub fn backing(&self) -> Option<c_int> {
+        self.backing
+    }
+
+    /// Gives the host memory of whole pages `[ptr, ptr + len)` back and makes them inaccessible:
+    /// punched out of the memfd (in every process that maps them) or, for anonymous memory,
+    /// replaced by fresh `PROT_NONE` memory.
+    pub fn give_back_pages(&self, ptr: u64, len: u64) -> bool {
+        let Some(fd) = self.backing else {
+            return put_back_inaccessible(ptr, len);
+        };
+        // SAFETY: whole pages of this arena, which only the driver maps; then a plain syscall on
+        // our own fd over the same range of the file.
+        unsafe {
+            libc::mprotect(ptr as *mut c_void, len as usize, libc::PROT_NONE) == 0
+                && libc::fallocate(
+                    fd,
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    (ptr - self.start) as libc::off_t,
+                    len as libc::off_t,
+                ) == 0
+        }
+    }
+
+    /// Puts the arena's own backing, `PROT_NONE`, back over whole pages `[ptr, ptr + len)` that
+    /// something else was mapped over (another process's memory opened with CUDA IPC).
+    pub fn restore_backing(&self, ptr: u64, len: u64) -> bool {
+        match self.backing {
+            Some(fd) => map_file(ptr, len, libc::PROT_NONE, fd, ptr - self.start),
+            None => put_back_inaccessible(ptr, len),
+        }
+    }
+
+    /// In a child forked after the driver started: replaces the memfd shared with the parent by
+    /// a copy of its own (only the pages that hold data are copied), mapped `PROT_NONE` over the
+    /// arena but for the `foreign` ranges (other processes' memory, left as it is), with the
+    /// `open` ranges (live allocations) readable and writable again.
+    pub fn after_fork(&mut self, foreign: &[(u64, u64)], open: &[(u64, u64)]) {
+        let Some(parents) = self.backing else {
+            return;
+        };
+        let Some(fd) = sized_memfd(c"fake-cuda-device-memory", self.size) else {
+            eprintln!(
+                "fake-cuda: a forked child could not copy its device memory: it is shared with the parent"
+            );
+            return;
+        };
+        copy_data(parents, fd, self.size);
+        // SAFETY: the child's copy of the parent's fd, which nothing else here uses.
+        unsafe { libc::close(parents) };
+        self.backing = Some(fd);
+        let mut from = self.start;
+        let end = self.start + self.size;
+        for &(start, len) in foreign.iter().chain([&(end, 0)]) {
+            if start > from {
+                map_file(from, start - from, libc::PROT_NONE, fd, from - self.start);
+            }
+            from = from.max(start + len);
+        }
+        for &(start, len) in open {
+            open_pages(start, len);
+        }
     }
 
     /// The lowest `alignment`-aligned address at which `size` bytes are free, now taken; None
@@ -133,7 +232,11 @@ impl AddressSpace {
         let length = alloc_arena * devices + vmm_arena;
         let base = map_block(length, hint)?;
         let allocations = (0..devices)
-            .map(|device| Arena::new(base + device * alloc_arena, alloc_arena))
+            .map(|device| {
+                let mut arena = Arena::new(base + device * alloc_arena, alloc_arena);
+                arena.back_with_memfd();
+                arena
+            })
             .collect();
         let reservations = Arena::new(base + devices * alloc_arena, vmm_arena);
         Some(AddressSpace {
@@ -209,6 +312,91 @@ fn map_block(length: u64, hint: u64) -> Option<u64> {
         }
     }
     Some(start)
+}
+
+/// A memfd of `size` bytes (sparse), close-on-exec; None if the kernel refuses.
+pub fn sized_memfd(name: &std::ffi::CStr, size: u64) -> Option<c_int> {
+    // SAFETY: plain syscalls on a fresh fd we own; failure is checked.
+    unsafe {
+        let fd = libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC);
+        if fd < 0 {
+            return None;
+        }
+        if libc::ftruncate(fd, size as libc::off_t) != 0 {
+            libc::close(fd);
+            return None;
+        }
+        Some(fd)
+    }
+}
+
+/// Maps `len` bytes of the file `fd` from `offset` at `ptr`, shared, replacing what was there.
+pub fn map_file(ptr: u64, len: u64, protection: c_int, fd: c_int, offset: u64) -> bool {
+    // SAFETY: MAP_FIXED over whole pages inside the block of device addresses, which only the
+    // driver maps; the caller has forgotten what was mapped there.
+    let result = unsafe {
+        libc::mmap(
+            ptr as *mut c_void,
+            len as usize,
+            protection,
+            libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_NORESERVE,
+            fd,
+            offset as libc::off_t,
+        )
+    };
+    result != libc::MAP_FAILED
+}
+
+/// Copies the parts of file `from` that hold data (not holes) to the same offsets of `to`.
+fn copy_data(from: c_int, to: c_int, size: u64) {
+    let mut at: libc::off_t = 0;
+    loop {
+        // SAFETY: plain syscalls on two open fds.
+        let data = unsafe { libc::lseek(from, at, libc::SEEK_DATA) };
+        if data < 0 {
+            return;
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(from, data, libc::SEEK_HOLE) };
+        let hole = if hole < 0 { size as libc::off_t } else { hole };
+        let (mut input, mut output) = (data, data);
+        while input < hole {
+            // SAFETY: plain syscall; the offsets are ours and updated by the kernel.
+            let copied = unsafe {
+                libc::copy_file_range(
+                    from,
+                    &mut input,
+                    to,
+                    &mut output,
+                    (hole - input) as usize,
+                    0,
+                )
+            };
+            if copied <= 0 {
+                copy_by_hand(from, to, input, hole);
+                break;
+            }
+        }
+        at = hole;
+    }
+}
+
+/// `copy_file_range` refused: the bytes `[from_offset, end)` through a buffer.
+fn copy_by_hand(from: c_int, to: c_int, mut offset: libc::off_t, end: libc::off_t) {
+    let mut buffer = [0u8; 64 << 10];
+    while offset < end {
+        let want = buffer.len().min((end - offset) as usize);
+        // SAFETY: a buffer of at least `want` bytes; plain syscalls on open fds.
+        let read = unsafe { libc::pread(from, buffer.as_mut_ptr().cast(), want, offset) };
+        if read <= 0 {
+            return;
+        }
+        // SAFETY: as above, writing the `read` bytes just read.
+        if unsafe { libc::pwrite(to, buffer.as_ptr().cast(), read as usize, offset) } != read {
+            return;
+        }
+        offset += read as libc::off_t;
+    }
 }
 
 /// The host page size (the unit of protection).

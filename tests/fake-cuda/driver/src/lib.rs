@@ -21,6 +21,7 @@ mod call_log;
 mod cubin;
 mod device;
 mod faults;
+mod ipc;
 mod launch;
 mod memory;
 mod nvml;
@@ -225,6 +226,8 @@ pub struct Driver {
     sweep: faults::Sweep,
     /// Pending work on every stream, and the ordering check (`work.rs`).
     timeline: work::Timeline,
+    /// Memory and events shared with other processes (`ipc.rs`).
+    ipc: ipc::Ipc,
 }
 
 impl Driver {
@@ -248,6 +251,8 @@ impl Driver {
         }
         // SAFETY: registers a plain function with no arguments to run at exit.
         unsafe { libc::atexit(report_at_exit) };
+        // SAFETY: registers a plain function with no arguments to run in each forked child.
+        unsafe { libc::pthread_atfork(None, None, Some(ipc::after_fork_in_child)) };
         Driver {
             driver_version: env_or("FAKE_LIBCUDA_DRIVER_VERSION", 13020),
             device_count,
@@ -548,6 +553,9 @@ pub unsafe extern "C" fn fake_cuda_stat(name: *const c_char) -> i64 {
         "kernel_pointer_arguments" => driver.kernels.pointer_arguments,
         "kernels_without_parameter_info" => driver.kernels.without_parameter_info,
         "rdma_capable_physical" => driver.rdma_capable_physical(),
+        "ipc_exports" => driver.ipc.live_exports(),
+        "ipc_opened" => driver.ipc.live_opened(),
+        "ipc_freed_while_open" => driver.ipc.freed_while_open,
         symbol if symbol.starts_with("cu") || symbol.starts_with("nvml") => {
             driver.calls.get(symbol).copied().unwrap_or(0)
         }

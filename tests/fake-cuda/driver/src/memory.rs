@@ -1,11 +1,13 @@
 //! `cuMemAlloc` memory: real host memory, so tests can write and read through device pointers.
 //! It is carved from the device's arena of the block of device addresses (`address_space.rs`),
 //! so the same calls give the same addresses in any process; its pages are opened when it is
-//! allocated and given back, inaccessible again, when it is freed.
+//! allocated and given back, inaccessible again, when it is freed. The arena's pages are a
+//! memfd's, so another process can map an allocation exported with `cuIpcGetMemHandle`
+//! (`ipc.rs`).
 
 use std::ffi::{c_int, c_void};
 
-use crate::address_space::{open_pages, page_size, put_back_inaccessible};
+use crate::address_space::{open_pages, page_size};
 use crate::sync::Node;
 use crate::{
     CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY, CuResult, Driver, GRANULARITY, Outcome,
@@ -16,20 +18,24 @@ use crate::{
 const SMALL_ALIGNMENT: u64 = 512;
 
 pub struct Allocation {
-    size: u64,
+    pub size: u64,
     /// The device whose context made it.
     pub device: i32,
 }
 
 impl Driver {
     /// Succeeds when `[ptr, ptr + len)` is device memory the caller may touch: inside one live
-    /// `cuMemAlloc` allocation, or inside mapped pages made accessible by `cuMemSetAccess`.
+    /// `cuMemAlloc` allocation, inside memory of another process opened with
+    /// `cuIpcOpenMemHandle`, or inside mapped pages made accessible by `cuMemSetAccess`.
     pub fn check_device_range(&self, ptr: u64, len: u64) -> Outcome {
         let end = ptr.checked_add(len).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         if let Some((&start, allocation)) = self.allocations.range(..=ptr).next_back()
             && end <= start + allocation.size
         {
             return Ok(());
+        }
+        if let Some(opened) = self.check_opened_ipc_range(ptr, end) {
+            return opened;
         }
         self.check_accessible_mapping(ptr, len)
     }
@@ -50,6 +56,9 @@ impl Driver {
             && ptr < start + allocation.size
         {
             return Some(allocation.device);
+        }
+        if let Some(device) = self.opened_ipc_device(ptr) {
+            return Some(device);
         }
         self.mapped_device(ptr)
     }
@@ -103,14 +112,14 @@ impl Driver {
         {
             end_page -= page;
         }
-        if first_page < end_page && !put_back_inaccessible(first_page, end_page - first_page) {
-            eprintln!("fake-cuda: cuMemFree could not give pages back at {first_page:#x}");
-        }
         if let Some(arena) = self
             .address_space
             .as_mut()
             .and_then(|space| space.allocations.get_mut(allocation.device as usize))
         {
+            if first_page < end_page && !arena.give_back_pages(first_page, end_page - first_page) {
+                eprintln!("fake-cuda: cuMemFree could not give pages back at {first_page:#x}");
+            }
             arena.release(address, allocation.size);
         }
     }
@@ -177,6 +186,8 @@ pub extern "C" fn cuMemFree_v2(dptr: u64) -> CuResult {
             .allocations
             .remove(&dptr)
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        // Handles exported with cuIpcGetMemHandle go stale.
+        driver.forget_ipc_export(dptr);
         // "This API may perform implicit synchronization": it does here, so freed memory has no
         // pending work left (PyTorch relies on this, unlike for cuMemUnmap).
         driver.timeline.counts.frees_checked += 1;

@@ -34,6 +34,7 @@ pub const CAPTURE_MODE_THREAD_LOCAL: u32 = 1;
 pub const CAPTURE_MODE_RELAXED: u32 = 2;
 const EVENT_FLAGS_ALL: c_uint = 0x1 | 0x2 | 0x4;
 const EVENT_DISABLE_TIMING: c_uint = 0x2;
+const EVENT_INTERPROCESS: c_uint = 0x4;
 
 #[derive(Default)]
 pub struct Stream {
@@ -88,7 +89,7 @@ const CAPTURE_STATUS_INVALIDATED: u32 = 2;
 
 pub struct Event {
     /// Queries still to be answered with `CUDA_ERROR_NOT_READY`.
-    busy_queries: u32,
+    pub busy_queries: u32,
     /// The context it was made in: it can be recorded only on that context's streams.
     context: usize,
     /// The work its last record follows (empty before any record: "complete").
@@ -97,6 +98,25 @@ pub struct Event {
     captured: Option<u64>,
     /// The capturing stream it was last recorded on.
     captured_on: usize,
+    /// Made with `CU_EVENT_INTERPROCESS`: its handle can be taken (`ipc.rs`).
+    pub interprocess: bool,
+    /// Where its completion state lives once it is shared with another process (`ipc.rs`).
+    pub shared: Option<crate::ipc::SharedEvent>,
+}
+
+impl Event {
+    /// An event of another process, opened with `cuIpcOpenEventHandle` in `context`.
+    pub fn opened(context: usize, shared: crate::ipc::SharedEvent) -> Event {
+        Event {
+            busy_queries: 0,
+            context,
+            recorded: Clock::default(),
+            captured: None,
+            captured_on: 0,
+            interprocess: false,
+            shared: Some(shared),
+        }
+    }
 }
 
 /// A number for the calling thread (per-thread default streams and thread-local captures).
@@ -637,6 +657,10 @@ pub unsafe extern "C" fn cuEventCreate(event: *mut *mut c_void, flags: c_uint) -
         if flags & !EVENT_FLAGS_ALL != 0 || event.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        // "CU_EVENT_INTERPROCESS must be specified along with CU_EVENT_DISABLE_TIMING."
+        if flags & EVENT_INTERPROCESS != 0 && flags & EVENT_DISABLE_TIMING == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
         if flags & EVENT_DISABLE_TIMING == 0 {
             driver.timed_events += 1;
         }
@@ -647,6 +671,8 @@ pub unsafe extern "C" fn cuEventCreate(event: *mut *mut c_void, flags: c_uint) -
             recorded: Clock::default(),
             captured: None,
             captured_on: 0,
+            interprocess: flags & EVENT_INTERPROCESS != 0,
+            shared: None,
         };
         driver.events.insert(handle, new);
         // SAFETY: `event` was checked non-NULL; the caller promises it is writable.
@@ -657,11 +683,14 @@ pub unsafe extern "C" fn cuEventCreate(event: *mut *mut c_void, flags: c_uint) -
 #[unsafe(no_mangle)]
 pub extern "C" fn cuEventDestroy_v2(event: *mut c_void) -> CuResult {
     call("cuEventDestroy_v2", |driver| {
-        driver
+        let removed = driver
             .events
             .remove(&(event as usize))
-            .map(drop)
-            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        if let Some(shared) = &removed.shared {
+            driver.ipc.event_destroyed(shared);
+        }
+        Ok(())
     })
 }
 
@@ -693,6 +722,9 @@ pub extern "C" fn cuEventRecord(event: *mut c_void, stream: *mut c_void) -> CuRe
         target.recorded = recorded;
         target.captured = captured;
         target.captured_on = stream as usize;
+        if let Some(shared) = &mut target.shared {
+            shared.record(delay)?;
+        }
         Ok(())
     })
 }
@@ -704,7 +736,15 @@ pub extern "C" fn cuEventQuery(event: *mut c_void) -> CuResult {
     call("cuEventQuery", |driver| {
         let recorded = driver.recorded_clock(event)?;
         let target = driver.event_mut(event)?;
-        if target.busy_queries > 0 {
+        // Shared with another process: the state both see.
+        if let Some(shared) = &target.shared {
+            if !shared.query()? {
+                return Err(CUDA_ERROR_NOT_READY);
+            }
+            if !shared.recorded_here() {
+                return Ok(());
+            }
+        } else if target.busy_queries > 0 {
             target.busy_queries -= 1;
             return Err(CUDA_ERROR_NOT_READY);
         }
@@ -717,7 +757,14 @@ pub extern "C" fn cuEventQuery(event: *mut c_void) -> CuResult {
 pub extern "C" fn cuEventSynchronize(event: *mut c_void) -> CuResult {
     call("cuEventSynchronize", |driver| {
         let recorded = driver.recorded_clock(event)?;
-        driver.event_mut(event)?.busy_queries = 0;
+        let target = driver.event_mut(event)?;
+        target.busy_queries = 0;
+        if let Some(shared) = &target.shared {
+            shared.synchronize()?;
+            if !shared.recorded_here() {
+                return Ok(());
+            }
+        }
         driver.timeline.finished(&recorded);
         Ok(())
     })

@@ -7,9 +7,14 @@
 //! not apply to them), and a copy or memset made in another device's context touches them as
 //! that device would: `CUDA_ERROR_ILLEGAL_ADDRESS`. The host pages are open while any device
 //! has access.
+//!
+//! A handle made with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` can be exported
+//! (`cuMemExportToShareableHandle`: a duplicate of its memfd) and imported in another process
+//! (`cuMemImportFromShareableHandle`: a new handle on the same memfd), which is how PyTorch shares
+//! expandable segments: both processes map the same pages.
 
 use std::collections::BTreeMap;
-use std::ffi::{c_int, c_ulonglong, c_void};
+use std::ffi::{CString, c_int, c_ulonglong, c_void};
 
 use crate::address_space::put_back_inaccessible;
 use crate::{
@@ -25,6 +30,8 @@ const HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: u32 = 1;
 const ACCESS_NONE: u32 = 0;
 const ACCESS_READ: u32 = 1;
 const ACCESS_READWRITE: u32 = 3;
+/// The start of a physical handle's memfd name; the device follows.
+const PHYSICAL_NAME: &str = "fake-cuda-physical-";
 
 /// `CUmemLocation`.
 #[repr(C)]
@@ -63,17 +70,24 @@ pub struct AccessDesc {
     flags: u32,
 }
 
-/// A `cuMemCreate` handle: a memfd of `size` bytes.
+/// A `cuMemCreate` handle: a memfd of `size` bytes, named after its device
+/// (`fake-cuda-physical-DEVICE`, so that an importer knows it).
 pub struct Physical {
     fd: c_int,
     size: u64,
     /// The device whose memory it is.
     device: i32,
     mappings: u32,
-    /// `cuMemRelease` was called; the memory goes when the last mapping does.
-    released: bool,
+    /// The creation or import, and each `cuMemRetainAllocationHandle`, not yet undone by
+    /// `cuMemRelease`; at 0 the memory goes when the last mapping does.
+    references: u32,
     /// Created with `gpuDirectRDMACapable` set.
     rdma_capable: bool,
+    /// `CUmemAllocationProp::requestedHandleTypes` at creation: the types it can be exported as.
+    handle_types: u32,
+    /// Counted against this process's device memory (not so for memory imported from another
+    /// process, which that process holds).
+    charged: bool,
 }
 
 /// Pages of one physical handle mapped into a reservation.
@@ -214,9 +228,11 @@ impl Driver {
         let Some(physical) = self.physical.get(&handle) else {
             return;
         };
-        if physical.released && physical.mappings == 0 {
+        if physical.references == 0 && physical.mappings == 0 {
             let (device, size, fd) = (physical.device, physical.size, physical.fd);
-            self.uncharge(device, size);
+            if physical.charged {
+                self.uncharge(device, size);
+            }
             // SAFETY: the fd is ours, open, and closed exactly once (the entry goes with it).
             unsafe { libc::close(fd) };
             self.physical.remove(&handle);
@@ -278,8 +294,9 @@ pub unsafe extern "C" fn cuMemCreate(
         let charged = driver.charge(device, size);
         call_log::create(size, charged.is_ok());
         charged?;
+        let name = CString::new(format!("{PHYSICAL_NAME}{device}")).unwrap_or_default();
         // SAFETY: plain syscalls on a fresh fd we own; failure is checked.
-        let fd = unsafe { libc::memfd_create(c"fake-cuda-physical".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
         // SAFETY: as above.
         if fd < 0 || unsafe { libc::ftruncate(fd, size as libc::off_t) } != 0 {
             if fd >= 0 {
@@ -295,8 +312,10 @@ pub unsafe extern "C" fn cuMemCreate(
             size,
             device,
             mappings: 0,
-            released: false,
+            references: 1,
             rdma_capable: prop.alloc_flags.gpu_direct_rdma_capable != 0,
+            handle_types: prop.requested_handle_types,
+            charged: true,
         };
         driver.physical.insert(new_handle, physical);
         // SAFETY: `handle` was checked non-NULL; the caller promises it is writable.
@@ -308,7 +327,7 @@ pub unsafe extern "C" fn cuMemCreate(
 pub extern "C" fn cuMemRelease(handle: u64) -> CuResult {
     call("cuMemRelease", |driver| {
         match driver.physical.get_mut(&handle) {
-            Some(physical) if !physical.released => physical.released = true,
+            Some(physical) if physical.references > 0 => physical.references -= 1,
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
         }
         driver.maybe_free_physical(handle);
@@ -389,7 +408,10 @@ pub extern "C" fn cuMemMap(
             .physical
             .get(&handle)
             .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-        if physical.released || flags != 0 || !is_granular(size) || !ptr.is_multiple_of(GRANULARITY)
+        if physical.references == 0
+            || flags != 0
+            || !is_granular(size)
+            || !ptr.is_multiple_of(GRANULARITY)
         {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -535,5 +557,165 @@ pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CuResult {
         } else {
             Err(CUDA_ERROR_OUT_OF_MEMORY)
         }
+    })
+}
+
+// ---- Sharing with other processes ----------------------------------------------------------
+
+/// "Exports an allocation to a requested shareable handle type": for
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, a new fd (the caller's to close) on the handle's
+/// memfd. The type must be one the handle was created with (`requestedHandleTypes`), else
+/// `CUDA_ERROR_INVALID_VALUE`; other types are not supported, as at creation.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemExportToShareableHandle(
+    shareable: *mut c_void,
+    handle: u64,
+    handle_type: u32,
+    flags: c_ulonglong,
+) -> CuResult {
+    call("cuMemExportToShareableHandle", |driver| {
+        driver.require_vmm()?;
+        let physical = driver
+            .physical
+            .get(&handle)
+            .filter(|physical| physical.references > 0)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if shareable.is_null() || flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if handle_type != HANDLE_TYPE_POSIX_FILE_DESCRIPTOR {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        if physical.handle_types & HANDLE_TYPE_POSIX_FILE_DESCRIPTOR == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: a plain syscall on our own open fd.
+        let fd = unsafe { libc::fcntl(physical.fd, libc::F_DUPFD_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        // SAFETY: checked non-NULL; for this type the caller passes room for an int.
+        unsafe { put(shareable.cast::<c_int>(), fd) }
+    })
+}
+
+/// "Imports an allocation from a requested shareable handle type": for
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, `os_handle` is the fd (the caller may close it
+/// after). The new handle is memory of the device that made it, held by the process that made
+/// it (not counted here). An fd that is not one of the fake's physical handles is
+/// `CUDA_ERROR_INVALID_VALUE`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemImportFromShareableHandle(
+    handle: *mut u64,
+    os_handle: *mut c_void,
+    handle_type: u32,
+) -> CuResult {
+    call("cuMemImportFromShareableHandle", |driver| {
+        driver.require_vmm()?;
+        if handle.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if handle_type != HANDLE_TYPE_POSIX_FILE_DESCRIPTOR {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        let given = c_int::try_from(os_handle as usize).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+        let device = physical_device_of(given).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        driver
+            .valid_device(device)
+            .map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+        // SAFETY: plain syscalls on the caller's open fd; the duplicate is ours.
+        let (fd, size) = unsafe {
+            let mut stat: libc::stat = std::mem::zeroed();
+            if libc::fstat(given, &mut stat) != 0 {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            (
+                libc::fcntl(given, libc::F_DUPFD_CLOEXEC, 0),
+                stat.st_size as u64,
+            )
+        };
+        if fd < 0 {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        let new_handle = driver.new_handle();
+        let physical = Physical {
+            fd,
+            size,
+            device,
+            mappings: 0,
+            references: 1,
+            rdma_capable: false,
+            handle_types: HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            charged: false,
+        };
+        driver.physical.insert(new_handle, physical);
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { put(handle, new_handle) }
+    })
+}
+
+/// The device of the fake's physical memfd `fd`, from its name; None for any other fd.
+fn physical_device_of(fd: c_int) -> Option<i32> {
+    let link = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
+    let link = link.to_string_lossy();
+    let rest = link.strip_prefix("/memfd:")?.strip_prefix(PHYSICAL_NAME)?;
+    rest.split(' ').next()?.parse().ok()
+}
+
+/// "Retrieve the contents of the property structure defining properties for this handle."
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(
+    prop: *mut AllocationProp,
+    handle: u64,
+) -> CuResult {
+    call("cuMemGetAllocationPropertiesFromHandle", |driver| {
+        let physical = driver
+            .physical
+            .get(&handle)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let answer = AllocationProp {
+            kind: ALLOCATION_TYPE_PINNED,
+            requested_handle_types: physical.handle_types,
+            location: MemLocation {
+                kind: LOCATION_TYPE_DEVICE,
+                id: physical.device,
+            },
+            win32_handle_metadata: std::ptr::null_mut(),
+            alloc_flags: AllocationFlags {
+                compression_type: 0,
+                gpu_direct_rdma_capable: u8::from(physical.rdma_capable),
+                usage: 0,
+                reserved: [0; 4],
+            },
+        };
+        // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
+        unsafe { put(prop, answer) }
+    })
+}
+
+/// "Given an address addr, returns the allocation handle of the backing memory allocation",
+/// for any address of a mapping; "must be released with the corresponding number of calls to
+/// cuMemRelease".
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(
+    handle: *mut u64,
+    addr: *mut c_void,
+) -> CuResult {
+    call("cuMemRetainAllocationHandle", |driver| {
+        let ptr = addr as u64;
+        let (&start, mapping) = driver
+            .mappings
+            .range(..=ptr)
+            .next_back()
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if ptr >= start + mapping.size || handle.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let retained = mapping.handle;
+        if let Some(physical) = driver.physical.get_mut(&retained) {
+            physical.references += 1;
+        }
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { put(handle, retained) }
     })
 }

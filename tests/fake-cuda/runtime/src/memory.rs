@@ -311,3 +311,84 @@ pub unsafe extern "C" fn cudaMemsetAsync(
         check(unsafe { driver::cuMemsetD8Async(ptr as u64, value as u8, count, stream) })
     })
 }
+
+// ---- CUDA IPC ------------------------------------------------------------------------------
+// PyTorch shares `cudaMalloc` memory between processes with these (`shareIpcHandle`,
+// `getIpcDevPtr`) and orders the two sides with interprocess events; the driver does the work
+// (`driver/src/ipc.rs`).
+
+/// `cudaIpcMemHandle_t` and `cudaIpcEventHandle_t`: 64 opaque bytes, the driver's handle.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct IpcHandle {
+    reserved: [u8; 64],
+}
+
+unsafe extern "C" {
+    fn cuIpcGetMemHandle(handle: *mut IpcHandle, dptr: u64) -> u32;
+    fn cuIpcOpenMemHandle_v2(dptr: *mut u64, handle: IpcHandle, flags: c_uint) -> u32;
+    fn cuIpcCloseMemHandle(dptr: u64) -> u32;
+    fn cuIpcGetEventHandle(handle: *mut IpcHandle, event: driver::CuEvent) -> u32;
+    fn cuIpcOpenEventHandle(event: *mut driver::CuEvent, handle: IpcHandle) -> u32;
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaIpcGetMemHandle(
+    handle: *mut IpcHandle,
+    dev_ptr: *mut c_void,
+) -> CudaError {
+    // SAFETY: the caller's out pointer, checked by the driver.
+    api_on_device("cudaIpcGetMemHandle", |_| {
+        check(unsafe { cuIpcGetMemHandle(handle, dev_ptr as u64) })
+    })
+}
+
+/// Opens on the current device; `flags` must be `cudaIpcMemLazyEnablePeerAccess`, as the
+/// driver's must be `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS` (the same value).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaIpcOpenMemHandle(
+    dev_ptr: *mut *mut c_void,
+    handle: IpcHandle,
+    flags: c_uint,
+) -> CudaError {
+    api_on_device("cudaIpcOpenMemHandle", |_| {
+        if dev_ptr.is_null() {
+            return Err(INVALID_VALUE);
+        }
+        let mut address = 0u64;
+        // SAFETY: a valid out pointer; the handle is passed on as it came.
+        check(unsafe { cuIpcOpenMemHandle_v2(&mut address, handle, flags) })?;
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { put(dev_ptr, address as *mut c_void) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cudaIpcCloseMemHandle(dev_ptr: *mut c_void) -> CudaError {
+    // SAFETY: plain driver call; the driver checks the address.
+    api_on_device("cudaIpcCloseMemHandle", |_| {
+        check(unsafe { cuIpcCloseMemHandle(dev_ptr as u64) })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaIpcGetEventHandle(
+    handle: *mut IpcHandle,
+    event: driver::CuEvent,
+) -> CudaError {
+    // SAFETY: the caller's out pointer and event, checked by the driver.
+    api_on_device("cudaIpcGetEventHandle", |_| {
+        check(unsafe { cuIpcGetEventHandle(handle, event) })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaIpcOpenEventHandle(
+    event: *mut driver::CuEvent,
+    handle: IpcHandle,
+) -> CudaError {
+    // SAFETY: the caller's out pointer, checked by the driver; the handle as it came.
+    api_on_device("cudaIpcOpenEventHandle", |_| {
+        check(unsafe { cuIpcOpenEventHandle(event, handle) })
+    })
+}
