@@ -57,6 +57,8 @@ class Client:
     refusal: Optional[str] = None
     #: Figures that differ between the allocators for a documented reason: key -> why.
     differences: dict[str, str] = field(default_factory=dict)
+    #: Figures of the client's own that every run must show (what it read back, ...).
+    expected: dict[str, object] = field(default_factory=dict)
 
 
 #: PyTorch's words for each question its pluggable allocator refuses
@@ -65,11 +67,16 @@ CHECK_POOL_LIVE_ALLOCATIONS = "pluggable does not yet support checkPoolLiveAlloc
 CACHE_INFO = "CUDAPluggableAllocator does not yet support cacheInfo"
 SHARE_IPC_HANDLE = "CUDAPluggableAllocator does not yet support shareIPcHandle"
 
-DECODER = Client("decoder_transformers.py", packages=("transformers",))
+DECODER = Client("decoder_transformers.py", packages=("transformers",),
+                 expected={"generated_shape": [2, 12]})  # fmt: skip
 CONV = Client("conv_cudnn_benchmark.py", refusal=CACHE_INFO)
 COMPILE = Client("compile_cudagraphs.py", refusal=CHECK_POOL_LIVE_ALLOCATIONS)
 LIGHTNING = Client("lightning_trainer.py", packages=("lightning",))
-IPC = Client("multiprocessing_ipc.py", refusal=SHARE_IPC_HANDLE)
+#: The bytes each side reads back show that the memory is shared between the processes.
+IPC = Client("multiprocessing_ipc.py", refusal=SHARE_IPC_HANDLE, expected={
+    "child_read": [1, 2, 3], "parent_read": [7, 8, 9], "child_exit": 0,
+    "loader_read": [[i] * 4 for i in range(4)],
+})  # fmt: skip
 DISTRIBUTED = Client("ddp_fsdp2.py", ranks=2)
 
 
@@ -144,6 +151,8 @@ def runs_alike(client: Client, tmp_path: Path) -> None:
     assert native_run.returncode == 0, _explain(native_run)
     native = _figures(native_path, client.ranks)
     _keep(client, "native", native)
+    for one in native.values() if client.ranks else [native]:
+        assert {k: one["extra"].get(k) for k in client.expected} == client.expected, one
 
     ours_run, ours_path = _run(client, tmp_path, under_ferrocache=True)
     if ours_run.returncode != 0 and client.refusal and client.refusal in ours_run.stderr:

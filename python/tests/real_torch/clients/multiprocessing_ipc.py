@@ -10,13 +10,13 @@ import torch.multiprocessing as mp
 import _figures
 
 
-def child(inbox, outbox):
-    received = inbox.get()
+def child(connection):
+    received = connection.recv()
     seen = received.cpu().tolist()
     del received
     answer = torch.tensor([7, 8, 9], dtype=torch.int64).cuda()
-    outbox.put((seen, answer))
-    assert inbox.get() == "done"  # keeps `answer` alive until the parent has read it
+    connection.send((seen, answer))
+    assert connection.recv() == "done"  # keeps `answer` alive until the parent has read it
 
 
 class CudaItems(torch.utils.data.Dataset):
@@ -30,15 +30,19 @@ class CudaItems(torch.utils.data.Dataset):
 if __name__ == "__main__":
     context = mp.get_context("spawn")
     sent = torch.tensor([1, 2, 3], dtype=torch.int64).cuda()
-    inbox, outbox = context.Queue(), context.Queue()
-    process = context.Process(target=child, args=(inbox, outbox))
+    # A pipe, not a queue: it pickles in this thread, so a tensor that cannot be shared
+    # raises here instead of in a queue's feeder thread while this one waits forever.
+    connection, child_end = context.Pipe()
+    # daemon: a parent that fails does not wait at exit for a child that waits for it.
+    process = context.Process(target=child, args=(child_end,), daemon=True)
     process.start()
-    inbox.put(sent)
-    seen, answer = outbox.get()
+    child_end.close()
+    connection.send(sent)
+    seen, answer = connection.recv()
     _figures.note("child_read", seen)
     _figures.note("parent_read", answer.cpu().tolist())
     del answer
-    inbox.put("done")
+    connection.send("done")
     process.join()
     _figures.note("child_exit", process.exitcode)
     _figures.step("multiprocessing")
