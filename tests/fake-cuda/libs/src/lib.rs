@@ -81,8 +81,17 @@ unsafe extern "C" {
     reason = "the stream is an opaque handle the driver looks up, never dereferenced"
 )]
 pub fn work(stream: *mut c_void, ranges: &[Range], what: &'static std::ffi::CStr) -> u32 {
+    if logging() {
+        eprintln!("[fake-cuda-libs] {what:?} on stream {stream:?}: {ranges:x?}");
+    }
     // SAFETY: `ranges.len()` ranges and a NUL-terminated name.
     unsafe { fake_cuda_library_work(stream, ranges.as_ptr(), ranges.len(), what.as_ptr()) }
+}
+
+/// Whether `FAKE_CUDA_LOG` asks for a line per library call that books work, on stderr.
+pub fn logging() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("FAKE_CUDA_LOG").is_some())
 }
 
 /// Runs an export's body; a panic becomes `failure` (nothing may unwind into the caller).
