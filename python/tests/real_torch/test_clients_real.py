@@ -2,7 +2,7 @@
 
 Each client in ``clients/`` is a program as a user writes it (a model library's decoder, a
 convolutional network with cuDNN's benchmark mode, ``torch.compile``, a trainer library,
-processes that share CUDA tensors, DDP and FSDP2); none names ferrocache. It runs twice, with
+CUDA graphs by hand, processes that share CUDA tensors, DDP and FSDP2); none names ferrocache. It runs twice, with
 the fake's ordering check fatal: ``python client.py`` (PyTorch's allocator) and ``ferrocache run
 -- python client.py`` (nothing edited). Each run writes its figures (``clients/_figures.py``):
 peak allocated and reserved, segments, allocations, retries, the bytes allocated after every
@@ -78,6 +78,7 @@ DECODER = Client("decoder_transformers.py", packages=("transformers",),
                  expected={"generated_shape": [2, 12]})  # fmt: skip
 CONV = Client("conv_cudnn_benchmark.py", refusal=CACHE_INFO)
 COMPILE = Client("compile_cudagraphs.py", refusal=CHECK_POOL_LIVE_ALLOCATIONS)
+GRAPHED = Client("graphed_callables.py")
 LIGHTNING = Client("lightning_trainer.py", packages=("lightning",))
 #: The bytes each side reads back show that the memory is shared between the processes.
 IPC = Client("multiprocessing_ipc.py", refusal=SHARE_IPC_HANDLE, expected={
@@ -202,6 +203,10 @@ def test_a_convolutional_network_in_cudnn_benchmark_mode_trains_alike(tmp_path):
 @expected_refusal(COMPILE)
 def test_torch_compile_with_cuda_graphs_records_two_branches_and_replays_alike(tmp_path):
     runs_alike(COMPILE, tmp_path)
+
+
+def test_cuda_graphs_made_by_hand_replay_at_the_same_addresses_alike(tmp_path):
+    runs_alike(GRAPHED, tmp_path)
 
 
 def test_lightnings_trainer_fits_with_mixed_precision_alike(tmp_path):
