@@ -299,7 +299,8 @@ def build(out: Path, torch_lib: Path | None, cuda_major: int | None) -> None:
         if own or generic:
             pulled = own | ({generic} if generic else set())
             preload.append(link(out, soname, names | own, versions.get(soname), [source], libs_archive,
-                                [f"-L{lib}", "-l:libcuda.so.1"] + [f"-Wl,--undefined={n}" for n in sorted(pulled)]))
+                                [f"-L{lib}", "-l:libcuda.so.1", "-Wl,-z,defs"]
+                                + [f"-Wl,--undefined={n}" for n in sorted(pulled)]))
         else:
             preload.append(link(out, soname, names, versions.get(soname), [source]))
 

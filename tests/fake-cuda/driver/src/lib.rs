@@ -584,6 +584,7 @@ pub unsafe extern "C" fn fake_cuda_stat(name: *const c_char) -> i64 {
         "order_violations" => driver.timeline.counts.violations,
         "order_pending_uses" => driver.timeline.pending_uses(),
         "peer_links" => driver.peer_links.len() as u64,
+        "order_kernels" => driver.timeline.counts.kernels,
         "kernel_launches" => driver.kernels.launches,
         "kernel_pointer_arguments" => driver.kernels.pointer_arguments,
         "kernels_without_parameter_info" => driver.kernels.without_parameter_info,
