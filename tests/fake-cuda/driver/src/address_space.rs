@@ -20,9 +20,8 @@
 //! Each device's `cuMemAlloc` arena is backed by a memfd as large as the arena (sparse: a page
 //! costs memory only once written), mapped over it `MAP_SHARED`: the offset of an address in the
 //! arena is its offset in the file, so another process can map the same pages (CUDA IPC,
-//! `ipc.rs`). Freed pages are punched out of the file and made inaccessible again. A child
-//! forked after the driver started gets a memfd of its own holding a copy of the parent's
-//! (`after_fork`), as a fork copies private memory.
+//! `ipc.rs`). Freed pages are punched out of the file and made inaccessible again. In a child
+//! forked after the driver started the arena becomes private memory again (`after_fork`).
 
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_void};
@@ -121,32 +120,37 @@ impl Arena {
         }
     }
 
-    /// In a child forked after the driver started: replaces the memfd shared with the parent by
-    /// a copy of its own (only the pages that hold data are copied), mapped `PROT_NONE` over the
-    /// arena but for the `foreign` ranges (other processes' memory, left as it is), with the
-    /// `open` ranges (live allocations) readable and writable again.
+    /// In a child forked after the driver started: the arena becomes the child's own, as a
+    /// fork's copy of private memory is. The parent's memfd is mapped privately (copy on write:
+    /// nothing is copied now; a page the child has not written shows the parent's bytes), but
+    /// for the `foreign` ranges (other processes' memory, left as they are), with the `open`
+    /// ranges (live allocations) readable and writable again. From then on the arena is
+    /// anonymous memory, which no other process can map (CUDA itself does not work in such a
+    /// child).
     pub fn after_fork(&mut self, foreign: &[(u64, u64)], open: &[(u64, u64)]) {
-        let Some(parents) = self.backing else {
+        let Some(parents) = self.backing.take() else {
             return;
         };
-        let Some(fd) = sized_memfd(c"fake-cuda-device-memory", self.size) else {
-            eprintln!(
-                "fake-cuda: a forked child could not copy its device memory: it is shared with the parent"
-            );
-            return;
-        };
-        copy_data(parents, fd, self.size);
-        // SAFETY: the child's copy of the parent's fd, which nothing else here uses.
-        unsafe { libc::close(parents) };
-        self.backing = Some(fd);
         let mut from = self.start;
         let end = self.start + self.size;
         for &(start, len) in foreign.iter().chain([&(end, 0)]) {
             if start > from {
-                map_file(from, start - from, libc::PROT_NONE, fd, from - self.start);
+                // SAFETY: MAP_FIXED over whole pages of this arena, which only the driver maps.
+                unsafe {
+                    libc::mmap(
+                        from as *mut c_void,
+                        (start - from) as usize,
+                        libc::PROT_NONE,
+                        libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                        parents,
+                        (from - self.start) as libc::off_t,
+                    )
+                };
             }
             from = from.max(start + len);
         }
+        // SAFETY: the child's copy of the parent's fd; the private mapping keeps the file.
+        unsafe { libc::close(parents) };
         for &(start, len) in open {
             open_pages(start, len);
         }
@@ -345,58 +349,6 @@ pub fn map_file(ptr: u64, len: u64, protection: c_int, fd: c_int, offset: u64) -
         )
     };
     result != libc::MAP_FAILED
-}
-
-/// Copies the parts of file `from` that hold data (not holes) to the same offsets of `to`.
-fn copy_data(from: c_int, to: c_int, size: u64) {
-    let mut at: libc::off_t = 0;
-    loop {
-        // SAFETY: plain syscalls on two open fds.
-        let data = unsafe { libc::lseek(from, at, libc::SEEK_DATA) };
-        if data < 0 {
-            return;
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(from, data, libc::SEEK_HOLE) };
-        let hole = if hole < 0 { size as libc::off_t } else { hole };
-        let (mut input, mut output) = (data, data);
-        while input < hole {
-            // SAFETY: plain syscall; the offsets are ours and updated by the kernel.
-            let copied = unsafe {
-                libc::copy_file_range(
-                    from,
-                    &mut input,
-                    to,
-                    &mut output,
-                    (hole - input) as usize,
-                    0,
-                )
-            };
-            if copied <= 0 {
-                copy_by_hand(from, to, input, hole);
-                break;
-            }
-        }
-        at = hole;
-    }
-}
-
-/// `copy_file_range` refused: the bytes `[from_offset, end)` through a buffer.
-fn copy_by_hand(from: c_int, to: c_int, mut offset: libc::off_t, end: libc::off_t) {
-    let mut buffer = [0u8; 64 << 10];
-    while offset < end {
-        let want = buffer.len().min((end - offset) as usize);
-        // SAFETY: a buffer of at least `want` bytes; plain syscalls on open fds.
-        let read = unsafe { libc::pread(from, buffer.as_mut_ptr().cast(), want, offset) };
-        if read <= 0 {
-            return;
-        }
-        // SAFETY: as above, writing the `read` bytes just read.
-        if unsafe { libc::pwrite(to, buffer.as_ptr().cast(), read as usize, offset) } != read {
-            return;
-        }
-        offset += read as libc::off_t;
-    }
 }
 
 /// The host page size (the unit of protection).

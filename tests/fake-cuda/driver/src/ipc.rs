@@ -175,7 +175,7 @@ pub struct SharedEvent {
     slot: &'static EventSlot,
     index: u32,
     generation: u64,
-    /// The epoch of this process's last record of it, if it is still the last one.
+    /// The epoch of this process's last record of it (0: none), if it is still the last one.
     own_epoch: u64,
     /// Made here (the slot is ours to give back), rather than opened.
     exported: bool,
@@ -226,7 +226,7 @@ impl SharedEvent {
     /// Whether the last record was this process's own (so what it follows is in this process's
     /// books and now known to be done).
     pub fn recorded_here(&self) -> bool {
-        self.slot.epoch.load(Ordering::Acquire) == self.own_epoch && self.own_epoch > 0
+        self.slot.epoch.load(Ordering::Acquire) == self.own_epoch
     }
 
     /// Made here: the slot goes back to the registry when the event is destroyed.
@@ -431,8 +431,9 @@ fn fetch_fd(pid: i32, fd: c_int, name: &str) -> Option<c_int> {
 }
 
 /// Whether `FAKE_LIBCUDA_IPC_PRIVATE_COPY=1` asks for a broken IPC: the importer gets a private
-/// copy of the bytes instead of the exporter's memory (to show that the tests notice).
-fn private_copies() -> bool {
+/// copy of the bytes instead of the exporter's memory, from `cuIpcOpenMemHandle` and
+/// `cuMemImportFromShareableHandle` alike (to show that the tests notice).
+pub fn private_copies() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
         std::env::var("FAKE_LIBCUDA_IPC_PRIVATE_COPY").is_ok_and(|v| !v.is_empty() && v != "0")
@@ -857,7 +858,8 @@ pub unsafe extern "C" fn cuIpcGetEventHandle(
                     .ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
                 let slot = registry.event_slot(index).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
                 let generation = driver.ipc.new_generation();
-                slot.epoch.store(0, Ordering::Release);
+                // Its state so far counts as this process's record.
+                slot.epoch.store(1, Ordering::Release);
                 slot.busy.store(u64::from(busy), Ordering::Release);
                 slot.spare.store(0, Ordering::Release);
                 slot.generation.store(generation, Ordering::Release);
@@ -865,7 +867,7 @@ pub unsafe extern "C" fn cuIpcGetEventHandle(
                     slot,
                     index,
                     generation,
-                    own_epoch: 0,
+                    own_epoch: 1,
                     exported: true,
                     exporter: this_process(),
                 };

@@ -637,6 +637,11 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
         if fd < 0 {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
+        let fd = if crate::ipc::private_copies() {
+            private_copy_of(fd, size)
+        } else {
+            fd
+        };
         let new_handle = driver.new_handle();
         let physical = Physical {
             fd,
@@ -652,6 +657,43 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
         // SAFETY: checked non-NULL; the caller promises it is writable.
         unsafe { put(handle, new_handle) }
     })
+}
+
+/// A broken import (`FAKE_LIBCUDA_IPC_PRIVATE_COPY=1`, see `ipc.rs`): a new memfd holding a copy
+/// of `fd`'s bytes, which replaces `fd` (closed).
+fn private_copy_of(fd: c_int, size: u64) -> c_int {
+    let Some(copy) = crate::address_space::sized_memfd(c"fake-cuda-private-copy", size) else {
+        return fd;
+    };
+    let mut buffer = vec![0u8; 1 << 20];
+    let mut offset = 0;
+    while offset < size {
+        // SAFETY: a buffer of its length; plain syscalls on two open fds.
+        let read = unsafe {
+            libc::pread(
+                fd,
+                buffer.as_mut_ptr().cast(),
+                buffer.len(),
+                offset as libc::off_t,
+            )
+        };
+        if read <= 0 {
+            break;
+        }
+        // SAFETY: as above, the `read` bytes just read.
+        unsafe {
+            libc::pwrite(
+                copy,
+                buffer.as_ptr().cast(),
+                read as usize,
+                offset as libc::off_t,
+            )
+        };
+        offset += read as u64;
+    }
+    // SAFETY: our duplicate, replaced by the copy.
+    unsafe { libc::close(fd) };
+    copy
 }
 
 /// The device of the fake's physical memfd `fd`, from its name; None for any other fd.
