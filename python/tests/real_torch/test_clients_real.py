@@ -1,10 +1,10 @@
 """The programs our users run, on the fake CUDA, under PyTorch's allocator and under ferrocache.
 
 Each client in ``clients/`` is a program as a user writes it (a model library's decoder, a
-convolutional network with cuDNN's benchmark mode, ``torch.compile``, a trainer library,
-CUDA graphs by hand, processes that share CUDA tensors, DDP and FSDP2); none names ferrocache. It runs twice, with
-the fake's ordering check fatal: ``python client.py`` (PyTorch's allocator) and ``ferrocache run
--- python client.py`` (nothing edited). Each run writes its figures (``clients/_figures.py``):
+convolutional network with cuDNN's benchmark mode, ``torch.compile``, CUDA graphs by hand, a
+trainer library, processes that share CUDA tensors, DDP and FSDP2); none names ferrocache. It
+runs twice, with the fake's ordering check fatal: ``python client.py`` (PyTorch's allocator)
+and ``ferrocache run -- python client.py`` (nothing edited). Each run writes its figures (``clients/_figures.py``):
 peak allocated and reserved, segments, allocations, retries, the bytes allocated after every
 step, and the client's own (the addresses a CUDA graph's replays use). Both must agree.
 
@@ -59,8 +59,6 @@ class Client:
     ranks: int = 0
     #: PyTorch's message when ferrocache fails for a refusal of CUDAPluggableAllocator.
     refusal: Optional[str] = None
-    #: Figures that differ between the allocators for a documented reason: key -> why.
-    differences: dict[str, str] = field(default_factory=dict)
     #: Figures of the client's own that every run must show (what it read back, ...).
     expected: dict[str, object] = field(default_factory=dict)
     #: Settings of its environment.
@@ -101,14 +99,17 @@ def _ferrocache_command() -> str:
     return found
 
 
-def _run(client: Client, tmp_path: Path, under_ferrocache: bool) -> tuple[subprocess.CompletedProcess[str], Path]:
+def _run(
+    client: Client, tmp_path: Path, under_ferrocache: bool
+) -> tuple[subprocess.CompletedProcess[str], Path]:
     """Runs the client in ``tmp_path``; returns the finished process and its figures' path
     (``{rank}`` in it for a job)."""
     name = "ferrocache" if under_ferrocache else "native"
     figures = tmp_path / (f"{name}_{{rank}}.json" if client.ranks else f"{name}.json")
     if client.ranks:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={client.ranks}", str(CLIENTS / client.script), str(figures)]  # fmt: skip
+                   f"--nproc-per-node={client.ranks}", str(CLIENTS / client.script),
+                   str(figures)]  # fmt: skip
     else:
         command = [sys.executable, str(CLIENTS / client.script), str(figures)]
     if under_ferrocache:
@@ -149,12 +150,9 @@ def _keep(client: Client, name: str, figures: dict) -> None:
     keep = os.environ.get("FERROCACHE_CLIENT_FIGURES")
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)
-        stem = client.script.removesuffix(".py") + "".join(f" {k}={v}" for k, v in client.env.items())
+        settings = "".join(f"+{key}={value}" for key, value in client.env.items())
+        stem = client.script.removesuffix(".py") + settings
         (Path(keep) / f"{stem}.{name}.json").write_text(json.dumps(figures, indent=1))
-
-
-def _without(figures: dict, keys: dict[str, str]) -> dict:
-    return {k: v for k, v in figures.items() if k not in keys}
 
 
 def runs_alike(client: Client, tmp_path: Path) -> None:
@@ -180,9 +178,7 @@ def runs_alike(client: Client, tmp_path: Path) -> None:
         (f.values() if client.ranks else [f]) for f in (native, ours)
     )):  # fmt: skip
         assert one_native["allocator"] == "native" and one_ours["allocator"] == "ferrocache"
-        assert _without(one_ours["figures"], client.differences) == _without(
-            one_native["figures"], client.differences
-        )
+        assert one_ours["figures"] == one_native["figures"]
         assert one_ours["steps"] == one_native["steps"]
         assert one_ours["extra"] == one_native["extra"]
 

@@ -2,7 +2,9 @@
 ferrocache (``ferrocache run`` answers ``torch.cuda.memory_stats`` once it has installed itself).
 
 A client calls :func:`step` after each step of its work and :func:`write` at the end; the JSON
-goes to the path in ``argv[1]`` or ``CLIENT_FIGURES``, where ``{rank}`` is the rank of a job. The client's code never names ferrocache.
+goes to the path in ``argv[1]`` or ``CLIENT_FIGURES``, where ``{rank}`` is the rank of a job.
+The client's code never names ferrocache: which allocator served is read here, from whether
+``ferrocache run`` imported and installed it.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def figures(device: int = 0) -> dict[str, Any]:
 def write(device: int = 0) -> None:
     torch.cuda.synchronize(device)
     ferrocache = sys.modules.get("ferrocache")
+    installed = ferrocache is not None and ferrocache.is_installed()
     out = {
-        "allocator": "ferrocache" if ferrocache is not None and ferrocache.is_installed() else "native",
+        "allocator": "ferrocache" if installed else "native",
         "figures": figures(device),
         "steps": _steps,
         "extra": _extra,

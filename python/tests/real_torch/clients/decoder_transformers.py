@@ -52,8 +52,8 @@ model.eval()
 prompt = torch.randint(1, 256, (2, PROMPT), device="cuda")
 with torch.no_grad():
     out = model.generate(
-        prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-        pad_token_id=0,
+        prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+        eos_token_id=None, pad_token_id=0,
     )  # fmt: skip
 _figures.note("generated_shape", list(out.shape))
 _figures.step("generate")

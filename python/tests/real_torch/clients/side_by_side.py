@@ -34,14 +34,20 @@ def rows(folder: Path):
         for rank, one in per_rank.items():
             mine = None if ours is None else (ours if rank == "" else ours[rank])
             name = stem + (f" (rank {rank})" if rank != "" else "")
-            steps = "same" if mine and mine["steps"] == one["steps"] and mine["extra"] == one["extra"] else (
-                "(refused)" if mine is None else "**differ**")
-            yield [name] + [cell(key, one["figures"], mine and mine["figures"]) for _, key in COLUMNS] + [steps]
+            if mine is None:
+                steps = "(refused)"
+            elif mine["steps"] == one["steps"] and mine["extra"] == one["extra"]:
+                steps = "same"
+            else:
+                steps = "**differ**"
+            cells = [cell(key, one["figures"], mine and mine["figures"]) for _, key in COLUMNS]
+            yield [name, *cells, steps]
 
 
 def main() -> None:
     folder = Path(sys.argv[1])
-    head = ["client"] + [title + " (native / ferrocache)" for title, _ in COLUMNS] + ["steps and own figures"]
+    columns = [f"{title} (native / ferrocache)" for title, _ in COLUMNS]
+    head = ["client", *columns, "steps and own figures"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for row in rows(folder):
