@@ -4,9 +4,10 @@ Each client in ``clients/`` is a program as a user writes it (a model library's 
 convolutional network with cuDNN's benchmark mode, ``torch.compile``, CUDA graphs by hand, a
 trainer library, processes that share CUDA tensors, DDP and FSDP2); none names ferrocache. It
 runs twice, with the fake's ordering check fatal: ``python client.py`` (PyTorch's allocator)
-and ``ferrocache run -- python client.py`` (nothing edited). Each run writes its figures (``clients/_figures.py``):
-peak allocated and reserved, segments, allocations, retries, the bytes allocated after every
-step, and the client's own (the addresses a CUDA graph's replays use). Both must agree.
+and ``ferrocache run -- python client.py`` (nothing edited). Each run writes its figures
+(``clients/_figures.py``): peak allocated and reserved, segments, allocations, retries, the
+bytes allocated after every step, and the client's own (the addresses a CUDA graph's replays
+use). Both must agree.
 
 Where ferrocache fails because PyTorch's ``CUDAPluggableAllocator`` refuses a question that
 PyTorch's C++ asks of the allocator (issue 35 answers them), the test is an expected failure
