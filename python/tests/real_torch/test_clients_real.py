@@ -79,9 +79,10 @@ CONV = Client("conv_cudnn_benchmark.py", refusal=CACHE_INFO)
 COMPILE = Client("compile_cudagraphs.py", refusal=CHECK_POOL_LIVE_ALLOCATIONS)
 GRAPHED = Client("graphed_callables.py")
 LIGHTNING = Client("lightning_trainer.py", packages=("lightning",))
-#: The bytes each side reads back show that the memory is shared between the processes.
+#: The bytes each side reads back show that the memory is shared between the processes (with
+#: the fake's FAKE_LIBCUDA_IPC_PRIVATE_COPY=1, "child_wrote" and "loader_read" differ).
 IPC = Client("multiprocessing_ipc.py", refusal=SHARE_IPC_HANDLE, expected={
-    "child_read": [1, 2, 3], "parent_read": [7, 8, 9], "child_exit": 0,
+    "child_read": [1, 2, 3], "child_wrote": [4, 5, 6], "parent_read": [7, 8, 9], "child_exit": 0,
     "loader_read": [[i] * 4 for i in range(4)],
 })  # fmt: skip
 #: torch 2.15's default "nccl" backend (ProcessGroupNCCL2) asks the allocator for a snapshot

@@ -1,7 +1,8 @@
 """CUDA tensors between processes: ``torch.multiprocessing`` (spawn) sends a CUDA tensor to a
-child, which reads its bytes and sends a CUDA tensor of its own back; then a DataLoader whose
-worker (spawn) returns CUDA tensors. The bytes travel by copies from the host (kernels compute
-nothing on the fake), so what each side reads shows that the memory is shared.
+child, which reads its bytes, writes new ones into it and sends a CUDA tensor of its own back;
+then a DataLoader whose worker (spawn) returns CUDA tensors. The bytes travel by copies from the
+host (kernels compute nothing on the fake), so what each side reads shows that the memory is
+shared: the sender reads what the child wrote into its tensor after opening it.
 """
 
 import torch
@@ -13,6 +14,8 @@ import _figures
 def child(connection):
     received = connection.recv()
     seen = received.cpu().tolist()
+    received.copy_(torch.tensor([4, 5, 6], dtype=torch.int64))  # into the sender's memory
+    torch.cuda.synchronize()
     del received
     answer = torch.tensor([7, 8, 9], dtype=torch.int64).cuda()
     connection.send((seen, answer))
@@ -40,6 +43,7 @@ if __name__ == "__main__":
     connection.send(sent)
     seen, answer = connection.recv()
     _figures.note("child_read", seen)
+    _figures.note("child_wrote", sent.cpu().tolist())
     _figures.note("parent_read", answer.cpu().tolist())
     del answer
     connection.send("done")
