@@ -75,6 +75,11 @@ SNAPSHOT = "CUDAPluggableAllocator does not yet support snapshot"
 
 DECODER = Client("decoder_transformers.py", packages=("transformers",),
                  expected={"generated_shape": [2, 12]})  # fmt: skip
+#: The same decoder on a fake GPU of 35 MiB, 1 MiB less than its peak reserved: both allocators
+#: must free cached segments and retry, at the same moments.
+DECODER_TIGHT = Client("decoder_transformers.py", packages=("transformers",),
+                       expected={"generated_shape": [2, 12]},
+                       env={"FAKE_LIBCUDA_TOTAL_MEM": str(35 << 20)})  # fmt: skip
 CONV = Client("conv_cudnn_benchmark.py", refusal=CACHE_INFO)
 COMPILE = Client("compile_cudagraphs.py", refusal=CHECK_POOL_LIVE_ALLOCATIONS)
 GRAPHED = Client("graphed_callables.py")
@@ -157,8 +162,9 @@ def _keep(client: Client, name: str, figures: dict) -> None:
         (Path(keep) / f"{stem}.{name}.json").write_text(json.dumps(figures, indent=1))
 
 
-def runs_alike(client: Client, tmp_path: Path) -> None:
-    """The client under PyTorch's allocator, then under ferrocache: the same figures."""
+def runs_alike(client: Client, tmp_path: Path) -> dict:
+    """The client under PyTorch's allocator, then under ferrocache: the same figures (returns
+    the native run's)."""
     for package in client.packages:
         if importlib.util.find_spec(package) is None:
             pytest.fail(f"{package} is not installed: scripts/with-fake-cuda installs it")
@@ -183,6 +189,7 @@ def runs_alike(client: Client, tmp_path: Path) -> None:
         assert one_ours["figures"] == one_native["figures"]
         assert one_ours["steps"] == one_native["steps"]
         assert one_ours["extra"] == one_native["extra"]
+    return native
 
 
 def expected_refusal(client: Client):
@@ -191,6 +198,11 @@ def expected_refusal(client: Client):
 
 def test_a_decoder_from_transformers_trains_and_generates_alike(tmp_path):
     runs_alike(DECODER, tmp_path)
+
+
+def test_the_decoder_on_a_gpu_too_small_for_its_cache_frees_and_retries_alike(tmp_path):
+    figures = runs_alike(DECODER_TIGHT, tmp_path)["figures"]
+    assert figures["retries"] > 0 and figures["device_frees"] > 0, figures
 
 
 @expected_refusal(CONV)
