@@ -26,6 +26,8 @@ use crate::{
 
 /// `CUDA_ERROR_INVALID_IMAGE`: the image is none the driver can load.
 const CUDA_ERROR_INVALID_IMAGE: CuResult = 200;
+/// `CUDA_ERROR_UNSUPPORTED_LIMIT`: no such `CUlimit`.
+const CUDA_ERROR_UNSUPPORTED_LIMIT: CuResult = 215;
 /// `CUDA_ERROR_NOT_FOUND`: no function of that name in the module.
 const CUDA_ERROR_NOT_FOUND: CuResult = 500;
 
@@ -72,6 +74,8 @@ pub struct Kernels {
     /// Parameter tables of the fat binaries the runtime registered, by wrapper address (None:
     /// none could be read).
     fatbins: HashMap<usize, Option<ParamTable>>,
+    /// Context limits set with `cuCtxSetLimit`, by `CUlimit`.
+    limits: HashMap<c_int, usize>,
     pub launches: u64,
     /// Pointer arguments found in device memory, over all launches.
     pub pointer_arguments: u64,
@@ -815,5 +819,52 @@ pub unsafe extern "C" fn fake_cuda_library_work(
         };
         driver.kernels.launches += 1;
         driver.submit_step(stream, Step::Kernel(live.into()), &what)
+    })
+}
+
+// ---- Context limits ------------------------------------------------------------------------
+
+/// `CUlimit` values and what the driver starts with: stack size per thread, the `printf` FIFO,
+/// the device `malloc` heap, device-runtime depth and pending launches, L2 fetch granularity,
+/// persisting L2 cache.
+const LIMIT_DEFAULTS: [(c_int, usize); 7] = [
+    (0, 1024),
+    (1, 1 << 20),
+    (2, 8 << 20),
+    (3, 2),
+    (4, 2048),
+    (5, 32),
+    (6, 0),
+];
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetLimit(value: *mut usize, limit: c_int) -> CuResult {
+    call("cuCtxGetLimit", |driver| {
+        driver.require_primary_context()?;
+        let default = LIMIT_DEFAULTS
+            .iter()
+            .find(|(known, _)| *known == limit)
+            .map(|&(_, v)| v)
+            .ok_or(CUDA_ERROR_UNSUPPORTED_LIMIT)?;
+        let answer = driver
+            .kernels
+            .limits
+            .get(&limit)
+            .copied()
+            .unwrap_or(default);
+        // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
+        unsafe { put(value, answer) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> CuResult {
+    call("cuCtxSetLimit", |driver| {
+        driver.require_primary_context()?;
+        if !LIMIT_DEFAULTS.iter().any(|(known, _)| *known == limit) {
+            return Err(CUDA_ERROR_UNSUPPORTED_LIMIT);
+        }
+        driver.kernels.limits.insert(limit, value);
+        Ok(())
     })
 }
