@@ -9,12 +9,15 @@ training step, a convolution and a collective all need them.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 from torch_env import MIB, require_real_torch, run_torch, torch_env
 
@@ -211,3 +214,35 @@ def test_nccl_all_reduce_and_a_ddp_step_run_on_two_fake_devices(tmp_path: Path) 
     # Every rank sees the others hold what it holds (the fake's NCCL moves bytes that way).
     assert all(o["gathered"] == [7, 7] for o in outputs)
     assert all(o["peak"] > 0 for o in outputs)
+
+
+def test_torch_compile_default_mode_compiles_with_triton_and_launches_through_the_driver() -> None:
+    # Triton is not among the suite's dependencies (scripts/with-fake-cuda): install the version
+    # torch pins (`pip install triton==3.9.0` into the venv) to run this.
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed in this venv (torch 2.15 pins triton~=3.9.0)")
+    out = run_torch(
+        """
+        def f(x, y):
+            return (x.sin() + y * 2).relu().sum(dim=0)
+
+        compiled = torch.compile(f)
+        x = torch.randn(128, 64, device="cuda")
+        y = torch.randn(128, 64, device="cuda")
+        out = compiled(x, y)
+        torch.cuda.synchronize()
+        result({
+            "shape": list(out.shape),
+            "module_launches": fake_stat("cuLaunchKernel") + fake_stat("cuLaunchKernelEx"),
+            "without_parameter_info": fake_stat("kernels_without_parameter_info"),
+            "violations": fake_stat("order_violations"),
+        })
+        """,
+        timeout=600,
+    )
+    assert out["shape"] == [64]
+    # Triton's kernels are cubins its own ptxas built, loaded and launched through the driver,
+    # their parameters read from the cubin.
+    assert out["module_launches"] >= 1
+    assert out["without_parameter_info"] == 0
+    assert out["violations"] == 0

@@ -28,6 +28,8 @@ use crate::{
 const CUDA_ERROR_INVALID_IMAGE: CuResult = 200;
 /// `CUDA_ERROR_UNSUPPORTED_LIMIT`: no such `CUlimit`.
 const CUDA_ERROR_UNSUPPORTED_LIMIT: CuResult = 215;
+/// `CUDA_ERROR_FILE_NOT_FOUND`: `cuModuleLoad` could not read the file.
+const CUDA_ERROR_FILE_NOT_FOUND: CuResult = 301;
 /// `CUDA_ERROR_NOT_FOUND`: no function of that name in the module.
 const CUDA_ERROR_NOT_FOUND: CuResult = 500;
 
@@ -359,6 +361,36 @@ fn looks_like_binary(image: *const c_void) -> bool {
     head == b"\x7fELF" || head == 0xBA55_ED50u32.to_le_bytes()
 }
 
+/// The limits of an H100 (compute capability 9.0, what the fake's devices report) that kernel
+/// compilers size their kernels by, by `CUdevice_attribute`: threads and block and grid
+/// dimensions, shared memory (per block, opt-in, per multiprocessor), registers, warp size,
+/// clocks (kHz), bus width, L2 cache, blocks and threads per multiprocessor.
+pub fn device_limit(attribute: c_int) -> Option<c_int> {
+    Some(match attribute {
+        1 => 1024,
+        2 | 3 => 1024,
+        4 => 64,
+        5 => i32::MAX,
+        6 | 7 => 65535,
+        8 => DEFAULT_DYNAMIC_SHARED,
+        9 => 64 << 10,
+        10 => 32,
+        12 => 65536,
+        13 => 1_980_000,
+        31 | 41 => 1,
+        36 => 2_619_000,
+        37 => 5120,
+        38 => 50 << 20,
+        39 => 2048,
+        40 => 2,
+        81 => 228 << 10,
+        82 => 65536,
+        97 => MAX_DYNAMIC_SHARED_OPTIN,
+        106 => 32,
+        _ => return None,
+    })
+}
+
 // ---- Modules and libraries -----------------------------------------------------------------
 
 #[unsafe(no_mangle)]
@@ -399,6 +431,23 @@ pub unsafe extern "C" fn cuModuleLoadFatBinary(
     call("cuModuleLoadFatBinary", |driver| {
         // SAFETY: the caller's image, by the driver API contract.
         let handle = unsafe { driver.load_module(image) }?;
+        // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
+        unsafe { put(module, handle as *mut c_void) }
+    })
+}
+
+/// A module image from a file (a cubin, a fat binary or PTX), read whole; a file that cannot be
+/// read is `CUDA_ERROR_FILE_NOT_FOUND`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleLoad(module: *mut *mut c_void, path: *const c_char) -> CuResult {
+    call("cuModuleLoad", |driver| {
+        // SAFETY: the caller's NUL-terminated path, by the driver API contract.
+        let path = unsafe { name_of(path) }?;
+        let mut image = std::fs::read(path).map_err(|_| CUDA_ERROR_FILE_NOT_FOUND)?;
+        // PTX text must end with its NUL, as an image in memory does.
+        image.push(0);
+        // SAFETY: the whole file, in memory for the call.
+        let handle = unsafe { driver.load_module(image.as_ptr().cast()) }?;
         // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
         unsafe { put(module, handle as *mut c_void) }
     })
