@@ -152,7 +152,8 @@ def test_a_captured_graph_of_kernels_replays_them() -> None:
 
 
 #: One rank of a job on two fake devices with backend="nccl": an all_reduce, an all_gather
-#: into a list, then one DDP step. Prints its figures as one JSON line.
+#: into a list, one DDP step, then one FSDP2 step (all-gathers and reduce-scatters). Prints its
+#: figures as one JSON line.
 NCCL_RANK = """
 import json, sys
 import torch, torch.distributed as dist
@@ -174,6 +175,14 @@ ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
 optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
 ddp(torch.randn(8, 32, device="cuda")).sum().backward()
 optimizer.step()
+from torch.distributed.fsdp import fully_shard
+sharded = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 4)).cuda()
+for layer in sharded:
+    fully_shard(layer)
+fully_shard(sharded)
+sharded_optimizer = torch.optim.AdamW(sharded.parameters())
+sharded(torch.randn(8, 32, device="cuda")).sum().backward()
+sharded_optimizer.step()
 torch.cuda.synchronize()
 print(json.dumps({
     "rank": rank,
@@ -185,7 +194,7 @@ dist.destroy_process_group()
 """
 
 
-def test_nccl_all_reduce_and_a_ddp_step_run_on_two_fake_devices(tmp_path: Path) -> None:
+def test_nccl_collectives_a_ddp_step_and_an_fsdp2_step_run_on_two_fake_devices(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(NCCL_RANK))
     env = dict(os.environ)
