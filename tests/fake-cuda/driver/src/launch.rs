@@ -26,6 +26,10 @@ use crate::{
 
 /// `CUDA_ERROR_INVALID_IMAGE`: the image is none the driver can load.
 const CUDA_ERROR_INVALID_IMAGE: CuResult = 200;
+/// `CUDA_ERROR_UNSUPPORTED_LIMIT`: no such `CUlimit`.
+const CUDA_ERROR_UNSUPPORTED_LIMIT: CuResult = 215;
+/// `CUDA_ERROR_FILE_NOT_FOUND`: `cuModuleLoad` could not read the file.
+const CUDA_ERROR_FILE_NOT_FOUND: CuResult = 301;
 /// `CUDA_ERROR_NOT_FOUND`: no function of that name in the module.
 const CUDA_ERROR_NOT_FOUND: CuResult = 500;
 
@@ -72,6 +76,8 @@ pub struct Kernels {
     /// Parameter tables of the fat binaries the runtime registered, by wrapper address (None:
     /// none could be read).
     fatbins: HashMap<usize, Option<ParamTable>>,
+    /// Context limits set with `cuCtxSetLimit`, by `CUlimit`.
+    limits: HashMap<c_int, usize>,
     pub launches: u64,
     /// Pointer arguments found in device memory, over all launches.
     pub pointer_arguments: u64,
@@ -355,6 +361,36 @@ fn looks_like_binary(image: *const c_void) -> bool {
     head == b"\x7fELF" || head == 0xBA55_ED50u32.to_le_bytes()
 }
 
+/// The limits of an H100 (compute capability 9.0, what the fake's devices report) that kernel
+/// compilers size their kernels by, by `CUdevice_attribute`: threads and block and grid
+/// dimensions, shared memory (per block, opt-in, per multiprocessor), registers, warp size,
+/// clocks (kHz), bus width, L2 cache, blocks and threads per multiprocessor.
+pub fn device_limit(attribute: c_int) -> Option<c_int> {
+    Some(match attribute {
+        1 => 1024,
+        2 | 3 => 1024,
+        4 => 64,
+        5 => i32::MAX,
+        6 | 7 => 65535,
+        8 => DEFAULT_DYNAMIC_SHARED,
+        9 => 64 << 10,
+        10 => 32,
+        12 => 65536,
+        13 => 1_980_000,
+        31 | 41 => 1,
+        36 => 2_619_000,
+        37 => 5120,
+        38 => 50 << 20,
+        39 => 2048,
+        40 => 2,
+        81 => 228 << 10,
+        82 => 65536,
+        97 => MAX_DYNAMIC_SHARED_OPTIN,
+        106 => 32,
+        _ => return None,
+    })
+}
+
 // ---- Modules and libraries -----------------------------------------------------------------
 
 #[unsafe(no_mangle)]
@@ -395,6 +431,23 @@ pub unsafe extern "C" fn cuModuleLoadFatBinary(
     call("cuModuleLoadFatBinary", |driver| {
         // SAFETY: the caller's image, by the driver API contract.
         let handle = unsafe { driver.load_module(image) }?;
+        // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
+        unsafe { put(module, handle as *mut c_void) }
+    })
+}
+
+/// A module image from a file (a cubin, a fat binary or PTX), read whole; a file that cannot be
+/// read is `CUDA_ERROR_FILE_NOT_FOUND`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleLoad(module: *mut *mut c_void, path: *const c_char) -> CuResult {
+    call("cuModuleLoad", |driver| {
+        // SAFETY: the caller's NUL-terminated path, by the driver API contract.
+        let path = unsafe { name_of(path) }?;
+        let mut image = std::fs::read(path).map_err(|_| CUDA_ERROR_FILE_NOT_FOUND)?;
+        // PTX text must end with its NUL, as an image in memory does.
+        image.push(0);
+        // SAFETY: the whole file, in memory for the call.
+        let handle = unsafe { driver.load_module(image.as_ptr().cast()) }?;
         // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
         unsafe { put(module, handle as *mut c_void) }
     })
@@ -815,5 +868,52 @@ pub unsafe extern "C" fn fake_cuda_library_work(
         };
         driver.kernels.launches += 1;
         driver.submit_step(stream, Step::Kernel(live.into()), &what)
+    })
+}
+
+// ---- Context limits ------------------------------------------------------------------------
+
+/// `CUlimit` values and what the driver starts with: stack size per thread, the `printf` FIFO,
+/// the device `malloc` heap, device-runtime depth and pending launches, L2 fetch granularity,
+/// persisting L2 cache.
+const LIMIT_DEFAULTS: [(c_int, usize); 7] = [
+    (0, 1024),
+    (1, 1 << 20),
+    (2, 8 << 20),
+    (3, 2),
+    (4, 2048),
+    (5, 32),
+    (6, 0),
+];
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetLimit(value: *mut usize, limit: c_int) -> CuResult {
+    call("cuCtxGetLimit", |driver| {
+        driver.require_primary_context()?;
+        let default = LIMIT_DEFAULTS
+            .iter()
+            .find(|(known, _)| *known == limit)
+            .map(|&(_, v)| v)
+            .ok_or(CUDA_ERROR_UNSUPPORTED_LIMIT)?;
+        let answer = driver
+            .kernels
+            .limits
+            .get(&limit)
+            .copied()
+            .unwrap_or(default);
+        // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
+        unsafe { put(value, answer) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> CuResult {
+    call("cuCtxSetLimit", |driver| {
+        driver.require_primary_context()?;
+        if !LIMIT_DEFAULTS.iter().any(|(known, _)| *known == limit) {
+            return Err(CUDA_ERROR_UNSUPPORTED_LIMIT);
+        }
+        driver.kernels.limits.insert(limit, value);
+        Ok(())
     })
 }
