@@ -21,28 +21,17 @@
 //!   says which key and which word.
 //! - Booleans are exactly `True` or `False`; the newest PyTorch does not take `true`.
 
+use crate::env;
 use crate::policy::{
     self, K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUNDUP_POWER_OF_TWO_INTERVALS, OomWording, TieRule,
 };
 use serde_json::{Map, Value, json};
 use std::fmt;
 
-/// The variables that hold the allocator settings, in the order PyTorch reads them: the first
-/// one that is set (even to an empty string) is used and the others are not read.
-///
-/// The newest PyTorch (`AcceleratorAllocatorConfig::instance` and
-/// `CUDAAllocatorConfig::instance`) reads `PYTORCH_CUDA_ALLOC_CONF` first, "to keep the parsing
-/// order stable". A short-lived version read `PYTORCH_ALLOC_CONF` first and warned that
-/// `PYTORCH_CUDA_ALLOC_CONF` was deprecated; that was reverted. `PYTORCH_HIP_ALLOC_CONF` is read
-/// by the accelerator parser on every build.
-pub const ALLOC_CONF_VARS: [&str; 3] = [
-    "PYTORCH_CUDA_ALLOC_CONF",
-    "PYTORCH_HIP_ALLOC_CONF",
-    "PYTORCH_ALLOC_CONF",
-];
+pub use crate::env::ALLOC_CONF_VARS;
 
 /// The variable that sets ferrocache's log level.
-pub const LOG_LEVEL_VAR: &str = "TORCH_CUDA_ALLOC_LOG_LEVEL";
+pub const LOG_LEVEL_VAR: &str = env::LOG_LEVEL.name;
 
 /// Keys of PyTorch's `AcceleratorAllocatorConfig` (`getMutableKeys`).
 pub const ACCELERATOR_KEYS: [&str; 9] = [
@@ -227,7 +216,7 @@ pub struct Config {
 
 /// The PyTorch version ferrocache decides like (`2.12`, `2.12.1+cu128`, ...): set by
 /// `ferrocache.install()` from `torch.__version__`; unset, PyTorch 2.15's rules.
-pub const PYTORCH_VERSION_VAR: &str = "FERROCACHE_PYTORCH_VERSION";
+pub const PYTORCH_VERSION_VAR: &str = env::PYTORCH_VERSION.name;
 
 /// The newest PyTorch whose rules ferrocache knows, and follows when no version is given.
 pub const NEWEST_PYTORCH: (u32, u32) = (2, 15);
@@ -256,7 +245,7 @@ fn apply_pytorch_version_var(config: &mut Config, value: Option<String>) {
 /// a version): what the replayer and `tune` judge a recording by, as the library does.
 pub fn tie_rule_from_env() -> TieRule {
     let mut config = Config::default();
-    apply_pytorch_version_var(&mut config, std::env::var(PYTORCH_VERSION_VAR).ok());
+    apply_pytorch_version_var(&mut config, env::lookup(PYTORCH_VERSION_VAR));
     config.tie_rule
 }
 
@@ -274,26 +263,25 @@ fn parse_major_minor(text: &str) -> Option<(u32, u32)> {
 
 /// ferrocache's own variable for cross-stream reuse (PyTorch would reject a new key in
 /// `PYTORCH_CUDA_ALLOC_CONF`).
-pub const CROSS_STREAM_VAR: &str = "FERROCACHE_CROSS_STREAM";
+pub const CROSS_STREAM_VAR: &str = env::CROSS_STREAM.name;
 
 /// ferrocache's own variable naming where a snapshot is written at the first out-of-memory
 /// (read by the Python package, `python/ferrocache/oom.py`; `ferrocache run --snapshot-on-oom`
 /// sets it).
-pub const SNAPSHOT_ON_OOM_VAR: &str = "FERROCACHE_SNAPSHOT_ON_OOM";
+pub const SNAPSHOT_ON_OOM_VAR: &str = env::SNAPSHOT_ON_OOM.name;
 
 /// ferrocache's own variable that exempts blocks of expandable segments from
 /// `max_split_size_mb` ([`Config::expandable_ignore_max_split`]).
-pub const EXPANDABLE_IGNORE_MAX_SPLIT_VAR: &str = "FERROCACHE_EXPANDABLE_IGNORE_MAX_SPLIT";
+pub const EXPANDABLE_IGNORE_MAX_SPLIT_VAR: &str = env::EXPANDABLE_IGNORE_MAX_SPLIT.name;
 
 /// Reads one of ferrocache's on/off variables: `1`/`true`/`yes`/`on` turn it on, `0`/`false`/
 /// `no`/`off`/empty leave it off; anything else leaves it off with a warning that names
 /// `what` (bad input never stops the allocator).
 fn flag_var(config: &mut Config, name: &str, value: Option<String>, what: &str) -> bool {
     let Some(value) = value else { return false };
-    match value.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => true,
-        "" | "0" | "false" | "no" | "off" => false,
-        _ => {
+    match env::parse_flag(&value) {
+        Some(on) => on,
+        None => {
             push_unique(
                 &mut config.warnings,
                 format!("{name}={value:?} is not understood (expected 1 or 0); {what} stays off"),
@@ -405,9 +393,7 @@ impl Config {
 
     /// Reads the settings from the process environment; see [`Config::from_vars`].
     pub fn from_env() -> Result<Config> {
-        Config::from_vars(|name| {
-            std::env::var_os(name).map(|value| value.to_string_lossy().into_owned())
-        })
+        Config::from_vars(env::lookup)
     }
 
     /// Reads the settings through `lookup` (a variable's value, or `None` when it is not set):
@@ -677,9 +663,7 @@ impl LogLevel {
     /// Reads `TORCH_CUDA_ALLOC_LOG_LEVEL` from the process environment; see
     /// [`LogLevel::from_vars`].
     pub fn from_env() -> Result<LogLevel> {
-        LogLevel::from_vars(|name| {
-            std::env::var_os(name).map(|value| value.to_string_lossy().into_owned())
-        })
+        LogLevel::from_vars(env::lookup)
     }
 
     /// Reads `TORCH_CUDA_ALLOC_LOG_LEVEL` through `lookup`; unset or blank gives `Warn`.

@@ -242,9 +242,9 @@ impl log::Log for UnlessSilenced {
 }
 
 /// The variable that gives the number of processes of a distributed job (`torchrun` sets it).
-pub const WORLD_SIZE_VAR: &str = "WORLD_SIZE";
+pub const WORLD_SIZE_VAR: &str = crate::env::WORLD_SIZE.name;
 /// The variable that gives this process's rank in the job (`torchrun` sets it).
-pub const RANK_VAR: &str = "RANK";
+pub const RANK_VAR: &str = crate::env::RANK.name;
 
 /// What starts each log line: `[rankN]:` for rank `N` of a job of more than one process
 /// (`WORLD_SIZE` > 1 and a `RANK`), nothing otherwise. It is the prefix `torch.distributed`
@@ -272,7 +272,7 @@ pub fn init() {
             Ok(level) => (level, None),
             Err(err) => (LogLevel::default(), Some(err)),
         };
-        let variable = |name| std::env::var(name).ok();
+        let variable = crate::env::lookup;
         let prefix = rank_prefix(
             variable(WORLD_SIZE_VAR).as_deref(),
             variable(RANK_VAR).as_deref(),

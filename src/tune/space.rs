@@ -351,7 +351,9 @@ mod tests {
              +FERROCACHE_CROSS_STREAM=1"
         );
         assert_eq!(
-            c.env().get("FERROCACHE_CROSS_STREAM").map(String::as_str),
+            c.env()
+                .get(crate::env::CROSS_STREAM.name)
+                .map(String::as_str),
             Some("1")
         );
     }
