@@ -1882,13 +1882,19 @@ pub unsafe extern "C" fn ferrocache_describe_config(text: *const c_char) -> *mut
         // SAFETY: passed on from our caller, who promises the same.
         let config = unsafe { read_config(text) }?;
         let mut lines = vec![config.describe()];
-        if !config.ignored_keys.is_empty() {
+        if !config.provenance.ignored_keys.is_empty() {
             lines.push(format!(
                 "not used by ferrocache: {}",
-                config.ignored_keys.join(", ")
+                config.provenance.ignored_keys.join(", ")
             ));
         }
-        lines.extend(config.warnings.iter().map(|w| format!("warning: {w}")));
+        lines.extend(
+            config
+                .provenance
+                .warnings
+                .iter()
+                .map(|w| format!("warning: {w}")),
+        );
         Ok(into_c_string(lines.join("\n")))
     })
 }

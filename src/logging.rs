@@ -298,7 +298,7 @@ pub fn init() {
 /// PyTorch's defaults, the keys that ferrocache accepts but does not use (once), and the
 /// warnings about things that look like mistakes.
 pub fn configuration(config: &Config) {
-    if let Some((variable, value)) = &config.source {
+    if let Some((variable, value)) = &config.provenance.source {
         info!(target: TARGET, "Allocator: settings from {variable}={value:?}");
     }
     settings_in_effect(config);
@@ -306,7 +306,7 @@ pub fn configuration(config: &Config) {
 
 /// `torch.cuda.memory._set_allocator_settings` replaced the settings.
 pub fn settings_changed(config: &Config) {
-    if let Some((_, value)) = &config.source {
+    if let Some((_, value)) = &config.provenance.source {
         info!(target: TARGET, "Allocator: settings changed at run time to {value:?}");
     }
     settings_in_effect(config);
@@ -320,10 +320,10 @@ fn settings_in_effect(config: &Config) {
             info!(target: TARGET, "Allocator: settings in effect: {line}");
         }
     }
-    if !config.ignored_keys.is_empty() {
-        info!(target: TARGET, "Allocator: keys accepted as PyTorch does but not used by ferrocache: {}", config.ignored_keys.join(", "));
+    if !config.provenance.ignored_keys.is_empty() {
+        info!(target: TARGET, "Allocator: keys accepted as PyTorch does but not used by ferrocache: {}", config.provenance.ignored_keys.join(", "));
     }
-    for warning in &config.warnings {
+    for warning in &config.provenance.warnings {
         warn!(target: TARGET, "Allocator: {warning}");
     }
 }
