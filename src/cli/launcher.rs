@@ -494,6 +494,41 @@ mod tests {
     }
 
     #[test]
+    fn the_options_set_exactly_the_rows_of_the_environment_table_that_name_them() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Run {
+            #[command(flatten)]
+            args: RunArgs,
+        }
+        let every_option = [
+            "run",
+            "--conf=max_split_size_mb:40",
+            "--cross-stream",
+            "--log-level=INFO",
+            "--snapshot-on-oom=oom.pickle",
+            "--record",
+            "--report=json:r.json",
+            "--",
+            "python",
+        ];
+        let run = Run::try_parse_from(every_option).expect("the options parse");
+        let mut set: Vec<&str> = forwarded_variables(&run.args, Path::new("/run"))
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
+        set.push(env::PYTHONPATH.name); // set beside them, by run_command
+        let mut rows: Vec<&str> = env::TABLE
+            .iter()
+            .filter(|v| v.run_option.is_some())
+            .map(|v| v.name)
+            .collect();
+        set.sort_unstable();
+        rows.sort_unstable();
+        assert_eq!(set, rows);
+    }
+
+    #[test]
     fn exit_codes_pass_through() {
         for code in [0, 1, 3, 255] {
             assert_eq!(exit_status(ExitStatus::from_raw(code << 8)), code as u8);
