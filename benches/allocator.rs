@@ -8,7 +8,7 @@ mod common;
 use common::median_chunk_time;
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use ferrocache::allocator::DeviceAllocator;
-use ferrocache::config::Config;
+use ferrocache::config::{Config, OptIns};
 use ferrocache::device::sim::SimDevice;
 use ferrocache::lock::SpinNapMutex;
 use std::hint::black_box;
@@ -143,7 +143,10 @@ fn capture_cache_hit_pair(c: &mut Criterion) {
 fn cross_stream_hit_pair(c: &mut Criterion) {
     let mut group = c.benchmark_group("cross_stream_hit_malloc_free_x2");
     let config = Config {
-        cross_stream: true,
+        opt_in: OptIns {
+            cross_stream: true,
+            ..OptIns::default()
+        },
         ..Config::default()
     };
     let mut a = DeviceAllocator::new(SimDevice::new(1 << 40), 0, config);

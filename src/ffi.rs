@@ -94,10 +94,8 @@ fn settings() -> &'static Settings {
                 Ok(Mutex::new(config))
             }
             Err(err) => {
-                let variable = selected_alloc_conf(|name| {
-                    std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
-                })
-                .map_or(ALLOC_CONF_VARS[0], |(name, _)| name);
+                let variable = selected_alloc_conf(crate::env::lookup)
+                    .map_or(ALLOC_CONF_VARS[0], |(name, _)| name);
                 logging::configuration_invalid(variable, &err.message);
                 Err(format!("{variable} is invalid: {}", err.message))
             }
@@ -1424,13 +1422,11 @@ pub extern "C" fn ferrocache_memory_stats(device: c_int) -> *mut c_char {
 // Sleep and wake
 // ------------------------------------------------------------------------------------------------
 
-/// Set to `1`, every segment is made so that it can sleep from the start, so that
+/// `FERROCACHE_SLEEP` on: every segment is made so that it can sleep from the start, so that
 /// `ferrocache_sleep` with no tag gives back all memory. Without it, only memory allocated
 /// after the first tag was set (a `region`) can sleep.
-const SLEEP_VARIABLE: &str = "FERROCACHE_SLEEP";
-
 fn sleep_ability_requested() -> bool {
-    std::env::var_os(SLEEP_VARIABLE).is_some_and(|v| v == "1")
+    crate::env::flag_is_on(&crate::env::SLEEP)
 }
 
 /// Tag names, interned: a tag's id is its index plus one.
@@ -1893,13 +1889,19 @@ pub unsafe extern "C" fn ferrocache_describe_config(text: *const c_char) -> *mut
         // SAFETY: passed on from our caller, who promises the same.
         let config = unsafe { read_config(text) }?;
         let mut lines = vec![config.describe()];
-        if !config.ignored_keys.is_empty() {
+        if !config.provenance.ignored_keys.is_empty() {
             lines.push(format!(
                 "not used by ferrocache: {}",
-                config.ignored_keys.join(", ")
+                config.provenance.ignored_keys.join(", ")
             ));
         }
-        lines.extend(config.warnings.iter().map(|w| format!("warning: {w}")));
+        lines.extend(
+            config
+                .provenance
+                .warnings
+                .iter()
+                .map(|w| format!("warning: {w}")),
+        );
         Ok(into_c_string(lines.join("\n")))
     })
 }

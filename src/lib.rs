@@ -5,6 +5,7 @@ pub mod allocator;
 pub mod cli;
 pub mod config;
 pub mod device;
+pub mod env;
 pub mod ffi;
 pub mod lock;
 pub mod logging;

@@ -242,9 +242,9 @@ impl log::Log for UnlessSilenced {
 }
 
 /// The variable that gives the number of processes of a distributed job (`torchrun` sets it).
-pub const WORLD_SIZE_VAR: &str = "WORLD_SIZE";
+pub const WORLD_SIZE_VAR: &str = crate::env::WORLD_SIZE.name;
 /// The variable that gives this process's rank in the job (`torchrun` sets it).
-pub const RANK_VAR: &str = "RANK";
+pub const RANK_VAR: &str = crate::env::RANK.name;
 
 /// What starts each log line: `[rankN]:` for rank `N` of a job of more than one process
 /// (`WORLD_SIZE` > 1 and a `RANK`), nothing otherwise. It is the prefix `torch.distributed`
@@ -272,7 +272,7 @@ pub fn init() {
             Ok(level) => (level, None),
             Err(err) => (LogLevel::default(), Some(err)),
         };
-        let variable = |name| std::env::var(name).ok();
+        let variable = crate::env::lookup;
         let prefix = rank_prefix(
             variable(WORLD_SIZE_VAR).as_deref(),
             variable(RANK_VAR).as_deref(),
@@ -298,7 +298,7 @@ pub fn init() {
 /// PyTorch's defaults, the keys that ferrocache accepts but does not use (once), and the
 /// warnings about things that look like mistakes.
 pub fn configuration(config: &Config) {
-    if let Some((variable, value)) = &config.source {
+    if let Some((variable, value)) = &config.provenance.source {
         info!(target: TARGET, "Allocator: settings from {variable}={value:?}");
     }
     settings_in_effect(config);
@@ -306,7 +306,7 @@ pub fn configuration(config: &Config) {
 
 /// `torch.cuda.memory._set_allocator_settings` replaced the settings.
 pub fn settings_changed(config: &Config) {
-    if let Some((_, value)) = &config.source {
+    if let Some((_, value)) = &config.provenance.source {
         info!(target: TARGET, "Allocator: settings changed at run time to {value:?}");
     }
     settings_in_effect(config);
@@ -320,10 +320,10 @@ fn settings_in_effect(config: &Config) {
             info!(target: TARGET, "Allocator: settings in effect: {line}");
         }
     }
-    if !config.ignored_keys.is_empty() {
-        info!(target: TARGET, "Allocator: keys accepted as PyTorch does but not used by ferrocache: {}", config.ignored_keys.join(", "));
+    if !config.provenance.ignored_keys.is_empty() {
+        info!(target: TARGET, "Allocator: keys accepted as PyTorch does but not used by ferrocache: {}", config.provenance.ignored_keys.join(", "));
     }
-    for warning in &config.warnings {
+    for warning in &config.provenance.warnings {
         warn!(target: TARGET, "Allocator: {warning}");
     }
 }

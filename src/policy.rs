@@ -3,83 +3,22 @@
 //! Each function is one rule of `c10/cuda/CUDACachingAllocator.cpp`, under PyTorch's name where it
 //! has one, with PyTorch's constants. The allocator asks these functions and decides nothing about
 //! sizes itself, so a rule can be read, tested and changed in one place.
+//!
+//! The rules read PyTorch's keys of [`Config`] alone, never ferrocache's opt-ins or where a
+//! value came from. What changed between PyTorch versions (tie rule, out-of-memory wording)
+//! lives with the PyTorch being modelled ([`crate::config::modelled`], a leaf), whose constants
+//! and enums are re-exported here under their old paths.
+
+#![forbid(unsafe_code)]
 
 use crate::config::Config;
 use crate::device::ProcessMemory;
 
-/// All sizes are rounded to at least 512 bytes.
-pub const K_MIN_BLOCK_SIZE: usize = 512;
-/// The largest "small" request is 1 MiB.
-pub const K_SMALL_SIZE: usize = 1_048_576;
-/// Small requests are packed into 2 MiB segments.
-pub const K_SMALL_BUFFER: usize = 2_097_152;
-/// Requests between 1 and 10 MiB are packed into 20 MiB segments.
-pub const K_LARGE_BUFFER: usize = 20_971_520;
-/// Requests of 10 MiB or more get a segment of their own size.
-pub const K_MIN_LARGE_ALLOC: usize = 10_485_760;
-/// Large segments are rounded up to 2 MiB.
-pub const K_ROUND_LARGE: usize = 2_097_152;
-/// `roundup_power2_divisions` has one entry per power of two from 1 MiB to 64 GiB.
-pub const K_ROUNDUP_POWER_OF_TWO_INTERVALS: usize = 16;
-
-/// How PyTorch orders the cached free blocks of one stream and size; its best fit takes the
-/// first. The rule changed twice, so ferrocache follows the PyTorch it runs under
-/// ([`tie_rule_of_pytorch`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum TieRule {
-    /// The lower address first (`BlockComparatorSize`, PyTorch up to 2.11).
-    Address,
-    /// The block made first, then the lower address: every new `Block` takes a process-wide
-    /// counter (a new segment, the front split off for a request, a piece left by mapping or
-    /// unmapping pages), merged blocks keep the freed block's (PyTorch 2.12, pytorch#178362).
-    BlockOrder,
-    /// The segment made first, then the lower address: the counter is taken when backing memory
-    /// is obtained (`cudaMalloc`, a new expandable segment) and inherited by every block carved
-    /// from it (PyTorch 2.13 and later, pytorch#183591). Best fit then picks the same block in
-    /// every process, whatever addresses the driver returned.
-    #[default]
-    SegmentOrder,
-}
-
-/// The tie rule of PyTorch `major.minor` (measured through each version's own allocator on the
-/// fake CUDA: python/tests/real_torch/test_oracle.py, the tie programs).
-pub fn tie_rule_of_pytorch(major: u32, minor: u32) -> TieRule {
-    match (major, minor) {
-        (0..=1, _) | (2, 0..=11) => TieRule::Address,
-        (2, 12) => TieRule::BlockOrder,
-        _ => TieRule::SegmentOrder,
-    }
-}
-
-/// The advice at the end of PyTorch's out-of-memory message, which changed between versions
-/// (read from each version's `libc10_cuda.so` and checked by running it on the fake CUDA; see
-/// [`oom_wording_of_pytorch`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum OomWording {
-    /// PyTorch 2.4 to 2.9: `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` and the link
-    /// `pytorch.org/docs/stable/notes/cuda.html#environment-variables`.
-    EnvironmentVariablesLink,
-    /// PyTorch 2.10: the same link, but the advice names `PYTORCH_ALLOC_CONF`.
-    AllocConfVariable,
-    /// PyTorch 2.11 to 2.14: the link
-    /// `docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf`.
-    AllocConfLink,
-    /// PyTorch 2.15: as 2.11, except that with `expandable_segments:True` the advice is a note
-    /// on virtual address space instead, and an allocation larger than the configured
-    /// `expandable_segments_reserve` says so.
-    #[default]
-    ExpandableNote,
-}
-
-/// The out-of-memory wording of PyTorch `major.minor`.
-pub fn oom_wording_of_pytorch(major: u32, minor: u32) -> OomWording {
-    match (major, minor) {
-        (0..=1, _) | (2, 0..=9) => OomWording::EnvironmentVariablesLink,
-        (2, 10) => OomWording::AllocConfVariable,
-        (2, 11..=14) => OomWording::AllocConfLink,
-        _ => OomWording::ExpandableNote,
-    }
-}
+pub use crate::config::modelled::{
+    K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE,
+    K_ROUNDUP_POWER_OF_TWO_INTERVALS, K_SMALL_BUFFER, K_SMALL_SIZE, OomWording, TieRule,
+    oom_wording_of_pytorch, tie_rule_of_pytorch,
+};
 
 /// What PyTorch's out-of-memory message quotes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -646,24 +585,6 @@ mod tests {
         };
         assert!(may_serve(1024 * MIB, 512 * MIB, &c));
         assert!(!may_serve(1536 * MIB, 512 * MIB, &c));
-    }
-
-    #[test]
-    fn the_oom_wording_follows_the_pytorch_version() {
-        assert_eq!(
-            oom_wording_of_pytorch(2, 4),
-            OomWording::EnvironmentVariablesLink
-        );
-        assert_eq!(
-            oom_wording_of_pytorch(2, 9),
-            OomWording::EnvironmentVariablesLink
-        );
-        assert_eq!(oom_wording_of_pytorch(2, 10), OomWording::AllocConfVariable);
-        assert_eq!(oom_wording_of_pytorch(2, 11), OomWording::AllocConfLink);
-        assert_eq!(oom_wording_of_pytorch(2, 14), OomWording::AllocConfLink);
-        assert_eq!(oom_wording_of_pytorch(2, 15), OomWording::ExpandableNote);
-        assert_eq!(oom_wording_of_pytorch(3, 0), OomWording::ExpandableNote);
-        assert_eq!(OomWording::default(), OomWording::ExpandableNote);
     }
 
     #[test]

@@ -730,7 +730,10 @@ fn each_tie_rule_picks_what_its_pytorch_picked() {
     const KIB: usize = 1 << 10;
     let pick = |rule: TieRule, program: &str| -> &'static str {
         let config = Config {
-            tie_rule: rule,
+            modelled: ferrocache::config::ModelledPyTorch {
+                tie_rule: rule,
+                ..Default::default()
+            },
             ..Config::default()
         };
         let mut a = with_config(GIB, config);
@@ -770,16 +773,21 @@ fn each_tie_rule_picks_what_its_pytorch_picked() {
     assert_eq!(tie_rule_of_pytorch(2, 11), TieRule::Address);
     assert_eq!(tie_rule_of_pytorch(2, 12), TieRule::BlockOrder);
     assert_eq!(tie_rule_of_pytorch(2, 15), TieRule::SegmentOrder);
-    assert_eq!(Config::default().tie_rule, TieRule::SegmentOrder);
+    assert_eq!(Config::default().modelled.tie_rule, TieRule::SegmentOrder);
     let from = |version: &str| {
         Config::from_vars(|name| (name == "FERROCACHE_PYTORCH_VERSION").then(|| version.into()))
             .unwrap()
     };
-    assert_eq!(from("2.12.1+cu128").tie_rule, TieRule::BlockOrder);
-    assert_eq!(from("2.9.0").tie_rule, TieRule::Address);
+    assert_eq!(from("2.12.1+cu128").modelled.tie_rule, TieRule::BlockOrder);
+    assert_eq!(from("2.9.0").modelled.tie_rule, TieRule::Address);
     let bad = from("nightly");
-    assert_eq!(bad.tie_rule, TieRule::SegmentOrder);
-    assert_eq!(bad.warnings.len(), 1, "{:?}", bad.warnings);
+    assert_eq!(bad.modelled.tie_rule, TieRule::SegmentOrder);
+    assert_eq!(
+        bad.provenance.warnings.len(),
+        1,
+        "{:?}",
+        bad.provenance.warnings
+    );
 }
 
 /// What `FERROCACHE_PYTORCH_VERSION` (set by `ferrocache.install()`) chooses.

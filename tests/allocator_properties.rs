@@ -9,7 +9,7 @@
 
 use ferrocache::allocator::private_pool::{MempoolId, PoolError};
 use ferrocache::allocator::{AllocError, DeviceAllocator};
-use ferrocache::config::Config;
+use ferrocache::config::{Config, ModelledPyTorch, OptIns};
 use ferrocache::device::sim::{SimDevice, SimOp};
 use ferrocache::device::{DeviceError, DevicePtr, StreamId};
 use ferrocache::policy::TieRule;
@@ -829,7 +829,10 @@ property!(
     cross_stream_reuse_keeps_every_invariant,
     program(EVERYDAY),
     Config {
-        cross_stream: true,
+        opt_in: OptIns {
+            cross_stream: true,
+            ..OptIns::default()
+        },
         ..Config::default()
     }
 );
@@ -837,7 +840,10 @@ property!(
     cross_stream_reuse_with_max_split_size_keeps_every_invariant,
     program(EVERYDAY),
     Config {
-        cross_stream: true,
+        opt_in: OptIns {
+            cross_stream: true,
+            ..OptIns::default()
+        },
         max_split_size: 64 * MIB,
         ..Config::default()
     }
@@ -846,7 +852,10 @@ property!(
     cross_stream_reuse_with_power2_rounding_keeps_every_invariant,
     program(EVERYDAY),
     Config {
-        cross_stream: true,
+        opt_in: OptIns {
+            cross_stream: true,
+            ..OptIns::default()
+        },
         roundup_power2_divisions: [4; 16],
         ..Config::default()
     }
@@ -855,7 +864,10 @@ property!(
     cross_stream_reuse_with_expandable_segments_keeps_every_invariant,
     program(EVERYDAY),
     Config {
-        cross_stream: true,
+        opt_in: OptIns {
+            cross_stream: true,
+            ..OptIns::default()
+        },
         expandable_segments: true,
         ..Config::default()
     }
@@ -864,7 +876,10 @@ property!(
     cross_stream_reuse_with_expandable_segments_and_max_split_size_keeps_every_invariant,
     program(EVERYDAY),
     Config {
-        cross_stream: true,
+        opt_in: OptIns {
+            cross_stream: true,
+            ..OptIns::default()
+        },
         expandable_segments: true,
         max_split_size: 64 * MIB,
         ..Config::default()
@@ -874,7 +889,10 @@ property!(
     cross_stream_reuse_with_expandable_segments_under_a_memory_fraction_keeps_every_invariant,
     program(EVERYDAY),
     Config {
-        cross_stream: true,
+        opt_in: OptIns {
+            cross_stream: true,
+            ..OptIns::default()
+        },
         expandable_segments: true,
         per_process_memory_fraction: Some(0.5),
         garbage_collection_threshold: 0.6,
@@ -885,7 +903,10 @@ property!(
     every_option_at_once_keeps_every_invariant,
     program(EVERYDAY),
     Config {
-        cross_stream: true,
+        opt_in: OptIns {
+            cross_stream: true,
+            ..OptIns::default()
+        },
         expandable_segments: true,
         max_split_size: 64 * MIB,
         roundup_power2_divisions: [4; 16],
@@ -898,8 +919,14 @@ property!(
     address_ties_with_cross_stream_reuse_and_expandable_segments_keep_every_invariant,
     program(EVERYDAY),
     Config {
-        tie_rule: TieRule::Address,
-        cross_stream: true,
+        modelled: ModelledPyTorch {
+            tie_rule: TieRule::Address,
+            ..ModelledPyTorch::default()
+        },
+        opt_in: OptIns {
+            cross_stream: true,
+            ..OptIns::default()
+        },
         expandable_segments: true,
         ..Config::default()
     }
@@ -908,8 +935,14 @@ property!(
     block_order_ties_with_cross_stream_reuse_and_expandable_segments_keep_every_invariant,
     program(EVERYDAY),
     Config {
-        tie_rule: TieRule::BlockOrder,
-        cross_stream: true,
+        modelled: ModelledPyTorch {
+            tie_rule: TieRule::BlockOrder,
+            ..ModelledPyTorch::default()
+        },
+        opt_in: OptIns {
+            cross_stream: true,
+            ..OptIns::default()
+        },
         expandable_segments: true,
         ..Config::default()
     }
@@ -933,7 +966,10 @@ property!(
     captures_and_failures_with_cross_stream_reuse_and_expandable_segments_keep_every_invariant,
     program(CAPTURES_AND_FAILURES),
     Config {
-        cross_stream: true,
+        opt_in: OptIns {
+            cross_stream: true,
+            ..OptIns::default()
+        },
         expandable_segments: true,
         max_split_size: 64 * MIB,
         ..Config::default()
@@ -958,7 +994,10 @@ property!(
     device_faults_with_cross_stream_reuse_keep_every_invariant,
     program_with_device_faults(CAPTURES_AND_FAILURES),
     Config {
-        cross_stream: true,
+        opt_in: OptIns {
+            cross_stream: true,
+            ..OptIns::default()
+        },
         ..Config::default()
     }
 );
@@ -966,7 +1005,10 @@ property!(
     device_faults_with_cross_stream_reuse_and_expandable_segments_keep_every_invariant,
     program_with_device_faults(CAPTURES_AND_FAILURES),
     Config {
-        cross_stream: true,
+        opt_in: OptIns {
+            cross_stream: true,
+            ..OptIns::default()
+        },
         expandable_segments: true,
         max_split_size: 64 * MIB,
         ..Config::default()
@@ -1368,7 +1410,10 @@ fn cross_stream_growth_through_another_streams_unmapped_pages_reproducer() {
         },
     ];
     let config = Config {
-        cross_stream: true,
+        opt_in: OptIns {
+            cross_stream: true,
+            ..OptIns::default()
+        },
         expandable_segments: true,
         ..Config::default()
     };

@@ -1,7 +1,7 @@
 //! Expandable segments (`expandable_segments:True`) on the simulated GPU.
 
 use ferrocache::allocator::{AllocError, DeviceAllocator, ImportedBlock};
-use ferrocache::config::Config;
+use ferrocache::config::{Config, OptIns};
 use ferrocache::device::DeviceError;
 use ferrocache::device::sim::{SimDevice, SimOp};
 use ferrocache::policy::PoolKind;
@@ -190,7 +190,10 @@ fn peak_reserved_of_the_pytorch_123548_pattern(ignore_max_split: bool) -> i64 {
     let config = Config {
         expandable_segments: true,
         max_split_size: 128 * MIB,
-        expandable_ignore_max_split: ignore_max_split,
+        opt_in: OptIns {
+            expandable_ignore_max_split: ignore_max_split,
+            ..OptIns::default()
+        },
         ..Config::default()
     };
     let mut a = DeviceAllocator::new(SimDevice::new(16 * GIB), 0, config);
@@ -558,7 +561,10 @@ fn pages_mapped_to_grow_a_block_take_its_stream_with_cross_stream_reuse() {
     const B: u64 = 0x1000;
     let config = Config {
         expandable_segments: true,
-        cross_stream: true,
+        opt_in: OptIns {
+            cross_stream: true,
+            ..OptIns::default()
+        },
         ..Config::default()
     };
     let mut a = DeviceAllocator::new(SimDevice::new(4 * GIB), 0, config);

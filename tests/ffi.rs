@@ -1193,10 +1193,8 @@ fn settings_fraction_metadata_and_caching_off_through_the_c_abi() {
             // SAFETY: a NUL-terminated string; the returned one is freed by take_string.
             assert_eq!(unsafe { set_metadata(phase.as_ptr()) }, 0);
             // SAFETY: no arguments; the string is given back by take_string.
-            assert_eq!(
-                api.take_string(unsafe { get_metadata() }).unwrap(),
-                "phase 2"
-            );
+            let metadata = unsafe { get_metadata() };
+            assert_eq!(api.take_string(metadata).unwrap(), "phase 2");
             let tagged = api.alloc(4096, 0, 0);
             let other = std::thread::spawn(|| {
                 let api = Api::open();

@@ -20,11 +20,12 @@ from ctypes import POINTER, c_char_p, c_double, c_int, c_size_t, c_ulonglong, c_
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from . import _env
 from ._version import __version__
 from .errors import LibraryNotFoundError, LibraryVersionError, library_error
 
 #: Set it to the path of a ``libferrocache.so`` to use that one (development builds).
-LIBRARY_ENV = "FERROCACHE_LIBRARY"
+LIBRARY_ENV = _env.LIBRARY.name
 #: The library's file name as cargo builds it.
 LIBRARY_NAME = "libferrocache.so"
 #: Where a wheel puts the library, beside the package in site-packages: maturin copies the library

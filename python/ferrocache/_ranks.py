@@ -14,11 +14,12 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from . import _env
 from .config import LOG_LEVEL_VAR
 
-RANK_VAR = "RANK"
-LOCAL_RANK_VAR = "LOCAL_RANK"
-WORLD_SIZE_VAR = "WORLD_SIZE"
+RANK_VAR = _env.RANK.name
+LOCAL_RANK_VAR = _env.LOCAL_RANK.name
+WORLD_SIZE_VAR = _env.WORLD_SIZE.name
 #: The placeholders a snapshot path may hold.
 PLACEHOLDERS = ("rank", "local_rank", "pid")
 

@@ -18,13 +18,13 @@ import os
 import sys
 from typing import Any, Optional
 
-from . import _ranks, _torch, config, oom
+from . import _env, _ranks, _torch, config, oom
 
 #: The launcher's variables (``src/cli/launcher.rs`` names the same).
-RUN_REPORT_VAR = "FERROCACHE_RUN_REPORT"
-RUN_RECORD_VAR = "FERROCACHE_RUN_RECORD"
-RUN_REPORT_JSON_VAR = "FERROCACHE_RUN_REPORT_JSON"
-RUN_DIR_VAR = "FERROCACHE_RUN_DIR"
+RUN_REPORT_VAR = _env.RUN_REPORT.name
+RUN_RECORD_VAR = _env.RUN_RECORD.name
+RUN_REPORT_JSON_VAR = _env.RUN_REPORT_JSON.name
+RUN_DIR_VAR = _env.RUN_DIR.name
 
 #: The history ``--record`` keeps: PyTorch's own bound for a recording left on through a job
 #: (the newest entries are kept), the same as for a snapshot at out of memory.
@@ -39,7 +39,7 @@ def start() -> None:
     from .install import install
 
     install()
-    record = os.environ.get(RUN_RECORD_VAR) == "1"
+    record = _env.flag_is_on(_env.RUN_RECORD)
     if record and oom.snapshot_on_oom_from_environment() is None:
         # --snapshot-on-oom records already (with stacks); otherwise no stacks: advice needs
         # only the sizes and the order.
@@ -202,7 +202,7 @@ def _report_at_exit(record: bool) -> None:
         user_json = os.environ.get(RUN_REPORT_JSON_VAR)
         if user_json:
             _write_json(_ranks.per_rank_path(user_json), report)
-        if os.environ.get(RUN_REPORT_VAR, "1") != "0":
+        if _env.flag_is_on(_env.RUN_REPORT, default=True):
             prefix = _ranks.log_prefix()
             text = "".join(f"{prefix}{line}\n" for line in report_lines(report))
             sys.stderr.write(text)

@@ -12,12 +12,12 @@ import os
 import warnings
 from typing import Any, Optional
 
-from . import _lib
+from . import _env, _lib
 
 #: The variables PyTorch reads its allocator settings from, the first one set winning.
-ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+ALLOC_CONF_VARS = _env.ALLOC_CONF_VARS
 #: The variable ferrocache's log level comes from.
-LOG_LEVEL_VAR = "TORCH_CUDA_ALLOC_LOG_LEVEL"
+LOG_LEVEL_VAR = _env.LOG_LEVEL.name
 #: The log levels the library accepts (in any case).
 LOG_LEVELS = ("OFF", "ERROR", "WARN", "WARNING", "INFO", "DEBUG", "TRACE")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Optional, Union
 
-from . import _lib, _ranks, config, oom, torch_api
+from . import _env, _lib, _ranks, config, oom, torch_api
 
 #: PyTorch's hook setters, the library function each one gets, and what is lost without it.
 HOOKS = (
@@ -74,10 +74,10 @@ def is_installed() -> bool:
     return _installed is not None
 
 
-CROSS_STREAM_VAR = "FERROCACHE_CROSS_STREAM"
+CROSS_STREAM_VAR = _env.CROSS_STREAM.name
 #: The PyTorch whose rules ferrocache follows where they changed between versions (which of two
 #: equal cached blocks best fit takes); install() sets it from ``torch.__version__``.
-PYTORCH_VERSION_VAR = "FERROCACHE_PYTORCH_VERSION"
+PYTORCH_VERSION_VAR = _env.PYTORCH_VERSION.name
 
 
 def install(

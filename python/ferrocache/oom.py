@@ -25,10 +25,10 @@ import threading
 import traceback
 from typing import Any, Callable, Optional, Union
 
-from . import _lib, _ranks, snapshot
+from . import _env, _lib, _ranks, snapshot
 
 #: The variable that names the snapshot to write at the first out of memory.
-SNAPSHOT_ON_OOM_VAR = "FERROCACHE_SNAPSHOT_ON_OOM"
+SNAPSHOT_ON_OOM_VAR = _env.SNAPSHOT_ON_OOM.name
 #: How many trace entries the history keeps while it waits for an out of memory: the bound of
 #: PyTorch's own recipe for a snapshot at out of memory (``_record_memory_history(max_entries=
 #: 100000)`` in "Understanding GPU Memory"); ``_record_memory_history``'s own default keeps

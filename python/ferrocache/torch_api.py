@@ -40,7 +40,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Optional
 
-from . import _lib, _ranks, _torch, memory, pools, snapshot
+from . import _env, _lib, _ranks, _torch, memory, pools, snapshot
 from ._torch import Device
 from .errors import library_error
 
@@ -299,9 +299,9 @@ def replaced_names() -> list[str]:
 # ------------------------------------------------------------------------------------------------
 
 #: A prebuilt shim to load instead of building one.
-OOM_SHIM_ENV = "FERROCACHE_OOM_SHIM"
+OOM_SHIM_ENV = _env.OOM_SHIM.name
 #: Where built shims are cached (default ``$XDG_CACHE_HOME/ferrocache`` or ``~/.cache/ferrocache``).
-CACHE_DIR_ENV = "FERROCACHE_CACHE_DIR"
+CACHE_DIR_ENV = _env.CACHE_DIR.name
 _SHIM_SOURCE = Path(__file__).with_name("oom_shim.cpp")
 _SHIM_SYMBOL = "ferrocache_throw_oom"
 _RESERVE_CLASS_SYMBOL = "ferrocache_stream_reserve_class"

@@ -60,7 +60,7 @@ impl<D: Device> DeviceAllocator<D> {
                 }
                 // Cross-stream reuse moves single blocks to other streams.
                 if b.pool != pool
-                    || (b.stream != head.stream && !self.config.cross_stream)
+                    || (b.stream != head.stream && !self.config.opt_in.cross_stream)
                     || b.backing != head.backing
                     || b.owner != head.owner
                     || b.asleep != head.asleep

@@ -66,7 +66,7 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// Whether a miss of `request` in its own stream's cache may look at other streams.
     fn cross_stream_applies(&self, request: &Request) -> bool {
-        self.config.cross_stream
+        self.config.opt_in.cross_stream
             && self.captures.is_empty()
             && request.owner == Owner::Ordinary
             && self.sleeping_segments == 0
@@ -278,7 +278,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// streams, after synchronizing those streams on the host, so whole segments can be
     /// released. Without the mode there is nothing to merge.
     pub(super) fn coalesce_across_streams(&mut self) -> Result<(), DeviceError> {
-        if !self.config.cross_stream {
+        if !self.config.opt_in.cross_stream {
             return Ok(());
         }
         for kind in [policy::PoolKind::Large, policy::PoolKind::Small] {

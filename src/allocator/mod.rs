@@ -559,7 +559,8 @@ impl<D: Device> DeviceAllocator<D> {
         // PyTorch applies the oversize rules to expandable blocks too, though they always split
         // (which grows reserved memory without bound, pytorch#123548); the opt-in
         // FERROCACHE_EXPANDABLE_IGNORE_MAX_SPLIT leaves them out.
-        let exempt = block.backing.is_expandable() && self.config.expandable_ignore_max_split;
+        let exempt =
+            block.backing.is_expandable() && self.config.opt_in.expandable_ignore_max_split;
         if !exempt && !policy::may_serve(block.size, request.size, &self.config) {
             return None;
         }
@@ -755,7 +756,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// The [`Block::segment_order`] of a segment made now: PyTorch's allocation-order counter,
     /// taken when backing memory is obtained (0 for everything under the address rule).
     fn order_of_new_segment(&mut self) -> u64 {
-        match self.config.tie_rule {
+        match self.config.modelled.tie_rule {
             TieRule::Address => 0,
             TieRule::BlockOrder | TieRule::SegmentOrder => {
                 self.blocks_made += 1;
@@ -770,7 +771,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// rule (see [`TieRule`]).
     pub(super) fn piece_of(&mut self, of: BlockId, ptr: DevicePtr, size: usize) -> Block {
         let mut piece = self.arena.get(of).sibling(ptr, size);
-        if self.config.tie_rule == TieRule::BlockOrder {
+        if self.config.modelled.tie_rule == TieRule::BlockOrder {
             self.blocks_made += 1;
             piece.segment_order = self.blocks_made;
         }
@@ -828,7 +829,7 @@ impl<D: Device> DeviceAllocator<D> {
                 processes,
                 own_pid: std::process::id(),
             },
-            self.config.oom_wording,
+            self.config.modelled.oom_wording,
         );
         self.out_of_memory_error(request, orig_size, info, message)
     }

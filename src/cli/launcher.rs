@@ -20,9 +20,8 @@
 use super::USAGE_ERROR;
 use super::rows::JobRow;
 use super::table::{aligned_lines, job_table};
-use crate::config::{
-    self, ALLOC_CONF_VARS, CROSS_STREAM_VAR, Config, LOG_LEVEL_VAR, LogLevel, SNAPSHOT_ON_OOM_VAR,
-};
+use crate::config::{self, Config, LogLevel};
+use crate::env::{self, Variable};
 use crate::replay::JobSummary;
 use clap::Args;
 use serde::Deserialize;
@@ -69,18 +68,6 @@ pub(super) struct RunArgs {
     command: Vec<OsString>,
 }
 
-/// The variables the launcher gives the child beyond `install()`'s own (read by
-/// `python/ferrocache/_run.py`).
-const RUN_REPORT_VAR: &str = "FERROCACHE_RUN_REPORT";
-/// `1`: keep the allocation history and advise at exit.
-const RUN_RECORD_VAR: &str = "FERROCACHE_RUN_RECORD";
-/// Where each process also writes its report as JSON (the user's `--report json:PATH`).
-const RUN_REPORT_JSON_VAR: &str = "FERROCACHE_RUN_REPORT_JSON";
-/// A folder of the launcher's own where every process leaves its JSON report, for the job rows.
-const RUN_DIR_VAR: &str = "FERROCACHE_RUN_DIR";
-/// The variable that names the library the package loads (`python/ferrocache/_lib.py`).
-const LIBRARY_VAR: &str = "FERROCACHE_LIBRARY";
-const PYTHONPATH_VAR: &str = "PYTHONPATH";
 /// The folder of the package that holds the startup hook.
 const STARTUP_DIR: &str = "_startup";
 /// The exit status when COMMAND is not found, and when it cannot be run (a shell's).
@@ -135,28 +122,30 @@ fn check_placeholders(path: &str) -> Result<(), String> {
 
 /// The variables the options set in the child, each the one `install()` reads for its
 /// argument of the same name.
+/// Each is a row of [`env::TABLE`] whose `run_option` names the option.
 fn forwarded_variables(args: &RunArgs, run_dir: &Path) -> Vec<(&'static str, OsString)> {
     let mut vars: Vec<(&'static str, OsString)> = Vec::new();
+    let mut set = |variable: Variable, value: OsString| vars.push((variable.name, value));
     if let Some(conf) = &args.conf {
-        vars.push((ALLOC_CONF_VARS[0], conf.into()));
+        set(env::ALLOC_CONF, conf.into());
     }
     if args.cross_stream {
-        vars.push((CROSS_STREAM_VAR, "1".into()));
+        set(env::CROSS_STREAM, "1".into());
     }
     if let Some(level) = &args.log_level {
-        vars.push((LOG_LEVEL_VAR, level.into()));
+        set(env::LOG_LEVEL, level.into());
     }
     if let Some(path) = &args.snapshot_on_oom {
-        vars.push((SNAPSHOT_ON_OOM_VAR, path.into()));
+        set(env::SNAPSHOT_ON_OOM, path.into());
     }
     if args.record {
-        vars.push((RUN_RECORD_VAR, "1".into()));
+        set(env::RUN_RECORD, "1".into());
     }
-    vars.push((RUN_REPORT_VAR, if args.quiet { "0" } else { "1" }.into()));
+    set(env::RUN_REPORT, if args.quiet { "0" } else { "1" }.into());
     if let Some(path) = &args.report {
-        vars.push((RUN_REPORT_JSON_VAR, path.into()));
+        set(env::RUN_REPORT_JSON, path.into());
     }
-    vars.push((RUN_DIR_VAR, run_dir.into()));
+    set(env::RUN_DIR, run_dir.into());
     vars
 }
 
@@ -170,7 +159,7 @@ fn check_settings(vars: &[(&'static str, OsString)]) -> Result<(), String> {
             .find(|(var, _)| *var == name)
             .map(|(_, v)| v.clone());
         given
-            .or_else(|| std::env::var_os(name))
+            .or_else(|| env::lookup_os(name))
             .map(|value| value.to_string_lossy().into_owned())
     };
     Config::from_vars(lookup).map_err(|err| {
@@ -178,9 +167,9 @@ fn check_settings(vars: &[(&'static str, OsString)]) -> Result<(), String> {
         format!("PyTorch rejects {name}={value:?}: {err}")
     })?;
     LogLevel::from_vars(lookup).map_err(|err| err.to_string())?;
-    if let Some(path) = lookup(SNAPSHOT_ON_OOM_VAR).filter(|p| !p.trim().is_empty()) {
-        check_placeholders(&path)
-            .map_err(|err| format!("{SNAPSHOT_ON_OOM_VAR}: snapshot {err}"))?;
+    let snapshot_on_oom = env::SNAPSHOT_ON_OOM.name;
+    if let Some(path) = lookup(snapshot_on_oom).filter(|p| !p.trim().is_empty()) {
+        check_placeholders(&path).map_err(|err| format!("{snapshot_on_oom}: snapshot {err}"))?;
     }
     Ok(())
 }
@@ -207,11 +196,11 @@ pub(super) fn run_command(args: &RunArgs) -> u8 {
     command
         .args(program_args)
         .envs(vars.iter().map(|(k, v)| (k, v)));
-    command.env(PYTHONPATH_VAR, python_path(&startup));
-    if std::env::var_os(LIBRARY_VAR).is_none()
+    command.env(env::PYTHONPATH.name, python_path(&startup));
+    if env::lookup_os(env::LIBRARY.name).is_none()
         && let Some(library) = own_library()
     {
-        command.env(LIBRARY_VAR, library);
+        command.env(env::LIBRARY.name, library);
     }
     let started = SystemTime::now();
     forward_signals();
@@ -386,7 +375,7 @@ fn startup_dir() -> Result<PathBuf, String> {
 /// The child's `PYTHONPATH`: the startup hook first, then what the environment had.
 fn python_path(startup: &Path) -> OsString {
     let mut path = OsString::from(startup);
-    if let Some(existing) = std::env::var_os(PYTHONPATH_VAR).filter(|p| !p.is_empty()) {
+    if let Some(existing) = env::lookup_os(env::PYTHONPATH.name).filter(|p| !p.is_empty()) {
         path.push(":");
         path.push(existing);
     }
@@ -401,8 +390,7 @@ impl RunDir {
         let nanos = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
-        let dir =
-            std::env::temp_dir().join(format!("ferrocache-run-{}-{nanos:09}", std::process::id()));
+        let dir = env::temp_dir().join(format!("ferrocache-run-{}-{nanos:09}", std::process::id()));
         // Without the folder there are no job rows; the command still runs.
         let _ = std::fs::create_dir_all(&dir);
         RunDir(dir)
@@ -503,6 +491,41 @@ mod tests {
         assert!(parse_report("out.json").is_err());
         assert!(parse_report("json:").is_err());
         assert!(parse_report("json:{nope}.json").is_err());
+    }
+
+    #[test]
+    fn the_options_set_exactly_the_rows_of_the_environment_table_that_name_them() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Run {
+            #[command(flatten)]
+            args: RunArgs,
+        }
+        let every_option = [
+            "run",
+            "--conf=max_split_size_mb:40",
+            "--cross-stream",
+            "--log-level=INFO",
+            "--snapshot-on-oom=oom.pickle",
+            "--record",
+            "--report=json:r.json",
+            "--",
+            "python",
+        ];
+        let run = Run::try_parse_from(every_option).expect("the options parse");
+        let mut set: Vec<&str> = forwarded_variables(&run.args, Path::new("/run"))
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
+        set.push(env::PYTHONPATH.name); // set beside them, by run_command
+        let mut rows: Vec<&str> = env::TABLE
+            .iter()
+            .filter(|v| v.run_option.is_some())
+            .map(|v| v.name)
+            .collect();
+        set.sort_unstable();
+        rows.sort_unstable();
+        assert_eq!(set, rows);
     }
 
     #[test]

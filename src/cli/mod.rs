@@ -159,13 +159,13 @@ fn check_config(conf: &str) -> u8 {
             for line in config.describe().lines() {
                 say!("  {line}");
             }
-            if !config.ignored_keys.is_empty() {
+            if !config.provenance.ignored_keys.is_empty() {
                 say!(
                     "  ignored by ferrocache (PyTorch reads them; they change nothing here): {}",
-                    config.ignored_keys.join(", ")
+                    config.provenance.ignored_keys.join(", ")
                 );
             }
-            for warning in &config.warnings {
+            for warning in &config.provenance.warnings {
                 say!("warning: {warning}");
             }
             SUCCESS
@@ -203,7 +203,10 @@ fn parse_settings(confs: &[String]) -> Result<Vec<Setting>, u8> {
             Ok(config) => Ok(Setting {
                 raw: raw.clone(),
                 config: Config {
-                    tie_rule: config::tie_rule_from_env(),
+                    modelled: config::ModelledPyTorch {
+                        tie_rule: config::tie_rule_from_env(),
+                        ..config.modelled
+                    },
                     ..config
                 },
             }),

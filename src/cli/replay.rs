@@ -318,7 +318,10 @@ fn with_cross_stream(setting: Setting) -> Setting {
     Setting {
         raw,
         config: Config {
-            cross_stream: true,
+            opt_in: crate::config::OptIns {
+                cross_stream: true,
+                ..setting.config.opt_in
+            },
             ..setting.config
         },
     }

@@ -217,7 +217,10 @@ mod tests {
                 ..Config::default()
             };
             let cross = Config {
-                cross_stream: true,
+                opt_in: crate::config::OptIns {
+                    cross_stream: true,
+                    ..base.opt_in
+                },
                 ..base.clone()
             };
             let per_stream = replay(&w, &base, &options());

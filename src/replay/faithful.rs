@@ -124,7 +124,7 @@ pub fn settle(workload: &mut DeviceWorkload, recorded: &Config, assumed: TieRule
 /// returns how close the best order came.
 fn settle_order(workload: &mut DeviceWorkload, recorded: &Config, rule: TieRule) -> Closeness {
     let mut config = recorded.clone();
-    config.tie_rule = rule;
+    config.modelled.tie_rule = rule;
     let options = ReplayOptions {
         capacity: DEFAULT_CAPACITY
             .max(workload.figures.peak_reserved.saturating_mul(2))

@@ -91,17 +91,22 @@ fn settings_of(config: &Config) -> AllocatorSettings {
 /// reads the same, else the effective values written as one; cross-stream reuse as set.
 pub fn current_setting(config: &Config) -> Candidate {
     let with_opt_ins = |mut candidate: Candidate| {
-        candidate.config.expandable_ignore_max_split = config.expandable_ignore_max_split;
+        candidate.config.opt_in.expandable_ignore_max_split =
+            config.opt_in.expandable_ignore_max_split;
         candidate
     };
-    let raw = config.source.as_ref().map(|(_, value)| value.as_str());
+    let raw = config
+        .provenance
+        .source
+        .as_ref()
+        .map(|(_, value)| value.as_str());
     let from_raw = raw
-        .and_then(|raw| Candidate::new(raw, config.cross_stream).ok())
+        .and_then(|raw| Candidate::new(raw, config.opt_in.cross_stream).ok())
         .map(with_opt_ins);
     match from_raw {
         Some(candidate) if super::same_policy(&candidate.config, config) => candidate,
         _ => with_opt_ins(
-            Candidate::new(&super::conf_of(config), config.cross_stream)
+            Candidate::new(&super::conf_of(config), config.opt_in.cross_stream)
                 .unwrap_or_else(|_| Candidate::defaults()),
         ),
     }
@@ -120,7 +125,7 @@ pub fn live_subject(
     let index = usize::try_from(device).map_err(|_| format!("invalid device ordinal {device}"))?;
     let replay_snapshot = to_replay_snapshot(snapshot, config, index);
     let name = format!("this process (device {device})");
-    let mut subjects = Subject::from_snapshot(&name, None, &replay_snapshot, config.tie_rule);
+    let mut subjects = Subject::from_snapshot(&name, None, &replay_snapshot, config.modelled.tie_rule);
     let index = subjects
         .iter()
         .position(|s| s.workload.device == index)
@@ -246,7 +251,7 @@ pub fn oom_advice(
         capacity,
         capacity_source: CapacitySource::Device,
         event_budget: Some(OOM_EVENT_BUDGET),
-        tie_rule: config.tie_rule,
+        tie_rule: config.modelled.tie_rule,
         ..TuneOptions::default()
     };
     let tuning = super::tune(std::slice::from_ref(&subject), &options);
@@ -282,7 +287,7 @@ pub fn advise_live(
         capacity: capacity.0,
         capacity_source: capacity.1,
         max_candidates,
-        tie_rule: config.tie_rule,
+        tie_rule: config.modelled.tie_rule,
         ..TuneOptions::default()
     };
     Ok(super::tune(std::slice::from_ref(&subject), &options))

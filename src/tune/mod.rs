@@ -322,7 +322,7 @@ pub fn tune_candidates(
     }
     // Every candidate is replayed under the rule of the PyTorch being modelled.
     for candidate in &mut candidates {
-        candidate.config.tie_rule = options.tie_rule;
+        candidate.config.modelled.tie_rule = options.tie_rule;
     }
     let replay_options = ReplayOptions {
         capacity: options.capacity,
@@ -538,7 +538,7 @@ mod tests {
             };
             let tuning = tune(&subjects, &options);
             for (i, a) in tuning.ranked.iter().enumerate() {
-                assert_eq!(a.candidate.config.tie_rule, tie_rule);
+                assert_eq!(a.candidate.config.modelled.tie_rule, tie_rule);
                 for b in &tuning.ranked[i + 1..] {
                     assert!(
                         !a.candidate.same_setting(&b.candidate),

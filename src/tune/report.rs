@@ -440,8 +440,11 @@ fn answer(out: &mut String, tuning: &Tuning, options: &TextOptions) {
             out,
             "{}",
             wrap(
-                "FERROCACHE_CROSS_STREAM is ferrocache's own (ferrocache.install() reads it): \
-                 PyTorch's allocator has no such mode.",
+                &format!(
+                    "{} is ferrocache's own (ferrocache.install() reads it): PyTorch's \
+                     allocator has no such mode.",
+                    crate::env::CROSS_STREAM.name
+                ),
                 100
             )
         );

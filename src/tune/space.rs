@@ -64,7 +64,7 @@ impl Candidate {
     /// `conf` read with PyTorch's rules, or PyTorch's message when it would reject it.
     pub fn new(conf: &str, cross_stream: bool) -> Result<Candidate, String> {
         let mut config = Config::parse(conf).map_err(|err| err.message)?;
-        config.cross_stream = cross_stream;
+        config.opt_in.cross_stream = cross_stream;
         Ok(Candidate {
             conf: conf.to_string(),
             cross_stream,
@@ -84,10 +84,10 @@ impl Candidate {
     /// The `FERROCACHE_*` variables to set with the conf (the opt-ins its config has on).
     pub fn env(&self) -> BTreeMap<String, String> {
         let mut env = BTreeMap::new();
-        if self.config.cross_stream {
+        if self.config.opt_in.cross_stream {
             env.insert(crate::config::CROSS_STREAM_VAR.to_string(), "1".to_string());
         }
-        if self.config.expandable_ignore_max_split {
+        if self.config.opt_in.expandable_ignore_max_split {
             env.insert(
                 crate::config::EXPANDABLE_IGNORE_MAX_SPLIT_VAR.to_string(),
                 "1".to_string(),
@@ -142,8 +142,7 @@ impl Candidate {
 /// setting of one search or replay ([`TuneOptions::tie_rule`](super::TuneOptions::tie_rule)),
 /// so it is left out: a setting read from a snapshot is the same setting under any rule.
 pub fn same_policy(a: &Config, b: &Config) -> bool {
-    a.cross_stream == b.cross_stream
-        && a.expandable_ignore_max_split == b.expandable_ignore_max_split
+    a.opt_in == b.opt_in
         && a.max_split_size == b.max_split_size
         && a.max_non_split_rounding_size == b.max_non_split_rounding_size
         && a.garbage_collection_threshold == b.garbage_collection_threshold
@@ -401,7 +400,9 @@ mod tests {
              +FERROCACHE_CROSS_STREAM=1"
         );
         assert_eq!(
-            c.env().get("FERROCACHE_CROSS_STREAM").map(String::as_str),
+            c.env()
+                .get(crate::env::CROSS_STREAM.name)
+                .map(String::as_str),
             Some("1")
         );
     }

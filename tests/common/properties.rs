@@ -10,7 +10,10 @@
 //! - Cases that failed once are kept in the `.proptest-regressions` file beside the test, and
 //!   proptest runs them first, before the drawn ones, whatever the seed.
 
-#![allow(dead_code)]
+#![allow(
+    dead_code,
+    reason = "each test binary uses its own part of the configuration"
+)]
 
 use proptest::test_runner::{Config, RngAlgorithm, RngSeed};
 

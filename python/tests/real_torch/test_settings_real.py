@@ -195,7 +195,7 @@ def test_out_of_memory_messages_and_counts_are_pytorchs(scenario: tuple) -> None
 
 #: Settings changed at run time, under every PyTorch version: what the running PyTorch keeps
 #: and resets at each ``_set_allocator_settings`` parse shows in which cached block serves the
-#: next request (src/config.rs ``reset_before_each_parse``).
+#: next request (src/config/parser.rs ``reset_before_each_parse``).
 RUNTIME_CHANGES = """
 S = torch.cuda.memory._set_allocator_settings
 step("100 MiB", lambda: E(100 * MIB))

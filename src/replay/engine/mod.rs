@@ -94,10 +94,10 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
     let mut config = config.clone();
     // Ties break as the recording's PyTorch broke them, whatever the setting replayed.
     if let Some(rule) = workload.tie_rule {
-        config.tie_rule = rule;
+        config.modelled.tie_rule = rule;
     }
     let mut report = ReplayReport {
-        tie_rule: config.tie_rule,
+        tie_rule: config.modelled.tie_rule,
         ..ReplayReport::default()
     };
     let mut allocator = DeviceAllocator::new(device, 0, config);
