@@ -701,8 +701,24 @@ pub extern "C" fn ferrocache_set_reserve_class_lookup(
     })
 }
 
+/// Armed by [`ferrocache_debug_panic_at_next_reserve_class_lookup`].
+#[cfg(debug_assertions)]
+static PANIC_AT_NEXT_RESERVE_CLASS_LOOKUP: AtomicBool = AtomicBool::new(false);
+
+/// Debug builds only, for tests: the next reserve-class lookup the allocator makes (under its
+/// lock, part-way through an operation) panics.
+#[cfg(debug_assertions)]
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_debug_panic_at_next_reserve_class_lookup() {
+    PANIC_AT_NEXT_RESERVE_CLASS_LOOKUP.store(true, Ordering::Relaxed);
+}
+
 /// The reserve class of `stream` from the registered lookup; empty without one.
 fn reserve_class_of(stream: StreamId) -> String {
+    #[cfg(debug_assertions)]
+    if PANIC_AT_NEXT_RESERVE_CLASS_LOOKUP.swap(false, Ordering::Relaxed) {
+        panic!("the debug build's fault: a panic in the reserve-class lookup");
+    }
     let lookup = RESERVE_CLASS_LOOKUP.load(Ordering::Acquire);
     if lookup.is_null() {
         return String::new();
