@@ -1268,7 +1268,10 @@ fn a_panic_inside_the_allocator_puts_its_device_out_of_service() {
             "{panicked}"
         );
 
-        assert!(api.alloc(4096, 0, 0).is_null(), "a cache hit after the panic");
+        assert!(
+            api.alloc(4096, 0, 0).is_null(),
+            "a cache hit after the panic"
+        );
         let refused = api.last_error();
         assert!(refused.contains("device 0"), "{refused}");
         assert!(refused.contains("out of service"), "{refused}");
@@ -1277,7 +1280,10 @@ fn a_panic_inside_the_allocator_puts_its_device_out_of_service() {
         api.rust_free(kept, MIB, 0);
         assert!(api.stats(0).is_none(), "statistics from a broken allocator");
         assert_eq!(api.last_error(), refused);
-        assert!(api.snapshot().is_none(), "a snapshot from a broken allocator");
+        assert!(
+            api.snapshot().is_none(),
+            "a snapshot from a broken allocator"
+        );
         assert_eq!(api.empty_cache(), -1);
 
         let elsewhere = api.alloc(MIB, 1, 0);
