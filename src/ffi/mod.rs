@@ -47,11 +47,6 @@ use std::ptr;
 
 use crate::device::{DevicePtr, StreamId};
 
-pub use callbacks::{
-    OomObserver, OomThrower, ReserveClassLookup, StackGatherer, ferrocache_oom_observer,
-    ferrocache_oom_thrower, ferrocache_reserve_class_lookup, ferrocache_stack_gatherer,
-};
-
 /// A CUDA stream handle as PyTorch passes it; 0 is the legacy default stream.
 #[allow(
     non_camel_case_types,
