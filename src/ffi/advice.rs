@@ -6,8 +6,8 @@ use std::ffi::{c_char, c_int, c_ulonglong};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
 
-use super::guard::{panic_message, with_last_error};
-use super::registry::{self, Device};
+use super::guard::panic_message;
+use super::registry::{self, Device, with_last_error};
 use super::strings::into_c_string;
 use crate::allocator::OutOfMemoryError;
 use crate::device::Device as _;

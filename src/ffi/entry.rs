@@ -13,8 +13,8 @@ use std::sync::Arc;
 use super::callbacks::{
     StackEvent, ferrocache_oom_thrower, gather_stack, notify_oom_observers, oom_thrower,
 };
-use super::guard::{guarded, last_error_ptr, set_last_error, with_last_error};
-use super::registry::{self, Found, Memory};
+use super::guard::{guarded, last_error_ptr, set_last_error};
+use super::registry::{self, Found, Memory, with_last_error};
 use super::{cudaStream_t, device_address, device_pointer, stream_id, thread, unknown_pointer};
 use crate::allocator::uncached::{Caller, UncachedFreeError};
 use crate::allocator::{AllocError, AllocationInfo};
@@ -161,7 +161,7 @@ fn release_elsewhere(
     caller: Caller,
     metadata: Option<Arc<str>>,
 ) -> Result<(), String> {
-    super::settings::read_once();
+    registry::read_once();
     let (device, recorded) = registry::with_owner(
         claims.device,
         || unknown_pointer(ptr),

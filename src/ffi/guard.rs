@@ -67,22 +67,11 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without a message".to_string())
 }
 
-/// [`guarded`] for the `ferrocache_*` functions that report through the last error: reads the
-/// settings (first use), clears the last error, runs `body`, and on `Err` sets it. Logging,
-/// where wanted, is `body`'s business.
-pub(crate) fn with_last_error<T: Copy>(
-    function: &str,
-    on_error: T,
-    body: impl FnOnce() -> Result<T, String>,
-) -> T {
-    reporting_errors(function, on_error, || {
-        super::settings::read_once();
-        body()
-    })
-}
-
-/// [`with_last_error`] for calls that must not read the process's settings for good (checking
-/// a configuration string before it is put in the environment).
+/// [`guarded`] for the `ferrocache_*` functions that report through the last error: clears it,
+/// runs `body`, and on `Err` sets it. Logging, where wanted, is `body`'s business. Calls that
+/// read the settings use `registry::with_last_error`, which reads them first; this one is for
+/// calls that must not read them for good (checking a configuration string before it is put
+/// in the environment).
 pub(crate) fn reporting_errors<T: Copy>(
     function: &str,
     on_error: T,

@@ -4,8 +4,8 @@
 
 use std::ffi::{c_double, c_int, c_void};
 
-use super::guard::{guarded, with_last_error};
-use super::registry::{self, created_devices};
+use super::guard::guarded;
+use super::registry::{self, created_devices, with_last_error};
 use super::{cudaStream_t, device_address, device_pointer, stream_id, unknown_pointer};
 use crate::logging;
 
@@ -14,7 +14,7 @@ use crate::logging;
 #[unsafe(no_mangle)]
 pub extern "C" fn rust_init(device_count: c_int) {
     guarded("rust_init", (), || {
-        super::settings::read_once();
+        registry::read_once();
         registry::set_device_count(device_count);
         logging::library_initialised(env!("CARGO_PKG_VERSION"), device_count);
     });
@@ -25,7 +25,7 @@ pub extern "C" fn rust_init(device_count: c_int) {
 #[unsafe(no_mangle)]
 pub extern "C" fn rust_reset() {
     guarded("rust_reset", (), || {
-        super::settings::read_once();
+        registry::read_once();
         if let Err(why) = empty_all_caches() {
             logging::call_failed("rust_reset", &why);
         }
@@ -67,7 +67,7 @@ fn empty_all_caches() -> Result<(), String> {
 #[unsafe(no_mangle)]
 pub extern "C" fn rust_memory_fraction(fraction: c_double, device: c_int) {
     guarded("rust_memory_fraction", (), || {
-        super::settings::read_once();
+        registry::read_once();
         if let Err(why) = set_memory_fraction(fraction, device) {
             logging::call_refused("rust_memory_fraction", &why);
         }
@@ -108,7 +108,7 @@ pub extern "C" fn ferrocache_get_memory_fraction(device: c_int) -> c_double {
 #[unsafe(no_mangle)]
 pub extern "C" fn rust_record_stream(ptr: *mut c_void, stream: cudaStream_t) {
     guarded("rust_record_stream", (), || {
-        super::settings::read_once();
+        registry::read_once();
         let address = device_address(ptr);
         let recorded = registry::with_owner(
             None,
@@ -135,7 +135,7 @@ pub extern "C" fn rust_record_stream(ptr: *mut c_void, stream: cudaStream_t) {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn rust_base_alloc(ptr: *mut c_void, size: *mut usize) -> *mut c_void {
     let (base, base_size) = guarded("rust_base_alloc", (ptr, 0), || {
-        super::settings::read_once();
+        registry::read_once();
         let address = device_address(ptr);
         let found = registry::with_owner(
             None,

@@ -4,8 +4,7 @@
 use std::ffi::{c_char, c_int};
 use std::ptr;
 
-use super::guard::with_last_error;
-use super::registry::{self, created_devices};
+use super::registry::{self, created_devices, with_last_error};
 use super::strings::into_c_string;
 use crate::allocator::history::MemorySnapshot;
 use crate::allocator::stats::DeviceStats;
@@ -18,7 +17,7 @@ pub extern "C" fn ferrocache_memory_stats(device: c_int) -> *mut c_char {
     with_last_error("ferrocache_memory_stats", ptr::null_mut(), || {
         let json = match registry::if_used(device)? {
             Some(device) => device.lock()?.allocator().stats().to_json(),
-            None => DeviceStats::new(super::settings::config()?.max_split_size).to_json(),
+            None => DeviceStats::new(registry::config()?.max_split_size).to_json(),
         };
         Ok(into_c_string(json))
     })
@@ -52,7 +51,7 @@ pub extern "C" fn ferrocache_reset_accumulated_stats(device: c_int) -> c_int {
 #[unsafe(no_mangle)]
 pub extern "C" fn ferrocache_snapshot() -> *mut c_char {
     with_last_error("ferrocache_snapshot", ptr::null_mut(), || {
-        let config = super::settings::config()?;
+        let config = registry::config()?;
         let mut combined = MemorySnapshot {
             segments: Vec::new(),
             device_traces: Vec::new(),

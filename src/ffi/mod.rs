@@ -16,7 +16,7 @@
 //!
 //! | unit | owns |
 //! |---|---|
-//! | [`registry`] | the per-device allocators, their creation and the process-wide settings applied to each |
+//! | [`registry`] | the per-device allocators, their creation, and what applies to every device: the settings (read on first use), history recording, caching on or off |
 //! | [`guard`] | panics caught at every export, this thread's last error |
 //! | [`entry`] | allocation and free: `rust_malloc`'s core, `rust_free`, `ferrocache_alloc`/`free` |
 //! | [`hooks`] | PyTorch's other `set_*_fn` hooks: init, reset, memory fraction, record stream, base allocation |
@@ -25,7 +25,7 @@
 //! | [`thread`] | what a thread sets for its own allocations: its tag and its trace metadata |
 //! | [`inspect`] | statistics, snapshot, history recording, invariant checks |
 //! | [`advice`] | `ferrocache_advise` and the advice line after an out-of-memory |
-//! | [`settings`] | `PYTORCH_CUDA_ALLOC_CONF` read, checked, replaced at run time; caching on or off |
+//! | [`settings`] | `PYTORCH_CUDA_ALLOC_CONF` checked, described, replaced at run time; caching turned on or off |
 //! | [`sleep`] | sleep and wake of tagged memory, with per-device reports |
 //! | [`strings`] | C strings in and out, the version and the command line |
 

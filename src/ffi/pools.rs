@@ -5,8 +5,8 @@
 use std::ffi::{CStr, c_char, c_int, c_ulonglong, c_void};
 use std::ptr;
 
-use super::guard::{guarded, last_error_ptr, set_last_error, with_last_error};
-use super::registry;
+use super::guard::{guarded, last_error_ptr, set_last_error};
+use super::registry::{self, with_last_error};
 use super::{cudaStream_t, stream_handle};
 use crate::allocator::private_pool::{MempoolId, PoolError, StreamFilter};
 use crate::device::StreamId;
@@ -119,7 +119,7 @@ pub unsafe extern "C" fn ferrocache_internal_begin_allocate_to_pool(
     });
     let id = pool_id(pool_first, pool_second);
     let outcome = guarded("rust_begin_allocate_to_pool", Err(()), || {
-        super::settings::read_once();
+        registry::read_once();
         let result = match filter {
             Some(filter) => {
                 begin_allocate_to_pool(device, id, Box::new(move |stream| filter.accepts(stream)))
@@ -148,7 +148,7 @@ pub extern "C" fn ferrocache_internal_end_allocate_to_pool(
     pool_second: c_ulonglong,
 ) {
     guarded("rust_end_allocate_to_pool", (), || {
-        super::settings::read_once();
+        registry::read_once();
         if let Err(why) = end_allocate_to_pool(device, pool_id(pool_first, pool_second)) {
             logging::call_refused("rust_end_allocate_to_pool", &why);
         }
@@ -165,7 +165,7 @@ pub extern "C" fn ferrocache_internal_release_pool(
     pool_second: c_ulonglong,
 ) {
     guarded("rust_release_pool", (), || {
-        super::settings::read_once();
+        registry::read_once();
         if let Err(why) = release_pool(device, pool_id(pool_first, pool_second)) {
             logging::call_refused("rust_release_pool", &why);
         }

@@ -1,8 +1,8 @@
 //! The process-wide registry of device allocators, the only global state the allocator has
 //! (compare RMM's `per_device_resource.hpp`): one [`Device`] per CUDA device, created on first
 //! use with the settings in effect then and kept for the life of the process, each behind its
-//! own lock. What applies to every device, those created later included (history recording,
-//! caching on or off), is kept here too, under the lock that creation takes.
+//! own lock. What applies to every device, those created later included, is kept here too: the
+//! settings (read on the library's first use), history recording, caching on or off.
 //!
 //! A device whose lock a panic poisoned is out of service: [`Device::lock`] refuses it from
 //! then on, so nothing is served from an allocator that may be half-updated.
@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use parking_lot::{Mutex, MutexGuard};
 
 use super::callbacks;
+use super::guard::reporting_errors;
 use crate::allocator::DeviceAllocator;
 use crate::allocator::uncached::DeviceMemory;
 use crate::config::Config;
@@ -21,6 +22,55 @@ use crate::device::DeviceError;
 use crate::device::cuda::CudaDevice;
 use crate::lock::{SpinNapGuard, SpinNapMutex};
 use crate::logging;
+
+/// The settings in effect, or why the environment's are invalid (then every allocation fails
+/// with that message).
+pub(crate) type Settings = Result<Mutex<Config>, String>;
+
+pub(crate) fn settings() -> &'static Settings {
+    static SETTINGS: OnceLock<Settings> = OnceLock::new();
+    SETTINGS.get_or_init(|| {
+        logging::init();
+        match Config::from_env() {
+            Ok(config) => {
+                logging::configuration(&config);
+                Ok(Mutex::new(config))
+            }
+            Err(err) => {
+                let variable = crate::config::alloc_conf_variable_in_env();
+                logging::configuration_invalid(variable, &err.message);
+                Err(format!("{variable} is invalid: {}", err.message))
+            }
+        }
+    })
+}
+
+/// Reads the settings and sets up logging, on the library's first use; later calls do nothing.
+pub(crate) fn read_once() {
+    settings();
+}
+
+/// The settings in effect.
+pub(crate) fn config() -> Result<Config, String> {
+    match settings() {
+        Ok(config) => Ok(config.lock().clone()),
+        Err(why) => Err(why.clone()),
+    }
+}
+
+/// [`reporting_errors`] for the `ferrocache_*` functions that read the settings: reads them on
+/// the library's first use (with logging), clears the last error, runs `body`, and on `Err`
+/// sets it. Logging, where wanted, is `body`'s business.
+pub(crate) fn with_last_error<T: Copy>(
+    function: &str,
+    on_error: T,
+    body: impl FnOnce() -> Result<T, String>,
+) -> T {
+    reporting_errors(function, on_error, || {
+        read_once();
+        body()
+    })
+}
 
 /// PyTorch's `c10::DeviceIndex` is an `int8_t`, so there are never more devices than this.
 const MAX_DEVICES: usize = 128;
@@ -122,12 +172,12 @@ pub(crate) fn device(device: c_int) -> Result<&'static Device, String> {
 fn first_use_of(device: c_int) -> Result<&'static Device, String> {
     // The settings (and logging) are read on the library's first use, before anything is
     // logged; a created allocator implies they were.
-    super::settings::read_once();
+    read_once();
     let slot = slot(device).inspect_err(|why| logging::invalid_device(why))?;
     if let Some(created) = slot.get() {
         return created.as_ref().map_err(String::clone);
     }
-    let config = super::settings::config()?;
+    let config = config()?;
     let process_wide = PROCESS_WIDE.lock();
     if let Some(created) = slot.get() {
         // Another thread opened it while this one waited for the lock.

@@ -1,61 +1,22 @@
-//! The settings: `PYTORCH_CUDA_ALLOC_CONF` read once, on the library's first use, checked and
-//! described for the Python package, and replaced at run time
-//! (`torch.cuda.memory._set_allocator_settings`); caching on or off
-//! (`torch.cuda.memory.caching_allocator_enable`). A setting applies to every device, those
-//! created later included.
+//! The settings' exports: `PYTORCH_CUDA_ALLOC_CONF` checked and described for the Python
+//! package, and replaced at run time (`torch.cuda.memory._set_allocator_settings`); caching
+//! turned on or off (`torch.cuda.memory.caching_allocator_enable`). A setting applies to every
+//! device, those created later included; the registry keeps what is in effect.
 
 use std::ffi::{CStr, c_char, c_int};
 use std::ptr;
-use std::sync::OnceLock;
 
-use parking_lot::Mutex;
-
-use super::guard::{guarded, reporting_errors, with_last_error};
-use super::registry::{self, created_devices};
+use super::guard::{guarded, reporting_errors};
+use super::registry::{self, created_devices, with_last_error};
 use super::strings::{into_c_string, text_argument};
 use crate::config::Config;
 use crate::logging;
-
-/// The settings in effect, or why the environment's are invalid (then every allocation fails
-/// with that message).
-type Settings = Result<Mutex<Config>, String>;
-
-fn settings() -> &'static Settings {
-    static SETTINGS: OnceLock<Settings> = OnceLock::new();
-    SETTINGS.get_or_init(|| {
-        logging::init();
-        match Config::from_env() {
-            Ok(config) => {
-                logging::configuration(&config);
-                Ok(Mutex::new(config))
-            }
-            Err(err) => {
-                let variable = crate::config::alloc_conf_variable_in_env();
-                logging::configuration_invalid(variable, &err.message);
-                Err(format!("{variable} is invalid: {}", err.message))
-            }
-        }
-    })
-}
-
-/// Reads the settings and sets up logging, on the library's first use; later calls do nothing.
-pub(crate) fn read_once() {
-    settings();
-}
-
-/// The settings in effect.
-pub(crate) fn config() -> Result<Config, String> {
-    match settings() {
-        Ok(config) => Ok(config.lock().clone()),
-        Err(why) => Err(why.clone()),
-    }
-}
 
 /// `torch.cuda.memory._set_allocator_settings(text)`: the settings in effect become
 /// [`Config::with_runtime_settings`]'s, on every device created so far and those created
 /// later. A refused `text` changes nothing.
 fn set_allocator_settings(text: &str) -> Result<(), String> {
-    let settings = settings().as_ref().map_err(String::clone)?;
+    let settings = registry::settings().as_ref().map_err(String::clone)?;
     // Under the creation lock, so that no device is made meanwhile with the old settings.
     let _creation = registry::process_wide();
     let mut current = settings.lock();

@@ -9,8 +9,7 @@ use std::ptr;
 
 use serde::Serialize;
 
-use super::guard::with_last_error;
-use super::registry::created_devices;
+use super::registry::{created_devices, with_last_error};
 use super::strings::{into_c_string, text_argument};
 use super::thread::tag_ids;
 use crate::allocator::sleep::{SleepError, SleepReport, Tags};

@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
-use super::guard::{reporting_errors, with_last_error};
+use super::guard::reporting_errors;
+use super::registry::with_last_error;
 use super::strings::{into_c_string, text_argument};
 use crate::allocator::history::StackId;
 use crate::allocator::uncached::Caller;
