@@ -6,7 +6,7 @@ pub mod cli;
 pub mod config;
 pub mod device;
 pub mod env;
-pub mod ffi;
+mod ffi;
 pub mod lock;
 pub mod logging;
 pub mod policy;

@@ -35,7 +35,8 @@ pub use log_level::{LOG_LEVEL_VAR, LogLevel};
 pub use modelled::{ModelledPyTorch, NEWEST_PYTORCH};
 pub use opt_in::{CROSS_STREAM_VAR, EXPANDABLE_IGNORE_MAX_SPLIT_VAR, OptIns, SNAPSHOT_ON_OOM_VAR};
 pub use provenance::{
-    ALLOC_CONF_VARS, PYTORCH_VERSION_VAR, Provenance, selected_alloc_conf, tie_rule_from_env,
+    ALLOC_CONF_VARS, PYTORCH_VERSION_VAR, Provenance, alloc_conf_variable_in_env,
+    selected_alloc_conf, sleep_ability_from_env, tie_rule_from_env,
 };
 
 use modelled::{K_LARGE_BUFFER, K_ROUNDUP_POWER_OF_TWO_INTERVALS};

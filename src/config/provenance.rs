@@ -91,6 +91,19 @@ fn apply_pytorch_version_var(config: &mut Config, value: Option<String>) {
     }
 }
 
+/// The variable the settings are read from (the first of [`ALLOC_CONF_VARS`] that is set), to
+/// name it in an error.
+pub fn alloc_conf_variable_in_env() -> &'static str {
+    selected_alloc_conf(env::lookup).map_or(ALLOC_CONF_VARS[0], |(name, _)| name)
+}
+
+/// `FERROCACHE_SLEEP` on: every segment is made so that it can sleep from the start, so that a
+/// sleep with no tag gives back all memory. Without it, only memory allocated after the first
+/// tag was set (a `region`) can sleep.
+pub fn sleep_ability_from_env() -> bool {
+    env::flag_is_on(&env::SLEEP)
+}
+
 /// The tie rule `FERROCACHE_PYTORCH_VERSION` asks for (PyTorch 2.15's when it is unset or not
 /// a version): what the replayer and `tune` judge a recording by, as the library does.
 pub fn tie_rule_from_env() -> TieRule {

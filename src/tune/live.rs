@@ -125,7 +125,8 @@ pub fn live_subject(
     let index = usize::try_from(device).map_err(|_| format!("invalid device ordinal {device}"))?;
     let replay_snapshot = to_replay_snapshot(snapshot, config, index);
     let name = format!("this process (device {device})");
-    let mut subjects = Subject::from_snapshot(&name, None, &replay_snapshot, config.modelled.tie_rule);
+    let mut subjects =
+        Subject::from_snapshot(&name, None, &replay_snapshot, config.modelled.tie_rule);
     let index = subjects
         .iter()
         .position(|s| s.workload.device == index)
