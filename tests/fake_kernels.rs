@@ -67,8 +67,11 @@ impl Kernel<'_> {
     fn load(fake: &FakeCuda) -> Kernel<'_> {
         let load: unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> c_int =
             fake.function("cuModuleLoadData");
-        let get: unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *const std::ffi::c_char) -> c_int =
-            fake.function("cuModuleGetFunction");
+        let get: unsafe extern "C" fn(
+            *mut *mut c_void,
+            *mut c_void,
+            *const std::ffi::c_char,
+        ) -> c_int = fake.function("cuModuleGetFunction");
         let image = cubin();
         let (mut module, mut function) = (ptr::null_mut(), ptr::null_mut());
         // SAFETY: a whole cubin; live out pointers; NUL-terminated names.

@@ -744,10 +744,8 @@ fn physical_memory_is_exported_only_as_a_handle_type_it_was_created_with() {
             driver.fake.function("cuMemRetainAllocationHandle");
         let mut retained = 0;
         // SAFETY: a live out pointer; an address inside the mapping.
-        assert_eq!(
-            unsafe { retain(&mut retained, (ptr + 4096) as usize as *mut c_void) },
-            CUDA_SUCCESS
-        );
+        let result = unsafe { retain(&mut retained, (ptr + 4096) as usize as *mut c_void) };
+        assert_eq!(result, CUDA_SUCCESS);
         assert_eq!(retained, plain);
         driver.unmap(ptr, GRANULARITY);
         assert_eq!(driver.release(plain), CUDA_SUCCESS);

@@ -369,10 +369,8 @@ fn a_sleep_that_fails_on_one_device_keeps_the_report_of_the_devices_done() {
 
         let sleep: SleepFn = api.library.function("ferrocache_sleep");
         // SAFETY: NULL: every tag.
-        assert!(
-            unsafe { sleep(ptr::null(), 1) }.is_null(),
-            "device 1 refuses"
-        );
+        let refused = unsafe { sleep(ptr::null(), 1) }.is_null();
+        assert!(refused, "device 1 refuses");
         let error = api.last_error();
         assert!(error.starts_with("device 1: "), "{error}");
         let partial = last_sleep_report(&api);

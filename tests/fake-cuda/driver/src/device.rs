@@ -242,13 +242,12 @@ pub extern "C" fn cuCtxSetCurrent(context: *mut c_void) -> CuResult {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
         // Replaces the top of the stack; NULL pops it (a no-op on an empty stack).
-        CONTEXT_STACK.with_borrow_mut(|stack| {
+        with_context_stack(|stack| {
             stack.pop();
             if context != 0 {
                 stack.push(context);
             }
-        });
-        Ok(())
+        })
     })
 }
 
@@ -259,17 +258,14 @@ pub extern "C" fn cuCtxPushCurrent_v2(context: *mut c_void) -> CuResult {
         if !driver.usable_context(context) {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
-        CONTEXT_STACK.with_borrow_mut(|stack| stack.push(context));
-        Ok(())
+        with_context_stack(|stack| stack.push(context))
     })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuCtxPopCurrent_v2(context: *mut *mut c_void) -> CuResult {
     call("cuCtxPopCurrent_v2", |_| {
-        let popped = CONTEXT_STACK
-            .with_borrow_mut(|stack| stack.pop())
-            .ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+        let popped = with_context_stack(|stack| stack.pop())?.ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
         // The out parameter is optional here.
         if !context.is_null() {
             // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
@@ -296,4 +292,12 @@ pub unsafe extern "C" fn cuCtxGetDevice(device: *mut c_int) -> CuResult {
 #[unsafe(no_mangle)]
 pub extern "C" fn cuCtxSynchronize() -> CuResult {
     call("cuCtxSynchronize", crate::sync::synchronize_context)
+}
+
+/// The calling thread's context stack; after the thread's destructors ran (an exit handler
+/// calling the driver) there is none, and the call answers `CUDA_ERROR_INVALID_CONTEXT`.
+fn with_context_stack<T>(f: impl FnOnce(&mut Vec<usize>) -> T) -> Result<T, CuResult> {
+    CONTEXT_STACK
+        .try_with(|stack| f(&mut stack.borrow_mut()))
+        .map_err(|_| CUDA_ERROR_INVALID_CONTEXT)
 }

@@ -389,44 +389,9 @@ static DRIVER: LazyLock<Mutex<Driver>> = LazyLock::new(|| Mutex::new(Driver::fro
 
 thread_local! {
     /// The calling thread's context stack; the top is the current context.
-    static CONTEXT_STACK: RefCell<ContextStack> = const { RefCell::new(ContextStack::new()) };
+    static CONTEXT_STACK: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
     /// The calling thread's `CUstreamCaptureMode` (0 = global, the default).
     static CAPTURE_MODE: Cell<u32> = const { Cell::new(0) };
-}
-
-/// A thread's context stack, of fixed room and without a destructor, so that the driver still
-/// answers from exit handlers that run after the thread's destructors (PyTorch's NCCL
-/// communicator manager synchronizes the device from one).
-pub struct ContextStack {
-    contexts: [usize; 32],
-    len: usize,
-}
-
-impl ContextStack {
-    const fn new() -> ContextStack {
-        ContextStack {
-            contexts: [0; 32],
-            len: 0,
-        }
-    }
-
-    /// Pushes `context`; a stack already 32 deep keeps its top replaced instead.
-    fn push(&mut self, context: usize) {
-        if self.len == self.contexts.len() {
-            self.len -= 1;
-        }
-        self.contexts[self.len] = context;
-        self.len += 1;
-    }
-
-    fn pop(&mut self) -> Option<usize> {
-        self.len = self.len.checked_sub(1)?;
-        Some(self.contexts[self.len])
-    }
-
-    fn last(&self) -> Option<&usize> {
-        self.contexts[..self.len].last()
-    }
 }
 
 fn lock() -> MutexGuard<'static, Driver> {
@@ -518,7 +483,11 @@ unsafe fn get<T: Copy>(input: *const T) -> Result<T, CuResult> {
 
 /// The current context of the calling thread, or 0.
 fn current_context() -> usize {
-    CONTEXT_STACK.with_borrow(|stack| stack.last().copied().unwrap_or(0))
+    // After the thread's destructors ran (an exit handler calling the driver, as PyTorch's NCCL
+    // communicator manager does), the thread has no context: an answer, never a panic.
+    CONTEXT_STACK
+        .try_with(|stack| stack.borrow().last().copied().unwrap_or(0))
+        .unwrap_or(0)
 }
 
 fn error_text(code: CuResult) -> Option<(&'static CStr, &'static CStr)> {
