@@ -3,7 +3,8 @@
 //! first is generated as pending work on the handle's stream (`fake_cusparse_generic`,
 //! `fake_cusolver_generic`), except the size queries (`*_bufferSize`) and descriptor
 //! constructors, which stay stubs that answer an error: an answer the fake cannot know would be
-//! worse than none. cuFFT plans need no work area, and `cufftXtExec` reads the input and writes
+//! worse than none. The one exception is the Cholesky factorization's (`cusolverDnXpotrf`, with
+//! its `cusolverDnParams_t`), which `torch.linalg.cholesky` needs. cuFFT plans need no work area, and `cufftXtExec` reads the input and writes
 //! the output on the plan's stream.
 
 use std::ffi::{c_char, c_int, c_longlong, c_void};
@@ -117,6 +118,66 @@ pub extern "C" fn cusolverDnSetStream(handle: *mut c_void, stream: *mut c_void) 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fake_cusolver_generic(handle: *mut c_void, _name: *const c_char) -> c_int {
     generic(&SOLVER, handle, c"a cuSOLVER call")
+}
+
+/// `cusolverDnParams_t`: nothing is kept (the 64-bit API's only option is the algorithm of
+/// `getrf`, which the fake does not run).
+static SOLVER_PARAMS: Registry<()> = Registry::new(0x50a);
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cusolverDnCreateParams(params: *mut *mut c_void) -> c_int {
+    // SAFETY: an out pointer from the caller.
+    guard(INVALID_VALUE, || {
+        if unsafe { put(params, SOLVER_PARAMS.add(())) } {
+            SUCCESS
+        } else {
+            INVALID_VALUE
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cusolverDnDestroyParams(params: *mut c_void) -> c_int {
+    guard(INVALID_VALUE, || {
+        SOLVER_PARAMS
+            .remove(params)
+            .map_or(INVALID_VALUE, |()| SUCCESS)
+    })
+}
+
+/// The workspace of a Cholesky factorization (`cusolverDnXpotrf`, what `torch.linalg.cholesky`
+/// calls): NVIDIA documents no formula, so the fake asks for one `n` x `n` matrix of the compute
+/// type (a size that grows with the problem, so the allocator is asked as on a GPU) on the
+/// device, and nothing on the host. `CUSOLVER_STATUS_INVALID_VALUE` for `n < 0` or
+/// `lda < max(1, n)`, as the documentation lists.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cusolverDnXpotrf_bufferSize(
+    handle: *mut c_void,
+    params: *mut c_void,
+    _uplo: c_int,
+    n: i64,
+    _data_type: c_int,
+    _a: *const c_void,
+    lda: i64,
+    compute_type: c_int,
+    device_bytes: *mut usize,
+    host_bytes: *mut usize,
+) -> c_int {
+    guard(INVALID_VALUE, || {
+        if !SOLVER.contains(handle) {
+            return NOT_INITIALIZED;
+        }
+        if !SOLVER_PARAMS.contains(params) || n < 0 || lda < n.max(1) {
+            return INVALID_VALUE;
+        }
+        let elements = u64::try_from(n * n).unwrap_or(0);
+        let bytes = elements * crate::data_type_size(compute_type);
+        // SAFETY: out pointers from the caller.
+        let written = unsafe {
+            put(device_bytes, usize::try_from(bytes).unwrap_or(usize::MAX)) && put(host_bytes, 0)
+        };
+        if written { SUCCESS } else { INVALID_VALUE }
+    })
 }
 
 // ---- cuFFT ---------------------------------------------------------------------------------
