@@ -158,6 +158,39 @@ def test_sdpa_runs_forward_and_backward_on_each_of_its_cuda_backends() -> None:
     assert out["violations"] == 0
 
 
+def test_a_cholesky_factorization_and_a_sparse_product_take_their_workspaces_from_the_allocator() -> None:
+    # cuSOLVER's and cuSPARSE's size queries answer a workspace that grows with the problem
+    # (tests/fake-cuda/README.md, "Kernels and libraries"), which PyTorch allocates.
+    out = run_torch(
+        """
+        a = torch.eye(64, device="cuda") * 2
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        factor = torch.linalg.cholesky(a)
+        torch.cuda.synchronize()
+        cholesky_peak = torch.cuda.max_memory_allocated() - base
+
+        sparse = torch.eye(64, device="cuda").to_sparse_csr()
+        dense = torch.ones(64, 32, device="cuda")
+        torch.cuda.synchronize()
+        product = torch.sparse.mm(sparse, dense)
+        torch.cuda.synchronize()
+        result({
+            "factor": list(factor.shape),
+            "product": list(product.shape),
+            "cholesky_peak": cholesky_peak,
+            "violations": fake_stat("order_violations"),
+        })
+        """
+    )
+    assert out["factor"] == [64, 64]
+    assert out["product"] == [64, 32]
+    # The factor, and cuSOLVER's workspace of one 64 x 64 float matrix.
+    assert out["cholesky_peak"] >= 2 * 64 * 64 * 4
+    assert out["violations"] == 0
+
+
 def test_a_captured_graph_of_kernels_replays_them() -> None:
     out = run_torch(
         """
