@@ -158,7 +158,7 @@ def test_sdpa_runs_forward_and_backward_on_each_of_its_cuda_backends() -> None:
     assert out["violations"] == 0
 
 
-def test_a_cholesky_factorization_and_a_sparse_product_take_their_workspaces_from_the_allocator() -> None:
+def test_cholesky_and_a_sparse_product_take_their_workspaces_from_the_allocator() -> None:
     # cuSOLVER's and cuSPARSE's size queries answer a workspace that grows with the problem
     # (tests/fake-cuda/README.md, "Kernels and libraries"), which PyTorch allocates.
     out = run_torch(
