@@ -121,6 +121,76 @@ def test_cudnn_benchmark_asks_the_allocator_for_each_plans_workspace() -> None:
     assert out["heuristic"] < MIB <= out["benchmarked"]
 
 
+def test_sdpa_runs_forward_and_backward_on_each_of_its_cuda_backends() -> None:
+    # The memory-efficient backward asks cudaFuncGetAttributes which architecture its kernel was
+    # built for (checkBinaryArchMatches): the fake answers the cubin a 9.0 device runs.
+    out = run_torch(
+        """
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def attend(backend, dtype):
+            q, k, v = (
+                torch.randn(2, 4, 16, 32, device="cuda", dtype=dtype, requires_grad=True)
+                for _ in range(3)
+            )
+            with sdpa_kernel(backend):
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.sum().backward()
+            return [list(out.shape)] + [list(t.grad.shape) for t in (q, k, v)]
+
+        launches = fake_stat("kernel_launches")
+        shapes = {
+            "efficient": attend(SDPBackend.EFFICIENT_ATTENTION, torch.float32),
+            "flash": attend(SDPBackend.FLASH_ATTENTION, torch.float16),
+            "math": attend(SDPBackend.MATH, torch.float32),
+        }
+        torch.cuda.synchronize()
+        result({
+            "shapes": shapes,
+            "launches": fake_stat("kernel_launches") - launches,
+            "violations": fake_stat("order_violations"),
+        })
+        """
+    )
+    for backend, shapes in out["shapes"].items():
+        assert shapes == [[2, 4, 16, 32]] * 4, backend
+    assert out["launches"] > 0
+    assert out["violations"] == 0
+
+
+def test_cholesky_and_a_sparse_product_take_their_workspaces_from_the_allocator() -> None:
+    # cuSOLVER's and cuSPARSE's size queries answer a workspace that grows with the problem
+    # (tests/fake-cuda/README.md, "Kernels and libraries"), which PyTorch allocates.
+    out = run_torch(
+        """
+        a = torch.eye(64, device="cuda") * 2
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        factor = torch.linalg.cholesky(a)
+        torch.cuda.synchronize()
+        cholesky_peak = torch.cuda.max_memory_allocated() - base
+
+        sparse = torch.eye(64, device="cuda").to_sparse_csr()
+        dense = torch.ones(64, 32, device="cuda")
+        torch.cuda.synchronize()
+        product = torch.sparse.mm(sparse, dense)
+        torch.cuda.synchronize()
+        result({
+            "factor": list(factor.shape),
+            "product": list(product.shape),
+            "cholesky_peak": cholesky_peak,
+            "violations": fake_stat("order_violations"),
+        })
+        """
+    )
+    assert out["factor"] == [64, 64]
+    assert out["product"] == [64, 32]
+    # The factor, and cuSOLVER's workspace of one 64 x 64 float matrix.
+    assert out["cholesky_peak"] >= 2 * 64 * 64 * 4
+    assert out["violations"] == 0
+
+
 def test_a_captured_graph_of_kernels_replays_them() -> None:
     out = run_torch(
         """

@@ -18,11 +18,11 @@ config = transformers.LlamaConfig(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    # SDPA's backward asks the fake which architectures its kernels were built for
-    # (checkBinaryArchMatches), which it cannot answer yet: the plain attention of matmuls.
-    attn_implementation="eager",
 )  # fmt: skip
 model = transformers.LlamaForCausalLM(config).cuda()
+# The model's default attention: PyTorch's scaled_dot_product_attention (its memory-efficient
+# kernels on float32), forward and backward.
+assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
 model.gradient_checkpointing_enable()
 model.train()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -30,6 +30,7 @@ const ELF_MAGIC: &[u8] = b"\x7fELF";
 const FATBIN_MAGIC: u32 = 0xBA55_ED50;
 const FATBIN_WRAPPER_MAGIC: u32 = 0x4662_43B1;
 const ZSTD_MAGIC: &[u8] = &[0x28, 0xB5, 0x2F, 0xFD];
+const FATBIN_KIND_PTX: u16 = 1;
 const FATBIN_KIND_ELF: u16 = 2;
 const EIFMT_SVAL: u8 = 4;
 const EIATTR_KPARAM_INFO: u8 = 0x17;
@@ -135,14 +136,15 @@ fn kernel_params(records: &[u8]) -> Option<Vec<Param>> {
     Some(by_ordinal.into_iter().map(|(_, param)| param).collect())
 }
 
-/// One cubin of a fat binary, by the architecture it was built for.
+/// One entry of a fat binary (a cubin or PTX), by the architecture it was built for.
 struct Entry<'a> {
+    kind: u16,
     arch: u32,
     payload: &'a [u8],
     uncompressed: usize,
 }
 
-/// The cubins of the fat binary whose data starts at `fatbin`, highest architecture first.
+/// The entries of the fat binary whose data starts at `fatbin`, highest architecture first.
 ///
 /// # Safety
 /// `fatbin` points to a fat binary's header and the entries its size covers.
@@ -171,8 +173,9 @@ unsafe fn fatbin_entries<'a>(fatbin: *const u8) -> Option<Vec<Entry<'a>>> {
         } else {
             padded
         };
-        if kind == FATBIN_KIND_ELF {
+        if kind == FATBIN_KIND_ELF || kind == FATBIN_KIND_PTX {
             entries.push(Entry {
+                kind,
                 arch,
                 payload: body.get(start..start.checked_add(len)?)?,
                 uncompressed,
@@ -210,7 +213,8 @@ pub unsafe fn fatbin_params(wrapper: *const c_void) -> Option<ParamTable> {
     }
     // SAFETY: the wrapper's data is the fat binary, still loaded by the caller's promise.
     let entries = unsafe { fatbin_entries(data) }?;
-    entries.iter().find_map(|entry| {
+    let cubins = entries.iter().filter(|entry| entry.kind == FATBIN_KIND_ELF);
+    cubins.into_iter().find_map(|entry| {
         if entry.payload.starts_with(ELF_MAGIC) {
             cubin_params(entry.payload)
         } else if entry.payload.starts_with(ZSTD_MAGIC) {
@@ -219,6 +223,61 @@ pub unsafe fn fatbin_params(wrapper: *const c_void) -> Option<ParamTable> {
             None
         }
     })
+}
+
+/// The code a device of compute capability `device_arch` (major × 10 + minor) runs from the fat
+/// binary registered as `wrapper`, as `(binaryVersion, ptxVersion)` of `cudaFuncAttributes`:
+/// the cubin of the highest architecture of the device's major version not above it (a cubin
+/// for X.y runs on X.z, z ≥ y), whose PTX version is taken to be its own (nvcc's
+/// `-gencode arch=compute_XY,code=sm_XY`, as PyTorch builds); else the PTX of the highest
+/// architecture not above the device's, compiled just in time for the device. None when the
+/// binary cannot be read or holds neither.
+///
+/// # Safety
+/// As [`fatbin_params`].
+pub unsafe fn fatbin_versions(wrapper: *const c_void, device_arch: u32) -> Option<(u32, u32)> {
+    if wrapper.is_null() {
+        return None;
+    }
+    // SAFETY: the wrapper's layout, as in fatbin_params.
+    let (magic, data) = unsafe {
+        (
+            wrapper.cast::<u32>().read_unaligned(),
+            wrapper
+                .cast::<u8>()
+                .add(8)
+                .cast::<*const u8>()
+                .read_unaligned(),
+        )
+    };
+    if magic != FATBIN_WRAPPER_MAGIC || data.is_null() {
+        return None;
+    }
+    // SAFETY: the wrapper's data is the fat binary, still loaded by the caller's promise.
+    let entries = unsafe { fatbin_entries(data) }?;
+    choose_code(entries.iter().map(|e| (e.kind, e.arch)), device_arch)
+}
+
+/// [`fatbin_versions`]' choice among `(kind, arch)` entries.
+fn choose_code(
+    entries: impl Iterator<Item = (u16, u32)> + Clone,
+    device_arch: u32,
+) -> Option<(u32, u32)> {
+    let cubin = entries
+        .clone()
+        .filter(|&(kind, arch)| {
+            kind == FATBIN_KIND_ELF && arch / 10 == device_arch / 10 && arch <= device_arch
+        })
+        .map(|(_, arch)| arch)
+        .max();
+    if let Some(arch) = cubin {
+        return Some((arch, arch));
+    }
+    let ptx = entries
+        .filter(|&(kind, arch)| kind == FATBIN_KIND_PTX && arch <= device_arch)
+        .map(|(_, arch)| arch)
+        .max()?;
+    Some((device_arch, ptx))
 }
 
 /// The parameters of a module image handed to `cuModuleLoadData` or `cuLibraryLoadData`: a
@@ -238,7 +297,8 @@ pub unsafe fn image_params(image: *const c_void) -> Option<ParamTable> {
     } else if u32_at(head, 0) == Some(FATBIN_MAGIC) {
         // SAFETY: a fat binary, by its magic.
         let entries = unsafe { fatbin_entries(bytes) }?;
-        entries.iter().find_map(|entry| {
+        let cubins = entries.iter().filter(|entry| entry.kind == FATBIN_KIND_ELF);
+        cubins.into_iter().find_map(|entry| {
             if entry.payload.starts_with(ZSTD_MAGIC) {
                 cubin_params(&zstd_decompress(entry.payload, entry.uncompressed)?)
             } else {
@@ -360,5 +420,31 @@ mod tests {
         let text = c".version 8.0\n.target sm_90\n";
         // SAFETY: NUL-terminated text.
         assert!(unsafe { image_params(text.as_ptr().cast()) }.is_none());
+    }
+
+    #[test]
+    fn a_device_runs_the_cubin_of_its_major_version_or_else_compiles_ptx() {
+        let elf = |arch| (FATBIN_KIND_ELF, arch);
+        let ptx = |arch| (FATBIN_KIND_PTX, arch);
+        let torch = [
+            elf(75),
+            elf(80),
+            elf(86),
+            elf(90),
+            elf(100),
+            elf(120),
+            ptx(120),
+        ];
+        assert_eq!(choose_code(torch.into_iter(), 90), Some((90, 90)));
+        assert_eq!(choose_code([elf(86), elf(89)].into_iter(), 90), None);
+        assert_eq!(
+            choose_code([elf(80), ptx(80)].into_iter(), 90),
+            Some((90, 80))
+        );
+        assert_eq!(
+            choose_code([elf(80), elf(86)].into_iter(), 89),
+            Some((86, 86))
+        );
+        assert_eq!(choose_code([ptx(100)].into_iter(), 90), None);
     }
 }

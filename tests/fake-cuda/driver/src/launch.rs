@@ -560,7 +560,7 @@ pub unsafe extern "C" fn cuFuncGetAttribute(
             .unwrap_or(match attribute {
                 FUNC_MAX_THREADS_PER_BLOCK => MAX_THREADS_PER_BLOCK as c_int,
                 FUNC_NUM_REGS => 32,
-                FUNC_PTX_VERSION | FUNC_BINARY_VERSION => 90,
+                FUNC_PTX_VERSION | FUNC_BINARY_VERSION => DEVICE_ARCH as c_int,
                 FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES => DEFAULT_DYNAMIC_SHARED,
                 FUNC_PREFERRED_SHARED_MEMORY_CARVEOUT => -1,
                 // Static shared, constant and local memory, spills: none.
@@ -825,6 +825,38 @@ pub unsafe extern "C" fn fake_cuda_launch_registered(
             "a kernel",
         )
     })
+}
+
+/// The compute capability every fake device reports (`cuDeviceGetAttribute`), major × 10 +
+/// minor.
+const DEVICE_ARCH: u32 = 90;
+
+/// `cudaFuncAttributes`' `binaryVersion` and `ptxVersion` of a kernel of the fat binary the
+/// runtime registered as `fatbin`: the code a device of compute capability 9.0 runs from it
+/// (`cubin::fatbin_versions`), or 90 and 90 when the binary cannot be read, as
+/// `cuFuncGetAttribute` answers for modules.
+///
+/// # Safety
+/// `fatbin` is NULL or a registered wrapper whose binary is loaded; `binary` and `ptx` are
+/// writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fake_cuda_registered_versions(
+    fatbin: *const c_void,
+    binary: *mut c_int,
+    ptx: *mut c_int,
+) {
+    // SAFETY: a registered wrapper, by the caller's promise.
+    let (binary_version, ptx_version) = unsafe { cubin::fatbin_versions(fatbin, DEVICE_ARCH) }
+        .unwrap_or((DEVICE_ARCH, DEVICE_ARCH));
+    // SAFETY: writable, by the caller's promise; checked for NULL.
+    unsafe {
+        if !binary.is_null() {
+            *binary = binary_version as c_int;
+        }
+        if !ptx.is_null() {
+            *ptx = ptx_version as c_int;
+        }
+    }
 }
 
 /// Work of a math or communication library (cuBLAS, cuDNN, NCCL, ...) on `stream`: pending like

@@ -3,7 +3,10 @@
 //! first is generated as pending work on the handle's stream (`fake_cusparse_generic`,
 //! `fake_cusolver_generic`), except the size queries (`*_bufferSize`) and descriptor
 //! constructors, which stay stubs that answer an error: an answer the fake cannot know would be
-//! worse than none. cuFFT plans need no work area, and `cufftXtExec` reads the input and writes
+//! worse than none. The one exception is the Cholesky factorization's (`cusolverDnXpotrf`, with
+//! its `cusolverDnParams_t`), which `torch.linalg.cholesky` needs, and the sparse x dense
+//! product's (`cusparseSpMM`, with CSR and dense matrix descriptors), which `torch.sparse.mm`
+//! needs. cuFFT plans need no work area, and `cufftXtExec` reads the input and writes
 //! the output on the plan's stream.
 
 use std::ffi::{c_char, c_int, c_longlong, c_void};
@@ -98,6 +101,139 @@ pub unsafe extern "C" fn fake_cusparse_generic(handle: *mut c_void, _name: *cons
     generic(&SPARSE, handle, c"a cuSPARSE call")
 }
 
+/// A dense matrix descriptor (`cusparseDnMatDescr_t`): what sizes `cusparseSpMM`'s buffer.
+#[derive(Clone, Copy)]
+struct DenseMatrix {
+    rows: i64,
+    cols: i64,
+}
+
+/// Sparse matrix descriptors (`cusparseSpMatDescr_t`): nothing is kept.
+static SPARSE_MATRICES: Registry<()> = Registry::new(0x5b1);
+static DENSE_MATRICES: Registry<DenseMatrix> = Registry::new(0x5b2);
+
+/// `cusparseCreateCsr`: a descriptor of the caller's arrays (only the handle is written).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cusparseCreateCsr(
+    descriptor: *mut *mut c_void,
+    rows: i64,
+    cols: i64,
+    nnz: i64,
+) -> c_int {
+    // SAFETY: an out pointer from the caller.
+    guard(INVALID_VALUE, || {
+        if rows < 0 || cols < 0 || nnz < 0 {
+            return INVALID_VALUE;
+        }
+        if unsafe { put(descriptor, SPARSE_MATRICES.add(())) } {
+            SUCCESS
+        } else {
+            INVALID_VALUE
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cusparseDestroySpMat(descriptor: *mut c_void) -> c_int {
+    guard(INVALID_VALUE, || {
+        SPARSE_MATRICES
+            .remove(descriptor)
+            .map_or(INVALID_VALUE, |()| SUCCESS)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cusparseCreateDnMat(
+    descriptor: *mut *mut c_void,
+    rows: i64,
+    cols: i64,
+    ld: i64,
+) -> c_int {
+    // SAFETY: an out pointer from the caller.
+    guard(INVALID_VALUE, || {
+        if rows < 0 || cols < 0 || ld < 0 {
+            return INVALID_VALUE;
+        }
+        if unsafe { put(descriptor, DENSE_MATRICES.add(DenseMatrix { rows, cols })) } {
+            SUCCESS
+        } else {
+            INVALID_VALUE
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cusparseDestroyDnMat(descriptor: *mut c_void) -> c_int {
+    guard(INVALID_VALUE, || {
+        DENSE_MATRICES
+            .remove(descriptor)
+            .map_or(INVALID_VALUE, |_| SUCCESS)
+    })
+}
+
+/// Batches of matrices: accepted for a descriptor the fake made.
+#[unsafe(no_mangle)]
+pub extern "C" fn cusparseDnMatSetStridedBatch(descriptor: *mut c_void) -> c_int {
+    guard(INVALID_VALUE, || {
+        if DENSE_MATRICES.contains(descriptor) {
+            SUCCESS
+        } else {
+            INVALID_VALUE
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cusparseCsrSetStridedBatch(descriptor: *mut c_void) -> c_int {
+    guard(INVALID_VALUE, || {
+        if SPARSE_MATRICES.contains(descriptor) {
+            SUCCESS
+        } else {
+            INVALID_VALUE
+        }
+    })
+}
+
+/// The buffer of a sparse x dense product (`cusparseSpMM`, what `torch.sparse.mm` and a CSR
+/// `addmm` call): NVIDIA documents no formula, so the fake asks for one output matrix `C` of the
+/// compute type.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cusparseSpMM_bufferSize(
+    handle: *mut c_void,
+    _op_a: c_int,
+    _op_b: c_int,
+    _alpha: *const c_void,
+    a: *mut c_void,
+    b: *mut c_void,
+    _beta: *const c_void,
+    c: *mut c_void,
+    compute_type: c_int,
+    _algorithm: c_int,
+    size: *mut usize,
+) -> c_int {
+    guard(INVALID_VALUE, || {
+        if !SPARSE.contains(handle) {
+            return NOT_INITIALIZED;
+        }
+        let output = DENSE_MATRICES.with(c, |m| *m);
+        let (Some(output), true, true) = (
+            output,
+            SPARSE_MATRICES.contains(a),
+            DENSE_MATRICES.contains(b),
+        ) else {
+            return INVALID_VALUE;
+        };
+        let elements = u64::try_from(output.rows * output.cols).unwrap_or(0);
+        let bytes = elements * crate::data_type_size(compute_type);
+        // SAFETY: an out pointer from the caller.
+        if unsafe { put(size, usize::try_from(bytes).unwrap_or(usize::MAX)) } {
+            SUCCESS
+        } else {
+            INVALID_VALUE
+        }
+    })
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cusolverDnCreate(handle: *mut *mut c_void) -> c_int {
     create(&SOLVER, handle)
@@ -117,6 +253,66 @@ pub extern "C" fn cusolverDnSetStream(handle: *mut c_void, stream: *mut c_void) 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fake_cusolver_generic(handle: *mut c_void, _name: *const c_char) -> c_int {
     generic(&SOLVER, handle, c"a cuSOLVER call")
+}
+
+/// `cusolverDnParams_t`: nothing is kept (the 64-bit API's only option is the algorithm of
+/// `getrf`, which the fake does not run).
+static SOLVER_PARAMS: Registry<()> = Registry::new(0x50a);
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cusolverDnCreateParams(params: *mut *mut c_void) -> c_int {
+    // SAFETY: an out pointer from the caller.
+    guard(INVALID_VALUE, || {
+        if unsafe { put(params, SOLVER_PARAMS.add(())) } {
+            SUCCESS
+        } else {
+            INVALID_VALUE
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cusolverDnDestroyParams(params: *mut c_void) -> c_int {
+    guard(INVALID_VALUE, || {
+        SOLVER_PARAMS
+            .remove(params)
+            .map_or(INVALID_VALUE, |()| SUCCESS)
+    })
+}
+
+/// The workspace of a Cholesky factorization (`cusolverDnXpotrf`, what `torch.linalg.cholesky`
+/// calls): NVIDIA documents no formula, so the fake asks for one `n` x `n` matrix of the compute
+/// type (a size that grows with the problem, so the allocator is asked as on a GPU) on the
+/// device, and nothing on the host. `CUSOLVER_STATUS_INVALID_VALUE` for `n < 0` or
+/// `lda < max(1, n)`, as the documentation lists.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cusolverDnXpotrf_bufferSize(
+    handle: *mut c_void,
+    params: *mut c_void,
+    _uplo: c_int,
+    n: i64,
+    _data_type: c_int,
+    _a: *const c_void,
+    lda: i64,
+    compute_type: c_int,
+    device_bytes: *mut usize,
+    host_bytes: *mut usize,
+) -> c_int {
+    guard(INVALID_VALUE, || {
+        if !SOLVER.contains(handle) {
+            return NOT_INITIALIZED;
+        }
+        if !SOLVER_PARAMS.contains(params) || n < 0 || lda < n.max(1) {
+            return INVALID_VALUE;
+        }
+        let elements = u64::try_from(n * n).unwrap_or(0);
+        let bytes = elements * crate::data_type_size(compute_type);
+        // SAFETY: out pointers from the caller.
+        let written = unsafe {
+            put(device_bytes, usize::try_from(bytes).unwrap_or(usize::MAX)) && put(host_bytes, 0)
+        };
+        if written { SUCCESS } else { INVALID_VALUE }
+    })
 }
 
 // ---- cuFFT ---------------------------------------------------------------------------------

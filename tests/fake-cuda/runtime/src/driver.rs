@@ -73,6 +73,12 @@ unsafe extern "C" {
         grid: *const [c_uint; 3],
         block: *const [c_uint; 3],
     ) -> u32;
+    /// The code the fake's devices run from a registered fat binary (`driver/src/launch.rs`).
+    pub fn fake_cuda_registered_versions(
+        fatbin: *const c_void,
+        binary: *mut c_int,
+        ptx: *mut c_int,
+    );
     /// The fake driver's fault sweep: counts a runtime call; the code it must fail with, or 0.
     pub fn fake_cuda_sweep_runtime_call(name: *const u8, len: usize) -> u32;
 }

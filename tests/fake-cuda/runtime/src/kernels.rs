@@ -296,16 +296,34 @@ pub unsafe extern "C" fn cudaLaunchKernelExC(
     )
 }
 
+/// An H100's figures (as `cuFuncGetAttribute`), and the architecture of the code the device
+/// runs from the kernel's fat binary: PyTorch's memory-efficient attention asserts that
+/// `binaryVersion` reaches its kernel's minimum compute capability before it launches it.
+/// A host function no fat binary registered is `cudaErrorInvalidDeviceFunction`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cudaFuncGetAttributes(
     attributes: *mut cudaFuncAttributes,
-    _function: *const c_void,
+    function: *const c_void,
 ) -> CudaError {
     api("cudaFuncGetAttributes", || {
+        let registered = functions()
+            .as_ref()
+            .and_then(|f| f.get(&(function as usize)).copied());
+        let (wrapper, _) = registered.ok_or(INVALID_DEVICE_FUNCTION)?;
         // SAFETY: cudaFuncAttributes is plain integers: all zeroes is a valid value.
         let mut answer: cudaFuncAttributes = unsafe { std::mem::zeroed() };
         answer.maxThreadsPerBlock = 1024;
         answer.numRegs = 32;
+        answer.maxDynamicSharedSizeBytes = 48 << 10;
+        answer.preferredShmemCarveout = -1;
+        // SAFETY: a registered wrapper (its library stays loaded); two fields of `answer`.
+        unsafe {
+            crate::driver::fake_cuda_registered_versions(
+                wrapper as *const c_void,
+                &mut answer.binaryVersion,
+                &mut answer.ptxVersion,
+            );
+        }
         // SAFETY: an out pointer from the caller, writable by the runtime API contract.
         unsafe { put(attributes, answer) }
     })
