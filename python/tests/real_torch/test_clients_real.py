@@ -187,9 +187,21 @@ def runs_alike(client: Client, tmp_path: Path) -> dict:
     )):  # fmt: skip
         assert one_native["allocator"] == "native" and one_ours["allocator"] == "ferrocache"
         assert one_ours["figures"] == one_native["figures"]
-        assert one_ours["steps"] == one_native["steps"]
+        assert _deterministic(one_ours["steps"]) == _deterministic(one_native["steps"])
         assert one_ours["extra"] == one_native["extra"]
     return native
+
+
+#: Steps whose bytes allocated afterwards depend on a thread's timing, not on the allocator:
+#: PyTorch 2.15's ProcessGroupNCCL frees the tensors of FSDP2's reduce-scatters when its
+#: watchdog thread sees them complete (once, under load, 72,704 bytes against 45,056 after
+#: the first FSDP2 step, whichever allocator ran first). Their labels are still compared.
+TIMING_DEPENDENT_STEPS = ("fsdp2 ",)
+
+
+def _deterministic(steps: list[dict]) -> list[dict]:
+    return [step if not step["step"].startswith(TIMING_DEPENDENT_STEPS) else {"step": step["step"]}
+            for step in steps]  # fmt: skip
 
 
 def expected_refusal(client: Client):

@@ -5,6 +5,7 @@ on communication streams) for two steps. Each rank writes its figures.
 """
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,13 @@ def train(model, label):
         model(x).sum().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if label == "fsdp2":
+            # PyTorch 2.15's ProcessGroupNCCL keeps a collective's tensors until it sees the
+            # work complete, for FSDP2's reduce-scatters from its watchdog thread (about every
+            # 100 ms): give it time, so that the next step starts from the same memory.
+            torch.cuda.synchronize()
+            dist.barrier()
+            time.sleep(0.5)
         _figures.step(f"{label} {step}")
 
 
