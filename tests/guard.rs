@@ -24,11 +24,7 @@ fn checked(a: &DeviceAllocator<SimDevice>) {
 /// `throw_on_cudamalloc_oom_rejects_only_past_the_configured_fraction`).
 fn rejecting_past_half(capacity: usize, extra: &str) -> DeviceAllocator<SimDevice> {
     let conf = format!("throw_on_cudamalloc_oom:True,per_process_memory_fraction:0.5{extra}");
-    let mut a = DeviceAllocator::new(
-        SimDevice::new(capacity),
-        0,
-        Config::parse(&conf).unwrap(),
-    );
+    let mut a = DeviceAllocator::new(SimDevice::new(capacity), 0, Config::parse(&conf).unwrap());
     a.set_memory_fraction(1.0).unwrap();
     assert_eq!(a.allowed_memory_maximum(), None);
     a
@@ -57,7 +53,11 @@ fn growing_another_streams_expandable_segment_is_refused_past_the_rejection_limi
     // 90 MiB for A: B's free tail and four more pages would take 100 MiB past the limit.
     let err = a.malloc(90 * MIB, A).unwrap_err();
     assert!(preemptively_rejected(&err), "{err}");
-    assert!(a.reserved_bytes() <= limit, "{} reserved", a.reserved_bytes());
+    assert!(
+        a.reserved_bytes() <= limit,
+        "{} reserved",
+        a.reserved_bytes()
+    );
     assert_eq!(a.reserved_bytes(), 20 * MIB, "nothing was mapped");
     assert_eq!(a.stats().num_oom_rejections, 1);
     assert_eq!(a.cross_stream_counts().segment_growths, 0);

@@ -29,6 +29,7 @@
 //!   which is what happens when no free tail can be reused.
 
 use super::block::{Block, BlockId};
+use super::guard::Announce;
 use super::private_pool::Owner;
 use super::{AllocError, DeviceAllocator, Request};
 use crate::device::{Device, DeviceError, StreamId};
@@ -239,7 +240,10 @@ impl<D: Device> DeviceAllocator<D> {
         &mut self,
         request: &Request,
     ) -> Result<Option<BlockId>, AllocError> {
-        if self.memory_fraction_refuses(request.alloc_size).is_some() {
+        // Pages mapped for another stream's segment are a device allocation like any other.
+        // A refusal is not announced here: the request's own device allocation comes next and
+        // gives the answer (counted once, as PyTorch counts its one `alloc_block`).
+        if self.admit(request.alloc_size, Announce::Quietly)?.is_err() {
             return Ok(None);
         }
         let arena = &self.arena;

@@ -20,6 +20,7 @@ pub mod block;
 mod check;
 pub mod cross_stream;
 pub mod expandable;
+mod guard;
 pub mod history;
 mod import;
 mod live;
@@ -35,6 +36,7 @@ use crate::policy::{self, PoolKind, TieRule};
 use block::{Backing, Block, BlockArena, BlockId, ExpandableId};
 use cross_stream::CrossStreamCounts;
 use expandable::{ExpandableSegment, LeftoverPage, PageRange};
+use guard::{Announce, Guard, Refusal};
 use history::{History, StackId, TraceAction};
 use private_pool::{BlockPools, Capture, MempoolId, Owner};
 use rustc_hash::FxHashMap;
@@ -186,8 +188,8 @@ pub struct DeviceAllocator<D: Device> {
     stats: DeviceStats,
     /// Bytes held from the device (PyTorch's `total_allocated_memory`).
     total_allocated_memory: usize,
-    /// The memory-fraction limit, once `set_memory_fraction` was called.
-    allowed_memory_maximum: Option<usize>,
+    /// The memory-fraction limit and `throw_on_cudamalloc_oom`, in front of the device.
+    guard: Guard,
     /// Live expandable segments; `None` marks a released slot.
     expandable_segments: Vec<Option<ExpandableSegment>>,
     /// Pages whose unmap or release the device refused; retried by `release_cached_blocks`.
@@ -204,11 +206,6 @@ pub struct DeviceAllocator<D: Device> {
     /// PyTorch's allocation-order counter: segments made so far (and, under the block rule,
     /// blocks); the next one's [`Block::segment_order`] is this plus one.
     blocks_made: u64,
-    /// The device's total memory, asked once (the preemptive-rejection limit).
-    device_total: Option<usize>,
-    /// Set when `throw_on_cudamalloc_oom` refused a device allocation during the current
-    /// `malloc` (PyTorch's `AllocParams` flag): the malloc then fails with the rejection.
-    preemptively_rejected: bool,
     /// Where the reserve class of a stream comes from (PyTorch's C++ API, through the C ABI);
     /// `None`: every stream is untagged.
     reserve_classes: Option<ReserveClassLookup>,
@@ -246,7 +243,7 @@ impl<D: Device> DeviceAllocator<D> {
             pending_events: BTreeMap::new(),
             pending_event_count: 0,
             total_allocated_memory: 0,
-            allowed_memory_maximum: None,
+            guard: Guard::default(),
             expandable_segments: Vec::new(),
             leftover_pages: Vec::new(),
             leftover_ranges: Vec::new(),
@@ -254,8 +251,6 @@ impl<D: Device> DeviceAllocator<D> {
             cross_stream: CrossStreamCounts::default(),
             merging_across_streams: false,
             blocks_made: 0,
-            device_total: None,
-            preemptively_rejected: false,
             reserve_classes: None,
             warned_reserve_classes: HashSet::new(),
             sleepable: false,
@@ -330,7 +325,7 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// The memory-fraction limit in bytes, when set.
     pub fn allowed_memory_maximum(&self) -> Option<usize> {
-        self.allowed_memory_maximum
+        self.guard.allowed_memory_maximum
     }
 
     /// Number of live allocations.
@@ -474,14 +469,16 @@ impl<D: Device> DeviceAllocator<D> {
         request: &mut Request,
         orig_size: usize,
     ) -> Result<BlockId, AllocError> {
-        self.preemptively_rejected = false;
-        if self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0 {
+        self.guard.preemptively_rejected = false;
+        if self.guard.allowed_memory_maximum.is_some()
+            && self.config.garbage_collection_threshold > 0.0
+        {
             self.garbage_collect_cached_blocks()?;
         }
         if let Some(id) = self.alloc_block(request, false)? {
             return Ok(id);
         }
-        if self.preemptively_rejected {
+        if self.guard.preemptively_rejected {
             return Err(self.preemptive_rejection(request, orig_size));
         }
         logging::alloc_retry(request.alloc_size, "releasing oversize cached blocks");
@@ -504,7 +501,7 @@ impl<D: Device> DeviceAllocator<D> {
             request.owner = Owner::Private(pool);
             return Ok(id);
         }
-        if self.preemptively_rejected {
+        if self.guard.preemptively_rejected {
             return Err(self.preemptive_rejection(request, orig_size));
         }
         Err(self.out_of_memory(request, orig_size))
@@ -514,7 +511,9 @@ impl<D: Device> DeviceAllocator<D> {
     #[inline(always)]
     fn get_free_block(&mut self, request: &Request) -> Option<BlockId> {
         let pool = self.pools.get_mut(request.owner, request.pool);
-        if self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0 {
+        if self.guard.allowed_memory_maximum.is_some()
+            && self.config.garbage_collection_threshold > 0.0
+        {
             pool.get_free_blocks_call_count += 1;
         }
         let arena = &self.arena;
@@ -658,10 +657,7 @@ impl<D: Device> DeviceAllocator<D> {
             self.stats.num_alloc_retries += 1;
         }
         let size = request.alloc_size;
-        if self.memory_fraction_refuses(size).is_some() {
-            return Ok(None);
-        }
-        if self.config.throw_on_cudamalloc_oom && self.rejects_preemptively(size)? {
+        if self.admit(size, Announce::Yes)?.is_err() {
             return Ok(None);
         }
         if self.config.expandable_segments {
@@ -687,45 +683,27 @@ impl<D: Device> DeviceAllocator<D> {
         Ok(Some(id))
     }
 
-    /// PyTorch's memory fraction (`alloc_block`: `set_fraction && total_allocated_memory + size >
-    /// allowed_memory_maximum`): whether reserving `size` more bytes from the device would take
-    /// the memory held past the limit of `set_per_process_memory_fraction`: that limit if so.
-    pub(super) fn memory_fraction_refuses(&self, size: usize) -> Option<usize> {
-        self.allowed_memory_maximum
-            .filter(|&allowed| self.total_allocated_memory + size > allowed)
-    }
-
-    /// `throw_on_cudamalloc_oom`: whether a device allocation of `size` would take the memory
-    /// held past the limit of [`policy::preemptive_rejection_limit`]; if so it is counted
-    /// (`num_oom_rejections`), logged with PyTorch's warning and remembered for `malloc`.
-    fn rejects_preemptively(&mut self, size: usize) -> Result<bool, AllocError> {
-        let device_total = self.device_total()?;
-        let Some(limit) = policy::preemptive_rejection_limit(&self.config, device_total) else {
-            return Ok(false);
-        };
-        if self.total_allocated_memory + size <= limit {
-            return Ok(false);
-        }
-        self.stats.num_oom_rejections += 1;
-        self.preemptively_rejected = true;
-        logging::warning(&policy::preemptive_rejection_warning(
+    /// The guard in front of every device allocation ([`guard`]): whether `size` more bytes
+    /// may be taken from the device now.
+    pub(super) fn admit(
+        &mut self,
+        size: usize,
+        announce: Announce,
+    ) -> Result<Result<(), Refusal>, DeviceError> {
+        let reserved = self.total_allocated_memory;
+        self.guard.admit(
+            &mut self.device,
+            &self.config,
+            &mut self.stats,
+            reserved,
             size,
-            self.total_allocated_memory,
-            limit,
-            self.config.per_process_memory_fraction.unwrap_or(1.0),
-            device_total,
-        ));
-        Ok(true)
+            announce,
+        )
     }
 
     /// The device's total memory, asked of the device once.
     fn device_total(&mut self) -> Result<usize, DeviceError> {
-        if let Some(total) = self.device_total {
-            return Ok(total);
-        }
-        let total = self.device.mem_get_info()?.total;
-        self.device_total = Some(total);
-        Ok(total)
+        self.guard.device_total(&mut self.device)
     }
 
     /// Records a fresh device allocation as one free-to-carve block (not yet in the pool).
@@ -818,7 +796,7 @@ impl<D: Device> DeviceAllocator<D> {
                 device: self.device_index,
                 device_total: info.total,
                 device_free: info.free,
-                allowed: self.allowed_memory_maximum,
+                allowed: self.guard.allowed_memory_maximum,
                 allocated: allocated + in_private_pools,
                 in_private_pools,
                 reserved,
@@ -848,11 +826,11 @@ impl<D: Device> DeviceAllocator<D> {
             allocation_size: request.alloc_size,
             device_free: info.free,
             device_total: info.total,
-            allowed: self.allowed_memory_maximum,
+            allowed: self.guard.allowed_memory_maximum,
             allocated: self.stats.allocated_bytes.all.current as usize,
             reserved: self.stats.reserved_bytes.all.current as usize,
             message,
-            preemptively_rejected: self.preemptively_rejected,
+            preemptively_rejected: self.guard.preemptively_rejected,
         }))
     }
 
@@ -1331,7 +1309,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// unsplit large cached segments, oldest (least recently reused) first, until reserved
     /// memory is back under the threshold.
     fn garbage_collect_cached_blocks(&mut self) -> Result<(), DeviceError> {
-        let Some(allowed) = self.allowed_memory_maximum else {
+        let Some(allowed) = self.guard.allowed_memory_maximum else {
             return Ok(());
         };
         let gc_threshold = (self.config.garbage_collection_threshold * allowed as f64) as usize;
@@ -1389,14 +1367,14 @@ impl<D: Device> DeviceAllocator<D> {
             )));
         }
         let info = self.device.mem_get_info()?;
-        self.allowed_memory_maximum = policy::memory_fraction_limit(fraction, info.total);
+        self.guard.allowed_memory_maximum = policy::memory_fraction_limit(fraction, info.total);
         Ok(())
     }
 
     /// `getMemoryFraction`: the limit `set_memory_fraction` set, as a share of the device's
     /// memory (1 when none was set), computed from the limit in bytes as PyTorch does.
     pub fn memory_fraction(&mut self) -> Result<f64, AllocError> {
-        let Some(limit) = self.allowed_memory_maximum else {
+        let Some(limit) = self.guard.allowed_memory_maximum else {
             return Ok(1.0);
         };
         Ok(limit as f64 / self.device_total()? as f64)

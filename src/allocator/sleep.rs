@@ -28,6 +28,7 @@
 use super::DeviceAllocator;
 use super::block::{Backing, BlockId, ExpandableId, VmmId};
 use super::expandable::{ExpandableSegment, LeftoverPage, PageRange};
+use super::guard::{Announce, Refusal};
 use super::private_pool::Owner;
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle};
 use crate::logging;
@@ -91,6 +92,18 @@ pub enum SleepError {
         allowed: usize,
         done: SleepReport,
     },
+    /// Waking the next segment would take the memory reserved past `throw_on_cudamalloc_oom`'s
+    /// limit (the configured `per_process_memory_fraction` of the device), which refuses such
+    /// a device allocation before the device is asked, as for a new segment. It stays asleep.
+    PreemptivelyRejected {
+        /// The bytes the segment would take.
+        needed: usize,
+        /// The bytes reserved now.
+        reserved: usize,
+        /// The limit.
+        limit: usize,
+        done: SleepReport,
+    },
 }
 
 /// What stops a sleep or wake part-way (made into a [`SleepError`] with what was done).
@@ -100,6 +113,11 @@ enum Stop {
         needed: usize,
         reserved: usize,
         allowed: usize,
+    },
+    PreemptivelyRejected {
+        needed: usize,
+        reserved: usize,
+        limit: usize,
     },
 }
 
@@ -130,6 +148,20 @@ impl std::fmt::Display for SleepError {
                 "waking a segment of {needed} bytes would reserve {} bytes, past the memory \
                  fraction's limit of {allowed} bytes (after {} segment(s), {} bytes woke); free \
                  memory (empty_cache) or raise the fraction, and call again",
+                reserved + needed,
+                done.segments,
+                done.bytes
+            ),
+            SleepError::PreemptivelyRejected {
+                needed,
+                reserved,
+                limit,
+                done,
+            } => write!(
+                f,
+                "waking a segment of {needed} bytes would reserve {} bytes, past the limit of \
+                 {limit} bytes that throw_on_cudamalloc_oom enforces (after {} segment(s), {} \
+                 bytes woke); free memory (empty_cache), and call again",
                 reserved + needed,
                 done.segments,
                 done.bytes
@@ -359,6 +391,16 @@ impl<D: Device> DeviceAllocator<D> {
                 allowed,
                 done: report,
             }),
+            Err(Stop::PreemptivelyRejected {
+                needed,
+                reserved,
+                limit,
+            }) => Err(SleepError::PreemptivelyRejected {
+                needed,
+                reserved,
+                limit,
+                done: report,
+            }),
         }
     }
 
@@ -443,12 +485,23 @@ impl<D: Device> DeviceAllocator<D> {
                     },
                     Backing::Expandable(segment) => this.segment(segment).sleeping_bytes(),
                 };
-                if let Some(allowed) = this.memory_fraction_refuses(needed) {
-                    return Err(Stop::OverMemoryFraction {
-                        needed,
-                        reserved: this.total_allocated_memory,
-                        allowed,
-                    });
+                let reserved = this.total_allocated_memory;
+                match this.admit(needed, Announce::Yes)? {
+                    Ok(()) => {}
+                    Err(Refusal::OverMemoryFraction { allowed }) => {
+                        return Err(Stop::OverMemoryFraction {
+                            needed,
+                            reserved,
+                            allowed,
+                        });
+                    }
+                    Err(Refusal::Rejected { limit }) => {
+                        return Err(Stop::PreemptivelyRejected {
+                            needed,
+                            reserved,
+                            limit,
+                        });
+                    }
                 }
                 match backing {
                     Backing::Plain => Ok(()),
