@@ -210,8 +210,9 @@ impl<D: Device> DeviceAllocator<D> {
         let mut out = Vec::new();
         for (_, head) in self.arena.iter() {
             // A segment (or mapped range) starts at a mapped block with no mapped block before.
-            let starts_range =
-                head.mapped && !head.asleep && head.prev.is_none_or(|p| !self.arena.get(p).mapped);
+            let starts_range = head.mapped
+                && !self.segments.is_asleep(head.segment)
+                && head.prev.is_none_or(|p| !self.arena.get(p).mapped);
             if !starts_range {
                 continue;
             }
@@ -225,7 +226,7 @@ impl<D: Device> DeviceAllocator<D> {
                 stream: head.stream,
                 segment_type: head.pool.segment_type(),
                 segment_pool_id: self.pool_id_of(head),
-                is_expandable: head.backing.is_expandable(),
+                is_expandable: head.expandable,
                 frames: Vec::new(),
                 blocks: Vec::new(),
             };
@@ -267,7 +268,8 @@ impl<D: Device> DeviceAllocator<D> {
         // As PyTorch does, the trace is read before the snapshot marks itself in it.
         let snapshot = self.history_snapshot();
         let total_active: u64 = snapshot.segments.iter().map(|s| s.active_size).sum();
-        self.history
+        self.ledger
+            .history
             .record(TraceAction::Snapshot, 0, total_active as usize, 0);
         snapshot
     }
@@ -277,7 +279,7 @@ impl<D: Device> DeviceAllocator<D> {
     pub fn history_snapshot(&self) -> MemorySnapshot {
         MemorySnapshot {
             segments: self.segments(),
-            device_traces: vec![self.history.entries()],
+            device_traces: vec![self.ledger.history.entries()],
             allocator_settings: self.config.to_pytorch_settings(),
         }
     }

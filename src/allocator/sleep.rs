@@ -2,54 +2,41 @@
 //! at the same addresses.
 //!
 //! Once sleep-ability is on ([`DeviceAllocator::set_sleepable`], or the first tagged
-//! allocation), every new ordinary segment is VMM-backed ([`Backing::Vmm`]): an address range
-//! reserved with `cuMemAddressReserve`, one physical allocation of the same size
+//! allocation), every new ordinary segment is VMM-backed (`allocator/backing/vmm.rs`): an
+//! address range reserved with `cuMemAddressReserve`, one physical allocation of the same size
 //! (`cuMemCreate`) mapped into it and made accessible. Its size and its blocks are PyTorch's, as
 //! for a `cudaMalloc`'d segment: only what it is made of differs.
 //!
+//! Sleep and wake are a loop over the segments of the chosen owners (the segment table), each
+//! segment's backing doing the driver's part:
 //! - [`DeviceAllocator::sleep`] waits for the device, copies each chosen segment to host memory
 //!   (when asked to), unmaps it and releases its physical memory. The address range stays
-//!   reserved, every block stays where it was, live ones included; a sleeping free block serves
-//!   no request.
-//! - [`DeviceAllocator::wake`] creates physical memory again, maps it at the same address,
-//!   grants access and copies the backup back.
+//!   reserved, every block stays where it was, live ones included; the segment's free blocks
+//!   leave their pools, so that they serve no request;
+//! - [`DeviceAllocator::wake`] passes the guard (the memory fraction and
+//!   `throw_on_cudamalloc_oom` bound what the allocator reserves, as for a new segment),
+//!   creates physical memory again, maps it at the same address, grants access and copies the
+//!   backup back; the free blocks return to their pools with the same tie keys and ages.
 //!
 //! Both are idempotent (a segment asleep is not slept again) and all-or-nothing per segment: a
 //! driver call that fails leaves that segment either fully awake or fully asleep with its
-//! backup, and the call can be repeated.
+//! backup, and the call can be repeated. Each segment's change goes through the ledger.
 //!
 //! Expandable segments are VMM-backed already, one physical allocation per page: their mapped
-//! pages sleep and wake at the same addresses ([`ExpandableSegment::sleep_pages`],
-//! [`ExpandableSegment::wake_pages`]). Their sleep is all or nothing per page (an unmap that
-//! fails leaves the pages before it asleep, the rest mapped, and the segment counts as asleep
-//! until a wake), their wake all or nothing per segment. A sleeping expandable segment does
-//! not grow: a request that would need it reserves a new segment, as when the stream had none.
+//! pages sleep and wake at the same addresses. Their sleep is all or nothing per page (an unmap
+//! that fails leaves the pages before it asleep, the rest mapped, and the segment counts as
+//! asleep until a wake), their wake all or nothing per segment. A sleeping expandable segment
+//! does not grow: a request that would need it reserves a new segment, as when the stream had
+//! none.
 
 use super::DeviceAllocator;
-use super::block::{Backing, BlockId, ExpandableId, VmmId};
-use super::expandable::{ExpandableSegment, LeftoverPage, PageRange};
+use super::block::BlockId;
 use super::guard::{Announce, Refusal};
-use super::private_pool::Owner;
-use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle};
+use super::owner::Owner;
+use super::segments::SegmentId;
+use crate::device::{Device, DeviceError};
 use crate::logging;
 use std::time::{Duration, Instant};
-
-/// What the log says when the device refuses to take memory back.
-const LEFTOVER: &str = "the device refused to take memory back; empty_cache retries it";
-
-/// A VMM-backed segment.
-#[derive(Debug)]
-pub struct VmmSegment {
-    base: DevicePtr,
-    /// The segment's size (what its blocks tile).
-    size: usize,
-    /// The reserved and mapped size: `size` in whole pages of the device's granularity.
-    mapped_size: usize,
-    /// The physical memory mapped now; `None` while asleep.
-    handle: Option<PhysicalHandle>,
-    /// The segment's bytes, copied to host memory when it went to sleep with a backup.
-    backup: Option<Vec<u8>>,
-}
 
 /// What a sleep or a wake moved.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -185,184 +172,41 @@ impl<D: Device> DeviceAllocator<D> {
     /// Makes new ordinary segments VMM-backed (on), so that they can sleep, or `cudaMalloc`'d
     /// again (off). Segments already made keep their backing.
     pub fn set_sleepable(&mut self, on: bool) {
-        self.sleepable = on;
+        self.source.sleepable = on;
     }
 
     pub fn is_sleepable(&self) -> bool {
-        self.sleepable
+        self.source.sleepable
     }
 
     /// The owner of tag `tag`'s allocations; a tag turns sleep-ability on.
     pub(super) fn tagged_owner(&mut self, tag: u32) -> Owner {
-        self.sleepable = true;
+        self.source.sleepable = true;
         Owner::Tagged(self.pools.tag_index(tag))
     }
 
     /// Bytes asleep now, in VMM-backed segments and in expandable segments' pages.
     pub fn sleeping_bytes(&self) -> usize {
-        let vmm: usize = self
-            .vmm_segments
-            .iter()
-            .flatten()
-            .filter(|s| s.handle.is_none())
-            .map(|s| s.size)
-            .sum();
-        let expandable: usize = self
-            .expandable_segments
-            .iter()
-            .flatten()
-            .map(ExpandableSegment::sleeping_bytes)
-            .sum();
-        vmm + expandable
+        self.segments.sleeping_bytes()
     }
 
-    /// A new VMM-backed segment of `size` bytes: its base and backing. `Ok(None)` when the
-    /// device is out of memory; nothing is left behind on any failure.
-    pub(super) fn new_vmm_segment(
-        &mut self,
-        size: usize,
-    ) -> Result<Option<(DevicePtr, Backing)>, DeviceError> {
-        let granularity = self.device.page_granularity()?;
-        let mapped_size = size.div_ceil(granularity) * granularity;
-        let base = match self.device.reserve_address_range(mapped_size) {
-            Ok(base) => base,
-            Err(DeviceError::OutOfMemory) => return Ok(None),
-            Err(err) => return Err(err),
-        };
-        let handle = match self.map_physical(base, mapped_size) {
-            Ok(handle) => handle,
-            Err(err) => {
-                self.free_range_or_keep(base, mapped_size);
-                return match err {
-                    DeviceError::OutOfMemory => Ok(None),
-                    err => Err(err),
-                };
-            }
-        };
-        let segment = VmmSegment {
-            base,
-            size,
-            mapped_size,
-            handle: Some(handle),
-            backup: None,
-        };
-        let id = super::block::place_in_free_slot(&mut self.vmm_segments, segment);
-        Ok(Some((base, Backing::Vmm(id as VmmId))))
+    /// The segments of `tags`, in table order.
+    fn segments_of(&self, tags: Tags<'_>) -> Vec<SegmentId> {
+        self.segments.of_owners(|owner| match (tags, owner) {
+            (Tags::All, _) => true,
+            (Tags::Only(tags), Owner::Tagged(index)) => tags.contains(&self.pools.tag_of(index)),
+            (Tags::Only(_), _) => false,
+        })
     }
 
-    /// Creates `size` bytes of physical memory, maps it at `base` and grants access: all or
-    /// nothing (what the device will not take back becomes a leftover page).
-    fn map_physical(
-        &mut self,
-        base: DevicePtr,
-        size: usize,
-    ) -> Result<PhysicalHandle, DeviceError> {
-        let handle = self.device.create_physical(size)?;
-        if let Err(err) = self.device.map(base, size, handle) {
-            self.release_or_keep(handle, None);
-            return Err(err);
-        }
-        if let Err(err) = self.device.set_access(base, size) {
-            self.unmap_and_release_or_keep(base, size, handle);
-            return Err(err);
-        }
-        Ok(handle)
-    }
-
-    /// Releases physical memory; what the device refuses is kept, retried by `empty_cache`.
-    fn release_or_keep(&mut self, handle: PhysicalHandle, mapped_at: Option<(DevicePtr, usize)>) {
-        if let Err(err) = self.device.release_physical(handle) {
-            logging::device_error(LEFTOVER, &err);
-            self.leftover_pages.push(LeftoverPage { mapped_at, handle });
-        }
-    }
-
-    fn unmap_and_release_or_keep(&mut self, base: DevicePtr, size: usize, handle: PhysicalHandle) {
-        if let Err(err) = self.device.unmap(base, size) {
-            logging::device_error(LEFTOVER, &err);
-            self.leftover_pages.push(LeftoverPage {
-                mapped_at: Some((base, size)),
-                handle,
-            });
-        } else {
-            self.release_or_keep(handle, None);
-        }
-    }
-
-    fn free_range_or_keep(&mut self, ptr: DevicePtr, size: usize) {
-        if let Err(err) = self.device.free_address_range(ptr, size) {
-            logging::device_error(LEFTOVER, &err);
-            self.leftover_ranges.push(PageRange { ptr, size });
-        }
-    }
-
-    /// Gives a wholly free, awake VMM-backed segment back to the device. The unmap decides:
-    /// if it fails nothing changed; a release or address free that fails after it leaves a
-    /// leftover, retried by every `empty_cache`.
-    pub(super) fn release_vmm_segment(&mut self, id: VmmId) -> Result<(), DeviceError> {
-        let segment = self.vmm_segments[id as usize]
-            .as_ref()
-            .expect("a live VMM segment");
-        let (base, mapped_size, handle) = (segment.base, segment.mapped_size, segment.handle);
-        if let Some(handle) = handle {
-            self.device.unmap(base, mapped_size)?;
-            self.release_or_keep(handle, None);
-        }
-        self.free_range_or_keep(base, mapped_size);
-        self.vmm_segments[id as usize] = None;
-        Ok(())
-    }
-
-    /// The first block of each segment of `tags`, with what the segment is made of.
-    fn segments_of(&self, tags: Tags<'_>) -> Vec<(BlockId, Backing)> {
-        self.arena
-            .iter()
-            .filter(|(_, b)| b.prev.is_none())
-            .filter(|(_, b)| match (tags, b.owner) {
-                (Tags::All, _) => true,
-                (Tags::Only(tags), Owner::Tagged(index)) => {
-                    tags.contains(&self.pools.tag_of(index))
-                }
-                (Tags::Only(_), _) => false,
-            })
-            .map(|(id, b)| (id, b.backing))
-            .collect()
-    }
-
-    /// Marks every block of the segment starting at `head` asleep or awake; returns the live
-    /// blocks among them.
-    fn set_segment_asleep(&mut self, head: BlockId, asleep: bool) -> usize {
-        let mut live = 0;
-        let mut cursor = Some(head);
-        while let Some(id) = cursor {
-            let block = self.arena.get_mut(id);
-            block.asleep = asleep;
-            live += usize::from(!block.is_available());
-            cursor = block.next;
-        }
-        live
-    }
-
-    fn vmm(&self, id: VmmId) -> &VmmSegment {
-        self.vmm_segments[id as usize]
-            .as_ref()
-            .expect("a live VMM segment")
-    }
-
-    fn vmm_mut(&mut self, id: VmmId) -> &mut VmmSegment {
-        self.vmm_segments[id as usize]
-            .as_mut()
-            .expect("a live VMM segment")
-    }
-
-    /// Runs `per_segment` on each segment of `tags` (its first block and backing) after
-    /// `prepare`, refused during a capture, timed, and stopped at the first failure (a driver
-    /// call, or a wake past the memory fraction) with what was done by then.
+    /// Runs `per_segment` on each segment of `tags` after `prepare`, refused during a capture,
+    /// timed, and stopped at the first failure (a driver call, or a wake the guard refuses)
+    /// with what was done by then.
     fn each_segment(
         &mut self,
         tags: Tags<'_>,
         prepare: impl FnOnce(&mut Self) -> Result<(), DeviceError>,
-        mut per_segment: impl FnMut(&mut Self, BlockId, Backing, &mut SleepReport) -> Result<(), Stop>,
+        mut per_segment: impl FnMut(&mut Self, SegmentId, &mut SleepReport) -> Result<(), Stop>,
     ) -> Result<SleepReport, SleepError> {
         if !self.captures.is_empty() {
             return Err(SleepError::Capturing);
@@ -372,7 +216,7 @@ impl<D: Device> DeviceAllocator<D> {
         let outcome = prepare(self).map_err(Stop::Device).and_then(|()| {
             self.segments_of(tags)
                 .into_iter()
-                .try_for_each(|(head, backing)| per_segment(self, head, backing, &mut report))
+                .try_for_each(|segment| per_segment(self, segment, &mut report))
         });
         report.elapsed = started.elapsed();
         match outcome {
@@ -415,198 +259,161 @@ impl<D: Device> DeviceAllocator<D> {
             this.synchronize_and_free_events()?;
             this.device.synchronize_device()
         };
-        let report =
-            self.each_segment(tags, prepare, |this, head, backing, report| match backing {
-                Backing::Plain => {
-                    report.skipped_bytes += this.segment_size(head);
-                    Ok(())
-                }
-                Backing::Vmm(vmm) => Ok(this.sleep_segment(head, vmm, backup, report)?),
-                Backing::Expandable(segment) => {
-                    Ok(this.sleep_expandable(head, segment, backup, report)?)
-                }
-            })?;
-        logging::slept(&report, backup);
+        let report = self.each_segment(tags, prepare, |this, segment, report| {
+            Ok(this.sleep_segment(segment, backup, report)?)
+        })?;
+        logging::slept(
+            report.bytes,
+            report.segments,
+            report.blocks,
+            report.copied_bytes,
+            report.skipped_bytes,
+            backup,
+            report.elapsed,
+        );
         Ok(report)
     }
 
+    /// Puts one segment to sleep. A `cudaMalloc`'d one cannot and is counted as skipped. An
+    /// expandable segment's failure part-way leaves the pages slept so far asleep, counted in
+    /// `report`; the segment then counts as asleep, and a later sleep goes on with the pages
+    /// still mapped.
     fn sleep_segment(
         &mut self,
-        head: BlockId,
-        vmm: VmmId,
+        id: SegmentId,
         backup: bool,
         report: &mut SleepReport,
     ) -> Result<(), DeviceError> {
-        let segment = self.vmm(vmm);
-        let Some(handle) = segment.handle else {
-            return Ok(());
-        };
-        let (base, size, mapped_size) = (segment.base, segment.size, segment.mapped_size);
-        let saved = if backup {
-            let mut bytes = vec![0; size];
-            self.device.copy_to_host(base, &mut bytes)?;
-            Some(bytes)
-        } else {
-            None
-        };
-        self.device.unmap(base, mapped_size)?;
-        // Unmapped: the segment sleeps. A release the device refuses leaves the memory held
-        // until a later `empty_cache` retries it, not the segment awake.
-        self.release_or_keep(handle, None);
-        report.copied_bytes += saved.as_ref().map_or(0, Vec::len);
-        let segment = self.vmm_mut(vmm);
-        segment.handle = None;
-        segment.backup = saved;
-        let pool = self.arena.get(head).pool;
-        report.blocks += self.set_segment_asleep(head, true);
-        report.segments += 1;
-        report.bytes += size;
-        self.sleeping_segments += 1;
-        self.total_allocated_memory -= size;
-        self.stats.reserved_bytes.decrease(pool, size as u64);
-        Ok(())
-    }
-
-    /// Wakes the memory of `tags`: creates physical memory again, maps it at the same
-    /// addresses, grants access and copies back what was backed up. Segments awake are left as
-    /// they are. Under a memory fraction, a segment whose wake would reserve past the limit
-    /// stays asleep and the call stops there ([`SleepError::OverMemoryFraction`]), as a new
-    /// segment would be refused: the fraction bounds what the allocator reserves.
-    pub fn wake(&mut self, tags: Tags<'_>) -> Result<SleepReport, SleepError> {
-        let report = self.each_segment(
-            tags,
-            |_| Ok(()),
-            |this, head, backing, report| {
-                let needed = match backing {
-                    Backing::Plain => return Ok(()),
-                    Backing::Vmm(vmm) => match this.vmm(vmm).handle {
-                        Some(_) => return Ok(()),
-                        None => this.vmm(vmm).size,
-                    },
-                    Backing::Expandable(segment) => this.segment(segment).sleeping_bytes(),
-                };
-                let reserved = this.total_allocated_memory;
-                match this.admit(needed, Announce::Yes)? {
-                    Ok(()) => {}
-                    Err(Refusal::OverMemoryFraction { allowed }) => {
-                        return Err(Stop::OverMemoryFraction {
-                            needed,
-                            reserved,
-                            allowed,
-                        });
-                    }
-                    Err(Refusal::Rejected { limit }) => {
-                        return Err(Stop::PreemptivelyRejected {
-                            needed,
-                            reserved,
-                            limit,
-                        });
-                    }
-                }
-                match backing {
-                    Backing::Plain => Ok(()),
-                    Backing::Vmm(vmm) => Ok(this.wake_segment(head, vmm, report)?),
-                    Backing::Expandable(segment) => {
-                        Ok(this.wake_expandable(head, segment, report)?)
-                    }
-                }
-            },
-        )?;
-        logging::woke(&report);
-        Ok(report)
-    }
-
-    fn wake_segment(
-        &mut self,
-        head: BlockId,
-        vmm: VmmId,
-        report: &mut SleepReport,
-    ) -> Result<(), DeviceError> {
-        let segment = self.vmm(vmm);
-        if segment.handle.is_some() {
+        let head = self.segments.head(id);
+        let segment = self.segments.get_mut(id);
+        if !segment.memory.can_sleep() {
+            report.skipped_bytes += self.mapped_size_from(head);
             return Ok(());
         }
-        let (base, size, mapped_size) = (segment.base, segment.size, segment.mapped_size);
-        let handle = self.map_physical(base, mapped_size)?;
-        let backup = self.vmm_mut(vmm).backup.take();
-        if let Some(bytes) = &backup
-            && let Err(err) = self.device.copy_from_host(base, bytes)
-        {
-            // The segment goes back to sleep whole, its backup kept for the next try.
-            self.unmap_and_release_or_keep(base, mapped_size, handle);
-            self.vmm_mut(vmm).backup = backup;
-            return Err(err);
-        }
-        report.copied_bytes += backup.as_ref().map_or(0, Vec::len);
-        self.vmm_mut(vmm).handle = Some(handle);
-        let pool = self.arena.get(head).pool;
-        report.blocks += self.set_segment_asleep(head, false);
-        report.segments += 1;
-        report.bytes += size;
-        self.sleeping_segments -= 1;
-        self.total_allocated_memory += size;
-        self.stats.reserved_bytes.increase(pool, size as u64);
-        Ok(())
-    }
-
-    /// Puts the mapped pages of expandable segment `id` (first block `head`) to sleep. A
-    /// failure part-way leaves the pages slept so far asleep, counted in `report`; the
-    /// segment then counts as asleep, and a later sleep goes on with the pages still mapped.
-    fn sleep_expandable(
-        &mut self,
-        head: BlockId,
-        id: ExpandableId,
-        backup: bool,
-        report: &mut SleepReport,
-    ) -> Result<(), DeviceError> {
-        let segment = self.expandable_segments[id as usize]
-            .as_mut()
-            .expect("a live expandable segment");
-        let was_asleep = segment.is_asleep();
-        let slept = segment.sleep_pages(&mut self.device, backup, &mut self.leftover_pages);
-        let (pool, bytes) = (segment.pool(), slept.pages * segment.page_size());
-        if slept.pages > 0 {
+        let (kind, was_asleep) = (segment.kind, segment.asleep);
+        let slept = segment
+            .memory
+            .sleep(&mut self.device, backup, &mut self.source.leftovers);
+        if slept.bytes > 0 {
             if !was_asleep {
-                report.blocks += self.set_segment_asleep(head, true);
-                self.sleeping_segments += 1;
+                report.blocks += self.park(id);
             }
             report.segments += 1;
-            report.bytes += bytes;
+            report.bytes += slept.bytes;
             report.copied_bytes += slept.copied_bytes;
-            self.total_allocated_memory -= bytes;
-            self.stats.reserved_bytes.decrease(pool, bytes as u64);
+            let ptr = self.arena.get(head).ptr;
+            self.ledger.slept(ptr, slept.bytes, kind);
         }
         slept.error.map_or(Ok(()), Err)
     }
 
-    /// Wakes the sleeping pages of expandable segment `id` (first block `head`), all or
-    /// nothing.
-    fn wake_expandable(
-        &mut self,
-        head: BlockId,
-        id: ExpandableId,
-        report: &mut SleepReport,
-    ) -> Result<(), DeviceError> {
-        let segment = self.expandable_segments[id as usize]
-            .as_mut()
-            .expect("a live expandable segment");
-        if !segment.is_asleep() {
+    /// Wakes the memory of `tags`: creates physical memory again, maps it at the same
+    /// addresses, grants access and copies back what was backed up. Segments awake are left as
+    /// they are. A segment whose wake the guard refuses (past the memory fraction, or past
+    /// `throw_on_cudamalloc_oom`'s limit) stays asleep and the call stops there, as a new
+    /// segment would be refused: the limits bound what the allocator reserves.
+    pub fn wake(&mut self, tags: Tags<'_>) -> Result<SleepReport, SleepError> {
+        let report = self.each_segment(
+            tags,
+            |_| Ok(()),
+            |this, segment, report| this.wake_segment(segment, report),
+        )?;
+        logging::woke(
+            report.bytes,
+            report.segments,
+            report.blocks,
+            report.copied_bytes,
+            report.elapsed,
+        );
+        Ok(report)
+    }
+
+    fn wake_segment(&mut self, id: SegmentId, report: &mut SleepReport) -> Result<(), Stop> {
+        let segment = self.segments.get(id);
+        if !segment.asleep {
             return Ok(());
         }
-        let (pages, copied) = segment.wake_pages(&mut self.device, &mut self.leftover_pages)?;
-        let (pool, bytes) = (segment.pool(), pages * segment.page_size());
-        report.blocks += self.set_segment_asleep(head, false);
+        let (kind, needed) = (segment.kind, segment.memory.sleeping_bytes());
+        let reserved = self.ledger.reserved;
+        match self.admit(needed, Announce::Yes)? {
+            Ok(()) => {}
+            Err(Refusal::OverMemoryFraction { allowed }) => {
+                return Err(Stop::OverMemoryFraction {
+                    needed,
+                    reserved,
+                    allowed,
+                });
+            }
+            Err(Refusal::Rejected { limit }) => {
+                return Err(Stop::PreemptivelyRejected {
+                    needed,
+                    reserved,
+                    limit,
+                });
+            }
+        }
+        let (bytes, copied) = self
+            .segments
+            .get_mut(id)
+            .memory
+            .wake(&mut self.device, &mut self.source.leftovers)?;
+        report.blocks += self.unpark(id);
         report.segments += 1;
         report.bytes += bytes;
         report.copied_bytes += copied;
-        self.sleeping_segments -= 1;
-        self.total_allocated_memory += bytes;
-        self.stats.reserved_bytes.increase(pool, bytes as u64);
+        let ptr = self.arena.get(self.segments.head(id)).ptr;
+        self.ledger.woke(ptr, bytes, kind);
         Ok(())
     }
 
-    /// The bytes of the segment whose first block is `head`.
-    fn segment_size(&self, head: BlockId) -> usize {
+    /// Marks segment `id` asleep and takes its free blocks out of their pools (they keep their
+    /// tie keys and ages); returns its live blocks.
+    fn park(&mut self, id: SegmentId) -> usize {
+        let mut live = 0;
+        let mut cursor = Some(self.segments.head(id));
+        while let Some(block) = cursor {
+            let b = self.arena.get(block);
+            if b.is_available() {
+                let pool = self.pools.of_block_mut(b);
+                let removed = if b.mapped {
+                    pool.remove(block, b)
+                } else {
+                    pool.remove_unmapped(b)
+                };
+                debug_assert!(removed, "an available block is in its pool");
+            } else {
+                live += 1;
+            }
+            cursor = b.next;
+        }
+        self.segments.set_asleep(id, true);
+        live
+    }
+
+    /// Marks segment `id` awake and puts its free blocks back in their pools, with the tie
+    /// keys and ages they had; returns its live blocks.
+    fn unpark(&mut self, id: SegmentId) -> usize {
+        self.segments.set_asleep(id, false);
+        let mut live = 0;
+        let mut cursor = Some(self.segments.head(id));
+        while let Some(block) = cursor {
+            let b = self.arena.get_mut(block);
+            cursor = b.next;
+            if !b.is_available() {
+                live += 1;
+            } else if b.mapped {
+                self.pools.get_mut(b.owner, b.pool).reinsert(block, b);
+            } else {
+                self.pools
+                    .get_mut(b.owner, b.pool)
+                    .insert_unmapped(block, b);
+            }
+        }
+        live
+    }
+
+    /// The mapped bytes of the segment whose first block is `head`.
+    fn mapped_size_from(&self, head: BlockId) -> usize {
         let mut size = 0;
         let mut cursor = Some(head);
         while let Some(id) = cursor {

@@ -1,0 +1,170 @@
+//! VMM backing: an address range reserved with `cuMemAddressReserve`, one physical allocation
+//! of the same size (`cuMemCreate`) mapped into it and made accessible. Its size and its
+//! blocks are PyTorch's, as for a `cudaMalloc`'d segment: only what it is made of differs, so
+//! that its physical memory can sleep while its addresses stay.
+//!
+//! - obtain ([`VmmSegment::obtain`]): reserve, create, map, grant access; all or nothing;
+//! - release ([`VmmSegment::release`]): the unmap decides; a release or address free that
+//!   fails after it becomes a leftover;
+//! - sleep ([`VmmSegment::sleep`]): copy to host memory when asked, unmap, release;
+//! - wake ([`VmmSegment::wake`]): create, map, grant access, copy back; all or nothing.
+
+use super::{Leftovers, Slept};
+use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle};
+
+/// A VMM-backed segment's memory.
+#[derive(Debug)]
+pub(crate) struct VmmSegment {
+    base: DevicePtr,
+    /// The segment's size (what its blocks tile).
+    size: usize,
+    /// The reserved and mapped size: `size` in whole pages of the device's granularity.
+    mapped_size: usize,
+    /// The physical memory mapped now; `None` while asleep.
+    handle: Option<PhysicalHandle>,
+    /// The segment's bytes, copied to host memory when it went to sleep with a backup.
+    backup: Option<Vec<u8>>,
+}
+
+impl VmmSegment {
+    /// A new VMM-backed segment of `size` bytes. `Ok(None)` when the device is out of memory;
+    /// nothing is left behind on any failure.
+    pub(crate) fn obtain<D: Device>(
+        device: &mut D,
+        size: usize,
+        leftovers: &mut Leftovers,
+    ) -> Result<Option<VmmSegment>, DeviceError> {
+        let granularity = device.page_granularity()?;
+        let mapped_size = size.div_ceil(granularity) * granularity;
+        let base = match device.reserve_address_range(mapped_size) {
+            Ok(base) => base,
+            Err(DeviceError::OutOfMemory) => return Ok(None),
+            Err(err) => return Err(err),
+        };
+        let handle = match map_physical(device, base, mapped_size, leftovers) {
+            Ok(handle) => handle,
+            Err(err) => {
+                leftovers.free_range_or_keep(device, base, mapped_size);
+                return match err {
+                    DeviceError::OutOfMemory => Ok(None),
+                    err => Err(err),
+                };
+            }
+        };
+        Ok(Some(VmmSegment {
+            base,
+            size,
+            mapped_size,
+            handle: Some(handle),
+            backup: None,
+        }))
+    }
+
+    pub(crate) fn base(&self) -> DevicePtr {
+        self.base
+    }
+
+    pub(crate) fn sleeping_bytes(&self) -> usize {
+        if self.handle.is_none() { self.size } else { 0 }
+    }
+
+    /// Gives the memory back to the device: the unmap decides (if it fails nothing changed); a
+    /// release or address free that fails after it leaves a leftover.
+    pub(crate) fn release<D: Device>(
+        &self,
+        device: &mut D,
+        leftovers: &mut Leftovers,
+    ) -> Result<(), DeviceError> {
+        if let Some(handle) = self.handle {
+            device.unmap(self.base, self.mapped_size)?;
+            leftovers.release_or_keep(device, handle);
+        }
+        leftovers.free_range_or_keep(device, self.base, self.mapped_size);
+        Ok(())
+    }
+
+    /// Copies the segment to host memory when `backup` (a failed copy changes nothing), unmaps
+    /// it and releases its physical memory. A release the device refuses leaves the memory
+    /// held until a later `empty_cache` retries it, not the segment awake. Nothing to do when
+    /// asleep already.
+    pub(crate) fn sleep<D: Device>(
+        &mut self,
+        device: &mut D,
+        backup: bool,
+        leftovers: &mut Leftovers,
+    ) -> Slept {
+        let Some(handle) = self.handle else {
+            return Slept::default();
+        };
+        let saved = if backup {
+            let mut bytes = vec![0; self.size];
+            if let Err(err) = device.copy_to_host(self.base, &mut bytes) {
+                return Slept {
+                    error: Some(err),
+                    ..Slept::default()
+                };
+            }
+            Some(bytes)
+        } else {
+            None
+        };
+        if let Err(err) = device.unmap(self.base, self.mapped_size) {
+            return Slept {
+                error: Some(err),
+                ..Slept::default()
+            };
+        }
+        leftovers.release_or_keep(device, handle);
+        let copied_bytes = saved.as_ref().map_or(0, Vec::len);
+        self.handle = None;
+        self.backup = saved;
+        Slept {
+            bytes: self.size,
+            copied_bytes,
+            error: None,
+        }
+    }
+
+    /// Creates physical memory again, maps it at the same address, grants access and copies
+    /// the backup back: the bytes woken and copied. All or nothing: on a failure the segment
+    /// stays asleep with its backup. Nothing to do when awake.
+    pub(crate) fn wake<D: Device>(
+        &mut self,
+        device: &mut D,
+        leftovers: &mut Leftovers,
+    ) -> Result<(usize, usize), DeviceError> {
+        if self.handle.is_some() {
+            return Ok((0, 0));
+        }
+        let handle = map_physical(device, self.base, self.mapped_size, leftovers)?;
+        if let Some(bytes) = &self.backup
+            && let Err(err) = device.copy_from_host(self.base, bytes)
+        {
+            leftovers.unmap_and_release_or_keep(device, self.base, self.mapped_size, handle);
+            return Err(err);
+        }
+        let copied = self.backup.take().map_or(0, |bytes| bytes.len());
+        self.handle = Some(handle);
+        Ok((self.size, copied))
+    }
+}
+
+/// Creates `size` bytes of physical memory, maps it at `base` and grants access: all or
+/// nothing (what the device will not take back becomes a leftover page).
+fn map_physical<D: Device>(
+    device: &mut D,
+    base: DevicePtr,
+    size: usize,
+    leftovers: &mut Leftovers,
+) -> Result<PhysicalHandle, DeviceError> {
+    let handle = device.create_physical(size)?;
+    if let Err(err) = device.map(base, size, handle) {
+        leftovers.release_or_keep(device, handle);
+        return Err(err);
+    }
+    if let Err(err) = device.set_access(base, size) {
+        leftovers.unmap_and_release_or_keep(device, base, size, handle);
+        return Err(err);
+    }
+    Ok(handle)
+}
