@@ -6,13 +6,16 @@
 
 use super::history::StackId;
 use super::owner::Owner;
-use super::segments::SegmentId;
 use crate::device::{DevicePtr, StreamId};
 use crate::policy::PoolKind;
 
 /// The index of a block in the [`BlockArena`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct BlockId(pub u32);
+
+/// The index of a segment in the segment table (`allocator/segments.rs`) (stable while the segment exists).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub(crate) struct SegmentId(pub(crate) u32);
 
 /// How PyTorch orders cached blocks of the same stream and size: the lower allocation-order
 /// counter first, then the lower address (`BlockComparatorSizeCounterAddress`, PyTorch 2.12

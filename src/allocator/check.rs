@@ -140,9 +140,10 @@ impl<D: Device> DeviceAllocator<D> {
                         filed.get(&c)
                     ));
                 }
-                if b.is_available() && !asleep {
+                if b.is_available() {
+                    // The pools hold the free blocks of awake segments.
                     if b.mapped {
-                        cached_count += 1;
+                        cached_count += usize::from(!asleep);
                         if !b.expandable && b.is_split() {
                             recomputed.inactive_split.increase(pool, 1);
                             recomputed
@@ -150,7 +151,7 @@ impl<D: Device> DeviceAllocator<D> {
                                 .increase(pool, b.size as u64);
                         }
                     } else {
-                        unmapped_count += 1;
+                        unmapped_count += usize::from(!asleep);
                     }
                 }
                 if b.mapped {

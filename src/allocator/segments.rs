@@ -12,12 +12,9 @@
 use super::backing::Memory;
 use super::backing::expandable::ExpandableSegment;
 use super::block::BlockId;
+pub(crate) use super::block::SegmentId;
 use super::owner::Owner;
 use crate::policy::PoolKind;
-
-/// The index of a segment in the [`SegmentTable`] (stable while the segment exists).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
-pub(crate) struct SegmentId(pub(crate) u32);
 
 /// One segment.
 #[derive(Debug)]
