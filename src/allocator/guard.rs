@@ -50,9 +50,9 @@ pub(crate) struct Guard {
 }
 
 impl Guard {
-    /// PyTorch's memory fraction (`alloc_block`: `set_fraction && total_allocated_memory + size
-    /// > allowed_memory_maximum`): the limit, when reserving `size` more bytes past `reserved`
-    /// would exceed it.
+    /// PyTorch's memory fraction (`alloc_block`:
+    /// `set_fraction && total_allocated_memory + size > allowed_memory_maximum`): the limit,
+    /// when reserving `size` more bytes past `reserved` would exceed it.
     #[inline]
     pub(crate) fn over_fraction(&self, reserved: usize, size: usize) -> Option<usize> {
         self.allowed_memory_maximum
