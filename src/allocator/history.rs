@@ -69,7 +69,7 @@ impl Serialize for TraceEntry {
 
 /// The ring buffer of trace entries, off until recording is asked for.
 #[derive(Debug, Default)]
-pub struct History {
+pub(crate) struct History {
     enabled: bool,
     max_entries: usize,
     entries: Vec<TraceEntry>,
@@ -92,7 +92,7 @@ fn now_us() -> i64 {
 
 impl History {
     /// `_record_memory_history(enabled, max_entries)`: turning it off clears the buffer.
-    pub fn set_recording(&mut self, enabled: bool, max_entries: usize) {
+    pub(crate) fn set_recording(&mut self, enabled: bool, max_entries: usize) {
         self.enabled = enabled;
         self.max_entries = max_entries.max(1);
         if !enabled {
@@ -102,12 +102,18 @@ impl History {
     }
 
     #[inline]
-    pub fn is_recording(&self) -> bool {
+    pub(crate) fn is_recording(&self) -> bool {
         self.enabled
     }
 
     #[inline]
-    pub fn record(&mut self, action: TraceAction, addr: DevicePtr, size: usize, stream: StreamId) {
+    pub(crate) fn record(
+        &mut self,
+        action: TraceAction,
+        addr: DevicePtr,
+        size: usize,
+        stream: StreamId,
+    ) {
         if self.enabled {
             self.push(action, addr, size, stream);
         }
@@ -134,23 +140,23 @@ impl History {
 
     /// Sets the stack that the entries recorded from now on carry; returns the previous one.
     #[inline]
-    pub fn set_current_stack(&mut self, stack: StackId) -> StackId {
+    pub(crate) fn set_current_stack(&mut self, stack: StackId) -> StackId {
         std::mem::replace(&mut self.current_stack, stack)
     }
 
     /// Sets the metadata that the entries recorded from now on carry; returns the previous.
     #[inline]
-    pub fn set_current_metadata(&mut self, metadata: Option<Arc<str>>) -> Option<Arc<str>> {
+    pub(crate) fn set_current_metadata(&mut self, metadata: Option<Arc<str>>) -> Option<Arc<str>> {
         std::mem::replace(&mut self.current_metadata, metadata)
     }
 
     #[inline]
-    pub fn current_stack(&self) -> StackId {
+    pub(crate) fn current_stack(&self) -> StackId {
         self.current_stack
     }
 
     /// The entries, oldest first.
-    pub fn entries(&self) -> Vec<TraceEntry> {
+    pub(crate) fn entries(&self) -> Vec<TraceEntry> {
         let mut out = Vec::with_capacity(self.entries.len());
         out.extend_from_slice(&self.entries[self.next..]);
         out.extend_from_slice(&self.entries[..self.next]);
