@@ -15,18 +15,19 @@
 //!
 //! During a CUDA graph capture, allocations on the capture's streams come from a private pool of
 //! their own ([`private_pool`]), which keeps its memory for as long as a graph may replay into it.
-
 //!
 //! How the module is cut (each file's docs say more):
-//! - the malloc path and the allocator's state here; [`free`], [`events`] (frees waiting for
-//!   other streams), [`release`] (giving memory back) and [`error`] beside it;
-//! - [`segments`]: the segment table, each segment with its owner ([`owner`]), its memory
-//!   ([`backing`]: plain, expandable, VMM) and its state (awake or asleep);
-//! - [`guard`] in front of every device allocation, [`ledger`] behind every change of
-//!   reserved bytes, [`source`] holding both sides of the device's memory;
-//! - [`block`] and [`pool`]: the blocks and the pools of free blocks; [`private_pool`],
-//!   [`expandable`], [`cross_stream`] and [`sleep`] for those features; [`history`] and
-//!   [`stats`] for what PyTorch reports.
+//! - the malloc path and the allocator's state here; `free.rs`, `events.rs` (frees waiting for
+//!   other streams), `release.rs` (giving memory back) and `error.rs` beside it;
+//! - `segments.rs`: the segment table, each segment with its owner (`owner.rs`), its memory
+//!   (`backing/`: plain, expandable, VMM, each with obtain, release, sleep and wake) and its
+//!   state (awake or asleep);
+//! - `guard.rs` in front of every device allocation, `ledger.rs` behind every change of
+//!   reserved bytes, `source.rs` holding the guard, the backing choice and the leftovers;
+//! - `block.rs` and `pool.rs`: the blocks and the pools of free blocks; [`private_pool`],
+//!   `expandable.rs`, `cross_stream.rs` and [`sleep`] for those features; [`history`] and
+//!   [`stats`] for what PyTorch reports; `check.rs`, `import.rs` and `live.rs` for the
+//!   self-check, replay's start state and the table of live allocations.
 
 #![forbid(unsafe_code)]
 
