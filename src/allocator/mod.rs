@@ -51,6 +51,7 @@ mod release;
 pub(crate) mod segments;
 pub mod sleep;
 mod source;
+mod staging;
 pub mod stats;
 
 pub use cross_stream::CrossStreamCounts;
@@ -133,6 +134,8 @@ pub struct DeviceAllocator<D: Device> {
     allocated: live::LiveTable,
     /// Cross-stream reuse (opt-in): what it did, and its merging state.
     cross_stream: CrossStream,
+    /// Sleep's pinned host buffers and copy stream ([`staging`]).
+    staging: staging::HostStaging,
 }
 
 impl<D: Device> DeviceAllocator<D> {
@@ -150,6 +153,7 @@ impl<D: Device> DeviceAllocator<D> {
             captures: Vec::new(),
             allocated: live::LiveTable::default(),
             cross_stream: CrossStream::default(),
+            staging: staging::HostStaging::default(),
             config,
         };
         if let Some(fraction) = allocator.config.per_process_memory_fraction

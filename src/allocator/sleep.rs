@@ -9,14 +9,22 @@
 //!
 //! Sleep and wake are a loop over the segments of the chosen owners (the segment table), each
 //! segment's backing doing the driver's part:
-//! - [`DeviceAllocator::sleep`] waits for the device, copies each chosen segment to host memory
-//!   (when asked to), unmaps it and releases its physical memory. The address range stays
+//! - [`DeviceAllocator::sleep`] waits for the device, copies the live blocks of each chosen
+//!   segment to pinned host memory (when asked to), unmaps it and releases its physical memory. The address range stays
 //!   reserved, every block stays where it was, live ones included; the segment's free blocks
 //!   leave their pools, so that they serve no request;
 //! - [`DeviceAllocator::wake`] passes the guard (the memory fraction and
 //!   `throw_on_cudamalloc_oom` bound what the allocator reserves, as for a new segment),
 //!   creates physical memory again, maps it at the same address, grants access and copies the
 //!   backup back; the free blocks return to their pools with the same tie keys and ages.
+//!
+//! The copies are the fast path (docs/sleep.md, "Backups"): only live blocks are copied, into
+//! page-locked host memory kept from one sleep to the next (`allocator/staging.rs`), queued on
+//! a stream of the allocator's own with an event per segment. A segment is unmapped once its
+//! event has completed, found by asking without waiting while the next segments' copies are
+//! queued; the host waits once, at the end, for the copies still running. Wake maps each
+//! segment and queues its copies, so the next segment's map overlaps them, and waits once at
+//! the end.
 //!
 //! Both are idempotent (a segment asleep is not slept again) and all-or-nothing per segment: a
 //! driver call that fails leaves that segment either fully awake or fully asleep with its
@@ -30,11 +38,13 @@
 //! none.
 
 use super::DeviceAllocator;
+use super::backing::Memory;
+use super::backing::vmm::Backup;
 use super::block::BlockId;
 use super::guard::{Announce, Refusal};
 use super::owner::Owner;
 use super::segments::SegmentId;
-use crate::device::{Device, DeviceError};
+use crate::device::{Device, DeviceError, EventHandle, PinnedHostBuffer, StreamId};
 use crate::logging;
 use std::time::{Duration, Instant};
 
@@ -47,8 +57,17 @@ pub struct SleepReport {
     pub bytes: usize,
     /// Live blocks in them: allocations whose memory slept (or woke).
     pub blocks: usize,
-    /// Bytes copied to host memory (sleep) or back from it (wake).
+    /// Bytes copied to host memory (sleep) or back from it (wake): the live blocks' bytes (for
+    /// expandable segments, their mapped pages').
     pub copied_bytes: usize,
+    /// Whether the bytes copied went to (or came from) page-locked host memory; false when
+    /// nothing was copied, or some through pageable memory (expandable segments' pages).
+    pub host_memory_pinned: bool,
+    /// Pinned host buffers this call allocated: 0 when the one kept from an earlier sleep was
+    /// large enough.
+    pub host_allocations: usize,
+    /// Times this call made the host wait for the device.
+    pub host_synchronizations: usize,
     /// Bytes of segments that matched but cannot sleep: `cudaMalloc`'d before sleep-ability
     /// was on.
     pub skipped_bytes: usize,
@@ -199,25 +218,30 @@ impl<D: Device> DeviceAllocator<D> {
         })
     }
 
-    /// Runs `per_segment` on each segment of `tags` after `prepare`, refused during a capture,
-    /// timed, and stopped at the first failure (a driver call, or a wake the guard refuses)
-    /// with what was done by then.
-    fn each_segment(
+    /// Runs `per_segment` on each segment of `tags` after `prepare`, then `finish` (always,
+    /// to complete what was queued), refused during a capture, timed, and stopped at the first
+    /// failure (a driver call, or a wake the guard refuses) with what was done by then.
+    fn each_segment<S>(
         &mut self,
         tags: Tags<'_>,
-        prepare: impl FnOnce(&mut Self) -> Result<(), DeviceError>,
-        mut per_segment: impl FnMut(&mut Self, SegmentId, &mut SleepReport) -> Result<(), Stop>,
+        state: &mut S,
+        prepare: impl FnOnce(&mut Self, &mut S, &[SegmentId], &mut SleepReport) -> Result<(), Stop>,
+        mut per_segment: impl FnMut(&mut Self, &mut S, SegmentId, &mut SleepReport) -> Result<(), Stop>,
+        finish: impl FnOnce(&mut Self, &mut S, &mut SleepReport) -> Result<(), Stop>,
     ) -> Result<SleepReport, SleepError> {
         if !self.captures.is_empty() {
             return Err(SleepError::Capturing);
         }
         let started = Instant::now();
         let mut report = SleepReport::default();
-        let outcome = prepare(self).map_err(Stop::Device).and_then(|()| {
-            self.segments_of(tags)
-                .into_iter()
-                .try_for_each(|segment| per_segment(self, segment, &mut report))
+        let segments = self.segments_of(tags);
+        let outcome = prepare(self, state, &segments, &mut report).and_then(|()| {
+            segments
+                .iter()
+                .try_for_each(|&segment| per_segment(self, state, segment, &mut report))
         });
+        let finished = finish(self, state, &mut report);
+        let outcome = outcome.and(finished);
         report.elapsed = started.elapsed();
         match outcome {
             Ok(()) => Ok(report),
@@ -253,15 +277,25 @@ impl<D: Device> DeviceAllocator<D> {
     /// physical memory. Addresses, blocks and live allocations stay. Segments already asleep
     /// are left as they are.
     pub fn sleep(&mut self, tags: Tags<'_>, backup: bool) -> Result<SleepReport, SleepError> {
-        // Unmapping does not wait for kernels still using the memory, and a backup must see
-        // their results: everything queued so far finishes first.
-        let prepare = |this: &mut Self| {
-            this.synchronize_and_free_events()?;
-            this.device.synchronize_device()
-        };
-        let report = self.each_segment(tags, prepare, |this, segment, report| {
-            Ok(this.sleep_segment(segment, backup, report)?)
-        })?;
+        let mut copies = SleepCopies::default();
+        let report = self.each_segment(
+            tags,
+            &mut copies,
+            |this, copies, segments, report| this.prepare_sleep(copies, segments, backup, report),
+            |this, copies, segment, report| {
+                if copies.buffer.is_some() && this.copies_out(segment) {
+                    this.queue_sleep(copies, segment, report)?;
+                    Ok(this.sleep_copied(copies, report, false)?)
+                } else {
+                    Ok(this.sleep_segment(segment, backup, copies, report)?)
+                }
+            },
+            |this, copies, report| {
+                let outcome = this.sleep_copied(copies, report, true);
+                report.host_memory_pinned = report.copied_bytes > 0 && copies.pageable == 0;
+                Ok(outcome?)
+            },
+        )?;
         logging::slept(
             report.bytes,
             report.segments,
@@ -274,14 +308,167 @@ impl<D: Device> DeviceAllocator<D> {
         Ok(report)
     }
 
-    /// Puts one segment to sleep. A `cudaMalloc`'d one cannot and is counted as skipped. An
-    /// expandable segment's failure part-way leaves the pages slept so far asleep, counted in
-    /// `report`; the segment then counts as asleep, and a later sleep goes on with the pages
-    /// still mapped.
+    /// Waits for the device (unmapping does not wait for kernels still using the memory, and
+    /// a backup must see their results), then, for a backup, takes a pinned buffer large
+    /// enough for the live bytes of the VMM-backed segments that will be copied.
+    fn prepare_sleep(
+        &mut self,
+        copies: &mut SleepCopies,
+        segments: &[SegmentId],
+        backup: bool,
+        report: &mut SleepReport,
+    ) -> Result<(), Stop> {
+        self.synchronize_and_free_events()?;
+        report.host_synchronizations += 1;
+        self.device.synchronize_device()?;
+        if !backup {
+            return Ok(());
+        }
+        let live: usize = segments
+            .iter()
+            .filter(|&&id| self.copies_out(id))
+            .map(|&id| self.live_ranges(id).iter().map(|&(_, len)| len).sum::<usize>())
+            .sum();
+        if live == 0 {
+            return Ok(());
+        }
+        copies.stream = Some(self.staging.stream(&mut self.device)?);
+        let (buffer, allocated) = self.staging.take(&mut self.device, live)?;
+        report.host_allocations += allocated;
+        copies.buffer = Some(buffer);
+        Ok(())
+    }
+
+    /// Whether segment `id` sleeps through the pinned copies: VMM-backed and awake.
+    fn copies_out(&self, id: SegmentId) -> bool {
+        let segment = self.segments.get(id);
+        matches!(&segment.memory, Memory::Vmm(vmm) if !segment.asleep && vmm.is_awake())
+    }
+
+    /// The live blocks of segment `id` as (offset in the segment, length), adjacent ones
+    /// merged.
+    fn live_ranges(&self, id: SegmentId) -> Vec<(usize, usize)> {
+        let head = self.segments.head(id);
+        let base = self.arena.get(head).ptr;
+        let mut ranges: Vec<(usize, usize)> = Vec::new();
+        let mut cursor = Some(head);
+        while let Some(block) = cursor {
+            let b = self.arena.get(block);
+            if !b.is_available() {
+                let start = (b.ptr - base) as usize;
+                match ranges.last_mut() {
+                    Some((at, len)) if *at + *len == start => *len += b.size,
+                    _ => ranges.push((start, b.size)),
+                }
+            }
+            cursor = b.next;
+        }
+        ranges
+    }
+
+    /// Queues the copy of segment `id`'s live blocks into the pinned buffer, then an event
+    /// after them. A failure leaves the segment awake.
+    fn queue_sleep(
+        &mut self,
+        copies: &mut SleepCopies,
+        id: SegmentId,
+        report: &mut SleepReport,
+    ) -> Result<(), DeviceError> {
+        let (Some(buffer), Some(stream)) = (copies.buffer, copies.stream) else {
+            return Ok(());
+        };
+        let ranges = self.live_ranges(id);
+        let backup = Backup {
+            buffer,
+            offset: copies.next_offset,
+            ranges,
+        };
+        if backup.ranges.is_empty() {
+            // Nothing live to keep: it sleeps at once, as without a backup.
+            return self.sleep_vmm(id, None, report);
+        }
+        if let Memory::Vmm(vmm) = &self.segments.get(id).memory {
+            vmm.copy_out(&mut self.device, &backup, stream)?;
+        }
+        let event = self.device.record_event(stream)?;
+        copies.next_offset += backup.len();
+        copies.pending.push_back(PendingSleep { id, event, backup });
+        Ok(())
+    }
+
+    /// Puts to sleep the segments whose copies have completed, in order: those whose event
+    /// says so when asked (no wait), or, `at_end`, all of them after one wait for the copy
+    /// stream. A failure leaves the segments not yet unmapped awake (their copies dropped).
+    fn sleep_copied(
+        &mut self,
+        copies: &mut SleepCopies,
+        report: &mut SleepReport,
+        at_end: bool,
+    ) -> Result<(), DeviceError> {
+        let outcome = (|| {
+            if at_end && let (Some(stream), false) = (copies.stream, copies.pending.is_empty()) {
+                report.host_synchronizations += 1;
+                self.device.synchronize_stream(stream)?;
+            }
+            while let Some(pending) = copies.pending.front() {
+                if !at_end && !self.device.query_event(pending.event)? {
+                    break;
+                }
+                let Some(pending) = copies.pending.pop_front() else {
+                    break;
+                };
+                self.device.release_event(pending.event);
+                self.sleep_vmm(pending.id, Some(pending.backup), report)?;
+            }
+            Ok(())
+        })();
+        if outcome.is_err() {
+            for pending in copies.pending.drain(..) {
+                self.device.release_event(pending.event);
+            }
+        }
+        outcome
+    }
+
+    /// Unmaps VMM-backed segment `id`, keeping `backup` (its copies completed), and counts it.
+    fn sleep_vmm(
+        &mut self,
+        id: SegmentId,
+        backup: Option<Backup>,
+        report: &mut SleepReport,
+    ) -> Result<(), DeviceError> {
+        let head = self.segments.head(id);
+        let segment = self.segments.get_mut(id);
+        let kind = segment.kind;
+        let Memory::Vmm(vmm) = &mut segment.memory else {
+            return Ok(());
+        };
+        let buffer = backup.as_ref().map(|b| b.buffer);
+        let slept = vmm.sleep(&mut self.device, backup, &mut self.source.leftovers);
+        if slept.bytes > 0 {
+            report.blocks += self.park(id);
+            report.segments += 1;
+            report.bytes += slept.bytes;
+            report.copied_bytes += slept.copied_bytes;
+            if let Some(buffer) = buffer {
+                self.staging.hold(buffer);
+            }
+            let ptr = self.arena.get(head).ptr;
+            self.ledger.slept(ptr, slept.bytes, kind);
+        }
+        slept.error.map_or(Ok(()), Err)
+    }
+
+    /// Puts one segment to sleep without the pinned copies: a VMM-backed one without backup,
+    /// an expandable one (its mapped pages, backed up into pageable memory when `backup`). A
+    /// `cudaMalloc`'d one cannot and is counted as skipped. An expandable segment's failure
+    /// part-way leaves the pages slept so far asleep, counted in `report`; the segment then
+    /// counts as asleep, and a later sleep goes on with the pages still mapped.
     fn sleep_segment(
         &mut self,
         id: SegmentId,
         backup: bool,
+        copies: &mut SleepCopies,
         report: &mut SleepReport,
     ) -> Result<(), DeviceError> {
         let head = self.segments.head(id);
@@ -301,6 +488,7 @@ impl<D: Device> DeviceAllocator<D> {
             report.segments += 1;
             report.bytes += slept.bytes;
             report.copied_bytes += slept.copied_bytes;
+            copies.pageable += slept.copied_bytes;
             let ptr = self.arena.get(head).ptr;
             self.ledger.slept(ptr, slept.bytes, kind);
         }
@@ -313,10 +501,17 @@ impl<D: Device> DeviceAllocator<D> {
     /// `throw_on_cudamalloc_oom`'s limit) stays asleep and the call stops there, as a new
     /// segment would be refused: the limits bound what the allocator reserves.
     pub fn wake(&mut self, tags: Tags<'_>) -> Result<SleepReport, SleepError> {
+        let mut copies = WakeCopies::default();
         let report = self.each_segment(
             tags,
-            |_| Ok(()),
-            |this, segment, report| this.wake_segment(segment, report),
+            &mut copies,
+            |_, _, _, _| Ok(()),
+            |this, copies, segment, report| this.wake_segment(segment, copies, report),
+            |this, copies, report| {
+                let outcome = this.wait_for_wake_copies(copies, report);
+                report.host_memory_pinned = report.copied_bytes > 0 && copies.pageable == 0;
+                Ok(outcome?)
+            },
         )?;
         logging::woke(
             report.bytes,
@@ -328,7 +523,36 @@ impl<D: Device> DeviceAllocator<D> {
         Ok(report)
     }
 
-    fn wake_segment(&mut self, id: SegmentId, report: &mut SleepReport) -> Result<(), Stop> {
+    /// One wait for every copy wake queued; then their pinned buffers are free for the next
+    /// sleep (also after a failed wait: the next sleep waits for the device before it writes
+    /// into them).
+    fn wait_for_wake_copies(
+        &mut self,
+        copies: &mut WakeCopies,
+        report: &mut SleepReport,
+    ) -> Result<(), DeviceError> {
+        if copies.queued.is_empty() {
+            return Ok(());
+        }
+        let waited = match self.staging.existing_stream() {
+            Some(stream) => {
+                report.host_synchronizations += 1;
+                self.device.synchronize_stream(stream)
+            }
+            None => Ok(()),
+        };
+        for buffer in copies.queued.drain(..) {
+            self.staging.let_go(buffer);
+        }
+        waited
+    }
+
+    fn wake_segment(
+        &mut self,
+        id: SegmentId,
+        copies: &mut WakeCopies,
+        report: &mut SleepReport,
+    ) -> Result<(), Stop> {
         let segment = self.segments.get(id);
         if !segment.asleep {
             return Ok(());
@@ -352,15 +576,22 @@ impl<D: Device> DeviceAllocator<D> {
                 });
             }
         }
-        let (bytes, copied) = self
-            .segments
-            .get_mut(id)
-            .memory
-            .wake(&mut self.device, &mut self.source.leftovers)?;
+        let stream = self.staging.existing_stream();
+        let (bytes, pageable, backup) = self.segments.get_mut(id).memory.wake(
+            &mut self.device,
+            &mut self.source.leftovers,
+            stream,
+            &mut report.host_synchronizations,
+        )?;
+        if let Some(backup) = backup {
+            report.copied_bytes += backup.len();
+            copies.queued.push(backup.buffer);
+        }
         report.blocks += self.unpark(id);
         report.segments += 1;
         report.bytes += bytes;
-        report.copied_bytes += copied;
+        report.copied_bytes += pageable;
+        copies.pageable += pageable;
         let ptr = self.arena.get(self.segments.head(id)).ptr;
         self.ledger.woke(ptr, bytes, kind);
         Ok(())
@@ -425,4 +656,32 @@ impl<D: Device> DeviceAllocator<D> {
         }
         size
     }
+}
+
+/// What a sleep with backup has queued: the pinned buffer it copies into, and the segments
+/// whose copies are under way, in order.
+#[derive(Default)]
+struct SleepCopies {
+    stream: Option<StreamId>,
+    buffer: Option<PinnedHostBuffer>,
+    /// Where the next segment's backup starts in `buffer`.
+    next_offset: usize,
+    pending: std::collections::VecDeque<PendingSleep>,
+    /// Bytes copied through pageable memory (expandable segments' pages).
+    pageable: usize,
+}
+
+/// A segment whose live bytes are being copied; it is unmapped once `event` completes.
+struct PendingSleep {
+    id: SegmentId,
+    event: EventHandle,
+    backup: Backup,
+}
+
+/// What a wake has queued: the pinned buffers its copies read, freed after the wait.
+#[derive(Default)]
+struct WakeCopies {
+    queued: Vec<PinnedHostBuffer>,
+    /// Bytes copied back from pageable memory (expandable segments' pages).
+    pageable: usize,
 }

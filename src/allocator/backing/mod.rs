@@ -18,7 +18,7 @@ pub(crate) mod expandable;
 pub(crate) mod plain;
 pub(crate) mod vmm;
 
-use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle};
+use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 use crate::logging;
 use expandable::ExpandableSegment;
 use vmm::VmmSegment;
@@ -177,7 +177,9 @@ impl Memory {
         }
     }
 
-    /// Gives the physical memory back, keeping the addresses (see each backing's `sleep`).
+    /// Gives the physical memory back, keeping the addresses (see each backing's `sleep`). A
+    /// VMM-backed segment's backup is made beforehand ([`VmmSegment::copy_out`]) and handed to
+    /// its `sleep` directly, so `backup` is for expandable segments only.
     pub(crate) fn sleep<D: Device>(
         &mut self,
         device: &mut D,
@@ -186,7 +188,7 @@ impl Memory {
     ) -> Slept {
         match self {
             Memory::Plain => Slept::default(),
-            Memory::Vmm(segment) => segment.sleep(device, backup, leftovers),
+            Memory::Vmm(segment) => segment.sleep(device, None, leftovers),
             Memory::Expandable(segment) => {
                 let slept = segment.sleep_pages(device, backup, leftovers);
                 Slept {
@@ -198,19 +200,25 @@ impl Memory {
         }
     }
 
-    /// Takes physical memory again at the same addresses, all or nothing: the bytes woken and
-    /// the bytes copied back.
+    /// Takes physical memory again at the same addresses, all or nothing: the bytes woken, the
+    /// bytes copied back synchronously (expandable pages), and the pinned backup whose copies
+    /// were queued on `stream` (VMM-backed segments; see [`VmmSegment::wake`]).
     pub(crate) fn wake<D: Device>(
         &mut self,
         device: &mut D,
         leftovers: &mut Leftovers,
-    ) -> Result<(usize, usize), DeviceError> {
+        stream: Option<StreamId>,
+        waits: &mut usize,
+    ) -> Result<(usize, usize, Option<vmm::Backup>), DeviceError> {
         match self {
-            Memory::Plain => Ok((0, 0)),
-            Memory::Vmm(segment) => segment.wake(device, leftovers),
+            Memory::Plain => Ok((0, 0, None)),
+            Memory::Vmm(segment) => {
+                let (bytes, backup) = segment.wake(device, leftovers, stream, waits)?;
+                Ok((bytes, 0, backup))
+            }
             Memory::Expandable(segment) => {
                 let (pages, copied) = segment.wake_pages(device, leftovers)?;
-                Ok((pages * segment.page_size(), copied))
+                Ok((pages * segment.page_size(), copied, None))
             }
         }
     }

@@ -6,11 +6,48 @@
 //! - obtain ([`VmmSegment::obtain`]): reserve, create, map, grant access; all or nothing;
 //! - release ([`VmmSegment::release`]): the unmap decides; a release or address free that
 //!   fails after it becomes a leftover;
-//! - sleep ([`VmmSegment::sleep`]): copy to host memory when asked, unmap, release;
-//! - wake ([`VmmSegment::wake`]): create, map, grant access, copy back; all or nothing.
+//! - sleep: with a backup, the live bytes are first queued for copying into pinned host memory
+//!   ([`VmmSegment::copy_out`]), then, once the copies completed, [`VmmSegment::sleep`]
+//!   unmaps and releases and keeps the backup; without, `sleep` alone;
+//! - wake ([`VmmSegment::wake`]): create, map, grant access, queue the copies back; all or
+//!   nothing.
 
 use super::{Leftovers, Slept};
-use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle};
+use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, PinnedHostBuffer, StreamId};
+
+/// The most one asynchronous copy moves: a long range goes in several, so that the copy engine
+/// starts on the first while the next are queued.
+pub(crate) const COPY_CHUNK: usize = 64 << 20;
+
+/// A sleeping segment's live bytes, kept in pinned host memory: the ranges (offset in the
+/// segment, length) packed one after another in `buffer` from `offset`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Backup {
+    pub(crate) buffer: PinnedHostBuffer,
+    pub(crate) offset: usize,
+    pub(crate) ranges: Vec<(usize, usize)>,
+}
+
+impl Backup {
+    /// The bytes it holds.
+    pub(crate) fn len(&self) -> usize {
+        self.ranges.iter().map(|&(_, len)| len).sum()
+    }
+
+    /// Each copy, in chunks of at most [`COPY_CHUNK`]: (device address, offset in the buffer,
+    /// length).
+    fn copies(&self, base: DevicePtr) -> impl Iterator<Item = (DevicePtr, usize, usize)> + '_ {
+        let mut at = self.offset;
+        self.ranges.iter().flat_map(move |&(start, len)| {
+            let first = at;
+            at += len;
+            (0..len).step_by(COPY_CHUNK).map(move |done| {
+                let piece = COPY_CHUNK.min(len - done);
+                (base + (start + done) as u64, first + done, piece)
+            })
+        })
+    }
+}
 
 /// A VMM-backed segment's memory.
 #[derive(Debug)]
@@ -22,8 +59,9 @@ pub(crate) struct VmmSegment {
     mapped_size: usize,
     /// The physical memory mapped now; `None` while asleep.
     handle: Option<PhysicalHandle>,
-    /// The segment's bytes, copied to host memory when it went to sleep with a backup.
-    backup: Option<Vec<u8>>,
+    /// The segment's live bytes, copied to pinned host memory when it went to sleep with a
+    /// backup.
+    backup: Option<Backup>,
 }
 
 impl VmmSegment {
@@ -83,30 +121,36 @@ impl VmmSegment {
         Ok(())
     }
 
-    /// Copies the segment to host memory when `backup` (a failed copy changes nothing), unmaps
-    /// it and releases its physical memory. A release the device refuses leaves the memory
-    /// held until a later `empty_cache` retries it, not the segment awake. Nothing to do when
-    /// asleep already.
+    pub(crate) fn is_awake(&self) -> bool {
+        self.handle.is_some()
+    }
+
+    /// Queues the copy of `backup`'s ranges of this (awake) segment into its pinned buffer on
+    /// `stream`. A failure leaves the segment as it was (awake); copies queued before it may
+    /// still be running.
+    pub(crate) fn copy_out<D: Device>(
+        &self,
+        device: &mut D,
+        backup: &Backup,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        backup.copies(self.base).try_for_each(|(ptr, at, len)| {
+            device.copy_to_pinned_async(ptr, backup.buffer, at, len, stream)
+        })
+    }
+
+    /// Unmaps the segment and releases its physical memory, keeping `backup` (whose copies
+    /// have completed) for the wake; without one its contents are dropped. If the unmap fails
+    /// nothing changed; a release the device refuses leaves the memory held until a later
+    /// `empty_cache` retries it, not the segment awake. Nothing to do when asleep already.
     pub(crate) fn sleep<D: Device>(
         &mut self,
         device: &mut D,
-        backup: bool,
+        backup: Option<Backup>,
         leftovers: &mut Leftovers,
     ) -> Slept {
         let Some(handle) = self.handle else {
             return Slept::default();
-        };
-        let saved = if backup {
-            let mut bytes = vec![0; self.size];
-            if let Err(err) = device.copy_to_host(self.base, &mut bytes) {
-                return Slept {
-                    error: Some(err),
-                    ..Slept::default()
-                };
-            }
-            Some(bytes)
-        } else {
-            None
         };
         if let Err(err) = device.unmap(self.base, self.mapped_size) {
             return Slept {
@@ -115,9 +159,9 @@ impl VmmSegment {
             };
         }
         leftovers.release_or_keep(device, handle);
-        let copied_bytes = saved.as_ref().map_or(0, Vec::len);
+        let copied_bytes = backup.as_ref().map_or(0, Backup::len);
         self.handle = None;
-        self.backup = saved;
+        self.backup = backup;
         Slept {
             bytes: self.size,
             copied_bytes,
@@ -125,27 +169,55 @@ impl VmmSegment {
         }
     }
 
-    /// Creates physical memory again, maps it at the same address, grants access and copies
-    /// the backup back: the bytes woken and copied. All or nothing: on a failure the segment
-    /// stays asleep with its backup. Nothing to do when awake.
+    /// Creates physical memory again, maps it at the same address, grants access and queues
+    /// the copies of the backup back on `stream`: the bytes woken, and the backup (its bytes
+    /// are back once the stream is synchronized; its buffer is free then). All or nothing: on
+    /// a failure the segment stays asleep with its backup (a copy that fails part-way is
+    /// waited for, one more host synchronization counted in `waits`, before the memory it
+    /// wrote goes back). Nothing to do when awake.
     pub(crate) fn wake<D: Device>(
         &mut self,
         device: &mut D,
         leftovers: &mut Leftovers,
-    ) -> Result<(usize, usize), DeviceError> {
+        stream: Option<StreamId>,
+        waits: &mut usize,
+    ) -> Result<(usize, Option<Backup>), DeviceError> {
         if self.handle.is_some() {
-            return Ok((0, 0));
+            return Ok((0, None));
         }
         let handle = map_physical(device, self.base, self.mapped_size, leftovers)?;
-        if let Some(bytes) = &self.backup
-            && let Err(err) = device.copy_from_host(self.base, bytes)
-        {
-            leftovers.unmap_and_release_or_keep(device, self.base, self.mapped_size, handle);
-            return Err(err);
+        if let Some(backup) = &self.backup {
+            let copied = stream.ok_or_else(no_copy_stream).and_then(|stream| {
+                let mut queued = false;
+                let outcome = backup.copies(self.base).try_for_each(|(ptr, at, len)| {
+                    device.copy_from_pinned_async(ptr, backup.buffer, at, len, stream)?;
+                    queued = true;
+                    Ok(())
+                });
+                // The pages may not go back while a copy into them is pending.
+                if outcome.is_err() && queued {
+                    *waits += 1;
+                    device.synchronize_stream(stream)?;
+                }
+                outcome
+            });
+            if let Err(err) = copied {
+                leftovers.unmap_and_release_or_keep(device, self.base, self.mapped_size, handle);
+                return Err(err);
+            }
         }
-        let copied = self.backup.take().map_or(0, |bytes| bytes.len());
         self.handle = Some(handle);
-        Ok((self.size, copied))
+        Ok((self.size, self.backup.take()))
+    }
+}
+
+/// A backup without the stream that made it: cannot happen (the stream lives as long as the
+/// allocator), answered as an error rather than a panic.
+fn no_copy_stream() -> DeviceError {
+    DeviceError::Driver {
+        call: "cuMemcpyHtoDAsync_v2",
+        code: 1,
+        message: "no copy stream for a backup".to_string(),
     }
 }
 

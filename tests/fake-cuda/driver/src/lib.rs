@@ -541,6 +541,8 @@ pub unsafe extern "C" fn fake_cuda_stat(name: *const c_char) -> i64 {
         "order_pending_uses" => driver.timeline.pending_uses(),
         "peer_links" => driver.peer_links.len() as u64,
         "rdma_capable_physical" => driver.rdma_capable_physical(),
+        "live_pinned_host" => memory::pinned_host_stats().0,
+        "pinned_host_bytes" => memory::pinned_host_stats().1,
         symbol if symbol.starts_with("cu") || symbol.starts_with("nvml") => {
             driver.calls.get(symbol).copied().unwrap_or(0)
         }
