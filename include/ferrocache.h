@@ -241,7 +241,8 @@ int ferrocache_set_thread_tag(const char *tag);
 // `ferrocache.sleep`: gives back the physical memory of the tags in `tags` (names separated by
 // newlines; NULL: all memory that can sleep), copied to host memory first when `backup` is
 // non-zero. Returns a JSON report (segments, bytes, blocks, copied_bytes, skipped_bytes,
-// seconds) to free with `ferrocache_string_free`, or NULL (last error set; what slept stays
+// host_memory_pinned, host_allocations, host_synchronizations, host_memory_bytes, seconds;
+// docs/sleep.md) to free with `ferrocache_string_free`, or NULL (last error set; what slept stays
 // asleep, and the call can be repeated).
 //
 // # Safety
@@ -255,6 +256,11 @@ char *ferrocache_sleep(const char *tags, int backup);
 // # Safety
 // `tags` is NULL or a NUL-terminated string.
 char *ferrocache_wake(const char *tags);
+
+// `ferrocache.release_host_memory`: gives back the pinned host memory that sleep keeps for its
+// backups on every device, except what holds the backup of memory still asleep. Returns the
+// bytes given back (what the driver refuses is logged and kept for the next try).
+uint64_t ferrocache_release_host_memory(void);
 
 // `torch.cuda.memory._snapshot()`: PyTorch's structure as JSON (`segments` of every device,
 // `device_traces` indexed by device, `allocator_settings`). Returns a string to free with

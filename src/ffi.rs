@@ -1508,20 +1508,32 @@ unsafe fn tag_ids(tags: *const c_char) -> Result<Option<Vec<u32>>, String> {
     ))
 }
 
-/// A sleep or wake report as JSON, summed over devices.
-fn report_json(total: &SleepReport) -> String {
+/// A sleep or wake report as JSON, summed over devices, with the pinned host memory sleep
+/// holds after the call.
+fn report_json(total: &SleepReport, host_memory_bytes: usize) -> String {
     format!(
-        "{{\"segments\": {}, \"bytes\": {}, \"blocks\": {}, \"copied_bytes\": {}, \"skipped_bytes\": {}, \"seconds\": {}}}",
+        "{{\"segments\": {}, \"bytes\": {}, \"blocks\": {}, \"copied_bytes\": {}, \"skipped_bytes\": {}, \"host_memory_pinned\": {}, \"host_allocations\": {}, \"host_synchronizations\": {}, \"host_memory_bytes\": {}, \"seconds\": {}}}",
         total.segments,
         total.bytes,
         total.blocks,
         total.copied_bytes,
         total.skipped_bytes,
+        total.host_memory_pinned,
+        total.host_allocations,
+        total.host_synchronizations,
+        host_memory_bytes,
         total.elapsed.as_secs_f64()
     )
 }
 
 fn add_report(total: &mut SleepReport, one: &SleepReport) {
+    // Pinned when every device that copied did so through pinned memory.
+    if one.copied_bytes > 0 {
+        total.host_memory_pinned = one.host_memory_pinned
+            && (total.copied_bytes == 0 || total.host_memory_pinned);
+    }
+    total.host_allocations += one.host_allocations;
+    total.host_synchronizations += one.host_synchronizations;
     total.segments += one.segments;
     total.bytes += one.bytes;
     total.blocks += one.blocks;
@@ -1542,6 +1554,7 @@ unsafe fn sleep_or_wake(tags: *const c_char, wake: bool, backup: bool) -> Result
         Some(ids) => Tags::Only(ids),
     };
     let mut total = SleepReport::default();
+    let mut host_memory_bytes = 0;
     for (device, allocator) in created_allocators() {
         let mut allocator = allocator.lock();
         let result = if wake {
@@ -1553,14 +1566,16 @@ unsafe fn sleep_or_wake(tags: *const c_char, wake: bool, backup: bool) -> Result
             Ok(report) => add_report(&mut total, &report),
             Err(err) => return Err(format!("device {device}: {err}")),
         }
+        host_memory_bytes += allocator.host_memory_bytes();
     }
-    Ok(report_json(&total))
+    Ok(report_json(&total, host_memory_bytes))
 }
 
 /// `ferrocache.sleep`: gives back the physical memory of the tags in `tags` (names separated by
 /// newlines; NULL: all memory that can sleep), copied to host memory first when `backup` is
 /// non-zero. Returns a JSON report (segments, bytes, blocks, copied_bytes, skipped_bytes,
-/// seconds) to free with `ferrocache_string_free`, or NULL (last error set; what slept stays
+/// host_memory_pinned, host_allocations, host_synchronizations, host_memory_bytes, seconds;
+/// docs/sleep.md) to free with `ferrocache_string_free`, or NULL (last error set; what slept stays
 /// asleep, and the call can be repeated).
 ///
 /// # Safety
@@ -1584,6 +1599,18 @@ pub unsafe extern "C" fn ferrocache_wake(tags: *const c_char) -> *mut c_char {
     with_last_error("ferrocache_wake", ptr::null_mut(), || {
         // SAFETY: passed on from the caller.
         unsafe { sleep_or_wake(tags, true, false) }.map(into_c_string)
+    })
+}
+
+/// `ferrocache.release_host_memory`: gives back the pinned host memory that sleep keeps for its
+/// backups on every device, except what holds the backup of memory still asleep. Returns the
+/// bytes given back (what the driver refuses is logged and kept for the next try).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_release_host_memory() -> u64 {
+    guarded("ferrocache_release_host_memory", 0, || {
+        created_allocators()
+            .map(|(_, allocator)| allocator.lock().release_host_memory() as u64)
+            .sum()
     })
 }
 

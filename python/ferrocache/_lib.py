@@ -93,6 +93,8 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_set_thread_tag": (c_int, (c_char_p,)),
     "ferrocache_sleep": (c_void_p, (c_char_p, c_int)),
     "ferrocache_wake": (c_void_p, (c_char_p,)),
+    # Gives back sleep's idle pinned host memory: the bytes given back.
+    "ferrocache_release_host_memory": (c_ulonglong, ()),
 }
 
 #: PyTorch's CUDA graph pool hooks. Their parameter types are C++ (``std::pair``,
