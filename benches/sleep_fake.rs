@@ -136,5 +136,9 @@ fn backup_case(abi: &Abi, criterion: &mut Criterion) {
         unsafe { (abi.free)(block, BLOCK, 0, ptr::null_mut()) };
     }
     // SAFETY: no arguments.
-    assert_eq!(unsafe { (abi.empty_cache)() }, 0, "ferrocache_empty_cache failed");
+    assert_eq!(
+        unsafe { (abi.empty_cache)() },
+        0,
+        "ferrocache_empty_cache failed"
+    );
 }

@@ -1529,8 +1529,8 @@ fn report_json(total: &SleepReport, host_memory_bytes: usize) -> String {
 fn add_report(total: &mut SleepReport, one: &SleepReport) {
     // Pinned when every device that copied did so through pinned memory.
     if one.copied_bytes > 0 {
-        total.host_memory_pinned = one.host_memory_pinned
-            && (total.copied_bytes == 0 || total.host_memory_pinned);
+        total.host_memory_pinned =
+            one.host_memory_pinned && (total.copied_bytes == 0 || total.host_memory_pinned);
     }
     total.host_allocations += one.host_allocations;
     total.host_synchronizations += one.host_synchronizations;

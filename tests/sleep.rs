@@ -686,7 +686,10 @@ fn the_backup_goes_to_pinned_host_memory_kept_for_the_next_cycle() {
     }
 
     // Given back on request, and allocated again by the next sleep.
-    assert_eq!(a.release_host_memory(), a.device().pinned_host().1.max(10 * MIB));
+    assert_eq!(
+        a.release_host_memory(),
+        a.device().pinned_host().1.max(10 * MIB)
+    );
     assert_eq!(a.device().pinned_host(), (0, 0));
     assert_eq!(a.sleep(Tags::All, true).unwrap().host_allocations, 1);
     assert_eq!(a.release_host_memory(), 0, "a backup asleep in it keeps it");
@@ -707,14 +710,23 @@ fn sleep_and_wake_each_wait_once_for_all_their_copies() {
     let after = a.device().counters().clone();
     // One wait for the program's work before the copies, one for all the copies.
     assert_eq!(slept.host_synchronizations, 2);
-    assert_eq!(after.device_synchronizations - before.device_synchronizations, 1);
-    assert_eq!(after.stream_synchronizations - before.stream_synchronizations, 1);
+    assert_eq!(
+        after.device_synchronizations - before.device_synchronizations,
+        1
+    );
+    assert_eq!(
+        after.stream_synchronizations - before.stream_synchronizations,
+        1
+    );
     assert_eq!(after.event_synchronizations, before.event_synchronizations);
 
     let woke = a.wake(Tags::All).unwrap();
     let end = a.device().counters().clone();
     assert_eq!(woke.host_synchronizations, 1);
-    assert_eq!(end.stream_synchronizations - after.stream_synchronizations, 1);
+    assert_eq!(
+        end.stream_synchronizations - after.stream_synchronizations,
+        1
+    );
     assert_eq!(end.device_synchronizations, after.device_synchronizations);
     assert_eq!(end.event_synchronizations, after.event_synchronizations);
     for &(ptr, size) in &live {
@@ -732,7 +744,10 @@ fn a_segment_whose_copies_finished_is_unmapped_while_the_next_ones_copy() {
     a.device_mut().set_complete_immediately(true);
     let before = a.device().counters().stream_synchronizations;
     let slept = a.sleep(Tags::All, true).unwrap();
-    assert_eq!(slept.host_synchronizations, 1, "only the wait before: {slept:?}");
+    assert_eq!(
+        slept.host_synchronizations, 1,
+        "only the wait before: {slept:?}"
+    );
     assert_eq!(a.device().counters().stream_synchronizations, before);
     a.device_mut().set_complete_immediately(false);
     a.wake(Tags::All).unwrap();

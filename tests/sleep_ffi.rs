@@ -333,7 +333,14 @@ fn expandable_pages_wake_granted_to_the_peer_device() {
 #[test]
 fn a_half_empty_segment_copies_its_live_half_into_pinned_memory_kept_between_cycles() {
     let test = "a_half_empty_segment_copies_its_live_half_into_pinned_memory_kept_between_cycles";
-    in_own_process(test, &[("FERROCACHE_SLEEP", "1")], || {
+    // Events answer "not ready" to their first queries: the copies are still running when
+    // sleep asks, so it waits for them once at the end (with no delay, the fake's copies are
+    // done when asked, and sleep unmaps each segment without that wait).
+    let env = [
+        ("FERROCACHE_SLEEP", "1"),
+        ("FAKE_LIBCUDA_EVENT_DELAY", "1000"),
+    ];
+    in_own_process(test, &env, || {
         let api = Api {
             library: Ferrocache::open(),
         };
@@ -371,7 +378,11 @@ fn a_half_empty_segment_copies_its_live_half_into_pinned_memory_kept_between_cyc
             }
             api.check_invariants();
         }
-        assert_eq!(fake.stat("cuMemHostAlloc"), 1, "one pinned buffer for both cycles");
+        assert_eq!(
+            fake.stat("cuMemHostAlloc"),
+            1,
+            "one pinned buffer for both cycles"
+        );
         assert_eq!(fake.stat("live_pinned_host"), 1);
         assert_eq!(fake.stat("cuMemcpyDtoH_v2"), 0, "no synchronous copy");
         assert_eq!(fake.stat("order_violations"), 0);

@@ -327,7 +327,12 @@ impl<D: Device> DeviceAllocator<D> {
         let live: usize = segments
             .iter()
             .filter(|&&id| self.copies_out(id))
-            .map(|&id| self.live_ranges(id).iter().map(|&(_, len)| len).sum::<usize>())
+            .map(|&id| {
+                self.live_ranges(id)
+                    .iter()
+                    .map(|&(_, len)| len)
+                    .sum::<usize>()
+            })
             .sum();
         if live == 0 {
             return Ok(());

@@ -801,7 +801,10 @@ impl Device for SimDevice {
         self.counters.unmaps += 1;
         self.take_fault(SimOp::Unmap)?;
         if self.copy_pending_in(ptr, size) {
-            return Err(invalid("cuMemUnmap", "a copy still pending touches the range"));
+            return Err(invalid(
+                "cuMemUnmap",
+                "a copy still pending touches the range",
+            ));
         }
         let mapping = match self.mappings.get(&ptr) {
             Some(m) if m.size == size => m.clone(),
