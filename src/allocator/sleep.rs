@@ -75,8 +75,8 @@ pub struct SleepReport {
 }
 
 /// Why a sleep or wake stopped. What was done before the failure stays done (and is in
-/// `done`); the segment being worked on is left whole, awake or asleep with its backup; the
-/// call may be repeated.
+/// `done`, boxed to keep the error small); the segment being worked on is left whole, awake or
+/// asleep with its backup; the call may be repeated.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SleepError {
     /// Sleep and wake wait for the device, which a CUDA graph capture forbids.
@@ -84,7 +84,7 @@ pub enum SleepError {
     /// A driver call failed.
     Device {
         error: DeviceError,
-        done: SleepReport,
+        done: Box<SleepReport>,
     },
     /// Waking the next segment would take the memory reserved past the memory-fraction limit
     /// (`set_per_process_memory_fraction`), which bounds what the allocator reserves from the
@@ -96,7 +96,7 @@ pub enum SleepError {
         reserved: usize,
         /// The limit.
         allowed: usize,
-        done: SleepReport,
+        done: Box<SleepReport>,
     },
     /// Waking the next segment would take the memory reserved past `throw_on_cudamalloc_oom`'s
     /// limit (the configured `per_process_memory_fraction` of the device), which refuses such
@@ -108,7 +108,7 @@ pub enum SleepError {
         reserved: usize,
         /// The limit.
         limit: usize,
-        done: SleepReport,
+        done: Box<SleepReport>,
     },
 }
 
@@ -247,7 +247,7 @@ impl<D: Device> DeviceAllocator<D> {
             Ok(()) => Ok(report),
             Err(Stop::Device(error)) => Err(SleepError::Device {
                 error,
-                done: report,
+                done: Box::new(report),
             }),
             Err(Stop::OverMemoryFraction {
                 needed,
@@ -257,7 +257,7 @@ impl<D: Device> DeviceAllocator<D> {
                 needed,
                 reserved,
                 allowed,
-                done: report,
+                done: Box::new(report),
             }),
             Err(Stop::PreemptivelyRejected {
                 needed,
@@ -267,7 +267,7 @@ impl<D: Device> DeviceAllocator<D> {
                 needed,
                 reserved,
                 limit,
-                done: report,
+                done: Box::new(report),
             }),
         }
     }

@@ -363,8 +363,8 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
 static PINNED_HOST: std::sync::Mutex<std::collections::BTreeMap<usize, std::alloc::Layout>> =
     std::sync::Mutex::new(std::collections::BTreeMap::new());
 
-fn pinned_host() -> std::sync::MutexGuard<'static, std::collections::BTreeMap<usize, std::alloc::Layout>>
-{
+fn pinned_host()
+-> std::sync::MutexGuard<'static, std::collections::BTreeMap<usize, std::alloc::Layout>> {
     PINNED_HOST
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -381,7 +381,11 @@ pub fn pinned_host_stats() -> (u64, u64) {
 /// `cuMemHostAlloc`: page-locked host memory, which needs a current context (the driver lists
 /// `CUDA_ERROR_INVALID_CONTEXT`) and is `CUDA_ERROR_OUT_OF_MEMORY` when it cannot be had.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, size: usize, _flags: u32) -> CuResult {
+pub unsafe extern "C" fn cuMemHostAlloc(
+    pp: *mut *mut c_void,
+    size: usize,
+    _flags: u32,
+) -> CuResult {
     call("cuMemHostAlloc", |driver| {
         driver.require_primary_context()?;
         if pp.is_null() || size == 0 {
