@@ -294,7 +294,8 @@ char *ferrocache_describe_config(const char *text);
 // `ferrocache.sleep`: gives back the physical memory of the tags in `tags` (names separated by
 // newlines; NULL: all memory that can sleep), copied to host memory first when `backup` is
 // non-zero. Returns a JSON report to free with `ferrocache_string_free`: the sums (segments,
-// bytes, blocks, copied_bytes, skipped_bytes, seconds), `devices` (the same per device, with
+// bytes, blocks, copied_bytes, skipped_bytes, host_memory_pinned, host_allocations,
+// host_synchronizations, host_memory_bytes, seconds; docs/sleep.md), `devices` (the same per device, with
 // `device`) and `failed` (null). Or NULL (last error set, `device N: why`): what slept stays
 // asleep, `ferrocache_last_sleep_report` says what and where, and the call can be repeated.
 //
@@ -317,6 +318,11 @@ char *ferrocache_wake(const char *tags);
 // Returns a string to free with `ferrocache_string_free`, or NULL (last error set) before
 // this thread made either call.
 char *ferrocache_last_sleep_report(void);
+
+// `ferrocache.release_host_memory`: gives back the pinned host memory that sleep keeps for its
+// backups on every device, except what holds the backup of memory still asleep. Returns the
+// bytes given back (what the driver refuses is logged and kept for the next try).
+uint64_t ferrocache_release_host_memory(void);
 
 // Frees a string that a `ferrocache_*` function returned. NULL does nothing. Never pass it
 // anything else (in particular not `ferrocache_last_error`'s pointer), nor free those with

@@ -140,18 +140,46 @@ pub fn pool_forgotten(pool: (u64, u64)) {
     info!(target: TARGET, "Allocator: private pool ({}, {}) holds no memory any more and is gone", pool.0, pool.1);
 }
 
-/// Memory went to sleep (`ferrocache.sleep`).
-pub fn slept(report: &crate::allocator::sleep::SleepReport, backup: bool) {
-    info!(target: TARGET, "Allocator: sleep gave back {} in {} segment(s) holding {} live block(s), {} copied to host memory{}, in {:.3} ms{}",
-        HumanSize(report.bytes), report.segments, report.blocks, HumanSize(report.copied_bytes),
-        if backup { "" } else { " (contents dropped)" }, report.elapsed.as_secs_f64() * 1e3,
-        if report.skipped_bytes > 0 { format!("; {} could not sleep (not VMM-backed)", HumanSize(report.skipped_bytes)) } else { String::new() });
+/// Memory went to sleep (`ferrocache.sleep`): `bytes` given back in `segments` segments
+/// holding `blocks` live blocks, `copied` of them copied to host memory (`backup`), and
+/// `skipped` bytes that cannot sleep.
+pub fn slept(
+    bytes: usize,
+    segments: usize,
+    blocks: usize,
+    copied: usize,
+    skipped: usize,
+    backup: bool,
+    elapsed: std::time::Duration,
+) {
+    info!(target: TARGET, "Allocator: sleep gave back {} in {segments} segment(s) holding {blocks} live block(s), {} copied to host memory{}, in {:.3} ms{}",
+        HumanSize(bytes), HumanSize(copied),
+        if backup { "" } else { " (contents dropped)" }, elapsed.as_secs_f64() * 1e3,
+        if skipped > 0 { format!("; {} could not sleep (not VMM-backed)", HumanSize(skipped)) } else { String::new() });
 }
 
 /// Memory woke (`ferrocache.wake`).
-pub fn woke(report: &crate::allocator::sleep::SleepReport) {
-    info!(target: TARGET, "Allocator: wake mapped {} in {} segment(s) holding {} live block(s) at the same addresses, {} copied back, in {:.3} ms",
-        HumanSize(report.bytes), report.segments, report.blocks, HumanSize(report.copied_bytes), report.elapsed.as_secs_f64() * 1e3);
+pub fn woke(
+    bytes: usize,
+    segments: usize,
+    blocks: usize,
+    copied: usize,
+    elapsed: std::time::Duration,
+) {
+    info!(target: TARGET, "Allocator: wake mapped {} in {segments} segment(s) holding {blocks} live block(s) at the same addresses, {} copied back, in {:.3} ms",
+        HumanSize(bytes), HumanSize(copied), elapsed.as_secs_f64() * 1e3);
+}
+
+/// One segment's physical memory went to sleep, its addresses kept.
+#[inline]
+pub fn segment_slept(ptr: DevicePtr, size: usize) {
+    info!(target: TARGET, "Allocator: segment {ptr:#x} (size {}) sleeps: its memory went back to the device, its addresses stay", HumanSize(size));
+}
+
+/// One segment's physical memory woke at its addresses.
+#[inline]
+pub fn segment_woke(ptr: DevicePtr, size: usize) {
+    info!(target: TARGET, "Allocator: segment {ptr:#x} (size {}) woke at the same addresses", HumanSize(size));
 }
 
 pub fn alloc_retry(size: usize, what: &str) {

@@ -12,7 +12,7 @@ use regex::Regex;
 /// The C ABI: `rust_malloc` and the CUDA graph pool hooks (C++), `rust_free` and the other hooks
 /// PyTorch takes, the `ferrocache_*` functions of the Python package, and the command line the
 /// `ferrocache` binary runs.
-const EXPORTS: [&str; 49] = [
+const EXPORTS: [&str; 50] = [
     "ferrocache_alloc",
     "ferrocache_attach_oom_observer",
     "ferrocache_begin_allocate_current_thread_to_pool",
@@ -46,6 +46,7 @@ const EXPORTS: [&str; 49] = [
     "ferrocache_set_reserve_class_lookup",
     "ferrocache_set_stack_gatherer",
     "ferrocache_set_thread_tag",
+    "ferrocache_release_host_memory",
     "ferrocache_sleep",
     "ferrocache_last_sleep_report",
     "ferrocache_snapshot",

@@ -413,3 +413,72 @@ fn a_sleep_that_fails_on_one_device_keeps_the_report_of_the_devices_done() {
         api.check_invariants();
     });
 }
+
+/// The fast path through the C ABI on the fake: a half-empty segment copies its live half,
+/// into pinned host memory (`cuMemHostAlloc`) made once and kept for the second cycle, with one
+/// wait per call for the copies, and every byte comes back at its address. The fake's ordering
+/// check (fatal in these children) sees no segment unmapped under a pending copy.
+#[test]
+fn a_half_empty_segment_copies_its_live_half_into_pinned_memory_kept_between_cycles() {
+    let test = "a_half_empty_segment_copies_its_live_half_into_pinned_memory_kept_between_cycles";
+    // Events answer "not ready" to their first queries: the copies are still running when
+    // sleep asks, so it waits for them once at the end (with no delay, the fake's copies are
+    // done when asked, and sleep unmaps each segment without that wait).
+    let env = [
+        ("FERROCACHE_SLEEP", "1"),
+        ("FAKE_LIBCUDA_EVENT_DELAY", "1000"),
+    ];
+    in_own_process(test, &env, || {
+        let api = Api {
+            library: Ferrocache::open(),
+        };
+        let fake = FakeCuda::open();
+        let _stream = new_stream();
+        let rust_free: unsafe extern "C" fn(*mut c_void, usize, c_int, *mut c_void) =
+            api.library.function("rust_free");
+        let blocks: Vec<*mut c_void> = (0..10).map(|_| api.malloc(2 * MIB, 0)).collect();
+        let mut live = Vec::new();
+        for (i, &block) in blocks.iter().enumerate() {
+            assert!(!block.is_null(), "{}", api.last_error());
+            if i % 2 == 0 {
+                // SAFETY: a block from rust_malloc, freed once.
+                unsafe { rust_free(block, 2 * MIB, 0, ptr::null_mut()) };
+            } else {
+                write(block, 2 * MIB, i as u8);
+                live.push((block, i as u8));
+            }
+        }
+        for cycle in 0..2 {
+            let slept = api.sleep(None, true);
+            assert_eq!(as_usize(&slept["bytes"]), 20 * MIB, "{slept}");
+            assert_eq!(as_usize(&slept["copied_bytes"]), 10 * MIB, "{slept}");
+            assert_eq!(slept["host_memory_pinned"], true, "{slept}");
+            assert_eq!(as_usize(&slept["host_allocations"]), 1 - cycle, "{slept}");
+            assert_eq!(as_usize(&slept["host_synchronizations"]), 2, "{slept}");
+            assert!(as_usize(&slept["host_memory_bytes"]) >= 10 * MIB, "{slept}");
+            let woke = api.wake(None);
+            assert_eq!(as_usize(&woke["copied_bytes"]), 10 * MIB, "{woke}");
+            assert_eq!(woke["host_memory_pinned"], true, "{woke}");
+            assert_eq!(as_usize(&woke["host_allocations"]), 0, "{woke}");
+            assert_eq!(as_usize(&woke["host_synchronizations"]), 1, "{woke}");
+            for &(block, seed) in &live {
+                assert!(holds(block, 2 * MIB, seed), "cycle {cycle}: {block:?}");
+            }
+            api.check_invariants();
+        }
+        assert_eq!(
+            fake.stat("cuMemHostAlloc"),
+            1,
+            "one pinned buffer for both cycles"
+        );
+        assert_eq!(fake.stat("live_pinned_host"), 1);
+        assert_eq!(fake.stat("cuMemcpyDtoH_v2"), 0, "no synchronous copy");
+        assert_eq!(fake.stat("order_violations"), 0);
+        let release: unsafe extern "C" fn() -> u64 =
+            api.library.function("ferrocache_release_host_memory");
+        // SAFETY: no arguments.
+        assert!(unsafe { release() } >= 10 * MIB as u64);
+        assert_eq!(fake.stat("live_pinned_host"), 0);
+        assert_eq!(fake.stat("cuMemFreeHost"), 1);
+    });
+}

@@ -54,7 +54,7 @@ enum Op {
     },
 }
 
-const FAULTABLE: [SimOp; 9] = [
+const FAULTABLE: [SimOp; 14] = [
     SimOp::SynchronizeDevice,
     SimOp::CopyToHost,
     SimOp::CopyFromHost,
@@ -64,6 +64,12 @@ const FAULTABLE: [SimOp; 9] = [
     SimOp::Map,
     SimOp::SetAccess,
     SimOp::FreeAddressRange,
+    // Sleep's pinned copies (appended: the stored regressions name calls by index).
+    SimOp::CopyToPinnedAsync,
+    SimOp::CopyFromPinnedAsync,
+    SimOp::SynchronizeStream,
+    SimOp::QueryEvent,
+    SimOp::AllocPinnedHost,
 ];
 
 fn op_strategy() -> impl Strategy<Value = Op> {

@@ -38,7 +38,7 @@ from .memory import (
     set_per_process_memory_fraction,
 )
 from .snapshot import dump_snapshot, memory_snapshot, record_memory_history, snapshot
-from .sleep import DeviceSleepReport, SleepError, SleepReport, region, sleep, wake
+from .sleep import DeviceSleepReport, SleepError, SleepReport, region, release_host_memory, sleep, wake
 
 
 def library_version() -> str:
@@ -84,6 +84,7 @@ __all__ = [
     "memory_summary",
     "record_memory_history",
     "region",
+    "release_host_memory",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "set_per_process_memory_fraction",

@@ -96,6 +96,8 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_wake": (c_void_p, (c_char_p,)),
     # The report of this thread's latest sleep or wake, a failed one's included.
     "ferrocache_last_sleep_report": (c_void_p, ()),
+    # Gives back sleep's idle pinned host memory: the bytes given back.
+    "ferrocache_release_host_memory": (c_ulonglong, ()),
 }
 
 #: PyTorch's CUDA graph pool hooks. Their parameter types are C++ (``std::pair``,

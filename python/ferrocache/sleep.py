@@ -23,7 +23,15 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 from . import _lib
 
-__all__ = ["DeviceSleepReport", "SleepError", "SleepReport", "region", "sleep", "wake"]
+__all__ = [
+    "DeviceSleepReport",
+    "SleepError",
+    "SleepReport",
+    "region",
+    "release_host_memory",
+    "sleep",
+    "wake",
+]
 
 Tags = Union[None, str, Sequence[str]]
 
@@ -54,11 +62,21 @@ class SleepReport:
     bytes: int
     #: Live allocations in them.
     blocks: int
-    #: Bytes copied to host memory (sleep with backup) or back (wake).
+    #: Bytes copied to host memory (sleep with backup) or back (wake): the live allocations'
+    #: bytes, not the segments' (expandable segments: their mapped pages).
     copied_bytes: int
     #: Bytes that matched but cannot sleep: segments made before sleep-ability was on
     #: (``FERROCACHE_SLEEP=1``, or the first :func:`region`). Expandable segments always can.
     skipped_bytes: int
+    #: Whether the copies went to (or came from) page-locked host memory.
+    host_memory_pinned: bool
+    #: Pinned host buffers this call allocated (0 once a buffer kept from an earlier sleep fits).
+    host_allocations: int
+    #: Times this call made the host wait for the device.
+    host_synchronizations: int
+    #: Pinned host memory sleep holds after the call (kept for the next sleep unless
+    #: :func:`release_host_memory` or ``keep_host_memory=False`` gives it back).
+    host_memory_bytes: int
     #: Host time taken.
     seconds: float
     #: The same, per device, in device order (up to the device that failed, for a
@@ -125,11 +143,20 @@ def _moved(fields: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _host_memory(fields: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "host_memory_pinned": bool(fields["host_memory_pinned"]),
+        "host_allocations": int(fields["host_allocations"]),
+        "host_synchronizations": int(fields["host_synchronizations"]),
+        "host_memory_bytes": int(fields["host_memory_bytes"]),
+    }
+
+
 def _report(fields: dict[str, Any]) -> SleepReport:
     devices = tuple(
         DeviceSleepReport(device=int(d["device"]), **_moved(d)) for d in fields.get("devices", ())
     )
-    return SleepReport(**_moved(fields), devices=devices)
+    return SleepReport(**_moved(fields), **_host_memory(fields), devices=devices)
 
 
 def _sleep_or_wake(function: str, *args: Any) -> SleepReport:
@@ -152,16 +179,29 @@ def _sleep_or_wake(function: str, *args: Any) -> SleepReport:
 
 def sleep(tags: Tags = None, backup: bool = True) -> SleepReport:
     """Gives back the device memory of ``tags`` (one tag or several; ``None``: all memory that
-    can sleep), live and cached alike, after waiting for the device. With ``backup`` the bytes
-    are copied to host memory first; without, they are dropped. Addresses stay reserved. Memory
+    can sleep), live and cached alike, after waiting for the device. With ``backup`` the live
+    allocations' bytes are copied to pinned host memory first (kept for the next sleep; see
+    :func:`release_host_memory`); without, they are dropped. Addresses stay reserved. Memory
     already asleep is left as it is, so calling it twice is harmless. A device that fails raises
     :class:`SleepError`, whose ``report`` says what the devices before it did."""
     return _sleep_or_wake("ferrocache_sleep", _tags_argument(tags), int(bool(backup)))
 
 
-def wake(tags: Tags = None) -> SleepReport:
+def wake(tags: Tags = None, keep_host_memory: bool = True) -> SleepReport:
     """Maps the memory of ``tags`` (``None``: all) back at the same addresses and restores what
     was backed up. Memory awake is left as it is; after a failure, calling it again goes on.
     Under a memory fraction, memory whose wake would reserve past the limit stays asleep and a
-    :class:`SleepError` (a RuntimeError) says so (docs/sleep.md)."""
-    return _sleep_or_wake("ferrocache_wake", _tags_argument(tags))
+    :class:`SleepError` (a RuntimeError) says so (docs/sleep.md). The pinned host memory the
+    backups used is kept for the next sleep, unless ``keep_host_memory`` is false (then as
+    :func:`release_host_memory`; the report's ``host_memory_bytes`` is what was held before)."""
+    report = _sleep_or_wake("ferrocache_wake", _tags_argument(tags))
+    if not keep_host_memory:
+        release_host_memory()
+    return report
+
+
+def release_host_memory() -> int:
+    """Gives back the pinned host memory that :func:`sleep` keeps for its backups, except what
+    holds the backup of memory still asleep; returns its bytes. The next sleep with backup
+    allocates it again."""
+    return int(_lib.function("ferrocache_release_host_memory")())

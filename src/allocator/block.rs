@@ -5,48 +5,17 @@
 //! block can be freed, merged or moved between pools without any unsafe code.
 
 use super::history::StackId;
-use super::private_pool::Owner;
+use super::owner::Owner;
 use crate::device::{DevicePtr, StreamId};
 use crate::policy::PoolKind;
 
 /// The index of a block in the [`BlockArena`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BlockId(pub u32);
+pub(crate) struct BlockId(pub u32);
 
-/// The index of an expandable segment in the allocator's list of them.
-pub type ExpandableId = u32;
-
-/// What a segment's memory is made of.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Backing {
-    /// One device allocation (`cudaMalloc`).
-    #[default]
-    Plain,
-    /// A range of an expandable segment, pages mapped on demand.
-    Expandable(ExpandableId),
-    /// A reserved range with one physical allocation mapped into it (`cuMemAddressReserve`,
-    /// `cuMemCreate`, `cuMemMap`), so that the memory can sleep while the addresses stay.
-    Vmm(VmmId),
-}
-
-/// The index of a VMM-backed segment in the allocator's list of them.
-pub type VmmId = u32;
-
-impl Backing {
-    /// The expandable segment, when the backing is one.
-    #[inline(always)]
-    pub fn expandable(self) -> Option<ExpandableId> {
-        match self {
-            Backing::Expandable(id) => Some(id),
-            _ => None,
-        }
-    }
-
-    #[inline(always)]
-    pub fn is_expandable(self) -> bool {
-        matches!(self, Backing::Expandable(_))
-    }
-}
+/// The index of a segment in the segment table (`allocator/segments.rs`) (stable while the segment exists).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub(crate) struct SegmentId(pub(crate) u32);
 
 /// How PyTorch orders cached blocks of the same stream and size: the lower allocation-order
 /// counter first, then the lower address (`BlockComparatorSizeCounterAddress`, PyTorch 2.12
@@ -55,7 +24,7 @@ impl Backing {
 /// ([`TieRule`](crate::policy::TieRule)): segments from 2.13 on, blocks in 2.12; under 2.11
 /// and older it stays 0 and the address alone decides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct TieKey {
+pub(crate) struct TieKey {
     pub segment_order: u64,
     pub ptr: DevicePtr,
 }
@@ -70,7 +39,7 @@ impl TieKey {
 
 /// A piece of a segment: allocated, free (cached), or free but waiting for other streams.
 #[derive(Debug, Clone)]
-pub struct Block {
+pub(crate) struct Block {
     /// Device address of the first byte.
     pub ptr: DevicePtr,
     /// Size in bytes (a multiple of 512).
@@ -97,11 +66,10 @@ pub struct Block {
     pub stream_uses: Vec<StreamId>,
     /// The pool's free-block search count when the block was cached (garbage collection age).
     pub gc_count_base: u64,
-    /// What the block's segment is made of.
-    pub backing: Backing,
-    /// The block's segment sleeps: its physical memory is given back, its addresses kept.
-    /// A sleeping free block serves no request until its segment wakes.
-    pub asleep: bool,
+    /// The segment the block is part of (its memory, owner and state live there).
+    pub segment: SegmentId,
+    /// The segment is expandable (a copy of what the segment table says, for the hot path).
+    pub expandable: bool,
     /// The stack of the allocation that last handed the block out (0: none recorded).
     pub stack_id: StackId,
     /// PyTorch's allocation-order counter for the block, counted per allocator from 1: under
@@ -111,7 +79,7 @@ pub struct Block {
 }
 
 impl Block {
-    pub fn new(ptr: DevicePtr, size: usize, stream: StreamId, pool: PoolKind) -> Block {
+    pub(crate) fn new(ptr: DevicePtr, size: usize, stream: StreamId, pool: PoolKind) -> Block {
         Block {
             ptr,
             size,
@@ -126,20 +94,20 @@ impl Block {
             event_count: 0,
             stream_uses: Vec::new(),
             gc_count_base: 0,
-            backing: Backing::Plain,
+            segment: SegmentId::default(),
+            expandable: false,
             stack_id: 0,
             segment_order: 0,
-            asleep: false,
         }
     }
 
     /// A new free, mapped block at `ptr` in the same segment as `self` (same stream, pools,
-    /// expandable segment and segment order), not yet linked into the chain.
-    pub fn sibling(&self, ptr: DevicePtr, size: usize) -> Block {
+    /// segment and segment order), not yet linked into the chain.
+    pub(crate) fn sibling(&self, ptr: DevicePtr, size: usize) -> Block {
         Block {
             owner: self.owner,
-            backing: self.backing,
-            asleep: self.asleep,
+            segment: self.segment,
+            expandable: self.expandable,
             segment_order: self.segment_order,
             ..Block::new(ptr, size, self.stream, self.pool)
         }
@@ -147,7 +115,7 @@ impl Block {
 
     /// Where the block sorts among cached blocks of its stream and size.
     #[inline]
-    pub fn tie_key(&self) -> TieKey {
+    pub(crate) fn tie_key(&self) -> TieKey {
         TieKey {
             segment_order: self.segment_order,
             ptr: self.ptr,
@@ -155,16 +123,16 @@ impl Block {
     }
 
     /// Part of a segment that holds other blocks too.
-    pub fn is_split(&self) -> bool {
+    pub(crate) fn is_split(&self) -> bool {
         self.prev.is_some() || self.next.is_some()
     }
 
     /// Free and not waiting on any stream: may be merged or reused.
-    pub fn is_available(&self) -> bool {
+    pub(crate) fn is_available(&self) -> bool {
         !self.allocated && self.event_count == 0 && self.stream_uses.is_empty()
     }
 
-    pub fn end(&self) -> DevicePtr {
+    pub(crate) fn end(&self) -> DevicePtr {
         self.ptr + self.size as u64
     }
 }
@@ -185,14 +153,14 @@ pub(crate) fn place_in_free_slot<T>(slots: &mut Vec<Option<T>>, item: T) -> usiz
 
 /// Owns every block; freed slots are reused.
 #[derive(Debug, Default)]
-pub struct BlockArena {
+pub(crate) struct BlockArena {
     slots: Vec<Option<Block>>,
     vacant: Vec<u32>,
 }
 
 impl BlockArena {
     #[inline(always)]
-    pub fn insert(&mut self, block: Block) -> BlockId {
+    pub(crate) fn insert(&mut self, block: Block) -> BlockId {
         match self.vacant.pop() {
             Some(index) => {
                 self.slots[index as usize] = Some(block);
@@ -211,7 +179,7 @@ impl BlockArena {
 
     /// Adds `block` to the chain just below `at` (it takes `at`'s place after `at.prev`).
     #[inline(always)]
-    pub fn insert_before(&mut self, at: BlockId, mut block: Block) -> BlockId {
+    pub(crate) fn insert_before(&mut self, at: BlockId, mut block: Block) -> BlockId {
         let prev = self.get(at).prev;
         block.prev = prev;
         block.next = Some(at);
@@ -224,7 +192,7 @@ impl BlockArena {
     }
 
     /// Adds `block` to the chain just above `at`.
-    pub fn insert_after(&mut self, at: BlockId, mut block: Block) -> BlockId {
+    pub(crate) fn insert_after(&mut self, at: BlockId, mut block: Block) -> BlockId {
         block.prev = Some(at);
         block.next = self.get(at).next;
         let id = self.insert(block);
@@ -236,7 +204,7 @@ impl BlockArena {
     }
 
     #[inline(always)]
-    pub fn remove(&mut self, id: BlockId) -> Block {
+    pub(crate) fn remove(&mut self, id: BlockId) -> Block {
         let block = self.slots[id.0 as usize]
             .take()
             .expect("arena slot of a live block");
@@ -247,7 +215,7 @@ impl BlockArena {
     /// Removes a block whose fields the caller no longer needs (cheaper than
     /// [`BlockArena::remove`], which moves it out).
     #[inline(always)]
-    pub fn discard(&mut self, id: BlockId) {
+    pub(crate) fn discard(&mut self, id: BlockId) {
         let slot = &mut self.slots[id.0 as usize];
         assert!(slot.is_some(), "arena slot of a live block");
         *slot = None;
@@ -255,32 +223,24 @@ impl BlockArena {
     }
 
     #[inline(always)]
-    pub fn get(&self, id: BlockId) -> &Block {
+    pub(crate) fn get(&self, id: BlockId) -> &Block {
         self.slots[id.0 as usize]
             .as_ref()
             .expect("arena slot of a live block")
     }
 
     #[inline(always)]
-    pub fn get_mut(&mut self, id: BlockId) -> &mut Block {
+    pub(crate) fn get_mut(&mut self, id: BlockId) -> &mut Block {
         self.slots[id.0 as usize]
             .as_mut()
             .expect("arena slot of a live block")
     }
 
     /// Every live block with its id, in arena order.
-    pub fn iter(&self) -> impl Iterator<Item = (BlockId, &Block)> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (BlockId, &Block)> {
         self.slots
             .iter()
             .enumerate()
             .filter_map(|(i, b)| b.as_ref().map(|b| (BlockId(i as u32), b)))
-    }
-
-    pub fn len(&self) -> usize {
-        self.slots.len() - self.vacant.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }

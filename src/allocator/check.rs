@@ -2,8 +2,10 @@
 //! the block table. A full walk: for tests and debugging.
 
 use super::DeviceAllocator;
-use super::block::{Backing, Block};
-use super::private_pool::{Owner, PrivatePoolIndex};
+use super::backing::Memory;
+use super::block::Block;
+use super::owner::{Owner, PrivatePoolIndex};
+use super::segments::SegmentId;
 use super::stats::DeviceStats;
 use crate::device::Device;
 use crate::policy;
@@ -16,7 +18,8 @@ impl<D: Device> DeviceAllocator<D> {
         let mut recomputed = DeviceStats::new(self.config.max_split_size);
         let mut cached_count = 0;
         let mut unmapped_count = 0;
-        let mut mapped_expandable = vec![0usize; self.expandable_segments.len()];
+        let mut mapped_expandable: FxHashMap<SegmentId, usize> = FxHashMap::default();
+        let mut heads = 0;
         let mut private_segments: FxHashMap<PrivatePoolIndex, usize> = FxHashMap::default();
         // Where each cached block is filed: (private pool, pool kind).
         let mut filed = FxHashMap::default();
@@ -34,6 +37,24 @@ impl<D: Device> DeviceAllocator<D> {
                 continue;
             }
             let pool = head.pool;
+            heads += 1;
+            let Some(segment) = self.segments.find(head.segment) else {
+                return Err(format!(
+                    "segment {:#x} is not in the segment table",
+                    head.ptr
+                ));
+            };
+            if self.segments.head(head.segment) != id
+                || segment.owner != head.owner
+                || segment.kind != pool
+                || segment.memory.is_expandable() != head.expandable
+            {
+                return Err(format!(
+                    "segment {:#x} disagrees with its entry in the segment table",
+                    head.ptr
+                ));
+            }
+            let asleep = segment.asleep;
             if let Owner::Private(owner) = head.owner {
                 if !self.pools.is_live(owner) {
                     return Err(format!(
@@ -61,9 +82,9 @@ impl<D: Device> DeviceAllocator<D> {
                 // Cross-stream reuse moves single blocks to other streams.
                 if b.pool != pool
                     || (b.stream != head.stream && !self.config.opt_in.cross_stream)
-                    || b.backing != head.backing
+                    || b.segment != head.segment
+                    || b.expandable != head.expandable
                     || b.owner != head.owner
-                    || b.asleep != head.asleep
                 {
                     return Err(format!("block {:#x} disagrees with its segment", b.ptr));
                 }
@@ -77,7 +98,7 @@ impl<D: Device> DeviceAllocator<D> {
                         p.ptr, b.ptr
                     ));
                 }
-                if !b.backing.is_expandable() && !b.mapped {
+                if !b.expandable && !b.mapped {
                     return Err(format!("ordinary block {:#x} is unmapped", b.ptr));
                 }
                 if let Some(n) = b.next
@@ -103,7 +124,14 @@ impl<D: Device> DeviceAllocator<D> {
                         .requested_bytes
                         .increase(pool, b.requested_size as u64);
                 }
-                if b.is_available() && filed.get(&c) != Some(&(b.owner, b.pool)) {
+                // A sleeping segment's free blocks are in no pool until it wakes.
+                if b.is_available() && asleep && filed.contains_key(&c) {
+                    return Err(format!(
+                        "free block {:#x} of a sleeping segment is in a pool",
+                        b.ptr
+                    ));
+                }
+                if b.is_available() && !asleep && filed.get(&c) != Some(&(b.owner, b.pool)) {
                     return Err(format!(
                         "free block {:#x} is not filed in its own pool ({:?} {:?}) but in {:?}",
                         b.ptr,
@@ -113,32 +141,33 @@ impl<D: Device> DeviceAllocator<D> {
                     ));
                 }
                 if b.is_available() {
+                    // The pools hold the free blocks of awake segments.
                     if b.mapped {
-                        cached_count += 1;
-                        if !b.backing.is_expandable() && b.is_split() {
+                        cached_count += usize::from(!asleep);
+                        if !b.expandable && b.is_split() {
                             recomputed.inactive_split.increase(pool, 1);
                             recomputed
                                 .inactive_split_bytes
                                 .increase(pool, b.size as u64);
                         }
                     } else {
-                        unmapped_count += 1;
+                        unmapped_count += usize::from(!asleep);
                     }
                 }
                 if b.mapped {
                     segment_size += b.size;
-                    if let Backing::Expandable(e) = b.backing {
-                        mapped_expandable[e as usize] += b.size;
+                    if b.expandable {
+                        *mapped_expandable.entry(b.segment).or_default() += b.size;
                     }
                 }
                 end = b.end();
                 previous = Some(b);
                 cursor = b.next;
             }
-            match head.backing.expandable() {
-                None => {
+            match &segment.memory {
+                Memory::Plain | Memory::Vmm(_) => {
                     recomputed.segment.increase(pool, 1);
-                    if !head.asleep {
+                    if !asleep {
                         recomputed
                             .reserved_bytes
                             .increase(pool, segment_size as u64);
@@ -146,35 +175,46 @@ impl<D: Device> DeviceAllocator<D> {
                     if policy::is_oversize(segment_size, &self.config) {
                         recomputed.oversize_segments.increase(1);
                     }
+                    if matches!(segment.memory, Memory::Plain) && asleep {
+                        return Err(format!("cudaMalloc'd segment {:#x} sleeps", head.ptr));
+                    }
                 }
-                Some(e) => {
-                    let segment = self.segment(e);
-                    if head.ptr != segment.base() || end != segment.base() + segment.size() as u64 {
+                Memory::Expandable(pages) => {
+                    let e = head.segment.0;
+                    if head.ptr != pages.base() || end != pages.base() + pages.size() as u64 {
                         return Err(format!("expandable segment {e} is not tiled by its blocks"));
                     }
-                    if head.asleep != segment.is_asleep() {
+                    if asleep != pages.is_asleep() {
                         return Err(format!(
-                            "expandable segment {e}: blocks asleep {}, pages asleep {}",
-                            head.asleep,
-                            segment.is_asleep()
+                            "expandable segment {e}: asleep {asleep}, pages asleep {}",
+                            pages.is_asleep()
+                        ));
+                    }
+                    let mapped = mapped_expandable.get(&head.segment).copied().unwrap_or(0);
+                    if pages.mapped_bytes() != mapped {
+                        return Err(format!(
+                            "expandable segment {e}: {} bytes mapped, blocks say {mapped}",
+                            pages.mapped_bytes(),
                         ));
                     }
                     recomputed
                         .reserved_bytes
-                        .increase(pool, (segment_size - segment.sleeping_bytes()) as u64);
+                        .increase(pool, (segment_size - pages.sleeping_bytes()) as u64);
                 }
             }
         }
-        for (e, segment) in self.expandable_segments.iter().enumerate() {
-            if let Some(segment) = segment
-                && segment.mapped_bytes() != mapped_expandable[e]
-            {
-                return Err(format!(
-                    "expandable segment {e}: {} bytes mapped, blocks say {}",
-                    segment.mapped_bytes(),
-                    mapped_expandable[e]
-                ));
-            }
+        let table: Vec<SegmentId> = self.segments.iter().map(|(id, _)| id).collect();
+        if table.len() != heads {
+            return Err(format!(
+                "the segment table holds {} segments, the blocks {heads}",
+                table.len()
+            ));
+        }
+        let sleeping = self.segments.iter().filter(|(_, s)| s.asleep).count();
+        if self.segments.any_asleep() != (sleeping > 0) {
+            return Err(format!(
+                "{sleeping} segments sleep, the table counts otherwise"
+            ));
         }
         for (index, pool) in self.pools.private_pools() {
             let counted = private_segments.get(&index).copied().unwrap_or(0);
@@ -204,41 +244,45 @@ impl<D: Device> DeviceAllocator<D> {
         if self.allocated.len() as i64 != recomputed.allocation.all.current {
             return Err("allocation table and blocks disagree".into());
         }
-        if self.stats.reserved_bytes.all.current as usize != self.total_allocated_memory {
+        if self.ledger.stats.reserved_bytes.all.current as usize != self.ledger.reserved {
             return Err("reserved bytes and total_allocated_memory disagree".into());
         }
         let pairs = [
-            ("allocation", &self.stats.allocation, &recomputed.allocation),
-            ("segment", &self.stats.segment, &recomputed.segment),
-            ("active", &self.stats.active, &recomputed.active),
+            (
+                "allocation",
+                &self.ledger.stats.allocation,
+                &recomputed.allocation,
+            ),
+            ("segment", &self.ledger.stats.segment, &recomputed.segment),
+            ("active", &self.ledger.stats.active, &recomputed.active),
             (
                 "inactive_split",
-                &self.stats.inactive_split,
+                &self.ledger.stats.inactive_split,
                 &recomputed.inactive_split,
             ),
             (
                 "allocated_bytes",
-                &self.stats.allocated_bytes,
+                &self.ledger.stats.allocated_bytes,
                 &recomputed.allocated_bytes,
             ),
             (
                 "reserved_bytes",
-                &self.stats.reserved_bytes,
+                &self.ledger.stats.reserved_bytes,
                 &recomputed.reserved_bytes,
             ),
             (
                 "active_bytes",
-                &self.stats.active_bytes,
+                &self.ledger.stats.active_bytes,
                 &recomputed.active_bytes,
             ),
             (
                 "inactive_split_bytes",
-                &self.stats.inactive_split_bytes,
+                &self.ledger.stats.inactive_split_bytes,
                 &recomputed.inactive_split_bytes,
             ),
             (
                 "requested_bytes",
-                &self.stats.requested_bytes,
+                &self.ledger.stats.requested_bytes,
                 &recomputed.requested_bytes,
             ),
         ];
@@ -256,19 +300,19 @@ impl<D: Device> DeviceAllocator<D> {
                 }
             }
         }
-        let oversize_counters = if self.settings_replaced {
+        let oversize_counters = if self.ledger.settings_replaced {
             // Counted by the max_split_size of each moment (PyTorch's rule): nothing to check.
             Vec::new()
         } else {
             vec![
                 (
                     "oversize_allocations",
-                    &self.stats.oversize_allocations,
+                    &self.ledger.stats.oversize_allocations,
                     &recomputed.oversize_allocations,
                 ),
                 (
                     "oversize_segments",
-                    &self.stats.oversize_segments,
+                    &self.ledger.stats.oversize_segments,
                     &recomputed.oversize_segments,
                 ),
             ]

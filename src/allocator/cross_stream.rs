@@ -29,6 +29,7 @@
 //!   which is what happens when no free tail can be reused.
 
 use super::block::{Block, BlockId};
+use super::guard::Announce;
 use super::private_pool::Owner;
 use super::{AllocError, DeviceAllocator, Request};
 use crate::device::{Device, DeviceError, StreamId};
@@ -51,6 +52,16 @@ pub struct CrossStreamCounts {
     pub coalescing_synchronizations: u64,
 }
 
+/// Cross-stream reuse's state: what it did, and whether free neighbours of different streams
+/// may merge now.
+#[derive(Debug, Default)]
+pub(crate) struct CrossStream {
+    pub(crate) counts: CrossStreamCounts,
+    /// Set while the cache is emptied, after the streams were synchronized: free neighbours of
+    /// different streams may merge.
+    pub(crate) merging: bool,
+}
+
 /// Whether two free neighbours may merge: the same state of mapping, and for mapped memory the
 /// same stream (without the mode, every block of a segment has the segment's stream, so this
 /// is PyTorch's rule). Unmapped pages hold nothing and merge regardless.
@@ -61,7 +72,7 @@ pub(super) fn may_merge(a: &Block, b: &Block) -> bool {
 impl<D: Device> DeviceAllocator<D> {
     /// What cross-stream reuse did so far.
     pub fn cross_stream_counts(&self) -> CrossStreamCounts {
-        self.cross_stream
+        self.cross_stream.counts
     }
 
     /// Whether a miss of `request` in its own stream's cache may look at other streams.
@@ -69,7 +80,7 @@ impl<D: Device> DeviceAllocator<D> {
         self.config.opt_in.cross_stream
             && self.captures.is_empty()
             && request.owner == Owner::Ordinary
-            && self.sleeping_segments == 0
+            && !self.segments.any_asleep()
     }
 
     /// The hook on a miss in the stream's own cache: a block taken from another stream, already
@@ -115,7 +126,7 @@ impl<D: Device> DeviceAllocator<D> {
             let starts_run = b
                 .prev
                 .is_none_or(|p| !arena.get(p).is_available() || !arena.get(p).mapped);
-            if !starts_run || (b.backing.is_expandable() && !self.config.expandable_segments) {
+            if !starts_run || (b.expandable && !self.config.expandable_segments) {
                 continue;
             }
             let mut run = vec![start];
@@ -130,8 +141,7 @@ impl<D: Device> DeviceAllocator<D> {
                 cursor = arena.get(n).next;
             }
             let serves = total >= request.size
-                && (b.backing.is_expandable()
-                    || policy::may_serve(total, request.size, &self.config));
+                && (b.expandable || policy::may_serve(total, request.size, &self.config));
             if run.len() > 1 && serves && best.as_ref().is_none_or(|(size, _)| total < *size) {
                 best = Some((total, run));
             }
@@ -150,7 +160,7 @@ impl<D: Device> DeviceAllocator<D> {
                     "cross-stream reuse: could not order the streams; the blocks stay cached",
                     &err,
                 );
-                self.cross_stream.failed_waits += 1;
+                self.cross_stream.counts.failed_waits += 1;
                 return None;
             }
         }
@@ -165,8 +175,8 @@ impl<D: Device> DeviceAllocator<D> {
                     .insert(id, block);
             }
         }
-        self.cross_stream.reuses += 1;
-        self.cross_stream.waits += streams.len() as u64;
+        self.cross_stream.counts.reuses += 1;
+        self.cross_stream.counts.waits += streams.len() as u64;
         self.absorb_free_neighbours(run[0]);
         Some(run[0])
     }
@@ -180,16 +190,16 @@ impl<D: Device> DeviceAllocator<D> {
         for stream in pool.streams().filter(|&s| s != request.stream) {
             // Blocks of expandable segments serve only while the setting is on (as in
             // `get_free_block`).
-            let Some(id) = pool.fitting(stream, request.size).find(|&id| {
-                self.config.expandable_segments || !arena.get(id).backing.is_expandable()
-            }) else {
+            let Some(id) = pool
+                .fitting(stream, request.size)
+                .find(|&id| self.config.expandable_segments || !arena.get(id).expandable)
+            else {
                 continue;
             };
             let b = arena.get(id);
             // The oversize rules grow stricter with the block's size, so a stream whose best
             // fit fails them has nothing that passes.
-            if !b.backing.is_expandable() && !policy::may_serve(b.size, request.size, &self.config)
-            {
+            if !b.expandable && !policy::may_serve(b.size, request.size, &self.config) {
                 continue;
             }
             if best.is_none_or(|(size, ptr, _)| (b.size, b.ptr) < (size, ptr)) {
@@ -212,12 +222,12 @@ impl<D: Device> DeviceAllocator<D> {
                 "cross-stream reuse: could not order the streams; the block stays cached",
                 &err,
             );
-            self.cross_stream.failed_waits += 1;
+            self.cross_stream.counts.failed_waits += 1;
             return false;
         }
         self.arena.get_mut(id).stream = stream;
-        self.cross_stream.reuses += 1;
-        self.cross_stream.waits += 1;
+        self.cross_stream.counts.reuses += 1;
+        self.cross_stream.counts.waits += 1;
         logging::cross_stream_reuse(ptr, size, from, stream);
         true
     }
@@ -239,7 +249,10 @@ impl<D: Device> DeviceAllocator<D> {
         &mut self,
         request: &Request,
     ) -> Result<Option<BlockId>, AllocError> {
-        if self.memory_fraction_refuses(request.alloc_size).is_some() {
+        // Pages mapped for another stream's segment are a device allocation like any other.
+        // A refusal is not announced here: the request's own device allocation comes next and
+        // gives the answer (counted once, as PyTorch counts its one `alloc_block`).
+        if self.admit(request.alloc_size, Announce::Quietly)?.is_err() {
             return Ok(None);
         }
         let arena = &self.arena;
@@ -264,7 +277,7 @@ impl<D: Device> DeviceAllocator<D> {
         };
         if self.move_to_stream(id, request.stream) {
             self.absorb_free_neighbours(id);
-            self.cross_stream.segment_growths += 1;
+            self.cross_stream.counts.segment_growths += 1;
             return Ok(Some(id));
         }
         let block = self.arena.get_mut(id);
@@ -303,13 +316,13 @@ impl<D: Device> DeviceAllocator<D> {
                 // has work left on any of its blocks.
                 for s in self.streams_of_free_run(id) {
                     self.device.synchronize_stream(s)?;
-                    self.cross_stream.coalescing_synchronizations += 1;
+                    self.cross_stream.counts.coalescing_synchronizations += 1;
                 }
                 let pool = self.pools.get_mut(Owner::Ordinary, kind);
                 pool.remove(id, self.arena.get(id));
-                self.merging_across_streams = true;
+                self.cross_stream.merging = true;
                 self.absorb_free_neighbours(id);
-                self.merging_across_streams = false;
+                self.cross_stream.merging = false;
                 let block = self.arena.get_mut(id);
                 self.pools.get_mut(Owner::Ordinary, kind).insert(id, block);
             }
@@ -370,13 +383,14 @@ impl<D: Device> DeviceAllocator<D> {
             }
             let b = self.arena.get(id);
             // Expandable segments are left out of the inactive-split statistics.
-            if !b.backing.is_expandable() {
+            if !b.expandable {
                 let (whole, size, kind) = (!b.is_split(), b.size as u64, b.pool);
-                self.stats
+                self.ledger
+                    .stats
                     .inactive_split
                     .decrease(kind, 1 + u64::from(whole));
                 if whole {
-                    self.stats.inactive_split_bytes.decrease(kind, size);
+                    self.ledger.stats.inactive_split_bytes.decrease(kind, size);
                 }
             }
         }

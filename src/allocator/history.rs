@@ -58,7 +58,7 @@ impl Serialize for TraceEntry {
 
 /// The ring buffer of trace entries, off until recording is asked for.
 #[derive(Debug, Default)]
-pub struct History {
+pub(crate) struct History {
     enabled: bool,
     max_entries: usize,
     entries: Vec<TraceEntry>,
@@ -81,7 +81,7 @@ fn now_us() -> i64 {
 
 impl History {
     /// `_record_memory_history(enabled, max_entries)`: turning it off clears the buffer.
-    pub fn set_recording(&mut self, enabled: bool, max_entries: usize) {
+    pub(crate) fn set_recording(&mut self, enabled: bool, max_entries: usize) {
         self.enabled = enabled;
         self.max_entries = max_entries.max(1);
         if !enabled {
@@ -91,12 +91,18 @@ impl History {
     }
 
     #[inline]
-    pub fn is_recording(&self) -> bool {
+    pub(crate) fn is_recording(&self) -> bool {
         self.enabled
     }
 
     #[inline]
-    pub fn record(&mut self, action: TraceAction, addr: DevicePtr, size: usize, stream: StreamId) {
+    pub(crate) fn record(
+        &mut self,
+        action: TraceAction,
+        addr: DevicePtr,
+        size: usize,
+        stream: StreamId,
+    ) {
         if self.enabled {
             self.push(action, addr, size, stream);
         }
@@ -123,23 +129,23 @@ impl History {
 
     /// Sets the stack that the entries recorded from now on carry; returns the previous one.
     #[inline]
-    pub fn set_current_stack(&mut self, stack: StackId) -> StackId {
+    pub(crate) fn set_current_stack(&mut self, stack: StackId) -> StackId {
         std::mem::replace(&mut self.current_stack, stack)
     }
 
     /// Sets the metadata that the entries recorded from now on carry; returns the previous.
     #[inline]
-    pub fn set_current_metadata(&mut self, metadata: Option<Arc<str>>) -> Option<Arc<str>> {
+    pub(crate) fn set_current_metadata(&mut self, metadata: Option<Arc<str>>) -> Option<Arc<str>> {
         std::mem::replace(&mut self.current_metadata, metadata)
     }
 
     #[inline]
-    pub fn current_stack(&self) -> StackId {
+    pub(crate) fn current_stack(&self) -> StackId {
         self.current_stack
     }
 
     /// The entries, oldest first.
-    pub fn entries(&self) -> Vec<TraceEntry> {
+    pub(crate) fn entries(&self) -> Vec<TraceEntry> {
         let mut out = Vec::with_capacity(self.entries.len());
         out.extend_from_slice(&self.entries[self.next..]);
         out.extend_from_slice(&self.entries[..self.next]);
@@ -199,8 +205,9 @@ impl<D: Device> DeviceAllocator<D> {
         let mut out = Vec::new();
         for (_, head) in self.arena.iter() {
             // A segment (or mapped range) starts at a mapped block with no mapped block before.
-            let starts_range =
-                head.mapped && !head.asleep && head.prev.is_none_or(|p| !self.arena.get(p).mapped);
+            let starts_range = head.mapped
+                && !self.segments.is_asleep(head.segment)
+                && head.prev.is_none_or(|p| !self.arena.get(p).mapped);
             if !starts_range {
                 continue;
             }
@@ -214,7 +221,7 @@ impl<D: Device> DeviceAllocator<D> {
                 stream: head.stream,
                 segment_type: head.pool.segment_type(),
                 segment_pool_id: self.pool_id_of(head),
-                is_expandable: head.backing.is_expandable(),
+                is_expandable: head.expandable,
                 frames: Vec::new(),
                 blocks: Vec::new(),
             };
@@ -256,7 +263,8 @@ impl<D: Device> DeviceAllocator<D> {
         // As PyTorch does, the trace is read before the snapshot marks itself in it.
         let snapshot = self.history_snapshot();
         let total_active: u64 = snapshot.segments.iter().map(|s| s.active_size).sum();
-        self.history
+        self.ledger
+            .history
             .record(TraceAction::Snapshot, 0, total_active as usize, 0);
         snapshot
     }
@@ -266,7 +274,7 @@ impl<D: Device> DeviceAllocator<D> {
     pub fn history_snapshot(&self) -> MemorySnapshot {
         MemorySnapshot {
             segments: self.segments(),
-            device_traces: vec![self.history.entries()],
+            device_traces: vec![self.ledger.history.entries()],
             allocator_settings: self.config.to_pytorch_settings(),
         }
     }

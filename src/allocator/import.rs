@@ -1,7 +1,9 @@
 //! Replay support: placing the allocations a recorded trace starts with.
 
+use super::backing::Memory;
 use super::block::BlockId;
-use super::private_pool::Owner;
+use super::owner::Owner;
+use super::segments::Segment;
 use super::{AllocError, DeviceAllocator, ImportedBlock, Request};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::policy::PoolKind;
@@ -33,7 +35,13 @@ impl<D: Device> DeviceAllocator<D> {
             }
             Err(err) => return Err(err.into()),
         };
-        let head = self.adopt_segment(base, size, stream, pool);
+        let segment = Segment {
+            owner: Owner::Ordinary,
+            kind: pool,
+            memory: Memory::Plain,
+            asleep: false,
+        };
+        let head = self.adopt_segment(base, size, stream, segment);
         let pieces = pieces(live, size);
         let split = pieces.len() > 1;
         let mut ids = Vec::with_capacity(pieces.len());
@@ -70,8 +78,9 @@ impl<D: Device> DeviceAllocator<D> {
                         .get_mut(Owner::Ordinary, pool)
                         .insert(id, self.arena.get_mut(id));
                     if split {
-                        self.stats.inactive_split.increase(pool, 1);
-                        self.stats
+                        self.ledger.stats.inactive_split.increase(pool, 1);
+                        self.ledger
+                            .stats
                             .inactive_split_bytes
                             .increase(pool, piece_size as u64);
                     }

@@ -19,7 +19,7 @@ const EMPTY: DevicePtr = 0;
 const INITIAL_SLOTS: usize = 64;
 
 #[derive(Debug, Clone)]
-pub struct LiveTable {
+pub(crate) struct LiveTable {
     /// `keys.len()` is a power of two (or 0 before the first insert).
     keys: Vec<DevicePtr>,
     values: Vec<BlockId>,
@@ -43,7 +43,7 @@ impl Default for LiveTable {
 }
 
 impl LiveTable {
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len + usize::from(self.zero.is_some())
     }
 
@@ -77,7 +77,7 @@ impl LiveTable {
     }
 
     #[inline(always)]
-    pub fn get(&self, ptr: &DevicePtr) -> Option<&BlockId> {
+    pub(crate) fn get(&self, ptr: &DevicePtr) -> Option<&BlockId> {
         if *ptr == EMPTY {
             return self.zero.as_ref();
         }
@@ -86,7 +86,7 @@ impl LiveTable {
 
     /// Records `ptr -> id`; returns the block `ptr` mapped to before, if any.
     #[inline(always)]
-    pub fn insert(&mut self, ptr: DevicePtr, id: BlockId) -> Option<BlockId> {
+    pub(crate) fn insert(&mut self, ptr: DevicePtr, id: BlockId) -> Option<BlockId> {
         if ptr == EMPTY {
             return self.zero.replace(id);
         }
@@ -111,7 +111,7 @@ impl LiveTable {
 
     /// Removes `ptr`; returns the block it mapped to, if any.
     #[inline(always)]
-    pub fn remove(&mut self, ptr: &DevicePtr) -> Option<BlockId> {
+    pub(crate) fn remove(&mut self, ptr: &DevicePtr) -> Option<BlockId> {
         if *ptr == EMPTY {
             return self.zero.take();
         }

@@ -15,118 +15,67 @@
 //!
 //! During a CUDA graph capture, allocations on the capture's streams come from a private pool of
 //! their own ([`private_pool`]), which keeps its memory for as long as a graph may replay into it.
+//!
+//! How the module is cut (each file's docs say more):
+//! - the malloc path and the allocator's state here; `free.rs`, `events.rs` (frees waiting for
+//!   other streams), `release.rs` (giving memory back) and `error.rs` beside it;
+//! - `segments.rs`: the segment table, each segment with its owner (`owner.rs`), its memory
+//!   (`backing/`: plain, expandable, VMM, each with obtain, release, sleep and wake) and its
+//!   state (awake or asleep);
+//! - `guard.rs` in front of every device allocation, `ledger.rs` behind every change of
+//!   reserved bytes, `source.rs` holding the guard, the backing choice and the leftovers;
+//! - `block.rs` and `pool.rs`: the blocks and the pools of free blocks; [`private_pool`],
+//!   `expandable.rs`, `cross_stream.rs` and [`sleep`] for those features; [`history`] and
+//!   [`stats`] for what PyTorch reports; `check.rs`, `import.rs` and `live.rs` for the
+//!   self-check, replay's start state and the table of live allocations.
 
-pub mod block;
+#![forbid(unsafe_code)]
+
+pub(crate) mod backing;
+pub(crate) mod block;
 mod check;
-pub mod cross_stream;
-pub mod expandable;
+pub(crate) mod cross_stream;
+mod error;
+mod events;
+pub(crate) mod expandable;
+mod free;
+mod guard;
 pub mod history;
 mod import;
+mod ledger;
 mod live;
-pub mod pool;
+pub(crate) mod owner;
+pub(crate) mod pool;
 pub mod private_pool;
+mod release;
+pub(crate) mod segments;
 pub mod sleep;
+mod source;
+mod staging;
 pub mod stats;
 pub(crate) mod uncached;
 
+pub use cross_stream::CrossStreamCounts;
+pub use error::{AllocError, OutOfMemoryError, PointerError};
+pub use source::ReserveClassLookup;
+
 use crate::config::Config;
-use crate::device::{Device, DeviceError, DevicePtr, EventHandle, StreamId};
+use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::logging;
 use crate::policy::{self, PoolKind, TieRule};
-use block::{Backing, Block, BlockArena, BlockId, ExpandableId};
-use cross_stream::CrossStreamCounts;
-use expandable::{ExpandableSegment, LeftoverPage, PageRange};
-use history::{History, StackId, TraceAction};
-use private_pool::{BlockPools, Capture, MempoolId, Owner};
-use rustc_hash::FxHashMap;
+use backing::{Memory, plain, vmm::VmmSegment};
+use block::{Block, BlockArena, BlockId};
+use cross_stream::CrossStream;
+use events::StreamEvents;
+use guard::{Announce, Refusal};
+use history::{StackId, TraceAction};
+use ledger::Ledger;
+use owner::Owner;
+use private_pool::{BlockPools, Capture, MempoolId};
+use segments::{Segment, SegmentTable};
+use source::Source;
 use stats::DeviceStats;
-use std::collections::{BTreeMap, HashSet, VecDeque};
-use std::fmt;
 use std::sync::Arc;
-
-/// PyTorch's out-of-memory error, with the figures its message quotes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutOfMemoryError {
-    pub device: i32,
-    /// What the program asked for.
-    pub requested: usize,
-    /// The segment size that could not be obtained (what PyTorch's message names).
-    pub allocation_size: usize,
-    pub device_free: usize,
-    pub device_total: usize,
-    /// The memory-fraction limit, when one is set.
-    pub allowed: Option<usize>,
-    pub allocated: usize,
-    pub reserved: usize,
-    /// The full message, starting `CUDA out of memory.`.
-    pub message: String,
-    /// `throw_on_cudamalloc_oom` refused the allocation before the device was asked. PyTorch
-    /// then calls no out-of-memory observer (it has rejection observers instead, which no
-    /// Python API reaches).
-    pub preemptively_rejected: bool,
-}
-
-/// Why `malloc` failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AllocError {
-    /// The device is out of memory even after releasing everything cached.
-    OutOfMemory(Box<OutOfMemoryError>),
-    /// The driver failed for another reason (PyTorch raises at once in that case too).
-    Device(DeviceError),
-    /// The caller asked for something impossible (a fraction outside [0, 1], ...).
-    InvalidArgument(String),
-    /// The stream filter of a capture failed, so it is unknown whether the allocation belongs
-    /// to the capture's private pool; it is refused rather than risk handing a graph's memory
-    /// to someone else.
-    StreamFilter { pool: MempoolId, message: String },
-}
-
-impl fmt::Display for AllocError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            AllocError::OutOfMemory(oom) => f.write_str(&oom.message),
-            AllocError::Device(DeviceError::Unavailable(why) | DeviceError::Unusable(why)) => {
-                f.write_str(why)
-            }
-            AllocError::Device(err) => write!(f, "CUDA error: {err}"),
-            AllocError::InvalidArgument(why) => f.write_str(why),
-            AllocError::StreamFilter { pool, message } => write!(
-                f,
-                "the stream filter of the CUDA graph capture into pool {} failed ({message}); \
-                 the allocation is refused",
-                private_pool::PoolName(*pool)
-            ),
-        }
-    }
-}
-
-impl std::error::Error for AllocError {}
-
-impl From<DeviceError> for AllocError {
-    fn from(err: DeviceError) -> Self {
-        AllocError::Device(err)
-    }
-}
-
-/// Why an operation on a pointer was refused. Nothing changed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PointerError {
-    /// Not a pointer this allocator handed out, or one already freed.
-    Unknown(DevicePtr),
-}
-
-impl fmt::Display for PointerError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PointerError::Unknown(ptr) => write!(
-                f,
-                "invalid device pointer: {ptr:#x} (never allocated by ferrocache, or already freed)"
-            ),
-        }
-    }
-}
-
-impl std::error::Error for PointerError {}
 
 /// What the allocator knows about a live allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -162,74 +111,33 @@ struct Request {
     alloc_size: usize,
 }
 
-/// The caching allocator of one device.
+/// The caching allocator of one device. Its state, grouped by what owns it.
 pub struct DeviceAllocator<D: Device> {
     device: D,
     device_index: i32,
     config: Config,
+    /// Every block; links between blocks are arena indices.
     arena: BlockArena,
-    /// The cached free blocks: the ordinary small and large pools and those of private pools.
+    /// The cached free blocks: the ordinary small and large pools and those of private pools
+    /// and tags.
     pools: BlockPools,
+    /// Every segment with the memory it owns ([`segments`]).
+    segments: SegmentTable,
+    /// Where new segments come from: the guard, the backing for new segments, leftovers.
+    source: Source,
+    /// The reserved total, the statistics and the history ([`ledger`]).
+    ledger: Ledger,
+    /// Frees waiting for other streams ([`events`]).
+    events: StreamEvents,
     /// Captures under way, each with its pool and stream filter.
     captures: Vec<Capture>,
-    /// Freed blocks whose events are still to be recorded, by the next `process_events` or
-    /// `synchronize_and_free_events`: blocks freed during a capture with uses on other streams
-    /// (event calls are illegal during a capture), and blocks for whose streams the device would
-    /// neither record an event nor synchronize.
-    events_to_record: Vec<BlockId>,
-    /// Streams a block was used on (`record_stream`) while a capture was under way.
-    capture_stream_uses: FxHashMap<BlockId, Vec<StreamId>>,
     /// Blocks handed out to the program, by address.
     allocated: live::LiveTable,
-    /// Per stream, events recorded when a block used on it was freed, oldest first.
-    pending_events: BTreeMap<StreamId, VecDeque<(EventHandle, BlockId)>>,
-    pending_event_count: usize,
-    stats: DeviceStats,
-    /// Bytes held from the device (PyTorch's `total_allocated_memory`).
-    total_allocated_memory: usize,
-    /// The memory-fraction limit, once `set_memory_fraction` was called.
-    allowed_memory_maximum: Option<usize>,
-    /// Live expandable segments; `None` marks a released slot.
-    expandable_segments: Vec<Option<ExpandableSegment>>,
-    /// Pages whose unmap or release the device refused; retried by `release_cached_blocks`.
-    leftover_pages: Vec<LeftoverPage>,
-    /// Address ranges of released expandable segments whose free the device refused; retried
-    /// by `release_cached_blocks`, after the leftover pages.
-    leftover_ranges: Vec<PageRange>,
-    history: History,
-    /// What cross-stream reuse (opt-in) did.
-    cross_stream: CrossStreamCounts,
-    /// Set while the cache is emptied, after the streams were synchronized: free neighbours of
-    /// different streams may merge.
-    merging_across_streams: bool,
-    /// PyTorch's allocation-order counter: segments made so far (and, under the block rule,
-    /// blocks); the next one's [`Block::segment_order`] is this plus one.
-    blocks_made: u64,
-    /// The device's total memory, asked once (the preemptive-rejection limit).
-    device_total: Option<usize>,
-    /// Set when `throw_on_cudamalloc_oom` refused a device allocation during the current
-    /// `malloc` (PyTorch's `AllocParams` flag): the malloc then fails with the rejection.
-    preemptively_rejected: bool,
-    /// Where the reserve class of a stream comes from (PyTorch's C++ API, through the C ABI);
-    /// `None`: every stream is untagged.
-    reserve_classes: Option<ReserveClassLookup>,
-    /// The reserve classes warned of as having no entry in
-    /// `expandable_segments_reserve_by_class` (PyTorch warns once per class).
-    warned_reserve_classes: HashSet<String>,
-    /// New ordinary segments are VMM-backed, so that they can sleep (see [`sleep`]).
-    sleepable: bool,
-    /// VMM-backed segments; `None` marks a released slot.
-    vmm_segments: Vec<Option<sleep::VmmSegment>>,
-    /// Segments asleep now (VMM-backed, or expandable with a page asleep).
-    sleeping_segments: usize,
-    /// Whether [`replace_config`](Self::replace_config) was called: the oversize counters then
-    /// count by the `max_split_size` of each moment, as PyTorch's do, and no longer match the
-    /// blocks by today's.
-    settings_replaced: bool,
+    /// Cross-stream reuse (opt-in): what it did, and its merging state.
+    cross_stream: CrossStream,
+    /// Sleep's pinned host buffers and copy stream ([`staging`]).
+    staging: staging::HostStaging,
 }
-
-/// Answers the reserve class PyTorch's C++ API gave a stream (empty: none).
-pub type ReserveClassLookup = Box<dyn Fn(StreamId) -> String + Send>;
 
 impl<D: Device> DeviceAllocator<D> {
     /// An allocator for device number `device_index`, with nothing reserved yet.
@@ -237,32 +145,16 @@ impl<D: Device> DeviceAllocator<D> {
         let mut allocator = DeviceAllocator {
             device,
             device_index,
-            stats: DeviceStats::new(config.max_split_size),
             arena: BlockArena::default(),
             pools: BlockPools::default(),
+            segments: SegmentTable::default(),
+            source: Source::default(),
+            ledger: Ledger::new(config.max_split_size),
+            events: StreamEvents::default(),
             captures: Vec::new(),
-            events_to_record: Vec::new(),
-            capture_stream_uses: FxHashMap::default(),
             allocated: live::LiveTable::default(),
-            pending_events: BTreeMap::new(),
-            pending_event_count: 0,
-            total_allocated_memory: 0,
-            allowed_memory_maximum: None,
-            expandable_segments: Vec::new(),
-            leftover_pages: Vec::new(),
-            leftover_ranges: Vec::new(),
-            history: History::default(),
-            cross_stream: CrossStreamCounts::default(),
-            merging_across_streams: false,
-            blocks_made: 0,
-            device_total: None,
-            preemptively_rejected: false,
-            reserve_classes: None,
-            warned_reserve_classes: HashSet::new(),
-            sleepable: false,
-            vmm_segments: Vec::new(),
-            sleeping_segments: 0,
-            settings_replaced: false,
+            cross_stream: CrossStream::default(),
+            staging: staging::HostStaging::default(),
             config,
         };
         if let Some(fraction) = allocator.config.per_process_memory_fraction
@@ -284,18 +176,19 @@ impl<D: Device> DeviceAllocator<D> {
     /// set and the `max_split_size` statistic.
     pub fn replace_config(&mut self, config: Config) {
         self.config = config;
-        self.settings_replaced = true;
+        self.ledger.settings_replaced = true;
     }
 
     /// Tells the allocator where to ask for the reserve class of a stream
     /// (`expandable_segments_reserve_by_class`); without it every stream is untagged.
     pub fn set_reserve_class_lookup(&mut self, lookup: ReserveClassLookup) {
-        self.reserve_classes = Some(lookup);
+        self.source.reserve_classes = Some(lookup);
     }
 
     /// The reserve class of `stream`; empty when it has none.
     pub(crate) fn reserve_class_of(&self, stream: StreamId) -> String {
-        self.reserve_classes
+        self.source
+            .reserve_classes
             .as_ref()
             .map_or_else(String::new, |lookup| lookup(stream))
     }
@@ -313,25 +206,25 @@ impl<D: Device> DeviceAllocator<D> {
     }
 
     pub fn stats(&self) -> &DeviceStats {
-        &self.stats
+        &self.ledger.stats
     }
 
     pub fn reset_peak_stats(&mut self) {
-        self.stats.reset_peaks();
+        self.ledger.stats.reset_peaks();
     }
 
     pub fn reset_accumulated_stats(&mut self) {
-        self.stats.reset_accumulated();
+        self.ledger.stats.reset_accumulated();
     }
 
     /// Bytes held from the device.
     pub fn reserved_bytes(&self) -> usize {
-        self.total_allocated_memory
+        self.ledger.reserved
     }
 
     /// The memory-fraction limit in bytes, when set.
     pub fn allowed_memory_maximum(&self) -> Option<usize> {
-        self.allowed_memory_maximum
+        self.source.guard.allowed_memory_maximum
     }
 
     /// Number of live allocations.
@@ -381,7 +274,7 @@ impl<D: Device> DeviceAllocator<D> {
     ) -> Result<DevicePtr, AllocError> {
         let owner = if self.captures.is_empty() {
             // Event queries are illegal during a capture, so completed frees wait until after.
-            if self.pending_event_count > 0 || !self.events_to_record.is_empty() {
+            if self.events.pending_count > 0 || !self.events.to_record.is_empty() {
                 self.process_events()?;
             }
             match tag {
@@ -423,9 +316,9 @@ impl<D: Device> DeviceAllocator<D> {
         stream: StreamId,
         stack: StackId,
     ) -> Result<DevicePtr, AllocError> {
-        let previous = self.history.set_current_stack(stack);
+        let previous = self.ledger.history.set_current_stack(stack);
         let result = self.malloc(size, stream);
-        self.history.set_current_stack(previous);
+        self.ledger.history.set_current_stack(previous);
         result
     }
 
@@ -439,9 +332,9 @@ impl<D: Device> DeviceAllocator<D> {
         tag: Option<u32>,
         stack: StackId,
     ) -> Result<DevicePtr, AllocError> {
-        let previous = self.history.set_current_stack(stack);
+        let previous = self.ledger.history.set_current_stack(stack);
         let result = self.malloc_tagged(size, stream, tag);
-        self.history.set_current_stack(previous);
+        self.ledger.history.set_current_stack(previous);
         result
     }
 
@@ -449,7 +342,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// recorded from now on carry; returns the previous one, to put back after the call.
     #[inline(always)]
     pub fn set_user_metadata(&mut self, metadata: Option<Arc<str>>) -> Option<Arc<str>> {
-        self.history.set_current_metadata(metadata)
+        self.ledger.history.set_current_metadata(metadata)
     }
 
     /// [`free_returning_info`](Self::free_returning_info) on behalf of the caller's stack
@@ -460,9 +353,9 @@ impl<D: Device> DeviceAllocator<D> {
         ptr: DevicePtr,
         stack: StackId,
     ) -> Result<AllocationInfo, PointerError> {
-        let previous = self.history.set_current_stack(stack);
+        let previous = self.ledger.history.set_current_stack(stack);
         let result = self.free_returning_info(ptr);
-        self.history.set_current_stack(previous);
+        self.ledger.history.set_current_stack(previous);
         result
     }
 
@@ -475,14 +368,16 @@ impl<D: Device> DeviceAllocator<D> {
         request: &mut Request,
         orig_size: usize,
     ) -> Result<BlockId, AllocError> {
-        self.preemptively_rejected = false;
-        if self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0 {
+        self.source.guard.preemptively_rejected = false;
+        if self.source.guard.allowed_memory_maximum.is_some()
+            && self.config.garbage_collection_threshold > 0.0
+        {
             self.garbage_collect_cached_blocks()?;
         }
         if let Some(id) = self.alloc_block(request, false)? {
             return Ok(id);
         }
-        if self.preemptively_rejected {
+        if self.source.guard.preemptively_rejected {
             return Err(self.preemptive_rejection(request, orig_size));
         }
         logging::alloc_retry(request.alloc_size, "releasing oversize cached blocks");
@@ -505,7 +400,7 @@ impl<D: Device> DeviceAllocator<D> {
             request.owner = Owner::Private(pool);
             return Ok(id);
         }
-        if self.preemptively_rejected {
+        if self.source.guard.preemptively_rejected {
             return Err(self.preemptive_rejection(request, orig_size));
         }
         Err(self.out_of_memory(request, orig_size))
@@ -515,18 +410,15 @@ impl<D: Device> DeviceAllocator<D> {
     #[inline(always)]
     fn get_free_block(&mut self, request: &Request) -> Option<BlockId> {
         let pool = self.pools.get_mut(request.owner, request.pool);
-        if self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0 {
+        if self.source.guard.allowed_memory_maximum.is_some()
+            && self.config.garbage_collection_threshold > 0.0
+        {
             pool.get_free_blocks_call_count += 1;
         }
         let arena = &self.arena;
+        // A sleeping segment's free blocks are in no pool: whatever is found here is awake.
         let mut id = pool.best_fit(request.stream, request.size)?;
-        if arena.get(id).asleep {
-            // A sleeping segment's free blocks wait for its wake: the next fit serves.
-            id = pool
-                .fitting(request.stream, request.size)
-                .find(|&id| !arena.get(id).asleep)?;
-        }
-        if arena.get(id).backing.is_expandable() {
+        if arena.get(id).expandable {
             let mut successors = pool.fitting(request.stream, request.size).skip(1);
             if self.config.expandable_segments {
                 // Best fit by what a block can grow to: its size plus the unmapped space after
@@ -540,28 +432,21 @@ impl<D: Device> DeviceAllocator<D> {
                             .map_or(0, |n| n.size)
                 };
                 for next in successors {
-                    if !arena.get(id).backing.is_expandable()
-                        || arena.get(next).asleep
-                        || growable(next) >= growable(id)
-                    {
+                    if !arena.get(id).expandable || growable(next) >= growable(id) {
                         break;
                     }
                     id = next;
                 }
             } else {
                 // Expandable segments were switched off: serve only from ordinary segments.
-                id = successors.find(|&id| {
-                    let b = arena.get(id);
-                    !b.backing.is_expandable() && !b.asleep
-                })?;
+                id = successors.find(|&id| !arena.get(id).expandable)?;
             }
         }
         let block = arena.get(id);
         // PyTorch applies the oversize rules to expandable blocks too, though they always split
         // (which grows reserved memory without bound, pytorch#123548); the opt-in
         // FERROCACHE_EXPANDABLE_IGNORE_MAX_SPLIT leaves them out.
-        let exempt =
-            block.backing.is_expandable() && self.config.opt_in.expandable_ignore_max_split;
+        let exempt = block.expandable && self.config.opt_in.expandable_ignore_max_split;
         if !exempt && !policy::may_serve(block.size, request.size, &self.config) {
             return None;
         }
@@ -581,12 +466,12 @@ impl<D: Device> DeviceAllocator<D> {
         let pool = request.pool;
         let (already_split, expandable, block_ptr, block_size) = {
             let b = self.arena.get(id);
-            (b.is_split(), b.backing.is_expandable(), b.ptr, b.size)
+            (b.is_split(), b.expandable, b.ptr, b.size)
         };
         let id = if split {
             // The allocated part is a new block at the front; the original becomes the rest.
             let front = self.piece_of(id, block_ptr, request.size);
-            let front_id = self.arena.insert_before(id, front);
+            let front_id = self.insert_before(id, front);
             let rest = self.arena.get_mut(id);
             rest.ptr += request.size as u64;
             rest.size -= request.size;
@@ -595,27 +480,30 @@ impl<D: Device> DeviceAllocator<D> {
             if !expandable {
                 if already_split {
                     // An inactive split block shrinks by the allocated size.
-                    self.stats
+                    self.ledger
+                        .stats
                         .inactive_split_bytes
                         .decrease(pool, request.size as u64);
                 } else {
                     // A new inactive split block: the rest of a previously whole segment.
-                    self.stats
+                    self.ledger
+                        .stats
                         .inactive_split_bytes
                         .increase(pool, rest_size as u64);
-                    self.stats.inactive_split.increase(pool, 1);
+                    self.ledger.stats.inactive_split.increase(pool, 1);
                 }
             }
-            self.stats.num_splits += 1;
+            self.ledger.stats.num_splits += 1;
             logging::block_split(block_ptr, request.size, rest_size);
             front_id
         } else {
             if already_split && !expandable {
                 // An inactive split block becomes active.
-                self.stats
+                self.ledger
+                    .stats
                     .inactive_split_bytes
                     .decrease(pool, block_size as u64);
-                self.stats.inactive_split.decrease(pool, 1);
+                self.ledger.stats.inactive_split.decrease(pool, 1);
             }
             id
         };
@@ -632,10 +520,10 @@ impl<D: Device> DeviceAllocator<D> {
         let block = self.arena.get_mut(id);
         block.allocated = true;
         block.requested_size = requested_size;
-        block.stack_id = self.history.current_stack();
+        block.stack_id = self.ledger.history.current_stack();
         let (ptr, size, pool, stream) = (block.ptr, block.size, block.pool, block.stream);
         self.allocated.insert(ptr, id);
-        let stats = &mut self.stats;
+        let stats = &mut self.ledger.stats;
         stats.allocation.increase(pool, 1);
         stats.allocated_bytes.increase(pool, size as u64);
         stats.active.increase(pool, 1);
@@ -644,7 +532,8 @@ impl<D: Device> DeviceAllocator<D> {
         if policy::is_oversize(size, &self.config) {
             stats.oversize_allocations.increase(1);
         }
-        self.history
+        self.ledger
+            .history
             .record(TraceAction::Alloc, ptr, requested_size, stream);
         ptr
     }
@@ -657,100 +546,79 @@ impl<D: Device> DeviceAllocator<D> {
         is_retry: bool,
     ) -> Result<Option<BlockId>, AllocError> {
         if is_retry {
-            self.stats.num_alloc_retries += 1;
+            self.ledger.stats.num_alloc_retries += 1;
         }
         let size = request.alloc_size;
-        if self.memory_fraction_refuses(size).is_some() {
-            return Ok(None);
-        }
-        if self.config.throw_on_cudamalloc_oom && self.rejects_preemptively(size)? {
+        if self.admit(size, Announce::Yes)?.is_err() {
             return Ok(None);
         }
         if self.config.expandable_segments {
             return self.try_allocate_expandable_block(request);
         }
-        let (ptr, backing) = if self.sleepable {
-            match self.new_vmm_segment(size)? {
-                Some(made) => made,
+        let (ptr, memory) = if self.source.sleepable {
+            match VmmSegment::obtain(&mut self.device, size, &mut self.source.leftovers)? {
+                Some(segment) => (segment.base(), Memory::Vmm(segment)),
                 None => return Ok(None),
             }
         } else {
-            match self.device.malloc(size, request.stream) {
-                Ok(ptr) => (ptr, Backing::Plain),
-                Err(DeviceError::OutOfMemory) => return Ok(None),
-                Err(err) => return Err(err.into()),
+            match plain::obtain(&mut self.device, size, request.stream)? {
+                Some(ptr) => (ptr, Memory::Plain),
+                None => return Ok(None),
             }
         };
-        let id = self.adopt_segment(ptr, size, request.stream, request.pool);
-        let block = self.arena.get_mut(id);
-        block.owner = request.owner;
-        block.backing = backing;
-        self.count_segment_taken(request.owner);
-        Ok(Some(id))
-    }
-
-    /// PyTorch's memory fraction (`alloc_block`: `set_fraction && total_allocated_memory + size >
-    /// allowed_memory_maximum`): whether reserving `size` more bytes from the device would take
-    /// the memory held past the limit of `set_per_process_memory_fraction`: that limit if so.
-    pub(super) fn memory_fraction_refuses(&self, size: usize) -> Option<usize> {
-        self.allowed_memory_maximum
-            .filter(|&allowed| self.total_allocated_memory + size > allowed)
-    }
-
-    /// `throw_on_cudamalloc_oom`: whether a device allocation of `size` would take the memory
-    /// held past the limit of [`policy::preemptive_rejection_limit`]; if so it is counted
-    /// (`num_oom_rejections`), logged with PyTorch's warning and remembered for `malloc`.
-    fn rejects_preemptively(&mut self, size: usize) -> Result<bool, AllocError> {
-        let device_total = self.device_total()?;
-        let Some(limit) = policy::preemptive_rejection_limit(&self.config, device_total) else {
-            return Ok(false);
+        let segment = Segment {
+            owner: request.owner,
+            kind: request.pool,
+            memory,
+            asleep: false,
         };
-        if self.total_allocated_memory + size <= limit {
-            return Ok(false);
-        }
-        self.stats.num_oom_rejections += 1;
-        self.preemptively_rejected = true;
-        logging::warning(&policy::preemptive_rejection_warning(
+        Ok(Some(self.adopt_segment(ptr, size, request.stream, segment)))
+    }
+
+    /// The guard in front of every device allocation ([`guard`]): whether `size` more bytes
+    /// may be taken from the device now.
+    pub(super) fn admit(
+        &mut self,
+        size: usize,
+        announce: Announce,
+    ) -> Result<Result<(), Refusal>, DeviceError> {
+        let reserved = self.ledger.reserved;
+        self.source.guard.admit(
+            &mut self.device,
+            &self.config,
+            &mut self.ledger.stats,
+            reserved,
             size,
-            self.total_allocated_memory,
-            limit,
-            self.config.per_process_memory_fraction.unwrap_or(1.0),
-            device_total,
-        ));
-        Ok(true)
+            announce,
+        )
     }
 
     /// The device's total memory, asked of the device once.
     fn device_total(&mut self) -> Result<usize, DeviceError> {
-        if let Some(total) = self.device_total {
-            return Ok(total);
-        }
-        let total = self.device.mem_get_info()?.total;
-        self.device_total = Some(total);
-        Ok(total)
+        self.source.guard.device_total(&mut self.device)
     }
 
-    /// Records a fresh device allocation as one free-to-carve block (not yet in the pool).
-    fn adopt_segment(
+    /// Records a fresh segment of `size` bytes at `ptr` (its memory obtained) as one
+    /// free-to-carve block (not yet in the pool).
+    pub(super) fn adopt_segment(
         &mut self,
         ptr: DevicePtr,
         size: usize,
         stream: StreamId,
-        pool: PoolKind,
+        segment: Segment,
     ) -> BlockId {
-        self.total_allocated_memory += size;
-        let mut block = Block::new(ptr, size, stream, pool);
+        let (owner, kind) = (segment.owner, segment.kind);
+        let mut block = Block::new(ptr, size, stream, kind);
+        block.owner = owner;
+        block.expandable = segment.memory.is_expandable();
         block.segment_order = self.order_of_new_segment();
         let id = self.arena.insert(block);
-        self.stats.segment.increase(pool, 1);
-        self.stats.reserved_bytes.increase(pool, size as u64);
-        if policy::is_oversize(size, &self.config) {
-            self.stats.oversize_segments.increase(1);
+        self.arena.get_mut(id).segment = self.segments.insert(segment, id);
+        self.count_segment_taken(owner);
+        if !self.arena.get(id).expandable {
+            self.ledger
+                .segment_allocated(ptr, size, stream, kind, &self.config);
         }
-        self.stats.num_device_alloc += 1;
-        self.history
-            .record(TraceAction::SegmentAlloc, ptr, size, stream);
-        logging::segment_allocated(ptr, size, stream);
         id
     }
 
@@ -759,11 +627,20 @@ impl<D: Device> DeviceAllocator<D> {
     fn order_of_new_segment(&mut self) -> u64 {
         match self.config.modelled.tie_rule {
             TieRule::Address => 0,
-            TieRule::BlockOrder | TieRule::SegmentOrder => {
-                self.blocks_made += 1;
-                self.blocks_made
-            }
+            TieRule::BlockOrder | TieRule::SegmentOrder => self.segments.next_order(),
         }
+    }
+
+    /// Adds `block` to its segment's chain just below `at`, keeping the segment's first block
+    /// current.
+    #[inline(always)]
+    pub(super) fn insert_before(&mut self, at: BlockId, block: Block) -> BlockId {
+        let segment = block.segment;
+        let id = self.arena.insert_before(at, block);
+        if self.arena.get(id).prev.is_none() {
+            self.segments.set_head(segment, id);
+        }
+        id
     }
 
     /// A new free piece of the segment of block `of`, at `ptr` (a front split off for a
@@ -773,635 +650,9 @@ impl<D: Device> DeviceAllocator<D> {
     pub(super) fn piece_of(&mut self, of: BlockId, ptr: DevicePtr, size: usize) -> Block {
         let mut piece = self.arena.get(of).sibling(ptr, size);
         if self.config.modelled.tie_rule == TieRule::BlockOrder {
-            self.blocks_made += 1;
-            piece.segment_order = self.blocks_made;
+            piece.segment_order = self.segments.next_order();
         }
         piece
-    }
-
-    /// The error of an allocation that `throw_on_cudamalloc_oom` refused, with PyTorch's
-    /// message (which names what the program asked for). PyTorch counts it in
-    /// `num_oom_rejections`, not `num_ooms`, and records no `oom` trace entry.
-    fn preemptive_rejection(&mut self, request: &Request, orig_size: usize) -> AllocError {
-        let info = self
-            .device
-            .mem_get_info()
-            .unwrap_or(crate::device::MemInfo { free: 0, total: 0 });
-        let message = policy::preemptive_rejection_message(orig_size);
-        self.out_of_memory_error(request, orig_size, info, message)
-    }
-
-    /// The out-of-memory error, in PyTorch's words and figures.
-    fn out_of_memory(&mut self, request: &Request, orig_size: usize) -> AllocError {
-        let info = self
-            .device
-            .mem_get_info()
-            .unwrap_or(crate::device::MemInfo { free: 0, total: 0 });
-        self.stats.num_ooms += 1;
-        self.history.record(
-            TraceAction::Oom,
-            info.free as u64,
-            request.size,
-            request.stream,
-        );
-        let allocated = self.stats.allocated_bytes.all.current as usize;
-        let reserved = self.stats.reserved_bytes.all.current as usize;
-        // PyTorch counts the free blocks cached in private pools as allocated: they are the
-        // graphs' memory, which no other allocation can use.
-        let in_private_pools = self.private_pool_cached_bytes();
-        let reserve_class = self.reserve_class_of(request.stream);
-        let reserve = policy::expandable_segment_reserve(&self.config, info.total, &reserve_class);
-        // Asked of NVML under the lock, as PyTorch does; only its first call in the process
-        // (loading and starting NVML) takes long.
-        let processes = self.device.compute_processes();
-        let message = policy::out_of_memory_message(
-            &policy::OomFigures {
-                alloc_size: request.alloc_size,
-                device: self.device_index,
-                device_total: info.total,
-                device_free: info.free,
-                allowed: self.allowed_memory_maximum,
-                allocated: allocated + in_private_pools,
-                in_private_pools,
-                reserved,
-                expandable_segments: self.config.expandable_segments,
-                configured_reserve: reserve.configured.then_some(reserve.bytes),
-                reserve_class,
-                processes,
-                own_pid: std::process::id(),
-            },
-            self.config.modelled.oom_wording,
-        );
-        self.out_of_memory_error(request, orig_size, info, message)
-    }
-
-    /// An out-of-memory error with `message`, logged, and the figures it is about.
-    fn out_of_memory_error(
-        &self,
-        request: &Request,
-        orig_size: usize,
-        info: crate::device::MemInfo,
-        message: String,
-    ) -> AllocError {
-        logging::out_of_memory(&message);
-        AllocError::OutOfMemory(Box::new(OutOfMemoryError {
-            device: self.device_index,
-            requested: orig_size,
-            allocation_size: request.alloc_size,
-            device_free: info.free,
-            device_total: info.total,
-            allowed: self.allowed_memory_maximum,
-            allocated: self.stats.allocated_bytes.all.current as usize,
-            reserved: self.stats.reserved_bytes.all.current as usize,
-            message,
-            preemptively_rejected: self.preemptively_rejected,
-        }))
-    }
-
-    // ----------------------------------------------------------------------------------------
-    // free
-    // ----------------------------------------------------------------------------------------
-
-    /// Frees an allocation. The block is cached for its stream at once, or, if the program used
-    /// it on other streams, once the work queued on them by now has completed.
-    pub fn free(&mut self, ptr: DevicePtr) -> Result<(), PointerError> {
-        self.free_returning_info(ptr).map(drop)
-    }
-
-    /// [`DeviceAllocator::free`], returning what the allocation had recorded, so that a caller
-    /// can check what it was told about the pointer without a second look-up. A pointer this
-    /// allocator did not hand out changes nothing.
-    #[inline(always)]
-    pub fn free_returning_info(&mut self, ptr: DevicePtr) -> Result<AllocationInfo, PointerError> {
-        let id = self
-            .allocated
-            .remove(&ptr)
-            .ok_or(PointerError::Unknown(ptr))?;
-        let block = self.arena.get_mut(id);
-        block.allocated = false;
-        let waits_for_streams = !block.stream_uses.is_empty();
-        let info = AllocationInfo {
-            ptr,
-            size: block.size,
-            requested_size: block.requested_size,
-            stream: block.stream,
-            pool: block.pool,
-            private_pool: block
-                .owner
-                .private()
-                .map(|index| self.pools.private(index).id),
-        };
-        let (pool, size) = (info.pool, info.size);
-        self.stats.allocation.decrease(pool, 1);
-        self.stats.allocated_bytes.decrease(pool, size as u64);
-        if policy::is_oversize(size, &self.config) {
-            self.stats.oversize_allocations.decrease_may_go_negative(1);
-        }
-        self.history.record(
-            TraceAction::FreeRequested,
-            ptr,
-            info.requested_size,
-            info.stream,
-        );
-        if !waits_for_streams {
-            logging::block_freed(ptr);
-            self.free_block(id);
-        } else if !self.captures.is_empty() {
-            // Recording and querying events is illegal during a capture: wait until it ends.
-            self.events_to_record.push(id);
-        } else {
-            // Freed outside a capture, the block waits for every stream it was used on, as in
-            // PyTorch, those of a capture included.
-            if !self.capture_stream_uses.is_empty() {
-                self.capture_stream_uses.remove(&id);
-            }
-            self.insert_events(id);
-        }
-        Ok(info)
-    }
-
-    /// `free_block`: returns an available block to its pool, merged with free neighbours.
-    #[inline(always)]
-    fn free_block(&mut self, id: BlockId) {
-        let b = self.arena.get(id);
-        debug_assert!(b.is_available());
-        let (ptr, original_size, requested, stream, pool, expandable) = (
-            b.ptr,
-            b.size,
-            b.requested_size,
-            b.stream,
-            b.pool,
-            b.backing.is_expandable(),
-        );
-        let (prev, next) = (b.prev, b.next);
-        self.history
-            .record(TraceAction::FreeCompleted, ptr, requested, stream);
-        let mut inactive_split_blocks: i64 = 0;
-        let mut inactive_split_bytes: i64 = 0;
-        for candidate in [prev, next].into_iter().flatten() {
-            let subsumed = self.merge_if_available(id, candidate);
-            if subsumed > 0 {
-                inactive_split_blocks -= 1;
-                inactive_split_bytes -= subsumed as i64;
-            }
-        }
-        let block = self.arena.get_mut(id);
-        if block.is_split() {
-            inactive_split_blocks += 1;
-            inactive_split_bytes += block.size as i64;
-        }
-        let merged_size = block.size;
-        let owner = block.owner;
-        self.pools.get_mut(owner, pool).insert(id, block);
-        if merged_size != original_size {
-            logging::new_free_block(merged_size);
-        }
-        let stats = &mut self.stats;
-        // Expandable segments can always give free pages back, so PyTorch leaves them out of
-        // the inactive-split statistics.
-        if !expandable {
-            apply_signed(&mut stats.inactive_split, pool, inactive_split_blocks);
-            apply_signed(&mut stats.inactive_split_bytes, pool, inactive_split_bytes);
-        }
-        stats.active.decrease(pool, 1);
-        stats.active_bytes.decrease(pool, original_size as u64);
-        stats.requested_bytes.decrease(pool, requested as u64);
-    }
-
-    /// `try_merge_blocks`: absorbs `candidate` into `dst` if it is an available block in the same
-    /// state of mapping. Returns the bytes absorbed (0 = no merge).
-    #[inline(always)]
-    fn try_merge_blocks(&mut self, dst: BlockId, candidate: Option<BlockId>) -> usize {
-        match candidate {
-            Some(src) => self.merge_if_available(dst, src),
-            None => 0,
-        }
-    }
-
-    /// [`try_merge_blocks`](Self::try_merge_blocks) of `dst`'s neighbour `src`.
-    #[inline(always)]
-    fn merge_if_available(&mut self, dst: BlockId, src: BlockId) -> usize {
-        let s = self.arena.get(src);
-        if !s.is_available() {
-            return 0;
-        }
-        let d = self.arena.get(dst);
-        let allowed =
-            cross_stream::may_merge(s, d) || (self.merging_across_streams && s.mapped == d.mapped);
-        if !allowed {
-            return 0;
-        }
-        let (src_ptr, src_size, src_prev, src_next, src_mapped) =
-            (s.ptr, s.size, s.prev, s.next, s.mapped);
-        let pool = self.pools.of_block_mut(s);
-        let removed = if src_mapped {
-            pool.remove(src, s)
-        } else {
-            pool.remove_unmapped(s)
-        };
-        debug_assert!(removed, "an available block is in its pool");
-        self.arena.discard(src);
-        let dst_block = self.arena.get_mut(dst);
-        dst_block.size += src_size;
-        let merged_ptr = if src_next == Some(dst) {
-            src_ptr
-        } else {
-            dst_block.ptr
-        };
-        if src_next == Some(dst) {
-            // [src dst]
-            dst_block.ptr = src_ptr;
-            dst_block.prev = src_prev;
-            if let Some(p) = src_prev {
-                self.arena.get_mut(p).next = Some(dst);
-            }
-        } else {
-            // [dst src]
-            dst_block.next = src_next;
-            if let Some(n) = src_next {
-                self.arena.get_mut(n).prev = Some(dst);
-            }
-        }
-        self.stats.num_merges += 1;
-        if src_mapped {
-            logging::block_merged(merged_ptr);
-        }
-        src_size
-    }
-
-    // ----------------------------------------------------------------------------------------
-    // streams and events
-    // ----------------------------------------------------------------------------------------
-
-    /// `recordStream`: the program used the allocation at `ptr` on `stream` as well; when it is
-    /// freed, it is not reused until the work queued on `stream` by then has completed.
-    pub fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), PointerError> {
-        let id = *self.allocated.get(&ptr).ok_or(PointerError::Unknown(ptr))?;
-        let block = self.arena.get_mut(id);
-        // Uses on the allocation stream need no synchronization.
-        if stream == block.stream {
-            return Ok(());
-        }
-        let used_before = block.stream_uses.contains(&stream);
-        if !used_before {
-            block.stream_uses.push(stream);
-        }
-        if !self.captures.is_empty() {
-            // Only a use that a capture alone made is dropped when the capture's deferred free
-            // is processed: one made outside it too still needs its event.
-            if !used_before {
-                self.note_capture_stream_use(id, stream);
-            }
-        } else if let Some(during_capture) = self.capture_stream_uses.get_mut(&id) {
-            // A use outside any capture needs its event, whatever a capture noted before.
-            // (PyTorch's block_to_cudagraph_stream_uses forgets this and can hand the block
-            // out while that stream still works on it; found by the stream-order property.)
-            during_capture.retain(|&s| s != stream);
-        }
-        Ok(())
-    }
-
-    /// `insert_events`: records an event on every stream that used the freed block.
-    pub(super) fn insert_events(&mut self, id: BlockId) {
-        let streams = std::mem::take(&mut self.arena.get_mut(id).stream_uses);
-        let ptr = self.arena.get(id).ptr;
-        logging::block_waits_for_streams(ptr, streams.len());
-        let mut not_waited_for = Vec::new();
-        for stream in streams {
-            match self.device.record_event(stream) {
-                Ok(event) => {
-                    self.arena.get_mut(id).event_count += 1;
-                    self.pending_events
-                        .entry(stream)
-                        .or_default()
-                        .push_back((event, id));
-                    self.pending_event_count += 1;
-                }
-                Err(err) => {
-                    // Without an event, waiting for the stream now is the only safe way.
-                    logging::device_error("could not record an event; synchronizing instead", &err);
-                    if let Err(err) = self.device.synchronize_stream(stream) {
-                        // Neither worked: the block stays out of circulation rather than risk
-                        // handing out memory a kernel may still be using, until a later try
-                        // succeeds (the events of its other streams may complete meanwhile).
-                        logging::device_error(
-                            "could not synchronize; the block is not reused until an event \
-                             can be recorded",
-                            &err,
-                        );
-                        not_waited_for.push(stream);
-                    }
-                }
-            }
-        }
-        let block = self.arena.get_mut(id);
-        if !not_waited_for.is_empty() {
-            block.stream_uses = not_waited_for;
-            self.events_to_record.push(id);
-        } else if block.event_count == 0 {
-            self.free_block(id);
-        }
-    }
-
-    /// `process_events`: caches the freed blocks whose streams have all finished with them.
-    fn process_events(&mut self) -> Result<(), DeviceError> {
-        self.insert_events_deferred_until_no_capture();
-        let mut completed = Vec::new();
-        let mut outcome = Ok(());
-        'streams: for queue in self.pending_events.values_mut() {
-            while let Some(&(event, id)) = queue.front() {
-                match self.device.query_event(event) {
-                    Ok(true) => {
-                        queue.pop_front();
-                        self.device.release_event(event);
-                        self.pending_event_count -= 1;
-                        completed.push(id);
-                    }
-                    Ok(false) => break,
-                    Err(err) => {
-                        outcome = Err(err);
-                        break 'streams;
-                    }
-                }
-            }
-        }
-        self.pending_events.retain(|_, q| !q.is_empty());
-        for id in completed {
-            self.event_completed(id);
-        }
-        outcome
-    }
-
-    /// One of the block's events completed: the block is cached once none is left, unless
-    /// events of other streams are still to be recorded.
-    fn event_completed(&mut self, id: BlockId) {
-        let block = self.arena.get_mut(id);
-        block.event_count -= 1;
-        if block.is_available() {
-            self.free_block(id);
-        }
-    }
-
-    /// `synchronize_and_free_events`: waits for every pending event and caches its block.
-    fn synchronize_and_free_events(&mut self) -> Result<(), DeviceError> {
-        self.stats.num_sync_all_streams += 1;
-        self.insert_events_deferred_until_no_capture();
-        let streams: Vec<StreamId> = self.pending_events.keys().copied().collect();
-        for stream in streams {
-            while let Some(&(event, id)) =
-                self.pending_events.get(&stream).and_then(VecDeque::front)
-            {
-                self.device.synchronize_event(event)?;
-                if let Some(queue) = self.pending_events.get_mut(&stream) {
-                    queue.pop_front();
-                }
-                self.device.release_event(event);
-                self.pending_event_count -= 1;
-                self.event_completed(id);
-            }
-            self.pending_events.remove(&stream);
-        }
-        Ok(())
-    }
-
-    // ----------------------------------------------------------------------------------------
-    // giving memory back
-    // ----------------------------------------------------------------------------------------
-
-    /// `emptyCache`: waits for pending frees, then gives every wholly free segment (and every
-    /// free page of expandable segments) back to the device, and the device's pooled events
-    /// (PyTorch keeps its event pool; an emptied cache here holds nothing of the driver's).
-    /// Private pools that a graph still holds keep all their memory.
-    pub fn empty_cache(&mut self) -> Result<(), DeviceError> {
-        self.release_cached_blocks()?;
-        self.device.destroy_idle_events()
-    }
-
-    /// `release_cached_blocks`. During a capture only unreferenced private pools are released:
-    /// the ordinary pools would need a synchronization, which a capture forbids.
-    fn release_cached_blocks(&mut self) -> Result<(), DeviceError> {
-        if self.captures.is_empty() {
-            self.synchronize_and_free_events()?;
-            self.release_leftovers()?;
-            self.coalesce_across_streams()?;
-            self.release_blocks(Owner::Ordinary, PoolKind::Large)?;
-            self.release_blocks(Owner::Ordinary, PoolKind::Small)?;
-            for tag in self.pools.tag_indices() {
-                self.release_blocks(Owner::Tagged(tag), PoolKind::Large)?;
-                self.release_blocks(Owner::Tagged(tag), PoolKind::Small)?;
-            }
-        }
-        self.release_unreferenced_private_pools()
-    }
-
-    /// `release_blocks`: releases every unsplit cached segment of the block pool, and unmaps the
-    /// free pages of its expandable segments.
-    fn release_blocks(&mut self, owner: Owner, pool: PoolKind) -> Result<(), DeviceError> {
-        let mut whole = Vec::new();
-        let mut to_unmap = Vec::new();
-        for id in self.pools.get(owner, pool).cached() {
-            let b = self.arena.get(id);
-            if b.asleep {
-                // Sleeping memory keeps its addresses until it wakes.
-                continue;
-            }
-            if b.backing.is_expandable() {
-                to_unmap.push(id);
-            } else if !b.is_split() {
-                whole.push(id);
-            }
-        }
-        for id in whole {
-            self.release_block(id)?;
-        }
-        for id in to_unmap {
-            let segment_id = self.arena.get(id).backing.expandable();
-            self.unmap_block(id)?;
-            // As in PyTorch, a segment left with nothing mapped gives its address range back
-            // at once, before the next block is unmapped.
-            if let Some(empty) = segment_id.and_then(|s| self.wholly_unmapped_block(owner, pool, s))
-            {
-                self.release_expandable_segment(empty)?;
-            }
-        }
-        // A segment that had nothing mapped before this call (its first growth failed) keeps
-        // its address range, as in PyTorch, and serves the next request of its stream.
-        Ok(())
-    }
-
-    /// The one block of expandable segment `segment` (of block pool `owner`/`pool`) when nothing
-    /// of it is mapped.
-    fn wholly_unmapped_block(
-        &self,
-        owner: Owner,
-        pool: PoolKind,
-        segment: ExpandableId,
-    ) -> Option<BlockId> {
-        let live = self.expandable_segments.get(segment as usize)?.as_ref()?;
-        if live.mapped_bytes() != 0 {
-            return None;
-        }
-        self.pools.get(owner, pool).unmapped_blocks().find(|&id| {
-            let b = self.arena.get(id);
-            b.backing == Backing::Expandable(segment) && !b.is_split()
-        })
-    }
-
-    /// `release_block`: gives a whole cached segment back to the device.
-    fn release_block(&mut self, id: BlockId) -> Result<(), DeviceError> {
-        let (ptr, size, stream, pool) = {
-            let b = self.arena.get(id);
-            debug_assert!(!b.backing.is_expandable() && !b.is_split() && b.is_available());
-            debug_assert!(!b.asleep);
-            (b.ptr, b.size, b.stream, b.pool)
-        };
-        // The device first: if it refuses, the segment stays cached and nothing changes.
-        match self.arena.get(id).backing {
-            Backing::Vmm(vmm) => {
-                // `cudaFree` waits for the device; `cuMemUnmap` does not, and work queued on
-                // the block's stream may still use the memory (as for expandable pages).
-                self.device.synchronize_stream(stream)?;
-                self.release_vmm_segment(vmm)?
-            }
-            _ => self.device.free(ptr)?,
-        }
-        let block = self.arena.remove(id);
-        self.pools.of_block_mut(&block).remove(id, &block);
-        self.count_segment_returned(block.owner);
-        self.total_allocated_memory -= size;
-        self.stats.num_device_free += 1;
-        self.stats.segment.decrease(pool, 1);
-        self.stats.reserved_bytes.decrease(pool, size as u64);
-        if policy::is_oversize(size, &self.config) {
-            self.stats.oversize_segments.decrease_may_go_negative(1);
-        }
-        self.history
-            .record(TraceAction::SegmentFree, ptr, size, stream);
-        logging::segment_released(ptr, size);
-        Ok(())
-    }
-
-    /// `release_available_cached_blocks`: after a failed device allocation, releases the
-    /// smallest oversize cached block that covers the request, or else oversize blocks from the
-    /// largest down until enough is released. Only when `max_split_size` is set, and never in
-    /// a private pool: a request for one comes from a capture, so the pool is referenced and a
-    /// graph may replay into its free blocks (PyTorch releases them; see [`private_pool`]).
-    fn release_available_cached_blocks(&mut self, request: &Request) -> Result<bool, DeviceError> {
-        let max_split_size = self.config.max_split_size;
-        if max_split_size == usize::MAX || request.owner != Owner::Ordinary {
-            return Ok(false);
-        }
-        let wanted = request.size.max(max_split_size);
-        let pool = self.pools.get(Owner::Ordinary, request.pool);
-        let arena = &self.arena;
-        // Only whole segments go back to the device. PyTorch never caches a split block this
-        // large (requests below max_split_size never get one, larger ones never split it), but
-        // a replay's imported start state can hold one (a segment laid out under another
-        // setting): it is passed over like an expandable one.
-        let releasable = |id: BlockId| {
-            let b = arena.get(id);
-            !b.backing.is_expandable() && !b.is_split() && !b.asleep
-        };
-        let covering = pool
-            .best_fit(request.stream, wanted)
-            .filter(|&id| releasable(id));
-        if let Some(id) = covering {
-            self.release_block(id)?;
-            return Ok(true);
-        }
-        // No single block is large enough: release oversize blocks, largest first. As in
-        // PyTorch, each is released as it is chosen, even when all of them together turn out
-        // too small (the caller then releases everything anyway).
-        let mut to_release = Vec::new();
-        let mut released = 0;
-        for (size, id) in pool.smaller_than(request.stream, wanted) {
-            if released >= wanted || size < max_split_size {
-                break;
-            }
-            if releasable(id) {
-                to_release.push(id);
-                released += size;
-            }
-        }
-        for id in to_release {
-            self.release_block(id)?;
-        }
-        Ok(released >= wanted)
-    }
-
-    /// `garbage_collect_cached_blocks`: with a memory fraction and a threshold set, releases
-    /// unsplit large cached segments, oldest (least recently reused) first, until reserved
-    /// memory is back under the threshold.
-    fn garbage_collect_cached_blocks(&mut self) -> Result<(), DeviceError> {
-        let Some(allowed) = self.allowed_memory_maximum else {
-            return Ok(());
-        };
-        let gc_threshold = (self.config.garbage_collection_threshold * allowed as f64) as usize;
-        if self.total_allocated_memory <= gc_threshold {
-            return Ok(());
-        }
-        let target = self.total_allocated_memory - gc_threshold;
-        let large = self.pools.get(Owner::Ordinary, PoolKind::Large);
-        let clock = large.get_free_blocks_call_count;
-        let age = |b: &Block| clock - b.gc_count_base;
-        let freeable = |b: &Block| !b.is_split() && !b.backing.is_expandable() && !b.asleep;
-        let mut total_age: u64 = 0;
-        let mut freeable_count: u64 = 0;
-        for id in large.cached() {
-            let b = self.arena.get(id);
-            if freeable(b) {
-                total_age += age(b);
-                freeable_count += 1;
-            }
-        }
-        let mut reclaimed = 0;
-        while reclaimed < target && freeable_count > 0 {
-            let age_threshold = total_age as f64 / freeable_count as f64;
-            // Release every block at least as old as the average, not only up to the target,
-            // so collection does not run again at once.
-            let victims: Vec<BlockId> = self
-                .pools
-                .get(Owner::Ordinary, PoolKind::Large)
-                .cached()
-                .into_iter()
-                .filter(|&id| {
-                    let b = self.arena.get(id);
-                    freeable(b) && age(b) as f64 >= age_threshold
-                })
-                .collect();
-            if victims.is_empty() {
-                break;
-            }
-            for id in victims {
-                let b = self.arena.get(id);
-                reclaimed += b.size;
-                total_age -= age(b);
-                freeable_count -= 1;
-                self.release_block(id)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// `setMemoryFraction`: limits what this allocator holds to `fraction` of the device.
-    pub fn set_memory_fraction(&mut self, fraction: f64) -> Result<(), AllocError> {
-        if !(0.0..=1.0).contains(&fraction) {
-            return Err(AllocError::InvalidArgument(format!(
-                "invalid fraction: {fraction}. Please set within (0, 1)."
-            )));
-        }
-        let info = self.device.mem_get_info()?;
-        self.allowed_memory_maximum = policy::memory_fraction_limit(fraction, info.total);
-        Ok(())
-    }
-
-    /// `getMemoryFraction`: the limit `set_memory_fraction` set, as a share of the device's
-    /// memory (1 when none was set), computed from the limit in bytes as PyTorch does.
-    pub fn memory_fraction(&mut self) -> Result<f64, AllocError> {
-        let Some(limit) = self.allowed_memory_maximum else {
-            return Ok(1.0);
-        };
-        Ok(limit as f64 / self.device_total()? as f64)
     }
 
     // ----------------------------------------------------------------------------------------
@@ -1426,9 +677,8 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// Each live expandable segment's reserved range and page size: (base, size, page size).
     pub fn expandable_segment_ranges(&self) -> Vec<(DevicePtr, usize, usize)> {
-        self.expandable_segments
-            .iter()
-            .flatten()
+        self.segments
+            .expandable_segments()
             .map(|s| (s.base(), s.size(), s.page_size()))
             .collect()
     }
@@ -1445,20 +695,10 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// `_record_memory_history`: starts (or stops and clears) recording trace entries.
     pub fn record_history(&mut self, enabled: bool, max_entries: usize) {
-        self.history.set_recording(enabled, max_entries);
+        self.ledger.history.set_recording(enabled, max_entries);
     }
 
     pub fn is_recording_history(&self) -> bool {
-        self.history.is_recording()
-    }
-}
-
-/// Applies a signed change to a statistic.
-#[inline]
-fn apply_signed(stat: &mut stats::StatArray, pool: PoolKind, change: i64) {
-    if change > 0 {
-        stat.increase(pool, change as u64);
-    } else if change < 0 {
-        stat.decrease(pool, (-change) as u64);
+        self.ledger.history.is_recording()
     }
 }

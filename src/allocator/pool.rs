@@ -223,7 +223,7 @@ fn sift_down(heap: &mut [(TieKey, BlockId)], slots: &mut HeapSlots, mut slot: us
 
 /// One pool (small or large) of free blocks.
 #[derive(Debug)]
-pub struct BlockPool {
+pub(crate) struct BlockPool {
     pub kind: PoolKind,
     /// Per stream, sorted by stream (PyTorch orders by stream first).
     streams: Vec<StreamBlocks>,
@@ -241,7 +241,7 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
-    pub fn new(kind: PoolKind) -> BlockPool {
+    pub(crate) fn new(kind: PoolKind) -> BlockPool {
         BlockPool {
             kind,
             streams: Vec::new(),
@@ -278,7 +278,7 @@ impl BlockPool {
 
     /// `insert_into_blocks`: caches a free mapped block and starts its garbage-collection age.
     #[inline(always)]
-    pub fn insert(&mut self, id: BlockId, block: &mut Block) {
+    pub(crate) fn insert(&mut self, id: BlockId, block: &mut Block) {
         debug_assert!(block.mapped);
         block.gc_count_base = self.get_free_blocks_call_count;
         // The usual case, inlined into every cache hit: a block of an exact class of a stream
@@ -291,6 +291,14 @@ impl BlockPool {
         } else {
             self.insert_uncommon(id, block);
         }
+    }
+
+    /// [`BlockPool::insert`] of a block that was cached before and keeps its
+    /// garbage-collection age (a sleeping segment's free block, back at wake).
+    pub(crate) fn reinsert(&mut self, id: BlockId, block: &mut Block) {
+        let age = block.gc_count_base;
+        self.insert(id, block);
+        block.gc_count_base = age;
     }
 
     /// [`BlockPool::insert`] of a block above the classes, or of a stream new to this pool.
@@ -315,7 +323,7 @@ impl BlockPool {
 
     /// Removes a cached block; true if it was there.
     #[inline(always)]
-    pub fn remove(&mut self, id: BlockId, block: &Block) -> bool {
+    pub(crate) fn remove(&mut self, id: BlockId, block: &Block) -> bool {
         if block.size > EXACT_LIMIT {
             return self.remove_larger(block);
         }
@@ -363,14 +371,14 @@ impl BlockPool {
     }
 
     /// The streams that have (or had) cached blocks in this pool, in order.
-    pub fn streams(&self) -> impl Iterator<Item = StreamId> + '_ {
+    pub(crate) fn streams(&self) -> impl Iterator<Item = StreamId> + '_ {
         self.streams.iter().map(|s| s.stream)
     }
 
     /// Best fit: the smallest cached block of `stream` of at least `size` bytes, lowest tie key
     /// first among equals (the first block of [`BlockPool::fitting`]).
     #[inline(always)]
-    pub fn best_fit(&self, stream: StreamId, size: usize) -> Option<BlockId> {
+    pub(crate) fn best_fit(&self, stream: StreamId, size: usize) -> Option<BlockId> {
         let blocks = self.stream_blocks(stream)?;
         if size <= EXACT_LIMIT
             && let Some(class) = blocks.occupied.first_from(class_of(size))
@@ -385,7 +393,7 @@ impl BlockPool {
     }
 
     /// The cached blocks of `stream` of at least `size` bytes, in (size, tie key) order.
-    pub fn fitting(&self, stream: StreamId, size: usize) -> Fitting<'_> {
+    pub(crate) fn fitting(&self, stream: StreamId, size: usize) -> Fitting<'_> {
         Fitting {
             blocks: self.stream_blocks(stream),
             size,
@@ -400,7 +408,7 @@ impl BlockPool {
     }
 
     /// The cached blocks of `stream` smaller than `size`, largest first (size, block).
-    pub fn smaller_than(&self, stream: StreamId, size: usize) -> Vec<(usize, BlockId)> {
+    pub(crate) fn smaller_than(&self, stream: StreamId, size: usize) -> Vec<(usize, BlockId)> {
         let Some(blocks) = self.stream_blocks(stream) else {
             return Vec::new();
         };
@@ -429,7 +437,7 @@ impl BlockPool {
     }
 
     /// Every cached block, in (stream, size, tie key) order.
-    pub fn cached(&self) -> Vec<BlockId> {
+    pub(crate) fn cached(&self) -> Vec<BlockId> {
         let mut out = Vec::with_capacity(self.cached);
         for blocks in &self.streams {
             let mut class = 0;
@@ -442,21 +450,21 @@ impl BlockPool {
         out
     }
 
-    pub fn cached_len(&self) -> usize {
+    pub(crate) fn cached_len(&self) -> usize {
         self.cached
     }
 
-    pub fn insert_unmapped(&mut self, id: BlockId, block: &Block) {
+    pub(crate) fn insert_unmapped(&mut self, id: BlockId, block: &Block) {
         debug_assert!(!block.mapped);
         self.unmapped.insert((block.stream, block.ptr), id);
     }
 
-    pub fn remove_unmapped(&mut self, block: &Block) -> bool {
+    pub(crate) fn remove_unmapped(&mut self, block: &Block) -> bool {
         self.unmapped.remove(&(block.stream, block.ptr)).is_some()
     }
 
     /// The unmapped blocks of `stream`, lowest address first.
-    pub fn unmapped_of(&self, stream: StreamId) -> impl Iterator<Item = BlockId> + '_ {
+    pub(crate) fn unmapped_of(&self, stream: StreamId) -> impl Iterator<Item = BlockId> + '_ {
         self.unmapped
             .range((stream, 0)..)
             .take_while(move |(key, _)| key.0 == stream)
@@ -464,18 +472,18 @@ impl BlockPool {
     }
 
     /// Every unmapped block, in (stream, address) order.
-    pub fn unmapped_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
+    pub(crate) fn unmapped_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
         self.unmapped.values().copied()
     }
 
-    pub fn unmapped_len(&self) -> usize {
+    pub(crate) fn unmapped_len(&self) -> usize {
         self.unmapped.len()
     }
 }
 
 /// The iterator of [`BlockPool::fitting`]: exact classes from the request's up, each in
 /// tie-key order, then the larger blocks.
-pub struct Fitting<'a> {
+pub(crate) struct Fitting<'a> {
     blocks: Option<&'a StreamBlocks>,
     size: usize,
     next_class: usize,

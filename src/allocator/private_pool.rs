@@ -32,6 +32,7 @@
 //!   tensor of a reset graph); PyTorch already releases its wholly free ones.
 
 use super::block::{Block, BlockId};
+pub use super::owner::{Owner, PrivatePoolIndex, TagIndex};
 use super::pool::BlockPool;
 use super::{AllocError, DeviceAllocator, Request};
 use crate::device::{Device, DeviceError, StreamId};
@@ -51,40 +52,9 @@ pub const ORDINARY_POOL_ID: MempoolId = (0, 0);
 /// allocation, since guessing could put it outside the capture's pool.
 pub type StreamFilter = Box<dyn Fn(StreamId) -> Result<bool, String> + Send>;
 
-/// Where a private pool sits in the allocator's table (stable while the pool exists).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PrivatePoolIndex(pub u32);
-
-/// Whose memory a segment is, and so which block pools its free blocks go to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
-pub enum Owner {
-    /// The ordinary small and large pools.
-    #[default]
-    Ordinary,
-    /// A private pool (a CUDA graph capture, a shared pool handle).
-    Private(PrivatePoolIndex),
-    /// The pools of a tag (`ferrocache.region(tag)`), whose memory sleeps and wakes together.
-    Tagged(TagIndex),
-}
-
-/// Where a tag's pools sit in the allocator's table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct TagIndex(pub u32);
-
-impl Owner {
-    /// The private pool, when the owner is one.
-    #[inline]
-    pub fn private(self) -> Option<PrivatePoolIndex> {
-        match self {
-            Owner::Private(index) => Some(index),
-            Owner::Ordinary | Owner::Tagged(_) => None,
-        }
-    }
-}
-
 /// One private pool: PyTorch's `PrivatePool`.
 #[derive(Debug)]
-pub struct PrivatePool {
+pub(crate) struct PrivatePool {
     pub id: MempoolId,
     /// Graphs (and `mem_pool` contexts) that hold the pool: PyTorch's `use_count`.
     pub use_count: u32,
@@ -116,7 +86,7 @@ pub struct PrivatePoolInfo {
 /// Every pool of free blocks: the ordinary small and large pools, and those of each private
 /// pool.
 #[derive(Debug)]
-pub struct BlockPools {
+pub(crate) struct BlockPools {
     /// Indexed by [`kind_index`]: small, large.
     ordinary: [BlockPool; 2],
     /// Private pools by index; `None` marks a slot whose pool was forgotten.
@@ -156,7 +126,7 @@ impl Default for BlockPools {
 impl BlockPools {
     /// The block pool of `kind` in the private pool `owner`, or the ordinary one for `None`.
     #[inline]
-    pub fn get(&self, owner: Owner, kind: PoolKind) -> &BlockPool {
+    pub(crate) fn get(&self, owner: Owner, kind: PoolKind) -> &BlockPool {
         match owner {
             Owner::Ordinary => &self.ordinary[kind_index(kind)],
             Owner::Private(index) => &self.private(index).blocks[kind_index(kind)],
@@ -165,7 +135,7 @@ impl BlockPools {
     }
 
     #[inline]
-    pub fn get_mut(&mut self, owner: Owner, kind: PoolKind) -> &mut BlockPool {
+    pub(crate) fn get_mut(&mut self, owner: Owner, kind: PoolKind) -> &mut BlockPool {
         match owner {
             Owner::Ordinary => &mut self.ordinary[kind_index(kind)],
             Owner::Private(index) => &mut self.private_mut(index).blocks[kind_index(kind)],
@@ -175,30 +145,30 @@ impl BlockPools {
 
     /// The block pool a block belongs to.
     #[inline]
-    pub fn of_block_mut(&mut self, block: &Block) -> &mut BlockPool {
+    pub(crate) fn of_block_mut(&mut self, block: &Block) -> &mut BlockPool {
         self.get_mut(block.owner, block.pool)
     }
 
-    pub fn private(&self, index: PrivatePoolIndex) -> &PrivatePool {
+    pub(crate) fn private(&self, index: PrivatePoolIndex) -> &PrivatePool {
         self.private[index.0 as usize]
             .as_ref()
             .expect("a live private pool")
     }
 
-    pub fn private_mut(&mut self, index: PrivatePoolIndex) -> &mut PrivatePool {
+    pub(crate) fn private_mut(&mut self, index: PrivatePoolIndex) -> &mut PrivatePool {
         self.private[index.0 as usize]
             .as_mut()
             .expect("a live private pool")
     }
 
     /// Whether `index` names a live private pool.
-    pub fn is_live(&self, index: PrivatePoolIndex) -> bool {
+    pub(crate) fn is_live(&self, index: PrivatePoolIndex) -> bool {
         self.private
             .get(index.0 as usize)
             .is_some_and(Option::is_some)
     }
 
-    pub fn find(&self, id: MempoolId) -> Option<PrivatePoolIndex> {
+    pub(crate) fn find(&self, id: MempoolId) -> Option<PrivatePoolIndex> {
         self.by_id.get(&id).copied()
     }
 
@@ -228,7 +198,7 @@ impl BlockPools {
     }
 
     /// The live private pools.
-    pub fn private_pools(&self) -> impl Iterator<Item = (PrivatePoolIndex, &PrivatePool)> {
+    pub(crate) fn private_pools(&self) -> impl Iterator<Item = (PrivatePoolIndex, &PrivatePool)> {
         self.private
             .iter()
             .enumerate()
@@ -236,7 +206,7 @@ impl BlockPools {
     }
 
     /// The pools of tag `tag`, made on first use.
-    pub fn tag_index(&mut self, tag: u32) -> TagIndex {
+    pub(crate) fn tag_index(&mut self, tag: u32) -> TagIndex {
         let index = match self.tagged.iter().position(|(t, _)| *t == tag) {
             Some(index) => index,
             None => {
@@ -248,17 +218,17 @@ impl BlockPools {
     }
 
     /// The tag whose pools sit at `index`.
-    pub fn tag_of(&self, index: TagIndex) -> u32 {
+    pub(crate) fn tag_of(&self, index: TagIndex) -> u32 {
         self.tagged[index.0 as usize].0
     }
 
     /// Every tag with pools, by index.
-    pub fn tag_indices(&self) -> impl Iterator<Item = TagIndex> + use<> {
+    pub(crate) fn tag_indices(&self) -> impl Iterator<Item = TagIndex> + use<> {
         (0..self.tagged.len() as u32).map(TagIndex)
     }
 
     /// Every block pool with its owner, ordinary first.
-    pub fn all_with_owner(&self) -> impl Iterator<Item = (Owner, &BlockPool)> {
+    pub(crate) fn all_with_owner(&self) -> impl Iterator<Item = (Owner, &BlockPool)> {
         let private = self
             .private_pools()
             .flat_map(|(index, pool)| pool.blocks.iter().map(move |b| (Owner::Private(index), b)));
@@ -278,7 +248,7 @@ impl BlockPools {
     }
 
     /// Every block pool, ordinary first.
-    pub fn all(&self) -> impl Iterator<Item = &BlockPool> {
+    pub(crate) fn all(&self) -> impl Iterator<Item = &BlockPool> {
         self.ordinary.iter().chain(
             self.private
                 .iter()
@@ -613,38 +583,5 @@ impl<D: Device> DeviceAllocator<D> {
         pools.sort_unstable();
         pools.dedup();
         pools
-    }
-
-    /// `record_stream` while a capture is under way: the use is remembered apart, because the
-    /// capture's work on that stream is part of the graph and needs no event (PyTorch's
-    /// `block_to_cudagraph_stream_uses`).
-    pub(super) fn note_capture_stream_use(&mut self, id: BlockId, stream: StreamId) {
-        let uses = self.capture_stream_uses.entry(id).or_default();
-        if !uses.contains(&stream) {
-            uses.push(stream);
-        }
-    }
-
-    /// `insert_events_deferred_until_no_capture`: blocks freed during a capture with uses on
-    /// other streams get their events now, for the uses recorded outside a capture only
-    /// (`remove_cudagraph_stream_uses`); so do the blocks whose events the device refused
-    /// before (a retry).
-    pub(super) fn insert_events_deferred_until_no_capture(&mut self) {
-        debug_assert!(self.captures.is_empty());
-        for id in std::mem::take(&mut self.events_to_record) {
-            if let Some(during_capture) = self.capture_stream_uses.remove(&id) {
-                self.arena
-                    .get_mut(id)
-                    .stream_uses
-                    .retain(|s| !during_capture.contains(s));
-            }
-            let block = self.arena.get(id);
-            if block.is_available() {
-                self.free_block(id);
-            } else if !block.stream_uses.is_empty() {
-                self.insert_events(id);
-            }
-            // Otherwise only recorded events are left: the last to complete caches the block.
-        }
     }
 }

@@ -2,53 +2,51 @@
 //! at the same addresses.
 //!
 //! Once sleep-ability is on ([`DeviceAllocator::set_sleepable`], or the first tagged
-//! allocation), every new ordinary segment is VMM-backed ([`Backing::Vmm`]): an address range
-//! reserved with `cuMemAddressReserve`, one physical allocation of the same size
+//! allocation), every new ordinary segment is VMM-backed (`allocator/backing/vmm.rs`): an
+//! address range reserved with `cuMemAddressReserve`, one physical allocation of the same size
 //! (`cuMemCreate`) mapped into it and made accessible. Its size and its blocks are PyTorch's, as
 //! for a `cudaMalloc`'d segment: only what it is made of differs.
 //!
-//! - [`DeviceAllocator::sleep`] waits for the device, copies each chosen segment to host memory
-//!   (when asked to), unmaps it and releases its physical memory. The address range stays
-//!   reserved, every block stays where it was, live ones included; a sleeping free block serves
-//!   no request.
-//! - [`DeviceAllocator::wake`] creates physical memory again, maps it at the same address,
-//!   grants access and copies the backup back.
+//! Sleep and wake are a loop over the segments of the chosen owners (the segment table), each
+//! segment's backing doing the driver's part:
+//! - [`DeviceAllocator::sleep`] waits for the device, copies the live blocks of each chosen
+//!   segment to pinned host memory (when asked to), unmaps it and releases its physical memory. The address range stays
+//!   reserved, every block stays where it was, live ones included; the segment's free blocks
+//!   leave their pools, so that they serve no request;
+//! - [`DeviceAllocator::wake`] passes the guard (the memory fraction and
+//!   `throw_on_cudamalloc_oom` bound what the allocator reserves, as for a new segment),
+//!   creates physical memory again, maps it at the same address, grants access and copies the
+//!   backup back; the free blocks return to their pools with the same tie keys and ages.
+//!
+//! The copies are the fast path (docs/sleep.md, "Backups"): only live blocks are copied, into
+//! page-locked host memory kept from one sleep to the next (`allocator/staging.rs`), queued on
+//! a stream of the allocator's own with an event per segment. A segment is unmapped once its
+//! event has completed, found by asking without waiting while the next segments' copies are
+//! queued; the host waits once, at the end, for the copies still running. Wake maps each
+//! segment and queues its copies, so the next segment's map overlaps them, and waits once at
+//! the end.
 //!
 //! Both are idempotent (a segment asleep is not slept again) and all-or-nothing per segment: a
 //! driver call that fails leaves that segment either fully awake or fully asleep with its
-//! backup, and the call can be repeated.
+//! backup, and the call can be repeated. Each segment's change goes through the ledger.
 //!
 //! Expandable segments are VMM-backed already, one physical allocation per page: their mapped
-//! pages sleep and wake at the same addresses ([`ExpandableSegment::sleep_pages`],
-//! [`ExpandableSegment::wake_pages`]). Their sleep is all or nothing per page (an unmap that
-//! fails leaves the pages before it asleep, the rest mapped, and the segment counts as asleep
-//! until a wake), their wake all or nothing per segment. A sleeping expandable segment does
-//! not grow: a request that would need it reserves a new segment, as when the stream had none.
+//! pages sleep and wake at the same addresses. Their sleep is all or nothing per page (an unmap
+//! that fails leaves the pages before it asleep, the rest mapped, and the segment counts as
+//! asleep until a wake), their wake all or nothing per segment. A sleeping expandable segment
+//! does not grow: a request that would need it reserves a new segment, as when the stream had
+//! none.
 
 use super::DeviceAllocator;
-use super::block::{Backing, BlockId, ExpandableId, VmmId};
-use super::expandable::{ExpandableSegment, LeftoverPage, PageRange};
-use super::private_pool::Owner;
-use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle};
+use super::backing::Memory;
+use super::backing::vmm::Backup;
+use super::block::BlockId;
+use super::guard::{Announce, Refusal};
+use super::owner::Owner;
+use super::segments::SegmentId;
+use crate::device::{Device, DeviceError, EventHandle, PinnedHostBuffer, StreamId};
 use crate::logging;
 use std::time::{Duration, Instant};
-
-/// What the log says when the device refuses to take memory back.
-const LEFTOVER: &str = "the device refused to take memory back; empty_cache retries it";
-
-/// A VMM-backed segment.
-#[derive(Debug)]
-pub struct VmmSegment {
-    base: DevicePtr,
-    /// The segment's size (what its blocks tile).
-    size: usize,
-    /// The reserved and mapped size: `size` in whole pages of the device's granularity.
-    mapped_size: usize,
-    /// The physical memory mapped now; `None` while asleep.
-    handle: Option<PhysicalHandle>,
-    /// The segment's bytes, copied to host memory when it went to sleep with a backup.
-    backup: Option<Vec<u8>>,
-}
 
 /// What a sleep or a wake moved.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -59,8 +57,17 @@ pub struct SleepReport {
     pub bytes: usize,
     /// Live blocks in them: allocations whose memory slept (or woke).
     pub blocks: usize,
-    /// Bytes copied to host memory (sleep) or back from it (wake).
+    /// Bytes copied to host memory (sleep) or back from it (wake): the live blocks' bytes (for
+    /// expandable segments, their mapped pages').
     pub copied_bytes: usize,
+    /// Whether the bytes copied went to (or came from) page-locked host memory; false when
+    /// nothing was copied, or some through pageable memory (expandable segments' pages).
+    pub host_memory_pinned: bool,
+    /// Pinned host buffers this call allocated: 0 when the one kept from an earlier sleep was
+    /// large enough.
+    pub host_allocations: usize,
+    /// Times this call made the host wait for the device.
+    pub host_synchronizations: usize,
     /// Bytes of segments that matched but cannot sleep: `cudaMalloc`'d before sleep-ability
     /// was on.
     pub skipped_bytes: usize,
@@ -68,8 +75,8 @@ pub struct SleepReport {
 }
 
 /// Why a sleep or wake stopped. What was done before the failure stays done (and is in
-/// `done`); the segment being worked on is left whole, awake or asleep with its backup; the
-/// call may be repeated.
+/// `done`, boxed to keep the error small); the segment being worked on is left whole, awake or
+/// asleep with its backup; the call may be repeated.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SleepError {
     /// Sleep and wake wait for the device, which a CUDA graph capture forbids.
@@ -77,7 +84,7 @@ pub enum SleepError {
     /// A driver call failed.
     Device {
         error: DeviceError,
-        done: SleepReport,
+        done: Box<SleepReport>,
     },
     /// Waking the next segment would take the memory reserved past the memory-fraction limit
     /// (`set_per_process_memory_fraction`), which bounds what the allocator reserves from the
@@ -89,7 +96,19 @@ pub enum SleepError {
         reserved: usize,
         /// The limit.
         allowed: usize,
-        done: SleepReport,
+        done: Box<SleepReport>,
+    },
+    /// Waking the next segment would take the memory reserved past `throw_on_cudamalloc_oom`'s
+    /// limit (the configured `per_process_memory_fraction` of the device), which refuses such
+    /// a device allocation before the device is asked, as for a new segment. It stays asleep.
+    PreemptivelyRejected {
+        /// The bytes the segment would take.
+        needed: usize,
+        /// The bytes reserved now.
+        reserved: usize,
+        /// The limit.
+        limit: usize,
+        done: Box<SleepReport>,
     },
 }
 
@@ -100,6 +119,11 @@ enum Stop {
         needed: usize,
         reserved: usize,
         allowed: usize,
+    },
+    PreemptivelyRejected {
+        needed: usize,
+        reserved: usize,
+        limit: usize,
     },
 }
 
@@ -134,6 +158,20 @@ impl std::fmt::Display for SleepError {
                 done.segments,
                 done.bytes
             ),
+            SleepError::PreemptivelyRejected {
+                needed,
+                reserved,
+                limit,
+                done,
+            } => write!(
+                f,
+                "waking a segment of {needed} bytes would reserve {} bytes, past the limit of \
+                 {limit} bytes that throw_on_cudamalloc_oom enforces (after {} segment(s), {} \
+                 bytes woke); free memory (empty_cache), and call again",
+                reserved + needed,
+                done.segments,
+                done.bytes
+            ),
         }
     }
 }
@@ -153,201 +191,63 @@ impl<D: Device> DeviceAllocator<D> {
     /// Makes new ordinary segments VMM-backed (on), so that they can sleep, or `cudaMalloc`'d
     /// again (off). Segments already made keep their backing.
     pub fn set_sleepable(&mut self, on: bool) {
-        self.sleepable = on;
+        self.source.sleepable = on;
     }
 
     pub fn is_sleepable(&self) -> bool {
-        self.sleepable
+        self.source.sleepable
     }
 
     /// The owner of tag `tag`'s allocations; a tag turns sleep-ability on.
     pub(super) fn tagged_owner(&mut self, tag: u32) -> Owner {
-        self.sleepable = true;
+        self.source.sleepable = true;
         Owner::Tagged(self.pools.tag_index(tag))
     }
 
     /// Bytes asleep now, in VMM-backed segments and in expandable segments' pages.
     pub fn sleeping_bytes(&self) -> usize {
-        let vmm: usize = self
-            .vmm_segments
-            .iter()
-            .flatten()
-            .filter(|s| s.handle.is_none())
-            .map(|s| s.size)
-            .sum();
-        let expandable: usize = self
-            .expandable_segments
-            .iter()
-            .flatten()
-            .map(ExpandableSegment::sleeping_bytes)
-            .sum();
-        vmm + expandable
+        self.segments.sleeping_bytes()
     }
 
-    /// A new VMM-backed segment of `size` bytes: its base and backing. `Ok(None)` when the
-    /// device is out of memory; nothing is left behind on any failure.
-    pub(super) fn new_vmm_segment(
-        &mut self,
-        size: usize,
-    ) -> Result<Option<(DevicePtr, Backing)>, DeviceError> {
-        let granularity = self.device.page_granularity()?;
-        let mapped_size = size.div_ceil(granularity) * granularity;
-        let base = match self.device.reserve_address_range(mapped_size) {
-            Ok(base) => base,
-            Err(DeviceError::OutOfMemory) => return Ok(None),
-            Err(err) => return Err(err),
-        };
-        let handle = match self.map_physical(base, mapped_size) {
-            Ok(handle) => handle,
-            Err(err) => {
-                self.free_range_or_keep(base, mapped_size);
-                return match err {
-                    DeviceError::OutOfMemory => Ok(None),
-                    err => Err(err),
-                };
-            }
-        };
-        let segment = VmmSegment {
-            base,
-            size,
-            mapped_size,
-            handle: Some(handle),
-            backup: None,
-        };
-        let id = super::block::place_in_free_slot(&mut self.vmm_segments, segment);
-        Ok(Some((base, Backing::Vmm(id as VmmId))))
+    /// The segments of `tags`, in table order.
+    fn segments_of(&self, tags: Tags<'_>) -> Vec<SegmentId> {
+        self.segments.of_owners(|owner| match (tags, owner) {
+            (Tags::All, _) => true,
+            (Tags::Only(tags), Owner::Tagged(index)) => tags.contains(&self.pools.tag_of(index)),
+            (Tags::Only(_), _) => false,
+        })
     }
 
-    /// Creates `size` bytes of physical memory, maps it at `base` and grants access: all or
-    /// nothing (what the device will not take back becomes a leftover page).
-    fn map_physical(
-        &mut self,
-        base: DevicePtr,
-        size: usize,
-    ) -> Result<PhysicalHandle, DeviceError> {
-        let handle = self.device.create_physical(size)?;
-        if let Err(err) = self.device.map(base, size, handle) {
-            self.release_or_keep(handle, None);
-            return Err(err);
-        }
-        if let Err(err) = self.device.set_access(base, size) {
-            self.unmap_and_release_or_keep(base, size, handle);
-            return Err(err);
-        }
-        Ok(handle)
-    }
-
-    /// Releases physical memory; what the device refuses is kept, retried by `empty_cache`.
-    fn release_or_keep(&mut self, handle: PhysicalHandle, mapped_at: Option<(DevicePtr, usize)>) {
-        if let Err(err) = self.device.release_physical(handle) {
-            logging::device_error(LEFTOVER, &err);
-            self.leftover_pages.push(LeftoverPage { mapped_at, handle });
-        }
-    }
-
-    fn unmap_and_release_or_keep(&mut self, base: DevicePtr, size: usize, handle: PhysicalHandle) {
-        if let Err(err) = self.device.unmap(base, size) {
-            logging::device_error(LEFTOVER, &err);
-            self.leftover_pages.push(LeftoverPage {
-                mapped_at: Some((base, size)),
-                handle,
-            });
-        } else {
-            self.release_or_keep(handle, None);
-        }
-    }
-
-    fn free_range_or_keep(&mut self, ptr: DevicePtr, size: usize) {
-        if let Err(err) = self.device.free_address_range(ptr, size) {
-            logging::device_error(LEFTOVER, &err);
-            self.leftover_ranges.push(PageRange { ptr, size });
-        }
-    }
-
-    /// Gives a wholly free, awake VMM-backed segment back to the device. The unmap decides:
-    /// if it fails nothing changed; a release or address free that fails after it leaves a
-    /// leftover, retried by every `empty_cache`.
-    pub(super) fn release_vmm_segment(&mut self, id: VmmId) -> Result<(), DeviceError> {
-        let segment = self.vmm_segments[id as usize]
-            .as_ref()
-            .expect("a live VMM segment");
-        let (base, mapped_size, handle) = (segment.base, segment.mapped_size, segment.handle);
-        if let Some(handle) = handle {
-            self.device.unmap(base, mapped_size)?;
-            self.release_or_keep(handle, None);
-        }
-        self.free_range_or_keep(base, mapped_size);
-        self.vmm_segments[id as usize] = None;
-        Ok(())
-    }
-
-    /// The first block of each segment of `tags`, with what the segment is made of.
-    fn segments_of(&self, tags: Tags<'_>) -> Vec<(BlockId, Backing)> {
-        self.arena
-            .iter()
-            .filter(|(_, b)| b.prev.is_none())
-            .filter(|(_, b)| match (tags, b.owner) {
-                (Tags::All, _) => true,
-                (Tags::Only(tags), Owner::Tagged(index)) => {
-                    tags.contains(&self.pools.tag_of(index))
-                }
-                (Tags::Only(_), _) => false,
-            })
-            .map(|(id, b)| (id, b.backing))
-            .collect()
-    }
-
-    /// Marks every block of the segment starting at `head` asleep or awake; returns the live
-    /// blocks among them.
-    fn set_segment_asleep(&mut self, head: BlockId, asleep: bool) -> usize {
-        let mut live = 0;
-        let mut cursor = Some(head);
-        while let Some(id) = cursor {
-            let block = self.arena.get_mut(id);
-            block.asleep = asleep;
-            live += usize::from(!block.is_available());
-            cursor = block.next;
-        }
-        live
-    }
-
-    fn vmm(&self, id: VmmId) -> &VmmSegment {
-        self.vmm_segments[id as usize]
-            .as_ref()
-            .expect("a live VMM segment")
-    }
-
-    fn vmm_mut(&mut self, id: VmmId) -> &mut VmmSegment {
-        self.vmm_segments[id as usize]
-            .as_mut()
-            .expect("a live VMM segment")
-    }
-
-    /// Runs `per_segment` on each segment of `tags` (its first block and backing) after
-    /// `prepare`, refused during a capture, timed, and stopped at the first failure (a driver
-    /// call, or a wake past the memory fraction) with what was done by then.
-    fn each_segment(
+    /// Runs `per_segment` on each segment of `tags` after `prepare`, then `finish` (always,
+    /// to complete what was queued), refused during a capture, timed, and stopped at the first
+    /// failure (a driver call, or a wake the guard refuses) with what was done by then.
+    fn each_segment<S>(
         &mut self,
         tags: Tags<'_>,
-        prepare: impl FnOnce(&mut Self) -> Result<(), DeviceError>,
-        mut per_segment: impl FnMut(&mut Self, BlockId, Backing, &mut SleepReport) -> Result<(), Stop>,
+        state: &mut S,
+        prepare: impl FnOnce(&mut Self, &mut S, &[SegmentId], &mut SleepReport) -> Result<(), Stop>,
+        mut per_segment: impl FnMut(&mut Self, &mut S, SegmentId, &mut SleepReport) -> Result<(), Stop>,
+        finish: impl FnOnce(&mut Self, &mut S, &mut SleepReport) -> Result<(), Stop>,
     ) -> Result<SleepReport, SleepError> {
         if !self.captures.is_empty() {
             return Err(SleepError::Capturing);
         }
         let started = Instant::now();
         let mut report = SleepReport::default();
-        let outcome = prepare(self).map_err(Stop::Device).and_then(|()| {
-            self.segments_of(tags)
-                .into_iter()
-                .try_for_each(|(head, backing)| per_segment(self, head, backing, &mut report))
+        let segments = self.segments_of(tags);
+        let outcome = prepare(self, state, &segments, &mut report).and_then(|()| {
+            segments
+                .iter()
+                .try_for_each(|&segment| per_segment(self, state, segment, &mut report))
         });
+        let finished = finish(self, state, &mut report);
+        let outcome = outcome.and(finished);
         report.elapsed = started.elapsed();
         match outcome {
             Ok(()) => Ok(report),
             Err(Stop::Device(error)) => Err(SleepError::Device {
                 error,
-                done: report,
+                done: Box::new(report),
             }),
             Err(Stop::OverMemoryFraction {
                 needed,
@@ -357,7 +257,17 @@ impl<D: Device> DeviceAllocator<D> {
                 needed,
                 reserved,
                 allowed,
-                done: report,
+                done: Box::new(report),
+            }),
+            Err(Stop::PreemptivelyRejected {
+                needed,
+                reserved,
+                limit,
+            }) => Err(SleepError::PreemptivelyRejected {
+                needed,
+                reserved,
+                limit,
+                done: Box::new(report),
             }),
         }
     }
@@ -367,193 +277,379 @@ impl<D: Device> DeviceAllocator<D> {
     /// physical memory. Addresses, blocks and live allocations stay. Segments already asleep
     /// are left as they are.
     pub fn sleep(&mut self, tags: Tags<'_>, backup: bool) -> Result<SleepReport, SleepError> {
-        // Unmapping does not wait for kernels still using the memory, and a backup must see
-        // their results: everything queued so far finishes first.
-        let prepare = |this: &mut Self| {
-            this.synchronize_and_free_events()?;
-            this.device.synchronize_device()
-        };
-        let report =
-            self.each_segment(tags, prepare, |this, head, backing, report| match backing {
-                Backing::Plain => {
-                    report.skipped_bytes += this.segment_size(head);
-                    Ok(())
-                }
-                Backing::Vmm(vmm) => Ok(this.sleep_segment(head, vmm, backup, report)?),
-                Backing::Expandable(segment) => {
-                    Ok(this.sleep_expandable(head, segment, backup, report)?)
-                }
-            })?;
-        logging::slept(&report, backup);
-        Ok(report)
-    }
-
-    fn sleep_segment(
-        &mut self,
-        head: BlockId,
-        vmm: VmmId,
-        backup: bool,
-        report: &mut SleepReport,
-    ) -> Result<(), DeviceError> {
-        let segment = self.vmm(vmm);
-        let Some(handle) = segment.handle else {
-            return Ok(());
-        };
-        let (base, size, mapped_size) = (segment.base, segment.size, segment.mapped_size);
-        let saved = if backup {
-            let mut bytes = vec![0; size];
-            self.device.copy_to_host(base, &mut bytes)?;
-            Some(bytes)
-        } else {
-            None
-        };
-        self.device.unmap(base, mapped_size)?;
-        // Unmapped: the segment sleeps. A release the device refuses leaves the memory held
-        // until a later `empty_cache` retries it, not the segment awake.
-        self.release_or_keep(handle, None);
-        report.copied_bytes += saved.as_ref().map_or(0, Vec::len);
-        let segment = self.vmm_mut(vmm);
-        segment.handle = None;
-        segment.backup = saved;
-        let pool = self.arena.get(head).pool;
-        report.blocks += self.set_segment_asleep(head, true);
-        report.segments += 1;
-        report.bytes += size;
-        self.sleeping_segments += 1;
-        self.total_allocated_memory -= size;
-        self.stats.reserved_bytes.decrease(pool, size as u64);
-        Ok(())
-    }
-
-    /// Wakes the memory of `tags`: creates physical memory again, maps it at the same
-    /// addresses, grants access and copies back what was backed up. Segments awake are left as
-    /// they are. Under a memory fraction, a segment whose wake would reserve past the limit
-    /// stays asleep and the call stops there ([`SleepError::OverMemoryFraction`]), as a new
-    /// segment would be refused: the fraction bounds what the allocator reserves.
-    pub fn wake(&mut self, tags: Tags<'_>) -> Result<SleepReport, SleepError> {
+        let mut copies = SleepCopies::default();
         let report = self.each_segment(
             tags,
-            |_| Ok(()),
-            |this, head, backing, report| {
-                let needed = match backing {
-                    Backing::Plain => return Ok(()),
-                    Backing::Vmm(vmm) => match this.vmm(vmm).handle {
-                        Some(_) => return Ok(()),
-                        None => this.vmm(vmm).size,
-                    },
-                    Backing::Expandable(segment) => this.segment(segment).sleeping_bytes(),
-                };
-                if let Some(allowed) = this.memory_fraction_refuses(needed) {
-                    return Err(Stop::OverMemoryFraction {
-                        needed,
-                        reserved: this.total_allocated_memory,
-                        allowed,
-                    });
-                }
-                match backing {
-                    Backing::Plain => Ok(()),
-                    Backing::Vmm(vmm) => Ok(this.wake_segment(head, vmm, report)?),
-                    Backing::Expandable(segment) => {
-                        Ok(this.wake_expandable(head, segment, report)?)
-                    }
+            &mut copies,
+            |this, copies, segments, report| this.prepare_sleep(copies, segments, backup, report),
+            |this, copies, segment, report| {
+                if copies.buffer.is_some() && this.copies_out(segment) {
+                    this.queue_sleep(copies, segment, report)?;
+                    Ok(this.sleep_copied(copies, report, false)?)
+                } else {
+                    Ok(this.sleep_segment(segment, backup, copies, report)?)
                 }
             },
+            |this, copies, report| {
+                let outcome = this.sleep_copied(copies, report, true);
+                report.host_memory_pinned = report.copied_bytes > 0 && copies.pageable == 0;
+                Ok(outcome?)
+            },
         )?;
-        logging::woke(&report);
+        logging::slept(
+            report.bytes,
+            report.segments,
+            report.blocks,
+            report.copied_bytes,
+            report.skipped_bytes,
+            backup,
+            report.elapsed,
+        );
         Ok(report)
     }
 
-    fn wake_segment(
+    /// Waits for the device (unmapping does not wait for kernels still using the memory, and
+    /// a backup must see their results), then, for a backup, takes a pinned buffer large
+    /// enough for the live bytes of the VMM-backed segments that will be copied.
+    fn prepare_sleep(
         &mut self,
-        head: BlockId,
-        vmm: VmmId,
+        copies: &mut SleepCopies,
+        segments: &[SegmentId],
+        backup: bool,
         report: &mut SleepReport,
-    ) -> Result<(), DeviceError> {
-        let segment = self.vmm(vmm);
-        if segment.handle.is_some() {
+    ) -> Result<(), Stop> {
+        self.synchronize_and_free_events()?;
+        report.host_synchronizations += 1;
+        self.device.synchronize_device()?;
+        if !backup {
             return Ok(());
         }
-        let (base, size, mapped_size) = (segment.base, segment.size, segment.mapped_size);
-        let handle = self.map_physical(base, mapped_size)?;
-        let backup = self.vmm_mut(vmm).backup.take();
-        if let Some(bytes) = &backup
-            && let Err(err) = self.device.copy_from_host(base, bytes)
-        {
-            // The segment goes back to sleep whole, its backup kept for the next try.
-            self.unmap_and_release_or_keep(base, mapped_size, handle);
-            self.vmm_mut(vmm).backup = backup;
-            return Err(err);
+        let live: usize = segments
+            .iter()
+            .filter(|&&id| self.copies_out(id))
+            .map(|&id| {
+                self.live_ranges(id)
+                    .iter()
+                    .map(|&(_, len)| len)
+                    .sum::<usize>()
+            })
+            .sum();
+        if live == 0 {
+            return Ok(());
         }
-        report.copied_bytes += backup.as_ref().map_or(0, Vec::len);
-        self.vmm_mut(vmm).handle = Some(handle);
-        let pool = self.arena.get(head).pool;
-        report.blocks += self.set_segment_asleep(head, false);
-        report.segments += 1;
-        report.bytes += size;
-        self.sleeping_segments -= 1;
-        self.total_allocated_memory += size;
-        self.stats.reserved_bytes.increase(pool, size as u64);
+        copies.stream = Some(self.staging.stream(&mut self.device)?);
+        let (buffer, allocated) = self.staging.take(&mut self.device, live)?;
+        report.host_allocations += allocated;
+        copies.buffer = Some(buffer);
         Ok(())
     }
 
-    /// Puts the mapped pages of expandable segment `id` (first block `head`) to sleep. A
-    /// failure part-way leaves the pages slept so far asleep, counted in `report`; the
-    /// segment then counts as asleep, and a later sleep goes on with the pages still mapped.
-    fn sleep_expandable(
+    /// Whether segment `id` sleeps through the pinned copies: VMM-backed and awake.
+    fn copies_out(&self, id: SegmentId) -> bool {
+        let segment = self.segments.get(id);
+        matches!(&segment.memory, Memory::Vmm(vmm) if !segment.asleep && vmm.is_awake())
+    }
+
+    /// The live blocks of segment `id` as (offset in the segment, length), adjacent ones
+    /// merged.
+    fn live_ranges(&self, id: SegmentId) -> Vec<(usize, usize)> {
+        let head = self.segments.head(id);
+        let base = self.arena.get(head).ptr;
+        let mut ranges: Vec<(usize, usize)> = Vec::new();
+        let mut cursor = Some(head);
+        while let Some(block) = cursor {
+            let b = self.arena.get(block);
+            if !b.is_available() {
+                let start = (b.ptr - base) as usize;
+                match ranges.last_mut() {
+                    Some((at, len)) if *at + *len == start => *len += b.size,
+                    _ => ranges.push((start, b.size)),
+                }
+            }
+            cursor = b.next;
+        }
+        ranges
+    }
+
+    /// Queues the copy of segment `id`'s live blocks into the pinned buffer, then an event
+    /// after them. A failure leaves the segment awake.
+    fn queue_sleep(
         &mut self,
-        head: BlockId,
-        id: ExpandableId,
-        backup: bool,
+        copies: &mut SleepCopies,
+        id: SegmentId,
         report: &mut SleepReport,
     ) -> Result<(), DeviceError> {
-        let segment = self.expandable_segments[id as usize]
-            .as_mut()
-            .expect("a live expandable segment");
-        let was_asleep = segment.is_asleep();
-        let slept = segment.sleep_pages(&mut self.device, backup, &mut self.leftover_pages);
-        let (pool, bytes) = (segment.pool(), slept.pages * segment.page_size());
-        if slept.pages > 0 {
-            if !was_asleep {
-                report.blocks += self.set_segment_asleep(head, true);
-                self.sleeping_segments += 1;
+        let (Some(buffer), Some(stream)) = (copies.buffer, copies.stream) else {
+            return Ok(());
+        };
+        let ranges = self.live_ranges(id);
+        let backup = Backup {
+            buffer,
+            offset: copies.next_offset,
+            ranges,
+        };
+        if backup.ranges.is_empty() {
+            // Nothing live to keep: it sleeps at once, as without a backup.
+            return self.sleep_vmm(id, None, report);
+        }
+        if let Memory::Vmm(vmm) = &self.segments.get(id).memory {
+            vmm.copy_out(&mut self.device, &backup, stream)?;
+        }
+        let event = self.device.record_event(stream)?;
+        copies.next_offset += backup.len();
+        copies.pending.push_back(PendingSleep { id, event, backup });
+        Ok(())
+    }
+
+    /// Puts to sleep the segments whose copies have completed, in order: those whose event
+    /// says so when asked (no wait), or, `at_end`, all of them after one wait for the copy
+    /// stream. A failure leaves the segments not yet unmapped awake (their copies dropped).
+    fn sleep_copied(
+        &mut self,
+        copies: &mut SleepCopies,
+        report: &mut SleepReport,
+        at_end: bool,
+    ) -> Result<(), DeviceError> {
+        let outcome = (|| {
+            if at_end && let (Some(stream), false) = (copies.stream, copies.pending.is_empty()) {
+                report.host_synchronizations += 1;
+                self.device.synchronize_stream(stream)?;
             }
+            while let Some(pending) = copies.pending.front() {
+                if !at_end && !self.device.query_event(pending.event)? {
+                    break;
+                }
+                let Some(pending) = copies.pending.pop_front() else {
+                    break;
+                };
+                self.device.release_event(pending.event);
+                self.sleep_vmm(pending.id, Some(pending.backup), report)?;
+            }
+            Ok(())
+        })();
+        if outcome.is_err() {
+            for pending in copies.pending.drain(..) {
+                self.device.release_event(pending.event);
+            }
+        }
+        outcome
+    }
+
+    /// Unmaps VMM-backed segment `id`, keeping `backup` (its copies completed), and counts it.
+    fn sleep_vmm(
+        &mut self,
+        id: SegmentId,
+        backup: Option<Backup>,
+        report: &mut SleepReport,
+    ) -> Result<(), DeviceError> {
+        let head = self.segments.head(id);
+        let segment = self.segments.get_mut(id);
+        let kind = segment.kind;
+        let Memory::Vmm(vmm) = &mut segment.memory else {
+            return Ok(());
+        };
+        let buffer = backup.as_ref().map(|b| b.buffer);
+        let slept = vmm.sleep(&mut self.device, backup, &mut self.source.leftovers);
+        if slept.bytes > 0 {
+            report.blocks += self.park(id);
             report.segments += 1;
-            report.bytes += bytes;
+            report.bytes += slept.bytes;
             report.copied_bytes += slept.copied_bytes;
-            self.total_allocated_memory -= bytes;
-            self.stats.reserved_bytes.decrease(pool, bytes as u64);
+            if let Some(buffer) = buffer {
+                self.staging.hold(buffer);
+            }
+            let ptr = self.arena.get(head).ptr;
+            self.ledger.slept(ptr, slept.bytes, kind);
         }
         slept.error.map_or(Ok(()), Err)
     }
 
-    /// Wakes the sleeping pages of expandable segment `id` (first block `head`), all or
-    /// nothing.
-    fn wake_expandable(
+    /// Puts one segment to sleep without the pinned copies: a VMM-backed one without backup,
+    /// an expandable one (its mapped pages, backed up into pageable memory when `backup`). A
+    /// `cudaMalloc`'d one cannot and is counted as skipped. An expandable segment's failure
+    /// part-way leaves the pages slept so far asleep, counted in `report`; the segment then
+    /// counts as asleep, and a later sleep goes on with the pages still mapped.
+    fn sleep_segment(
         &mut self,
-        head: BlockId,
-        id: ExpandableId,
+        id: SegmentId,
+        backup: bool,
+        copies: &mut SleepCopies,
         report: &mut SleepReport,
     ) -> Result<(), DeviceError> {
-        let segment = self.expandable_segments[id as usize]
-            .as_mut()
-            .expect("a live expandable segment");
-        if !segment.is_asleep() {
+        let head = self.segments.head(id);
+        let segment = self.segments.get_mut(id);
+        if !segment.memory.can_sleep() {
+            report.skipped_bytes += self.mapped_size_from(head);
             return Ok(());
         }
-        let (pages, copied) = segment.wake_pages(&mut self.device, &mut self.leftover_pages)?;
-        let (pool, bytes) = (segment.pool(), pages * segment.page_size());
-        report.blocks += self.set_segment_asleep(head, false);
+        let (kind, was_asleep) = (segment.kind, segment.asleep);
+        let slept = segment
+            .memory
+            .sleep(&mut self.device, backup, &mut self.source.leftovers);
+        if slept.bytes > 0 {
+            if !was_asleep {
+                report.blocks += self.park(id);
+            }
+            report.segments += 1;
+            report.bytes += slept.bytes;
+            report.copied_bytes += slept.copied_bytes;
+            copies.pageable += slept.copied_bytes;
+            let ptr = self.arena.get(head).ptr;
+            self.ledger.slept(ptr, slept.bytes, kind);
+        }
+        slept.error.map_or(Ok(()), Err)
+    }
+
+    /// Wakes the memory of `tags`: creates physical memory again, maps it at the same
+    /// addresses, grants access and copies back what was backed up. Segments awake are left as
+    /// they are. A segment whose wake the guard refuses (past the memory fraction, or past
+    /// `throw_on_cudamalloc_oom`'s limit) stays asleep and the call stops there, as a new
+    /// segment would be refused: the limits bound what the allocator reserves.
+    pub fn wake(&mut self, tags: Tags<'_>) -> Result<SleepReport, SleepError> {
+        let mut copies = WakeCopies::default();
+        let report = self.each_segment(
+            tags,
+            &mut copies,
+            |_, _, _, _| Ok(()),
+            |this, copies, segment, report| this.wake_segment(segment, copies, report),
+            |this, copies, report| {
+                let outcome = this.wait_for_wake_copies(copies, report);
+                report.host_memory_pinned = report.copied_bytes > 0 && copies.pageable == 0;
+                Ok(outcome?)
+            },
+        )?;
+        logging::woke(
+            report.bytes,
+            report.segments,
+            report.blocks,
+            report.copied_bytes,
+            report.elapsed,
+        );
+        Ok(report)
+    }
+
+    /// One wait for every copy wake queued; then their pinned buffers are free for the next
+    /// sleep (also after a failed wait: the next sleep waits for the device before it writes
+    /// into them).
+    fn wait_for_wake_copies(
+        &mut self,
+        copies: &mut WakeCopies,
+        report: &mut SleepReport,
+    ) -> Result<(), DeviceError> {
+        if copies.queued.is_empty() {
+            return Ok(());
+        }
+        let waited = match self.staging.existing_stream() {
+            Some(stream) => {
+                report.host_synchronizations += 1;
+                self.device.synchronize_stream(stream)
+            }
+            None => Ok(()),
+        };
+        for buffer in copies.queued.drain(..) {
+            self.staging.let_go(buffer);
+        }
+        waited
+    }
+
+    fn wake_segment(
+        &mut self,
+        id: SegmentId,
+        copies: &mut WakeCopies,
+        report: &mut SleepReport,
+    ) -> Result<(), Stop> {
+        let segment = self.segments.get(id);
+        if !segment.asleep {
+            return Ok(());
+        }
+        let (kind, needed) = (segment.kind, segment.memory.sleeping_bytes());
+        let reserved = self.ledger.reserved;
+        match self.admit(needed, Announce::Yes)? {
+            Ok(()) => {}
+            Err(Refusal::OverMemoryFraction { allowed }) => {
+                return Err(Stop::OverMemoryFraction {
+                    needed,
+                    reserved,
+                    allowed,
+                });
+            }
+            Err(Refusal::Rejected { limit }) => {
+                return Err(Stop::PreemptivelyRejected {
+                    needed,
+                    reserved,
+                    limit,
+                });
+            }
+        }
+        let stream = self.staging.existing_stream();
+        let (bytes, pageable, backup) = self.segments.get_mut(id).memory.wake(
+            &mut self.device,
+            &mut self.source.leftovers,
+            stream,
+            &mut report.host_synchronizations,
+        )?;
+        if let Some(backup) = backup {
+            report.copied_bytes += backup.len();
+            copies.queued.push(backup.buffer);
+        }
+        report.blocks += self.unpark(id);
         report.segments += 1;
         report.bytes += bytes;
-        report.copied_bytes += copied;
-        self.sleeping_segments -= 1;
-        self.total_allocated_memory += bytes;
-        self.stats.reserved_bytes.increase(pool, bytes as u64);
+        report.copied_bytes += pageable;
+        copies.pageable += pageable;
+        let ptr = self.arena.get(self.segments.head(id)).ptr;
+        self.ledger.woke(ptr, bytes, kind);
         Ok(())
     }
 
-    /// The bytes of the segment whose first block is `head`.
-    fn segment_size(&self, head: BlockId) -> usize {
+    /// Marks segment `id` asleep and takes its free blocks out of their pools (they keep their
+    /// tie keys and ages); returns its live blocks.
+    fn park(&mut self, id: SegmentId) -> usize {
+        let mut live = 0;
+        let mut cursor = Some(self.segments.head(id));
+        while let Some(block) = cursor {
+            let b = self.arena.get(block);
+            if b.is_available() {
+                let pool = self.pools.of_block_mut(b);
+                let removed = if b.mapped {
+                    pool.remove(block, b)
+                } else {
+                    pool.remove_unmapped(b)
+                };
+                debug_assert!(removed, "an available block is in its pool");
+            } else {
+                live += 1;
+            }
+            cursor = b.next;
+        }
+        self.segments.set_asleep(id, true);
+        live
+    }
+
+    /// Marks segment `id` awake and puts its free blocks back in their pools, with the tie
+    /// keys and ages they had; returns its live blocks.
+    fn unpark(&mut self, id: SegmentId) -> usize {
+        self.segments.set_asleep(id, false);
+        let mut live = 0;
+        let mut cursor = Some(self.segments.head(id));
+        while let Some(block) = cursor {
+            let b = self.arena.get_mut(block);
+            cursor = b.next;
+            if !b.is_available() {
+                live += 1;
+            } else if b.mapped {
+                self.pools.get_mut(b.owner, b.pool).reinsert(block, b);
+            } else {
+                self.pools
+                    .get_mut(b.owner, b.pool)
+                    .insert_unmapped(block, b);
+            }
+        }
+        live
+    }
+
+    /// The mapped bytes of the segment whose first block is `head`.
+    fn mapped_size_from(&self, head: BlockId) -> usize {
         let mut size = 0;
         let mut cursor = Some(head);
         while let Some(id) = cursor {
@@ -565,4 +661,32 @@ impl<D: Device> DeviceAllocator<D> {
         }
         size
     }
+}
+
+/// What a sleep with backup has queued: the pinned buffer it copies into, and the segments
+/// whose copies are under way, in order.
+#[derive(Default)]
+struct SleepCopies {
+    stream: Option<StreamId>,
+    buffer: Option<PinnedHostBuffer>,
+    /// Where the next segment's backup starts in `buffer`.
+    next_offset: usize,
+    pending: std::collections::VecDeque<PendingSleep>,
+    /// Bytes copied through pageable memory (expandable segments' pages).
+    pageable: usize,
+}
+
+/// A segment whose live bytes are being copied; it is unmapped once `event` completes.
+struct PendingSleep {
+    id: SegmentId,
+    event: EventHandle,
+    backup: Backup,
+}
+
+/// What a wake has queued: the pinned buffers its copies read, freed after the wait.
+#[derive(Default)]
+struct WakeCopies {
+    queued: Vec<PinnedHostBuffer>,
+    /// Bytes copied back from pageable memory (expandable segments' pages).
+    pageable: usize,
 }

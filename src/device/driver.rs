@@ -302,6 +302,21 @@ pub mod sys {
         fn cuCtxSynchronize();
         fn cuMemcpyDtoH_v2(host: *mut std::ffi::c_void, ptr: CUdeviceptr, size: usize);
         fn cuMemcpyHtoD_v2(ptr: CUdeviceptr, host: *const std::ffi::c_void, size: usize);
+        fn cuMemHostAlloc(host: *mut *mut std::ffi::c_void, size: usize, flags: c_uint);
+        fn cuMemFreeHost(host: *mut std::ffi::c_void);
+        fn cuStreamCreate(stream: *mut CUstream, flags: c_uint);
+        fn cuMemcpyDtoHAsync_v2(
+            host: *mut std::ffi::c_void,
+            ptr: CUdeviceptr,
+            size: usize,
+            stream: CUstream,
+        );
+        fn cuMemcpyHtoDAsync_v2(
+            ptr: CUdeviceptr,
+            host: *const std::ffi::c_void,
+            size: usize,
+            stream: CUstream,
+        );
     }
 }
 

@@ -23,6 +23,10 @@ pub type EventHandle = u64;
 /// A physical memory handle (`CUmemGenericAllocationHandle`) for expandable segments.
 pub type PhysicalHandle = u64;
 
+/// Page-locked host memory from [`Device::alloc_pinned_host`], named by the device (the host
+/// address on a real one), so that the allocator never touches it through a raw pointer.
+pub type PinnedHostBuffer = u64;
+
 /// Free and total bytes of device memory, as `cudaMemGetInfo` reports them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemInfo {
@@ -141,6 +145,35 @@ pub trait Device {
     fn copy_to_host(&mut self, ptr: DevicePtr, host: &mut [u8]) -> Result<(), DeviceError>;
     /// `cuMemcpyHtoD`: copies `host` to `ptr` (synchronous).
     fn copy_from_host(&mut self, ptr: DevicePtr, host: &[u8]) -> Result<(), DeviceError>;
+
+    /// `cuMemHostAlloc`: `size` bytes of page-locked host memory, which the device copies to
+    /// and from at the bus's speed and asynchronously.
+    fn alloc_pinned_host(&mut self, size: usize) -> Result<PinnedHostBuffer, DeviceError>;
+    /// `cuMemFreeHost` of a buffer that `alloc_pinned_host` returned (no copy may be pending).
+    fn free_pinned_host(&mut self, buffer: PinnedHostBuffer) -> Result<(), DeviceError>;
+    /// `cuStreamCreate(CU_STREAM_NON_BLOCKING)`: a stream of the allocator's own, for the
+    /// copies of sleep and wake; it lives as long as the device.
+    fn create_stream(&mut self) -> Result<StreamId, DeviceError>;
+    /// `cuMemcpyDtoHAsync`: queues a copy of `len` bytes at `ptr` into `buffer` at `offset`
+    /// on `stream`; the bytes are there once the stream's later event completes.
+    fn copy_to_pinned_async(
+        &mut self,
+        ptr: DevicePtr,
+        buffer: PinnedHostBuffer,
+        offset: usize,
+        len: usize,
+        stream: StreamId,
+    ) -> Result<(), DeviceError>;
+    /// `cuMemcpyHtoDAsync`: queues a copy of `len` bytes of `buffer` at `offset` to `ptr` on
+    /// `stream`.
+    fn copy_from_pinned_async(
+        &mut self,
+        ptr: DevicePtr,
+        buffer: PinnedHostBuffer,
+        offset: usize,
+        len: usize,
+        stream: StreamId,
+    ) -> Result<(), DeviceError>;
 
     /// The processes running on the GPU and the memory each uses, in the order NVML lists
     /// them; empty where nobody can say (no NVML, or it failed). Asked only to write an

@@ -22,22 +22,40 @@ struct Moved {
     blocks: usize,
     copied_bytes: usize,
     skipped_bytes: usize,
+    /// Whether every copy went through page-locked host memory.
+    host_memory_pinned: bool,
+    host_allocations: usize,
+    host_synchronizations: usize,
+    /// The pinned host memory sleep holds after the call.
+    host_memory_bytes: usize,
     seconds: f64,
 }
 
 impl Moved {
-    fn of(report: &SleepReport) -> Moved {
+    fn of(report: &SleepReport, host_memory_bytes: usize) -> Moved {
         Moved {
             segments: report.segments,
             bytes: report.bytes,
             blocks: report.blocks,
             copied_bytes: report.copied_bytes,
             skipped_bytes: report.skipped_bytes,
+            host_memory_pinned: report.host_memory_pinned,
+            host_allocations: report.host_allocations,
+            host_synchronizations: report.host_synchronizations,
+            host_memory_bytes,
             seconds: report.elapsed.as_secs_f64(),
         }
     }
 
     fn add(&mut self, other: &Moved) {
+        // Pinned when every device that copied did so through pinned memory.
+        if other.copied_bytes > 0 {
+            self.host_memory_pinned =
+                other.host_memory_pinned && (self.copied_bytes == 0 || self.host_memory_pinned);
+        }
+        self.host_allocations += other.host_allocations;
+        self.host_synchronizations += other.host_synchronizations;
+        self.host_memory_bytes += other.host_memory_bytes;
         self.segments += other.segments;
         self.bytes += other.bytes;
         self.blocks += other.blocks;
@@ -79,7 +97,9 @@ thread_local! {
 fn done_before(error: &SleepError) -> SleepReport {
     match error {
         SleepError::Capturing => SleepReport::default(),
-        SleepError::Device { done, .. } | SleepError::OverMemoryFraction { done, .. } => *done,
+        SleepError::Device { done, .. }
+        | SleepError::OverMemoryFraction { done, .. }
+        | SleepError::PreemptivelyRejected { done, .. } => **done,
     }
 }
 
@@ -99,6 +119,7 @@ unsafe fn sleep_or_wake(tags: *const c_char, wake: bool, backup: bool) -> Result
     let tags = ids.as_deref().map_or(Tags::All, Tags::Only);
     let mut report = Report::default();
     for device in created_devices() {
+        let mut host_memory_bytes = 0;
         let outcome = match device.lock() {
             Err(out_of_service) => Err((SleepReport::default(), out_of_service)),
             Ok(mut memory) => {
@@ -108,6 +129,7 @@ unsafe fn sleep_or_wake(tags: *const c_char, wake: bool, backup: bool) -> Result
                 } else {
                     allocator.sleep(tags, backup)
                 };
+                host_memory_bytes = allocator.host_memory_bytes();
                 result.map_err(|error| (done_before(&error), error.to_string()))
             }
         };
@@ -115,7 +137,7 @@ unsafe fn sleep_or_wake(tags: *const c_char, wake: bool, backup: bool) -> Result
             Ok(done) => (done, None),
             Err((done, why)) => (done, Some(why)),
         };
-        let moved = Moved::of(&done);
+        let moved = Moved::of(&done, host_memory_bytes);
         report.total.add(&moved);
         report.devices.push(DeviceMoved {
             device: device.index(),
@@ -141,7 +163,8 @@ unsafe fn sleep_or_wake(tags: *const c_char, wake: bool, backup: bool) -> Result
 /// `ferrocache.sleep`: gives back the physical memory of the tags in `tags` (names separated by
 /// newlines; NULL: all memory that can sleep), copied to host memory first when `backup` is
 /// non-zero. Returns a JSON report to free with `ferrocache_string_free`: the sums (segments,
-/// bytes, blocks, copied_bytes, skipped_bytes, seconds), `devices` (the same per device, with
+/// bytes, blocks, copied_bytes, skipped_bytes, host_memory_pinned, host_allocations,
+/// host_synchronizations, host_memory_bytes, seconds; docs/sleep.md), `devices` (the same per device, with
 /// `device`) and `failed` (null). Or NULL (last error set, `device N: why`): what slept stays
 /// asleep, `ferrocache_last_sleep_report` says what and where, and the call can be repeated.
 ///
@@ -182,5 +205,21 @@ pub extern "C" fn ferrocache_last_sleep_report() -> *mut c_char {
             .with_borrow(Clone::clone)
             .map(into_c_string)
             .ok_or_else(|| "this thread has made no sleep or wake yet".to_string())
+    })
+}
+
+/// `ferrocache.release_host_memory`: gives back the pinned host memory that sleep keeps for its
+/// backups on every device, except what holds the backup of memory still asleep. Returns the
+/// bytes given back (what the driver refuses is logged and kept for the next try).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocache_release_host_memory() -> u64 {
+    with_last_error("ferrocache_release_host_memory", 0, || {
+        let mut released = 0u64;
+        for device in created_devices() {
+            if let Ok(mut memory) = device.lock() {
+                released += memory.allocator_mut().release_host_memory() as u64;
+            }
+        }
+        Ok::<u64, String>(released)
     })
 }

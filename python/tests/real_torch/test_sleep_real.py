@@ -66,9 +66,12 @@ def test_everything_sleeps_with_backup_and_wakes_at_the_same_addresses() -> None
         out = {}
         reserved = torch.cuda.memory_reserved()
         free_before = torch.cuda.mem_get_info()[0]
+        allocated = torch.cuda.memory_allocated()
         report = ferrocache.sleep(backup=True)
         out["slept all reserved"] = report.bytes == reserved
-        out["copied"] = report.copied_bytes == report.bytes
+        # Only the live allocations' bytes are copied, into pinned host memory.
+        out["copied"] = report.copied_bytes == allocated < report.bytes
+        out["pinned"] = report.host_memory_pinned
         out["skipped"] = report.skipped_bytes
         out["reserved asleep"] = torch.cuda.memory_reserved()
         out["stats asleep"] = torch.cuda.memory_stats()["reserved_bytes.all.current"]
@@ -94,6 +97,7 @@ def test_everything_sleeps_with_backup_and_wakes_at_the_same_addresses() -> None
     assert out == {
         "slept all reserved": True,
         "copied": True,
+        "pinned": True,
         "skipped": 0,
         "reserved asleep": 0,
         "stats asleep": 0,

@@ -16,7 +16,8 @@ use std::ptr;
 use super::driver::{self, sys};
 use super::nvml::{self, PciLocation};
 use super::{
-    DeviceError, DevicePtr, EventHandle, MemInfo, PhysicalHandle, ProcessMemory, StreamId,
+    DeviceError, DevicePtr, EventHandle, MemInfo, PhysicalHandle, PinnedHostBuffer, ProcessMemory,
+    StreamId,
 };
 use crate::device::Device;
 use crate::logging;
@@ -61,6 +62,9 @@ pub struct CudaDevice {
     /// The context each event was made in: an event can be recorded only on a stream of its
     /// own context, and `record_stream` may name another device's stream.
     event_contexts: HashMap<usize, sys::CUcontext>,
+    /// Page-locked host buffers from `cuMemHostAlloc`, by their address, with their sizes:
+    /// each copy into one is checked to stay inside it.
+    pinned: HashMap<PinnedHostBuffer, (*mut std::ffi::c_void, usize)>,
 }
 
 // SAFETY: the raw pointers are driver handles (a primary context and events), which belong to
@@ -156,6 +160,7 @@ impl CudaDevice {
             pci: None,
             idle_events: Vec::new(),
             event_contexts: HashMap::new(),
+            pinned: HashMap::new(),
         })
     }
 
@@ -268,6 +273,10 @@ impl Drop for CudaDevice {
                 let _ = invoke("cuEventDestroy_v2", || unsafe {
                     sys::cuEventDestroy_v2(event)
                 });
+            }
+            for (_, (host, _)) in self.pinned.drain() {
+                // SAFETY: a buffer from cuMemHostAlloc, freed once (just removed).
+                let _ = invoke("cuMemFreeHost", || unsafe { sys::cuMemFreeHost(host) });
             }
         }
         // SAFETY: balances the retain in `new`.
@@ -521,6 +530,75 @@ impl Device for CudaDevice {
         })
     }
 
+    fn alloc_pinned_host(&mut self, size: usize) -> Result<PinnedHostBuffer, DeviceError> {
+        let _context = self.enter()?;
+        let mut host: *mut std::ffi::c_void = ptr::null_mut();
+        // SAFETY: the out pointer is a live local; flags 0 is plain page-locked memory.
+        check_call("cuMemHostAlloc", || unsafe {
+            sys::cuMemHostAlloc(&mut host, size, 0)
+        })?;
+        let buffer = host.expose_provenance() as PinnedHostBuffer;
+        self.pinned.insert(buffer, (host, size));
+        Ok(buffer)
+    }
+
+    fn free_pinned_host(&mut self, buffer: PinnedHostBuffer) -> Result<(), DeviceError> {
+        let _context = self.enter()?;
+        let &(host, _) = self
+            .pinned
+            .get(&buffer)
+            .ok_or_else(|| not_pinned("cuMemFreeHost"))?;
+        // SAFETY: a buffer from cuMemHostAlloc that is still ours.
+        check_call("cuMemFreeHost", || unsafe { sys::cuMemFreeHost(host) })?;
+        self.pinned.remove(&buffer);
+        Ok(())
+    }
+
+    fn create_stream(&mut self) -> Result<StreamId, DeviceError> {
+        let _context = self.enter()?;
+        let mut stream: sys::CUstream = ptr::null_mut();
+        // Non-blocking: the copies neither wait for nor hold up the legacy default stream.
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: the out pointer is a live local; the primary context is current.
+        check_call("cuStreamCreate", || unsafe {
+            sys::cuStreamCreate(&mut stream, flags)
+        })?;
+        Ok(stream.expose_provenance() as StreamId)
+    }
+
+    fn copy_to_pinned_async(
+        &mut self,
+        ptr: DevicePtr,
+        buffer: PinnedHostBuffer,
+        offset: usize,
+        len: usize,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let host = self.pinned_range(buffer, offset, len, "cuMemcpyDtoHAsync_v2")?;
+        let _context = self.enter()?;
+        // SAFETY: `host` is `len` bytes inside a live pinned buffer of ours (checked); the
+        // driver validates `ptr` and `stream`.
+        check_call("cuMemcpyDtoHAsync_v2", || unsafe {
+            sys::cuMemcpyDtoHAsync_v2(host, ptr, len, stream_handle(stream))
+        })
+    }
+
+    fn copy_from_pinned_async(
+        &mut self,
+        ptr: DevicePtr,
+        buffer: PinnedHostBuffer,
+        offset: usize,
+        len: usize,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let host = self.pinned_range(buffer, offset, len, "cuMemcpyHtoDAsync_v2")?;
+        let _context = self.enter()?;
+        // SAFETY: as in `copy_to_pinned_async`.
+        check_call("cuMemcpyHtoDAsync_v2", || unsafe {
+            sys::cuMemcpyHtoDAsync_v2(ptr, host, len, stream_handle(stream))
+        })
+    }
+
     /// Asks NVML (see `nvml.rs`); a driver error on the way leaves the list empty.
     fn compute_processes(&mut self) -> Vec<ProcessMemory> {
         match self.pci_location() {
@@ -590,6 +668,34 @@ fn device_attribute(
         sys::cuDeviceGetAttribute(&mut value, attribute, device)
     })?;
     Ok(value)
+}
+
+/// The refusal of a pinned buffer that is not ours, or of a range outside it, made before the
+/// driver could be handed a wild host pointer.
+fn not_pinned(call: &'static str) -> DeviceError {
+    DeviceError::Driver {
+        call,
+        code: sys::CUresult::CUDA_ERROR_INVALID_VALUE as i32,
+        message: "not inside a pinned host buffer of this device".to_string(),
+    }
+}
+
+impl CudaDevice {
+    /// The host address of `len` bytes at `offset` in `buffer`, checked to lie inside it.
+    fn pinned_range(
+        &self,
+        buffer: PinnedHostBuffer,
+        offset: usize,
+        len: usize,
+        call: &'static str,
+    ) -> Result<*mut std::ffi::c_void, DeviceError> {
+        match self.pinned.get(&buffer) {
+            Some(&(host, size)) if offset.checked_add(len).is_some_and(|end| end <= size) => {
+                Ok(host.wrapping_byte_add(offset))
+            }
+            _ => Err(not_pinned(call)),
+        }
+    }
 }
 
 #[cfg(test)]

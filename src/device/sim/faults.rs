@@ -25,6 +25,11 @@ pub enum SimOp {
     SynchronizeDevice,
     CopyToHost,
     CopyFromHost,
+    AllocPinnedHost,
+    FreePinnedHost,
+    CreateStream,
+    CopyToPinnedAsync,
+    CopyFromPinnedAsync,
 }
 
 impl SimDevice {

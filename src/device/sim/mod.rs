@@ -5,7 +5,8 @@
 #![forbid(unsafe_code)]
 
 use super::{
-    Device, DeviceError, DevicePtr, EventHandle, MemInfo, PhysicalHandle, ProcessMemory, StreamId,
+    Device, DeviceError, DevicePtr, EventHandle, MemInfo, PhysicalHandle, PinnedHostBuffer,
+    ProcessMemory, StreamId,
 };
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -45,6 +46,17 @@ pub struct SimCounters {
     pub bytes_copied: u64,
     /// [`Device::compute_processes`] calls (NVML's, on a real GPU).
     pub process_queries: u64,
+    /// [`Device::alloc_pinned_host`] calls (`cuMemHostAlloc`).
+    pub pinned_host_allocations: u64,
+    /// [`Device::free_pinned_host`] calls (`cuMemFreeHost`).
+    pub pinned_host_frees: u64,
+    /// Bytes queued by [`Device::copy_to_pinned_async`] and [`Device::copy_from_pinned_async`]
+    /// (they count in `bytes_copied` too).
+    pub bytes_copied_pinned: u64,
+    /// Asynchronous copies queued (each a `cuMemcpy*Async` call).
+    pub async_copies: u64,
+    /// [`Device::create_stream`] calls.
+    pub streams_created: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -95,6 +107,14 @@ pub struct SimDevice {
     other_processes: Option<Vec<ProcessMemory>>,
     /// Where the next `malloc` goes if that range is free ([`SimDevice::prefer_next_address`]).
     preferred: Option<DevicePtr>,
+    /// Page-locked host buffers ([`Device::alloc_pinned_host`]), by handle.
+    pinned: HashMap<PinnedHostBuffer, Vec<u8>>,
+    next_pinned: PinnedHostBuffer,
+    next_stream: StreamId,
+    /// Asynchronous copies queued, as (stream, sequence there, device range): an unmap of
+    /// memory a copy not yet completed touches is refused, as the fake's ordering check
+    /// catches it (`cuMemUnmap` does not wait for work in flight).
+    async_copies: Vec<(StreamId, u64, DevicePtr, usize)>,
 }
 
 fn invalid(call: &'static str, what: &str) -> DeviceError {
@@ -130,7 +150,54 @@ impl SimDevice {
             faults: HashMap::new(),
             counters: SimCounters::default(),
             other_processes: None,
+            pinned: HashMap::new(),
+            next_pinned: 1,
+            // Far from the streams tests make up (small numbers) and from real handles.
+            next_stream: 0x5_0000,
+            async_copies: Vec::new(),
         }
+    }
+
+    /// Live page-locked host buffers and their bytes.
+    pub fn pinned_host(&self) -> (usize, usize) {
+        (self.pinned.len(), self.pinned.values().map(Vec::len).sum())
+    }
+
+    /// Queues an asynchronous copy on `stream` (it moves its bytes at once, and stays pending
+    /// in the books until the stream completes it).
+    fn queue_copy(&mut self, stream: StreamId, ptr: DevicePtr, len: usize) {
+        let sequence = self.submit_work(stream);
+        self.counters.async_copies += 1;
+        self.counters.bytes_copied += len as u64;
+        self.counters.bytes_copied_pinned += len as u64;
+        self.async_copies.push((stream, sequence, ptr, len));
+    }
+
+    /// Whether a queued copy not yet completed touches `[ptr, ptr + size)`; forgets the
+    /// completed ones.
+    fn copy_pending_in(&mut self, ptr: DevicePtr, size: usize) -> bool {
+        let streams = &self.streams;
+        self.async_copies.retain(|&(stream, sequence, _, _)| {
+            streams.get(&stream).is_none_or(|p| p.completed < sequence)
+        });
+        let end = ptr + size as u64;
+        self.async_copies
+            .iter()
+            .any(|&(_, _, start, len)| start < end && ptr < start + len as u64)
+    }
+
+    /// The bytes `[offset, offset + len)` of pinned buffer `buffer`.
+    fn pinned_range(
+        &mut self,
+        call: &'static str,
+        buffer: PinnedHostBuffer,
+        offset: usize,
+        len: usize,
+    ) -> Result<&mut [u8], DeviceError> {
+        self.pinned
+            .get_mut(&buffer)
+            .and_then(|bytes| bytes.get_mut(offset..offset.checked_add(len)?))
+            .ok_or_else(|| invalid(call, "not inside a pinned host buffer"))
     }
 
     /// Makes the device answer [`Device::compute_processes`] as NVML does: `others` (other
@@ -567,6 +634,12 @@ impl Device for SimDevice {
     fn unmap(&mut self, ptr: DevicePtr, size: usize) -> Result<(), DeviceError> {
         self.counters.unmaps += 1;
         self.take_fault(SimOp::Unmap)?;
+        if self.copy_pending_in(ptr, size) {
+            return Err(invalid(
+                "cuMemUnmap",
+                "a copy still pending touches the range",
+            ));
+        }
         let mapping = match self.mappings.get(&ptr) {
             Some(m) if m.size == size => m.clone(),
             _ => return Err(invalid("cuMemUnmap", "not a mapped range")),
@@ -610,6 +683,76 @@ impl Device for SimDevice {
             contents[offset..offset + len].copy_from_slice(&host[at..at + len]);
         }
         self.counters.bytes_copied += host.len() as u64;
+        Ok(())
+    }
+
+    fn alloc_pinned_host(&mut self, size: usize) -> Result<PinnedHostBuffer, DeviceError> {
+        self.counters.pinned_host_allocations += 1;
+        self.take_fault(SimOp::AllocPinnedHost)?;
+        let buffer = self.next_pinned;
+        self.next_pinned += 1;
+        self.pinned.insert(buffer, vec![0; size]);
+        Ok(buffer)
+    }
+
+    fn free_pinned_host(&mut self, buffer: PinnedHostBuffer) -> Result<(), DeviceError> {
+        self.counters.pinned_host_frees += 1;
+        self.take_fault(SimOp::FreePinnedHost)?;
+        self.pinned
+            .remove(&buffer)
+            .map(drop)
+            .ok_or_else(|| invalid("cuMemFreeHost", "not a pinned host buffer"))
+    }
+
+    fn create_stream(&mut self) -> Result<StreamId, DeviceError> {
+        self.counters.streams_created += 1;
+        self.take_fault(SimOp::CreateStream)?;
+        let stream = self.next_stream;
+        self.next_stream += 1;
+        Ok(stream)
+    }
+
+    fn copy_to_pinned_async(
+        &mut self,
+        ptr: DevicePtr,
+        buffer: PinnedHostBuffer,
+        offset: usize,
+        len: usize,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        const CALL: &str = "cuMemcpyDtoHAsync_v2";
+        self.take_fault(SimOp::CopyToPinnedAsync)?;
+        let pieces = self.mapped_pieces(CALL, ptr, len)?;
+        let mut bytes = vec![0; len];
+        for (handle, at_page, piece, at) in pieces {
+            if let Some(contents) = &self.pages[&handle].contents {
+                bytes[at..at + piece].copy_from_slice(&contents[at_page..at_page + piece]);
+            }
+        }
+        self.pinned_range(CALL, buffer, offset, len)?
+            .copy_from_slice(&bytes);
+        self.queue_copy(stream, ptr, len);
+        Ok(())
+    }
+
+    fn copy_from_pinned_async(
+        &mut self,
+        ptr: DevicePtr,
+        buffer: PinnedHostBuffer,
+        offset: usize,
+        len: usize,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        const CALL: &str = "cuMemcpyHtoDAsync_v2";
+        self.take_fault(SimOp::CopyFromPinnedAsync)?;
+        let pieces = self.mapped_pieces(CALL, ptr, len)?;
+        let bytes = self.pinned_range(CALL, buffer, offset, len)?.to_vec();
+        for (handle, at_page, piece, at) in pieces {
+            let page = self.pages.get_mut(&handle).expect("a mapped page exists");
+            let contents = page.contents.get_or_insert_with(|| vec![0; page.size]);
+            contents[at_page..at_page + piece].copy_from_slice(&bytes[at..at + piece]);
+        }
+        self.queue_copy(stream, ptr, len);
         Ok(())
     }
 

@@ -561,6 +561,8 @@ pub unsafe extern "C" fn fake_cuda_stat(name: *const c_char) -> i64 {
         "ipc_exports" => driver.ipc.live_exports(),
         "ipc_opened" => driver.ipc.live_opened(),
         "ipc_freed_while_open" => driver.ipc.freed_while_open,
+        "live_pinned_host" => memory::pinned_host_stats().0,
+        "pinned_host_bytes" => memory::pinned_host_stats().1,
         symbol if symbol.starts_with("cu") || symbol.starts_with("nvml") => {
             driver.calls.get(symbol).copied().unwrap_or(0)
         }

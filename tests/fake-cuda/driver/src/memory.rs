@@ -331,6 +331,105 @@ pub extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, count: usize) -> CuResult 
     })
 }
 
+/// `cuMemcpyDtoHAsync`: on `stream`, asynchronous (pending until something orders the host
+/// after it), as the documentation says for page-locked host memory.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
+    dst: *mut c_void,
+    src: u64,
+    count: usize,
+    stream: *mut c_void,
+) -> CuResult {
+    call("cuMemcpyDtoHAsync_v2", |driver| {
+        require_device(driver, src)?;
+        let node = Node::Copy {
+            dst: dst as u64,
+            src,
+            count: count as u64,
+        };
+        enqueue(driver, stream, node, "cuMemcpyDtoHAsync")
+    })
+}
+
+/// `cuMemcpyHtoDAsync`: on `stream`, asynchronous.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
+    dst: u64,
+    src: *const c_void,
+    count: usize,
+    stream: *mut c_void,
+) -> CuResult {
+    call("cuMemcpyHtoDAsync_v2", |driver| {
+        require_device(driver, dst)?;
+        let node = Node::Copy {
+            dst,
+            src: src as u64,
+            count: count as u64,
+        };
+        enqueue(driver, stream, node, "cuMemcpyHtoDAsync")
+    })
+}
+
+/// Page-locked host memory is host memory here; each buffer's layout, by address, so that
+/// `cuMemFreeHost` frees what `cuMemHostAlloc` gave and nothing else.
+static PINNED_HOST: std::sync::Mutex<std::collections::BTreeMap<usize, std::alloc::Layout>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+fn pinned_host()
+-> std::sync::MutexGuard<'static, std::collections::BTreeMap<usize, std::alloc::Layout>> {
+    PINNED_HOST
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Live `cuMemHostAlloc` buffers and their bytes (`fake_cuda_stat`'s `live_pinned_host` and
+/// `pinned_host_bytes`).
+pub fn pinned_host_stats() -> (u64, u64) {
+    let buffers = pinned_host();
+    let bytes = buffers.values().map(|layout| layout.size() as u64).sum();
+    (buffers.len() as u64, bytes)
+}
+
+/// `cuMemHostAlloc`: page-locked host memory, which needs a current context (the driver lists
+/// `CUDA_ERROR_INVALID_CONTEXT`) and is `CUDA_ERROR_OUT_OF_MEMORY` when it cannot be had.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemHostAlloc(
+    pp: *mut *mut c_void,
+    size: usize,
+    _flags: u32,
+) -> CuResult {
+    call("cuMemHostAlloc", |driver| {
+        driver.require_primary_context()?;
+        if pp.is_null() || size == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let layout = std::alloc::Layout::from_size_align(size, 4096)
+            .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+        // SAFETY: the layout has a non-zero size.
+        let memory = unsafe { std::alloc::alloc(layout) };
+        if memory.is_null() {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        pinned_host().insert(memory as usize, layout);
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { put(pp, memory.cast()) }
+    })
+}
+
+/// `cuMemFreeHost` of a buffer from `cuMemHostAlloc`; anything else is `CUDA_ERROR_INVALID_VALUE`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemFreeHost(p: *mut c_void) -> CuResult {
+    call("cuMemFreeHost", |driver| {
+        driver.require_primary_context()?;
+        let layout = pinned_host()
+            .remove(&(p as usize))
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        // SAFETY: allocated by cuMemHostAlloc with this layout, freed once (just removed).
+        unsafe { std::alloc::dealloc(p.cast(), layout) };
+        Ok(())
+    })
+}
+
 /// The unified-addressing copy: either side may be host or device memory. Synchronous, as the
 /// documentation describes it for copies that involve host memory.
 #[unsafe(no_mangle)]
