@@ -82,8 +82,12 @@ fn locked_cache_hit_pair(c: &mut Criterion) {
     group.bench_function("spin_nap", |b| {
         b.iter_custom(|iters| {
             median_chunk_time(iters, || {
-                let p = spin_nap.lock().malloc(black_box(BLOCK), 0).unwrap();
-                spin_nap.lock().free(black_box(p)).unwrap();
+                let p = spin_nap
+                    .lock()
+                    .unwrap()
+                    .malloc(black_box(BLOCK), 0)
+                    .unwrap();
+                spin_nap.lock().unwrap().free(black_box(p)).unwrap();
             })
         })
     });

@@ -11,6 +11,10 @@
 //!
 //! cudarc loads libcuda from the library search path the process started with, so `main` runs
 //! this program again with the fake first on `LD_LIBRARY_PATH`.
+//!
+//! `FERROCACHE_BENCH_BASELINE=/path/to/libferrocache.so` (another build, e.g. of an older
+//! commit) is measured in the same run: its C ABI pairs (`c_abi_baseline`, `*_baseline`) right
+//! after this build's in each group, and the summary gives this build against it.
 
 #[path = "../tests/cdylib/mod.rs"]
 mod cdylib;
@@ -61,10 +65,23 @@ struct Abi {
 // `Library` is leaked), and the C ABI is thread-safe.
 unsafe impl Send for Abi {}
 
+/// The variable naming a baseline build of the library.
+const BASELINE_VARIABLE: &str = "FERROCACHE_BENCH_BASELINE";
+
 impl Abi {
     fn open() -> Abi {
+        Abi::of(cdylib::Ferrocache::open())
+    }
+
+    /// The baseline build named by [`BASELINE_VARIABLE`], if any.
+    fn baseline() -> Option<Abi> {
+        let path = std::env::var_os(BASELINE_VARIABLE)?;
+        Some(Abi::of(cdylib::Ferrocache::open_at(Path::new(&path))))
+    }
+
+    fn of(library: cdylib::Ferrocache) -> Abi {
         // Leaked: the functions are used until the process ends.
-        let library = Box::leak(Box::new(cdylib::Ferrocache::open()));
+        let library = Box::leak(Box::new(library));
         Abi {
             malloc: library.function("rust_malloc"),
             free: library.function("rust_free"),
@@ -152,14 +169,22 @@ fn bench_glibc(group: &mut BenchmarkGroup<'_, WallTime>) {
 }
 
 /// 4 KiB and 64 MiB cache-hit pairs with 1k, 10k and 100k live blocks, each next to the core's
-/// own pair on the same population and to glibc.
-fn cache_hit_pairs(c: &mut Criterion, abi: Abi) {
+/// own pair on the same population, to glibc and to the baseline's C ABI, if one is given.
+fn cache_hit_pairs(c: &mut Criterion, abi: Abi, baseline: Option<Abi>) {
     for live in [1_000, 10_000, 100_000] {
         let blocks = abi.live_blocks(live, ptr::null_mut());
+        let baseline_blocks = baseline.map(|b| (b, b.live_blocks(live, ptr::null_mut())));
         let mut group = c.benchmark_group(format!("cache_hit_4KiB/live_{live}"));
         group.bench_function("c_abi", |b| {
             b.iter_custom(|iters| median_chunk_time(iters, || abi.pair(SMALL, ptr::null_mut())))
         });
+        if let Some(baseline) = baseline {
+            group.bench_function("c_abi_baseline", |b| {
+                b.iter_custom(|iters| {
+                    median_chunk_time(iters, || baseline.pair(SMALL, ptr::null_mut()))
+                })
+            });
+        }
         bench_core(&mut group, live, SMALL);
         bench_glibc(&mut group);
         group.finish();
@@ -169,9 +194,20 @@ fn cache_hit_pairs(c: &mut Criterion, abi: Abi) {
         group.bench_function("c_abi", |b| {
             b.iter_custom(|iters| median_chunk_time(iters, || abi.pair(LARGE, ptr::null_mut())))
         });
+        if let Some(baseline) = baseline {
+            baseline.pair(LARGE, ptr::null_mut());
+            group.bench_function("c_abi_baseline", |b| {
+                b.iter_custom(|iters| {
+                    median_chunk_time(iters, || baseline.pair(LARGE, ptr::null_mut()))
+                })
+            });
+        }
         bench_core(&mut group, live, LARGE);
         group.finish();
         abi.free_all(blocks);
+        if let Some((baseline, blocks)) = baseline_blocks {
+            baseline.free_all(blocks);
+        }
     }
 }
 
@@ -273,8 +309,8 @@ fn one_round(workers: &[&Worker], pairs: u64) -> Duration {
 }
 
 /// Two threads, each on its own stream with 2,500 live blocks: the time per pair that each
-/// thread sees, next to one thread alone on the same allocator.
-fn two_streams(c: &mut Criterion, [first, second]: &[Worker; 2]) {
+/// thread sees, next to one thread alone on the same allocator; the baseline's the same way.
+fn two_streams(c: &mut Criterion, [first, second]: &[Worker; 2], baseline: Option<&[Worker; 2]>) {
     let mut group = c.benchmark_group("streams_live_2500_each");
     group.bench_function("one_thread", |b| {
         b.iter_custom(|pairs| run_together(&[first], pairs))
@@ -282,6 +318,14 @@ fn two_streams(c: &mut Criterion, [first, second]: &[Worker; 2]) {
     group.bench_function("two_threads", |b| {
         b.iter_custom(|pairs| run_together(&[first, second], pairs))
     });
+    if let Some([first, second]) = baseline {
+        group.bench_function("one_thread_baseline", |b| {
+            b.iter_custom(|pairs| run_together(&[first], pairs))
+        });
+        group.bench_function("two_threads_baseline", |b| {
+            b.iter_custom(|pairs| run_together(&[first, second], pairs))
+        });
+    }
     group.finish();
 }
 
@@ -361,6 +405,13 @@ fn print_summary(started: std::time::SystemTime) {
             lines.push(format!(
                 "4 KiB, {live:>6} live: C ABI {abi:5.1} ns, core {core:5.1} ns, glibc {glibc:5.1} ns"
             ));
+            if let Some(baseline) = fresh(&small, "c_abi_baseline") {
+                lines.push(format!(
+                    "    baseline C ABI {baseline:5.1} ns: this/baseline {:.2}, baseline/glibc {:.2}",
+                    abi / baseline,
+                    baseline / glibc
+                ));
+            }
             if live == 10_000 {
                 c_abi_10k = Some(abi);
                 lines.push(format!("    C ABI/core  {}", against(abi / core, 1.2)));
@@ -387,6 +438,12 @@ fn print_summary(started: std::time::SystemTime) {
                 "64 MiB, {live:>5} live: C ABI {abi:5.1} ns, core {core:5.1} ns; C ABI/core {:.2}",
                 abi / core
             ));
+            if let Some(baseline) = fresh(&large, "c_abi_baseline") {
+                lines.push(format!(
+                    "    baseline C ABI {baseline:5.1} ns: this/baseline {:.2}",
+                    abi / baseline
+                ));
+            }
         }
     }
     let streams = "streams_live_2500_each";
@@ -395,6 +452,15 @@ fn print_summary(started: std::time::SystemTime) {
             "2 streams, 2,500 live each: one thread {one:5.1} ns/pair, two threads {two:5.1} ns/pair each"
         ));
         lines.push(format!("    two/one {}", against(two / one, 2.5)));
+    }
+    if let (Some(one), Some(two)) = (
+        fresh(streams, "one_thread_baseline"),
+        fresh(streams, "two_threads_baseline"),
+    ) {
+        lines.push(format!(
+            "    baseline: one thread {one:5.1} ns/pair, two threads {two:5.1} ns/pair each; two/one {:.2}",
+            two / one
+        ));
     }
     let record = "record_stream/live_10000";
     if let (Some(plain), Some(recorded)) = (
@@ -421,17 +487,24 @@ fn main() {
     support::rerun_benchmark_on_the_fake_libcuda(&[]);
     let started = std::time::SystemTime::now();
     let abi = Abi::open();
+    let baseline = Abi::baseline();
     // Started first, as PyTorch's threads are: glibc's malloc skips its locks only while a
     // process has a single thread, which no PyTorch process has.
     let workers = [
         Worker::spawn(abi, support::new_stream(), 2_500),
         Worker::spawn(abi, support::new_stream(), 2_500),
     ];
+    let baseline_workers = baseline.map(|baseline| {
+        [
+            Worker::spawn(baseline, support::new_stream(), 2_500),
+            Worker::spawn(baseline, support::new_stream(), 2_500),
+        ]
+    });
     let mut criterion = Criterion::default()
         .output_directory(&criterion_dir())
         .configure_from_args();
-    cache_hit_pairs(&mut criterion, abi);
-    two_streams(&mut criterion, &workers);
+    cache_hit_pairs(&mut criterion, abi, baseline);
+    two_streams(&mut criterion, &workers, baseline_workers.as_ref());
     record_stream_pair(&mut criterion, abi);
     criterion.final_summary();
     print_summary(started);

@@ -9,7 +9,7 @@
 #ifndef FERROCACHE_H
 #define FERROCACHE_H
 
-/* Generated from src/ffi.rs by build.rs (cbindgen); do not edit by hand. */
+/* Generated from src/ffi/ by build.rs (cbindgen); do not edit by hand. */
 
 #include <stddef.h>
 #include <stdint.h>
@@ -78,26 +78,24 @@ void rust_release_pool(int device, std::pair<unsigned long long, unsigned long l
 extern "C" {
 #endif // __cplusplus
 
-// `torch.cuda.memory.caching_allocator_enable(enabled)` (PyTorch's `enable`): with 0, the
-// allocations made from now on go to the driver at their exact size and back at their free,
-// outside the cache and its statistics; with non-zero, caching resumes (allocations made
-// meanwhile still go back to the driver). Returns 0.
-int ferrocache_set_caching_enabled(int enabled);
-
-// Whether caching is on (PyTorch's `isEnabled`): 1 or 0.
-int ferrocache_caching_enabled(void);
-
-// `torch.cuda.memory._set_memory_metadata(text)`: the trace entries that this thread's
-// allocations and frees record from now on carry `text` as `user_metadata`; an empty `text`
-// clears it. Returns 0, or -1 (last error set) for a NULL or non-UTF-8 `text`.
+// Which `PYTORCH_CUDA_ALLOC_CONF` to set (`ferrocache.advise()`): the settings space searched
+// with the replay engine, as `ferrocache tune` does, on a snapshot or on this process's
+// recorded history. Returns one JSON object (`ferrocache tune --json`'s keys, plus `table`: the
+// text the command prints) to free with `ferrocache_string_free`, or NULL (last error set: no
+// history recorded, with how to record it; a snapshot that cannot be read).
+//
+// - `snapshot`, `length`: a snapshot's bytes (pickle or JSON, as `ferrocache tune` reads
+//   them); NULL for this process's recorded history.
+// - `device`: the device whose history to search (required for the history); for a snapshot,
+//   -1 searches every device in it.
+// - `capacity_bytes`: the GPU's memory to fit in; 0: for the history, the device's memory (or
+//   the memory fraction's limit), for a snapshot what its out-of-memory entries tell, else
+//   80 GiB. A capacity given also tries `garbage_collection_threshold`.
+// - `max_candidates`: try at most this many settings, the simplest first (0: all).
 //
 // # Safety
-// `text` is a NUL-terminated string.
-int ferrocache_set_memory_metadata(const char *text);
-
-// `torch.cuda.memory._get_memory_metadata()`: this thread's metadata ("" when none). Returns
-// a string to free with `ferrocache_string_free`.
-char *ferrocache_get_memory_metadata(void);
+// `snapshot` is NULL or points to `length` readable bytes.
+char *ferrocache_advise(const char *snapshot, size_t length, int device, unsigned long long capacity_bytes, size_t max_candidates);
 
 // Registers `gatherer` (NULL: none), which every allocation (and every free too when
 // `on_free` is non-zero) calls before it takes any lock; the id it returns is kept with the
@@ -162,9 +160,23 @@ void rust_init(int device_count);
 // cached segment of every device back to the driver. Errors are logged.
 void rust_reset(void);
 
+// `torch.cuda.empty_cache()`: gives every wholly free cached segment of every device back to
+// the driver. Returns 0, or -1 (last error set).
+int ferrocache_empty_cache(void);
+
 // `set_memory_fraction_fn`: `torch.cuda.set_per_process_memory_fraction(fraction, device)`.
 // Errors (a fraction outside [0, 1], an unusable device) are logged.
 void rust_memory_fraction(double fraction, int device);
+
+// `torch.cuda.set_per_process_memory_fraction(fraction, device)`. Returns 0, or -1 (last error
+// set: a fraction outside [0, 1], an unusable device).
+int ferrocache_set_memory_fraction(double fraction, int device);
+
+// `torch.cuda.get_per_process_memory_fraction(device)`: the limit
+// `set_per_process_memory_fraction` (or `per_process_memory_fraction`) set on `device`, as a
+// share of its memory; 1 when none was set. Returns -1 when the device cannot be used (last
+// error set).
+double ferrocache_get_memory_fraction(int device);
 
 // `set_record_stream_fn`: `Tensor.record_stream(stream)`. The allocation at `ptr` is not reused
 // after its free until the work queued on `stream` by then has completed. An unknown pointer is
@@ -178,6 +190,32 @@ void rust_record_stream(void *ptr, cudaStream_t stream);
 // # Safety
 // `size` is NULL or valid for one `size_t` write.
 void *rust_base_alloc(void *ptr, size_t *size);
+
+// `torch.cuda.memory_stats(device)`: one JSON object with PyTorch's flat keys
+// (`allocated_bytes.all.current`, `num_ooms`, ...). Returns a string to free with
+// `ferrocache_string_free`, or NULL (last error set).
+char *ferrocache_memory_stats(int device);
+
+// `torch.cuda.reset_peak_memory_stats(device)`. Returns 0, or -1 (last error set).
+int ferrocache_reset_peak_stats(int device);
+
+// `torch.cuda.reset_accumulated_memory_stats(device)`. Returns 0, or -1 (last error set).
+int ferrocache_reset_accumulated_stats(int device);
+
+// `torch.cuda.memory._snapshot()`: PyTorch's structure as JSON (`segments` of every device,
+// `device_traces` indexed by device, `allocator_settings`). Returns a string to free with
+// `ferrocache_string_free`, or NULL (last error set).
+char *ferrocache_snapshot(void);
+
+// `torch.cuda.memory._record_memory_history`: `enabled` non-zero starts recording allocator
+// events (at most `max_entries`, the newest kept) on every device, including devices used
+// later; zero stops and clears. Returns 0.
+int ferrocache_record_history(int enabled, size_t max_entries);
+
+// Checks every device allocator's structural invariants and recomputes its statistics from its
+// block table (a full walk: for tests and debugging). Returns 0, or -1 with what is wrong in
+// the last error.
+int ferrocache_check_invariants(void);
 
 // PyTorch's `_cuda_beginAllocateCurrentThreadToPool` (what `torch.cuda.use_mem_pool` calls):
 // allocations this thread makes on `device` come from the private pool `(pool_first,
@@ -217,88 +255,6 @@ int ferrocache_empty_pool_cache(int device, unsigned long long pool_first, unsig
 // set) when there is no such pool (never created, or gone after `empty_cache`).
 int ferrocache_pool_use_count(int device, unsigned long long pool_first, unsigned long long pool_second);
 
-// Frees a string that a `ferrocache_*` function returned. NULL does nothing. Never pass it
-// anything else (in particular not `ferrocache_last_error`'s pointer), nor free those with
-// `free()`.
-//
-// # Safety
-// `text` is NULL or a string returned by a `ferrocache_*` function and not yet freed.
-void ferrocache_string_free(char *text);
-
-// `torch.cuda.memory_stats(device)`: one JSON object with PyTorch's flat keys
-// (`allocated_bytes.all.current`, `num_ooms`, ...). Returns a string to free with
-// `ferrocache_string_free`, or NULL (last error set).
-char *ferrocache_memory_stats(int device);
-
-// Makes this thread's allocations from now on go under tag `tag` (NULL: no tag), on every
-// device. The first tag makes every device's new segments sleep-able. Returns 0, or -1 (last
-// error set).
-//
-// # Safety
-// `tag` is NULL or a NUL-terminated string.
-int ferrocache_set_thread_tag(const char *tag);
-
-// `ferrocache.sleep`: gives back the physical memory of the tags in `tags` (names separated by
-// newlines; NULL: all memory that can sleep), copied to host memory first when `backup` is
-// non-zero. Returns a JSON report (segments, bytes, blocks, copied_bytes, skipped_bytes,
-// seconds) to free with `ferrocache_string_free`, or NULL (last error set; what slept stays
-// asleep, and the call can be repeated).
-//
-// # Safety
-// `tags` is NULL or a NUL-terminated string.
-char *ferrocache_sleep(const char *tags, int backup);
-
-// `ferrocache.wake`: maps the memory of `tags` (as for `ferrocache_sleep`) back at the same
-// addresses and restores its backup. Returns a JSON report as `ferrocache_sleep` does, or
-// NULL (last error set; what woke stays awake, and the call can be repeated).
-//
-// # Safety
-// `tags` is NULL or a NUL-terminated string.
-char *ferrocache_wake(const char *tags);
-
-// `torch.cuda.memory._snapshot()`: PyTorch's structure as JSON (`segments` of every device,
-// `device_traces` indexed by device, `allocator_settings`). Returns a string to free with
-// `ferrocache_string_free`, or NULL (last error set).
-char *ferrocache_snapshot(void);
-
-// `torch.cuda.memory._record_memory_history`: `enabled` non-zero starts recording allocator
-// events (at most `max_entries`, the newest kept) on every device, including devices used
-// later; zero stops and clears. Returns 0.
-int ferrocache_record_history(int enabled, size_t max_entries);
-
-// Which `PYTORCH_CUDA_ALLOC_CONF` to set (`ferrocache.advise()`): the settings space searched
-// with the replay engine, as `ferrocache tune` does, on a snapshot or on this process's
-// recorded history. Returns one JSON object (`ferrocache tune --json`'s keys, plus `table`: the
-// text the command prints) to free with `ferrocache_string_free`, or NULL (last error set: no
-// history recorded, with how to record it; a snapshot that cannot be read).
-//
-// - `snapshot`, `length`: a snapshot's bytes (pickle or JSON, as `ferrocache tune` reads
-//   them); NULL for this process's recorded history.
-// - `device`: the device whose history to search (required for the history); for a snapshot,
-//   -1 searches every device in it.
-// - `capacity_bytes`: the GPU's memory to fit in; 0: for the history, the device's memory (or
-//   the memory fraction's limit), for a snapshot what its out-of-memory entries tell, else
-//   80 GiB. A capacity given also tries `garbage_collection_threshold`.
-// - `max_candidates`: try at most this many settings, the simplest first (0: all).
-//
-// # Safety
-// `snapshot` is NULL or points to `length` readable bytes.
-char *ferrocache_advise(const char *snapshot, size_t length, int device, unsigned long long capacity_bytes, size_t max_candidates);
-
-// `torch.cuda.reset_peak_memory_stats(device)`. Returns 0, or -1 (last error set).
-int ferrocache_reset_peak_stats(int device);
-
-// `torch.cuda.reset_accumulated_memory_stats(device)`. Returns 0, or -1 (last error set).
-int ferrocache_reset_accumulated_stats(int device);
-
-// `torch.cuda.empty_cache()`: gives every wholly free cached segment of every device back to
-// the driver. Returns 0, or -1 (last error set).
-int ferrocache_empty_cache(void);
-
-// `torch.cuda.set_per_process_memory_fraction(fraction, device)`. Returns 0, or -1 (last error
-// set: a fraction outside [0, 1], an unusable device).
-int ferrocache_set_memory_fraction(double fraction, int device);
-
 // `torch.cuda.memory._set_allocator_settings(text)`: parses `text` as PyTorch's
 // `setAllocatorSettings` does, over the settings in effect (a key not named keeps its value,
 // except `max_split_size_mb`, `roundup_power2_divisions` and `garbage_collection_threshold`,
@@ -309,16 +265,14 @@ int ferrocache_set_memory_fraction(double fraction, int device);
 // `text` is a NUL-terminated string.
 int ferrocache_set_allocator_settings(const char *text);
 
-// `torch.cuda.get_per_process_memory_fraction(device)`: the limit
-// `set_per_process_memory_fraction` (or `per_process_memory_fraction`) set on `device`, as a
-// share of its memory; 1 when none was set. Returns -1 when the device cannot be used (last
-// error set).
-double ferrocache_get_memory_fraction(int device);
+// `torch.cuda.memory.caching_allocator_enable(enabled)` (PyTorch's `enable`): with 0, the
+// allocations made from now on go to the driver at their exact size and back at their free,
+// outside the cache and its statistics; with non-zero, caching resumes (allocations made
+// meanwhile still go back to the driver). Returns 0.
+int ferrocache_set_caching_enabled(int enabled);
 
-// Checks every device allocator's structural invariants and recomputes its statistics from its
-// block table (a full walk: for tests and debugging). Returns 0, or -1 with what is wrong in
-// the last error.
-int ferrocache_check_invariants(void);
+// Whether caching is on (PyTorch's `isEnabled`): 1 or 0.
+int ferrocache_caching_enabled(void);
 
 // Checks a `PYTORCH_CUDA_ALLOC_CONF` value (NULL: the one in the process environment, read as
 // PyTorch reads it). Returns 1 when PyTorch would accept it, 0 when not, with PyTorch's
@@ -337,6 +291,41 @@ int ferrocache_check_config(const char *text);
 // `text` is NULL or a NUL-terminated string.
 char *ferrocache_describe_config(const char *text);
 
+// `ferrocache.sleep`: gives back the physical memory of the tags in `tags` (names separated by
+// newlines; NULL: all memory that can sleep), copied to host memory first when `backup` is
+// non-zero. Returns a JSON report to free with `ferrocache_string_free`: the sums (segments,
+// bytes, blocks, copied_bytes, skipped_bytes, seconds), `devices` (the same per device, with
+// `device`) and `failed` (null). Or NULL (last error set, `device N: why`): what slept stays
+// asleep, `ferrocache_last_sleep_report` says what and where, and the call can be repeated.
+//
+// # Safety
+// `tags` is NULL or a NUL-terminated string.
+char *ferrocache_sleep(const char *tags, int backup);
+
+// `ferrocache.wake`: maps the memory of `tags` (as for `ferrocache_sleep`) back at the same
+// addresses and restores its backup. Returns a JSON report as `ferrocache_sleep` does, or
+// NULL (last error set; what woke stays awake, `ferrocache_last_sleep_report` says what and
+// where, and the call can be repeated).
+//
+// # Safety
+// `tags` is NULL or a NUL-terminated string.
+char *ferrocache_wake(const char *tags);
+
+// The report of this thread's latest `ferrocache_sleep` or `ferrocache_wake`, failed or not,
+// as the JSON they return; after a failure, `devices` holds what each device did up to the one
+// that failed (included), and `failed` that device and why (`{"device": N, "error": "..."}`).
+// Returns a string to free with `ferrocache_string_free`, or NULL (last error set) before
+// this thread made either call.
+char *ferrocache_last_sleep_report(void);
+
+// Frees a string that a `ferrocache_*` function returned. NULL does nothing. Never pass it
+// anything else (in particular not `ferrocache_last_error`'s pointer), nor free those with
+// `free()`.
+//
+// # Safety
+// `text` is NULL or a string returned by a `ferrocache_*` function and not yet freed.
+void ferrocache_string_free(char *text);
+
 // The library's version, e.g. `0.1.0`. A static string; do not free it.
 const char *ferrocache_version(void);
 
@@ -349,6 +338,26 @@ const char *ferrocache_version(void);
 // `argv` is NULL (with `argc` 0) or points to `argc` pointers, each NULL or a NUL-terminated
 // string.
 int ferrocache_cli_main(int argc, const char *const *argv);
+
+// Makes this thread's allocations from now on go under tag `tag` (NULL: no tag), on every
+// device. The first tag makes every device's new segments sleep-able. Returns 0, or -1 (last
+// error set).
+//
+// # Safety
+// `tag` is NULL or a NUL-terminated string.
+int ferrocache_set_thread_tag(const char *tag);
+
+// `torch.cuda.memory._set_memory_metadata(text)`: the trace entries that this thread's
+// allocations and frees record from now on carry `text` as `user_metadata`; an empty `text`
+// clears it. Returns 0, or -1 (last error set) for a NULL or non-UTF-8 `text`.
+//
+// # Safety
+// `text` is a NUL-terminated string.
+int ferrocache_set_memory_metadata(const char *text);
+
+// `torch.cuda.memory._get_memory_metadata()`: this thread's metadata ("" when none). Returns
+// a string to free with `ferrocache_string_free`.
+char *ferrocache_get_memory_metadata(void);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -260,6 +260,20 @@ pub fn tie_rule_from_env() -> TieRule {
     config.tie_rule
 }
 
+/// The variable the settings are read from (the first of [`ALLOC_CONF_VARS`] that is set), to
+/// name it in an error.
+pub fn alloc_conf_variable_in_env() -> &'static str {
+    selected_alloc_conf(|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
+        .map_or(ALLOC_CONF_VARS[0], |(name, _)| name)
+}
+
+/// `FERROCACHE_SLEEP=1`: every segment is made so that it can sleep from the start, so that a
+/// sleep with no tag gives back all memory. Without it, only memory allocated after the first
+/// tag was set (a `region`) can sleep.
+pub fn sleep_ability_from_env() -> bool {
+    std::env::var_os("FERROCACHE_SLEEP").is_some_and(|v| v == "1")
+}
+
 /// `major.minor` of a version string such as `2.12.1+cu128` or `2.16.0a0`.
 fn parse_major_minor(text: &str) -> Option<(u32, u32)> {
     let mut parts = text.trim().split('.');

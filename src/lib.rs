@@ -5,7 +5,7 @@ pub mod allocator;
 pub mod cli;
 pub mod config;
 pub mod device;
-pub mod ffi;
+mod ffi;
 pub mod lock;
 pub mod logging;
 pub mod policy;

@@ -15,9 +15,17 @@
 //! section (a `cudaMalloc`, a `cudaFree` that synchronizes, `empty_cache`) costs little CPU; and
 //! it notices the release at most [`MAX_NAP`] late, which is small next to the device call it
 //! waited for.
+//!
+//! A holder that panics poisons the lock for good, as `std::sync::Mutex` does, but with no way
+//! back: the allocator it guards may be half-updated (a merge under way, a block out of its
+//! pool), and serving from it could hand out memory twice. The guard's drop reads
+//! `std::thread::panicking()`, one process-wide counter, so a release stays one store.
 
+use std::cell::UnsafeCell;
+use std::fmt;
 use std::hint::spin_loop;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 /// Checks of the lock, with a CPU pause between them, before a waiter starts to yield.
@@ -29,78 +37,146 @@ const FIRST_NAP: Duration = Duration::from_micros(10);
 /// The longest a waiter sleeps between two looks at the lock.
 pub const MAX_NAP: Duration = Duration::from_micros(200);
 
-/// A mutex whose release is a plain store; see the module documentation.
-pub type SpinNapMutex<T> = lock_api::Mutex<RawSpinNapLock, T>;
+/// Nobody holds the lock.
+const FREE: u8 = 0;
+/// A thread holds the lock.
+const HELD: u8 = 1;
+/// A holder panicked: what the lock guards may be half-updated, and nobody takes it again.
+const POISONED: u8 = 2;
 
-/// The raw lock behind [`SpinNapMutex`].
-pub struct RawSpinNapLock {
-    locked: AtomicBool,
+/// A mutex whose release is a plain store, and which a panic poisons for good; see the module
+/// documentation.
+pub struct SpinNapMutex<T> {
+    state: AtomicU8,
+    value: UnsafeCell<T>,
 }
 
-// SAFETY: the lock is held exactly while `locked` is true. `try_acquire` sets it only by a
-// compare-exchange from false (so one thread at a time succeeds, with Acquire ordering), and
-// only the holder clears it, in `unlock`, with Release ordering, so what the holder wrote is
-// visible to the next one.
-unsafe impl lock_api::RawMutex for RawSpinNapLock {
-    #[allow(
-        clippy::declare_interior_mutable_const,
-        reason = "lock_api's way to initialise a lock in a static"
-    )]
-    const INIT: RawSpinNapLock = RawSpinNapLock {
-        locked: AtomicBool::new(false),
-    };
+// SAFETY: the value is reached only through a guard, and one guard exists at a time: `state`
+// goes from FREE to HELD by a compare-exchange (one thread at a time succeeds, with Acquire
+// ordering), and only the guard's drop leaves HELD, with Release ordering, so what the holder
+// wrote is visible to the next one. A value that may go to another thread needs `T: Send`.
+unsafe impl<T: Send> Send for SpinNapMutex<T> {}
+// SAFETY: as above: shared references to the mutex hand out the value to one thread at a time.
+unsafe impl<T: Send> Sync for SpinNapMutex<T> {}
 
-    // The lock belongs to no thread in particular: a guard may be released on another thread.
-    type Guard = lock_api::GuardSend;
+/// The lock was given up by a thread that panicked while holding it: the value may be
+/// half-updated, and is never handed out again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Poisoned;
 
-    #[inline]
-    fn lock(&self) -> Self::Guard {
-        if !self.try_acquire() {
-            self.wait_and_acquire();
+impl fmt::Display for Poisoned {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a thread panicked while holding the lock")
+    }
+}
+
+impl std::error::Error for Poisoned {}
+
+impl<T> SpinNapMutex<T> {
+    pub const fn new(value: T) -> SpinNapMutex<T> {
+        SpinNapMutex {
+            state: AtomicU8::new(FREE),
+            value: UnsafeCell::new(value),
         }
-        lock_api::GuardSend::new()
     }
 
+    /// Takes the lock, waiting for it; [`Poisoned`] once a holder panicked.
     #[inline]
-    fn try_lock(&self) -> Option<Self::Guard> {
-        self.try_acquire().then(lock_api::GuardSend::new)
+    pub fn lock(&self) -> Result<SpinNapGuard<'_, T>, Poisoned> {
+        // The usual case is one compare-exchange; a poisoned lock fails it too, and the slow
+        // path says so.
+        if !self.try_acquire() {
+            self.wait_and_acquire()?;
+        }
+        Ok(SpinNapGuard { mutex: self })
     }
 
+    /// Takes the lock if it is free now; `None` while another thread holds it.
     #[inline]
-    unsafe fn unlock(&self, _guard: Self::Guard) {
-        self.locked.store(false, Ordering::Release);
+    pub fn try_lock(&self) -> Option<Result<SpinNapGuard<'_, T>, Poisoned>> {
+        if self.try_acquire() {
+            return Some(Ok(SpinNapGuard { mutex: self }));
+        }
+        match self.state.load(Ordering::Relaxed) {
+            POISONED => Some(Err(Poisoned)),
+            _ => None,
+        }
     }
 
-    #[inline]
-    fn is_locked(&self) -> bool {
-        self.locked.load(Ordering::Relaxed)
+    pub fn is_locked(&self) -> bool {
+        self.state.load(Ordering::Relaxed) == HELD
     }
-}
 
-impl RawSpinNapLock {
+    pub fn is_poisoned(&self) -> bool {
+        self.state.load(Ordering::Relaxed) == POISONED
+    }
+
     #[inline]
     fn try_acquire(&self) -> bool {
-        self.locked
-            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+        self.state
+            .compare_exchange(FREE, HELD, Ordering::Acquire, Ordering::Relaxed)
             .is_ok()
     }
 
-    /// The slow path: waits until the lock looks free, then tries to take it, until it does.
+    /// The slow path: waits until the lock looks free, then tries to take it, until it does
+    /// or finds it poisoned.
     #[cold]
     #[inline(never)]
-    fn wait_and_acquire(&self) {
+    fn wait_and_acquire(&self) -> Result<(), Poisoned> {
         let mut waits = 0u32;
         loop {
             // Reading, not writing, while it is held keeps the cache line shared with the
             // holder instead of pulling it away on every look.
-            while self.locked.load(Ordering::Relaxed) {
-                wait(waits);
-                waits = waits.saturating_add(1);
+            loop {
+                match self.state.load(Ordering::Relaxed) {
+                    HELD => {
+                        wait(waits);
+                        waits = waits.saturating_add(1);
+                    }
+                    POISONED => return Err(Poisoned),
+                    _ => break,
+                }
             }
             if self.try_acquire() {
-                return;
+                return Ok(());
             }
         }
+    }
+}
+
+/// The lock held; released when dropped, and poisoned when dropped by a panic's unwinding.
+pub struct SpinNapGuard<'a, T> {
+    mutex: &'a SpinNapMutex<T>,
+}
+
+impl<T> Drop for SpinNapGuard<'_, T> {
+    #[inline]
+    fn drop(&mut self) {
+        // `panicking` reads one process-wide counter while no thread panics.
+        let next = if std::thread::panicking() {
+            POISONED
+        } else {
+            FREE
+        };
+        self.mutex.state.store(next, Ordering::Release);
+    }
+}
+
+impl<T> Deref for SpinNapGuard<'_, T> {
+    type Target = T;
+
+    #[inline]
+    fn deref(&self) -> &T {
+        // SAFETY: the guard holds the lock, so no other reference to the value exists.
+        unsafe { &*self.mutex.value.get() }
+    }
+}
+
+impl<T> DerefMut for SpinNapGuard<'_, T> {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut T {
+        // SAFETY: the guard holds the lock, so no other reference to the value exists.
+        unsafe { &mut *self.mutex.value.get() }
     }
 }
 
@@ -137,7 +213,7 @@ mod tests {
                 let (counter, inside) = (counter.clone(), inside.clone());
                 std::thread::spawn(move || {
                     for _ in 0..20_000 {
-                        let mut guard = counter.lock();
+                        let mut guard = counter.lock().expect("nobody panicked");
                         assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
                         let value = *guard;
                         std::hint::black_box(&value);
@@ -150,17 +226,17 @@ mod tests {
         for thread in threads {
             thread.join().expect("no thread panicked");
         }
-        assert_eq!(*counter.lock(), 80_000);
+        assert_eq!(*counter.lock().expect("nobody panicked"), 80_000);
     }
 
     #[test]
     fn a_waiter_gets_it_after_a_long_hold() {
         let lock = Arc::new(SpinNapMutex::new(()));
-        let guard = lock.lock();
+        let guard = lock.lock().expect("nobody panicked");
         let waiter = {
             let lock = lock.clone();
             std::thread::spawn(move || {
-                let _guard = lock.lock();
+                let _guard = lock.lock().expect("nobody panicked");
                 Instant::now()
             })
         };
@@ -184,6 +260,46 @@ mod tests {
         assert!(lock.try_lock().is_none());
         drop(guard);
         assert!(lock.try_lock().is_some());
+    }
+
+    #[test]
+    fn a_panic_while_holding_it_poisons_it_for_every_later_taker() {
+        let lock = Arc::new(SpinNapMutex::new(0u32));
+        let holder = {
+            let lock = lock.clone();
+            std::thread::spawn(move || {
+                let mut guard = lock.lock().expect("nobody panicked yet");
+                *guard = 1;
+                panic!("half-way through an update");
+            })
+        };
+        assert!(holder.join().is_err(), "the holder panicked");
+        assert!(lock.is_poisoned());
+        assert_eq!(lock.lock().err(), Some(Poisoned));
+        assert!(matches!(lock.try_lock(), Some(Err(Poisoned))));
+        // A waiter that was already waiting learns it too.
+        let waiting = Arc::new(SpinNapMutex::new(()));
+        let guard = waiting.lock().expect("free");
+        let waiter = {
+            let waiting = waiting.clone();
+            std::thread::spawn(move || waiting.lock().map(|_| ()))
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        let poisoner = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _guard = guard;
+            panic!("while a waiter waits");
+        }));
+        assert!(poisoner.is_err());
+        assert_eq!(waiter.join().expect("the waiter ran"), Err(Poisoned));
+    }
+
+    #[test]
+    fn a_panic_caught_outside_the_lock_leaves_it_usable() {
+        let lock = SpinNapMutex::new(0u32);
+        *lock.lock().expect("free") += 1;
+        let caught = std::panic::catch_unwind(|| panic!("no lock held"));
+        assert!(caught.is_err());
+        assert_eq!(*lock.lock().expect("not poisoned"), 1);
     }
 
     #[test]

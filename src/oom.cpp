@@ -15,7 +15,7 @@ extern "C" {
 
 using ferrocache_oom_thrower = void (*)(const char* message);
 
-// src/ffi.rs. Returns the pointer with *error = NULL, or NULL with *error = the reason (valid
+// src/ffi/entry.rs. Returns the pointer with *error = NULL, or NULL with *error = the reason (valid
 // until the next ferrocache call on this thread) and *thrower = what to throw it with (or NULL).
 // Size 0 gives NULL with no error.
 void* ferrocache_internal_malloc(std::size_t size, int device, void* stream, const char** error,

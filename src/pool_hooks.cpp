@@ -7,7 +7,7 @@
 //
 // where MempoolId_t is std::pair<unsigned long long, unsigned long long>. Rust cannot take a
 // std::function, call one, or throw, hence these few lines. Every decision (which pool, what a
-// refusal says, what a failing filter means) is made in Rust, in src/ffi.rs.
+// refusal says, what a failing filter means) is made in Rust, in src/ffi/pools.rs.
 
 #include <exception>
 #include <functional>
@@ -52,7 +52,7 @@ static int ferrocache_filter_accepts(const void* filter, cudaStream_t stream, co
 // Destroys a filter that ferrocache_internal_begin_allocate_to_pool was given.
 static void ferrocache_filter_drop(void* filter) { delete static_cast<StreamFilter*>(filter); }
 
-// src/ffi.rs. `filter` (owned by Rust from here on, NULL when it could not be copied) is asked
+// src/ffi/pools.rs. `filter` (owned by Rust from here on, NULL when it could not be copied) is asked
 // through `accepts` and destroyed through `drop`. Returns NULL, or why the capture is refused.
 const char* ferrocache_internal_begin_allocate_to_pool(
     int device, unsigned long long pool_first, unsigned long long pool_second, void* filter,

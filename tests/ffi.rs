@@ -1234,3 +1234,68 @@ fn settings_fraction_metadata_and_caching_off_through_the_c_abi() {
         },
     );
 }
+
+/// Arms the debug build's one-shot fault: the next reserve-class lookup the allocator makes
+/// (under its lock, part-way through an operation) panics.
+#[cfg(debug_assertions)]
+fn panic_at_next_reserve_class_lookup(api: &Api) {
+    let arm: unsafe extern "C" fn() = api
+        .library
+        .function("ferrocache_debug_panic_at_next_reserve_class_lookup");
+    // SAFETY: no arguments.
+    unsafe { arm() }
+}
+
+/// A panic inside a device's allocator is caught at the C ABI, and that allocator, which may be
+/// half-updated (here: an out of memory counted but not reported), never serves again: each
+/// later call on the device fails with an ERROR line that says why, a free included, while the
+/// other devices go on. The fault exists in debug builds only.
+#[cfg(debug_assertions)]
+#[test]
+fn a_panic_inside_the_allocator_puts_its_device_out_of_service() {
+    let test = "a_panic_inside_the_allocator_puts_its_device_out_of_service";
+    let env = [("FAKE_LIBCUDA_DEVICE_COUNT", "2")];
+    let stderr = in_own_process_stderr(test, &env, || {
+        let api = Api::open();
+        let kept = api.alloc(MIB, 0, 0);
+        assert!(!kept.is_null(), "{}", api.last_error());
+        panic_at_next_reserve_class_lookup(&api);
+        // Out of memory: the allocator asks the stream's reserve class for its message.
+        assert!(api.alloc(1 << 50, 0, 0).is_null());
+        let panicked = api.last_error();
+        assert!(
+            panicked.starts_with("ferrocache: internal error in ferrocache_alloc"),
+            "{panicked}"
+        );
+
+        assert!(
+            api.alloc(4096, 0, 0).is_null(),
+            "a cache hit after the panic"
+        );
+        let refused = api.last_error();
+        assert!(refused.contains("device 0"), "{refused}");
+        assert!(refused.contains("out of service"), "{refused}");
+        assert_eq!(api.free(kept), -1, "a free after the panic");
+        assert_eq!(api.last_error(), refused);
+        api.rust_free(kept, MIB, 0);
+        assert!(api.stats(0).is_none(), "statistics from a broken allocator");
+        assert_eq!(api.last_error(), refused);
+        assert!(
+            api.snapshot().is_none(),
+            "a snapshot from a broken allocator"
+        );
+        assert_eq!(api.empty_cache(), -1);
+
+        let elsewhere = api.alloc(MIB, 1, 0);
+        assert!(!elsewhere.is_null(), "device 1: {}", api.last_error());
+        assert_eq!(api.free(elsewhere), 0);
+        assert!(api.stats(1).is_some(), "{}", api.last_error());
+    });
+    if let Some(stderr) = stderr {
+        let refusals = stderr
+            .lines()
+            .filter(|l| l.contains("ERROR") && l.contains("out of service"))
+            .count();
+        assert!(refusals >= 3, "one ERROR line per refused call:\n{stderr}");
+    }
+}

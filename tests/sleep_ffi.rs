@@ -325,3 +325,93 @@ fn expandable_pages_wake_granted_to_the_peer_device() {
         api.check_invariants();
     });
 }
+
+type PoolFn = unsafe extern "C" fn(c_int, u64, u64) -> c_int;
+
+/// `ferrocache_last_sleep_report()`: the report of this thread's latest sleep or wake, per
+/// device, a failed one's included.
+fn last_sleep_report(api: &Api) -> Value {
+    let last: unsafe extern "C" fn() -> *mut c_char =
+        api.library.function("ferrocache_last_sleep_report");
+    // SAFETY: no arguments; the string is freed by `report`.
+    api.report(unsafe { last() })
+}
+
+/// A sleep that fails on one device (device 1, where a private pool records, which forbids
+/// waiting for the device) keeps the report of the devices already done (device 0 slept): the
+/// call returns NULL with the error, and the report says what slept where and which device
+/// failed. After the pool closes, the call goes on where it stopped; a wake reports per device.
+#[test]
+fn a_sleep_that_fails_on_one_device_keeps_the_report_of_the_devices_done() {
+    let test = "a_sleep_that_fails_on_one_device_keeps_the_report_of_the_devices_done";
+    let env = [
+        ("FERROCACHE_SLEEP", "1"),
+        ("FAKE_LIBCUDA_DEVICE_COUNT", "2"),
+    ];
+    in_own_process(test, &env, || {
+        let api = Api {
+            library: Ferrocache::open(),
+        };
+        let alloc: MallocFn = api.library.function("ferrocache_alloc");
+        // SAFETY: plain values.
+        let on_device = |device: c_int| unsafe { alloc(4 * MIB, device, ptr::null_mut()) };
+        let (first, second) = (on_device(0), on_device(1));
+        assert!(
+            !first.is_null() && !second.is_null(),
+            "{}",
+            api.last_error()
+        );
+        let pool: PoolFn = api
+            .library
+            .function("ferrocache_begin_allocate_current_thread_to_pool");
+        // SAFETY: plain values.
+        assert_eq!(unsafe { pool(1, 0, 7) }, 0, "{}", api.last_error());
+
+        let sleep: SleepFn = api.library.function("ferrocache_sleep");
+        // SAFETY: NULL: every tag.
+        assert!(
+            unsafe { sleep(ptr::null(), 1) }.is_null(),
+            "device 1 refuses"
+        );
+        let error = api.last_error();
+        assert!(error.starts_with("device 1: "), "{error}");
+        let partial = last_sleep_report(&api);
+        assert_eq!(as_usize(&partial["segments"]), 1, "{partial}");
+        assert_eq!(
+            as_usize(&partial["bytes"]),
+            as_usize(&partial["copied_bytes"])
+        );
+        let devices = partial["devices"].as_array().expect("per device").clone();
+        assert_eq!(devices.len(), 2, "{partial}");
+        assert_eq!(devices[0]["device"], 0);
+        assert_eq!(as_usize(&devices[0]["segments"]), 1);
+        assert_eq!(devices[1]["device"], 1);
+        assert_eq!(as_usize(&devices[1]["segments"]), 0);
+        assert_eq!(partial["failed"]["device"], 1);
+        assert_eq!(
+            partial["failed"]["error"],
+            error.strip_prefix("device 1: ").unwrap()
+        );
+
+        let end: PoolFn = api.library.function("ferrocache_end_allocate_to_pool");
+        // SAFETY: plain values.
+        assert_eq!(unsafe { end(1, 0, 7) }, 0, "{}", api.last_error());
+        let rest = api.sleep(None, true);
+        assert_eq!(
+            as_usize(&rest["segments"]),
+            1,
+            "only device 1's was left: {rest}"
+        );
+        assert_eq!(rest["failed"], Value::Null);
+        assert_eq!(last_sleep_report(&api), rest);
+        let woke = api.wake(None);
+        let per_device: Vec<usize> = woke["devices"]
+            .as_array()
+            .expect("per device")
+            .iter()
+            .map(|d| as_usize(&d["segments"]))
+            .collect();
+        assert_eq!(per_device, [1, 1], "{woke}");
+        api.check_invariants();
+    });
+}

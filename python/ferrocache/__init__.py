@@ -38,7 +38,7 @@ from .memory import (
     set_per_process_memory_fraction,
 )
 from .snapshot import dump_snapshot, memory_snapshot, record_memory_history, snapshot
-from .sleep import SleepReport, region, sleep, wake
+from .sleep import DeviceSleepReport, SleepError, SleepReport, region, sleep, wake
 
 
 def library_version() -> str:
@@ -50,12 +50,14 @@ def library_version() -> str:
 
 __all__ = [
     "Advice",
+    "DeviceSleepReport",
     "LIBRARY_ENV",
     "LibraryNotFoundError",
     "LibraryVersionError",
     "MemPool",
     "NoHistoryError",
     "OutOfMemoryError",
+    "SleepError",
     "SleepReport",
     "__version__",
     "advise",

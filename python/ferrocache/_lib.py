@@ -93,6 +93,8 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_set_thread_tag": (c_int, (c_char_p,)),
     "ferrocache_sleep": (c_void_p, (c_char_p, c_int)),
     "ferrocache_wake": (c_void_p, (c_char_p,)),
+    # The report of this thread's latest sleep or wake, a failed one's included.
+    "ferrocache_last_sleep_report": (c_void_p, ()),
 }
 
 #: PyTorch's CUDA graph pool hooks. Their parameter types are C++ (``std::pair``,

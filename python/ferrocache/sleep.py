@@ -16,17 +16,32 @@ after wake are undefined: zeros on the fake CUDA).
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from . import _lib
 
-__all__ = ["SleepReport", "region", "sleep", "wake"]
+__all__ = ["DeviceSleepReport", "SleepError", "SleepReport", "region", "sleep", "wake"]
 
 Tags = Union[None, str, Sequence[str]]
 
 _thread = threading.local()
+
+
+@dataclass(frozen=True)
+class DeviceSleepReport:
+    """What a :func:`sleep` or :func:`wake` moved on one device (the fields of
+    :class:`SleepReport`)."""
+
+    device: int
+    segments: int
+    bytes: int
+    blocks: int
+    copied_bytes: int
+    skipped_bytes: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,23 @@ class SleepReport:
     skipped_bytes: int
     #: Host time taken.
     seconds: float
+    #: The same, per device, in device order (up to the device that failed, for a
+    #: :class:`SleepError`'s report).
+    devices: tuple[DeviceSleepReport, ...] = ()
+
+
+class SleepError(RuntimeError):
+    """A :func:`sleep` or :func:`wake` failed on one device. What the devices before it did
+    stays done (memory that slept stays asleep, memory that woke stays awake), and
+    :attr:`report` says what that was; calling again goes on where it stopped."""
+
+    def __init__(self, message: str, report: Optional[SleepReport], device: Optional[int]):
+        super().__init__(message)
+        #: What was done before the failure, per device (the failing one included); None when
+        #: the library could not say.
+        self.report = report
+        #: The device that failed.
+        self.device = device
 
 
 def _check_tag(tag: object) -> str:
@@ -82,14 +114,39 @@ def region(tag: str) -> Iterator[None]:
         _set_thread_tag(stack[-1] if stack else None)
 
 
-def _report(fields: dict[str, float]) -> SleepReport:
-    return SleepReport(
-        segments=int(fields["segments"]),
-        bytes=int(fields["bytes"]),
-        blocks=int(fields["blocks"]),
-        copied_bytes=int(fields["copied_bytes"]),
-        skipped_bytes=int(fields["skipped_bytes"]),
-        seconds=float(fields["seconds"]),
+def _moved(fields: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "segments": int(fields["segments"]),
+        "bytes": int(fields["bytes"]),
+        "blocks": int(fields["blocks"]),
+        "copied_bytes": int(fields["copied_bytes"]),
+        "skipped_bytes": int(fields["skipped_bytes"]),
+        "seconds": float(fields["seconds"]),
+    }
+
+
+def _report(fields: dict[str, Any]) -> SleepReport:
+    devices = tuple(
+        DeviceSleepReport(device=int(d["device"]), **_moved(d)) for d in fields.get("devices", ())
+    )
+    return SleepReport(**_moved(fields), devices=devices)
+
+
+def _sleep_or_wake(function: str, *args: Any) -> SleepReport:
+    """Calls ``ferrocache_sleep`` or ``ferrocache_wake``; on failure raises :class:`SleepError`
+    with the report of what was done, which the library keeps for this thread."""
+    text = _lib.take_string(_lib.function(function)(*args))
+    if text is not None:
+        return _report(json.loads(text))
+    message = _lib.last_error() or f"{function} failed without saying why"
+    kept = _lib.take_string(_lib.function("ferrocache_last_sleep_report")())
+    fields = json.loads(kept) if kept is not None else None
+    failed = (fields or {}).get("failed") or {}
+    device = failed.get("device")
+    raise SleepError(
+        message,
+        _report(fields) if fields is not None else None,
+        int(device) if device is not None else None,
     )
 
 
@@ -97,13 +154,14 @@ def sleep(tags: Tags = None, backup: bool = True) -> SleepReport:
     """Gives back the device memory of ``tags`` (one tag or several; ``None``: all memory that
     can sleep), live and cached alike, after waiting for the device. With ``backup`` the bytes
     are copied to host memory first; without, they are dropped. Addresses stay reserved. Memory
-    already asleep is left as it is, so calling it twice is harmless."""
-    return _report(_lib.call_json("ferrocache_sleep", _tags_argument(tags), int(bool(backup))))
+    already asleep is left as it is, so calling it twice is harmless. A device that fails raises
+    :class:`SleepError`, whose ``report`` says what the devices before it did."""
+    return _sleep_or_wake("ferrocache_sleep", _tags_argument(tags), int(bool(backup)))
 
 
 def wake(tags: Tags = None) -> SleepReport:
     """Maps the memory of ``tags`` (``None``: all) back at the same addresses and restores what
     was backed up. Memory awake is left as it is; after a failure, calling it again goes on.
     Under a memory fraction, memory whose wake would reserve past the limit stays asleep and a
-    RuntimeError says so (docs/sleep.md)."""
-    return _report(_lib.call_json("ferrocache_wake", _tags_argument(tags)))
+    :class:`SleepError` (a RuntimeError) says so (docs/sleep.md)."""
+    return _sleep_or_wake("ferrocache_wake", _tags_argument(tags))

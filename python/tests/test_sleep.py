@@ -81,3 +81,40 @@ def test_a_region_sleeps_with_its_bytes_kept_while_another_sleeps_without() -> N
         "wake again": 0,
         "bad tag": "a tag is a non-empty string without newlines, not ''",
     }
+
+
+def test_a_wake_that_fails_on_one_device_reports_the_devices_done() -> None:
+    out = run_json(
+        """
+        import ferrocache
+        MIB = 1 << 20
+        first = ferrocache.caching_allocator_alloc(64 * MIB, device=0)
+        second = ferrocache.caching_allocator_alloc(64 * MIB, device=1)
+        slept = ferrocache.sleep()
+        out = {"slept per device": [(d.device, d.segments) for d in slept.devices]}
+        ferrocache.set_per_process_memory_fraction(0.01, device=1)
+        try:
+            ferrocache.wake()
+            out["refused"] = "no"
+        except ferrocache.SleepError as err:
+            out["refused"] = isinstance(err, RuntimeError) and "memory fraction" in str(err)
+            out["failed device"] = err.device
+            out["woke before the failure"] = err.report.segments
+            out["per device"] = [(d.device, d.segments) for d in err.report.devices]
+        ferrocache.set_per_process_memory_fraction(1.0, device=1)
+        rest = ferrocache.wake()
+        out["the rest"] = [(d.device, d.segments) for d in rest.devices]
+        for p in (first, second):
+            ferrocache.caching_allocator_delete(p)
+        result(out)
+        """,
+        env=memory_env(GIB, FAKE_LIBCUDA_DEVICE_COUNT="2", FERROCACHE_SLEEP="1"),
+    )
+    assert out == {
+        "slept per device": [[0, 1], [1, 1]],
+        "refused": True,
+        "failed device": 1,
+        "woke before the failure": 1,
+        "per device": [[0, 1], [1, 0]],
+        "the rest": [[0, 0], [1, 1]],
+    }

@@ -27,6 +27,7 @@ pub mod pool;
 pub mod private_pool;
 pub mod sleep;
 pub mod stats;
+pub(crate) mod uncached;
 
 use crate::config::Config;
 use crate::device::{Device, DeviceError, DevicePtr, EventHandle, StreamId};

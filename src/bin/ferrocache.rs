@@ -10,7 +10,7 @@ use std::process::ExitCode;
 
 #[link(name = "ferrocache", kind = "dylib")]
 unsafe extern "C" {
-    /// `src/ffi.rs`: runs the command line and returns its exit status.
+    /// `src/ffi/strings.rs`: runs the command line and returns its exit status.
     fn ferrocache_cli_main(argc: c_int, argv: *const *const c_char) -> c_int;
 }
 

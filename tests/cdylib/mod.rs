@@ -44,9 +44,15 @@ pub struct Ferrocache {
 
 impl Ferrocache {
     pub fn open() -> Ferrocache {
+        Ferrocache::open_at(&library_path())
+    }
+
+    /// Another build of the library (a benchmark's baseline), beside this one in the process:
+    /// dlopen keeps each one's symbols to itself.
+    pub fn open_at(path: &Path) -> Ferrocache {
         // SAFETY: ferrocache has no initialisers that run at load time.
-        let library = unsafe { libloading::Library::new(library_path()) }
-            .unwrap_or_else(|e| panic!("load {}: {e}", library_path().display()));
+        let library = unsafe { libloading::Library::new(path) }
+            .unwrap_or_else(|e| panic!("load {}: {e}", path.display()));
         Ferrocache { library }
     }
 
