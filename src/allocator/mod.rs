@@ -18,6 +18,7 @@
 
 pub mod block;
 mod check;
+mod checkpoint;
 pub mod cross_stream;
 pub mod expandable;
 pub mod history;
