@@ -131,7 +131,8 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(
             ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED => {
                 c_int::from(driver.features.rdma_with_vmm)
             }
-            _ => 0,
+            // An H100's limits, which compilers (Triton) size kernels by.
+            other => crate::launch::device_limit(other).unwrap_or(0),
         };
         // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
         unsafe { put(value, answer) }

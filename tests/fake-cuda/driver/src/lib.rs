@@ -18,8 +18,10 @@
 
 mod address_space;
 mod call_log;
+mod cubin;
 mod device;
 mod faults;
+mod launch;
 mod memory;
 mod nvml;
 mod peer;
@@ -210,8 +212,10 @@ pub struct Driver {
     /// Captures under way, by id (`sync.rs`).
     captures: HashMap<u64, sync::Capture>,
     /// Captured graphs and their instantiations: the work each holds.
-    graphs: HashMap<usize, Vec<sync::Node>>,
-    graph_execs: HashMap<usize, Vec<sync::Node>>,
+    graphs: HashMap<usize, Vec<sync::Step>>,
+    graph_execs: HashMap<usize, Vec<sync::Step>>,
+    /// Modules, functions and what is known of kernels' parameters (`launch.rs`).
+    kernels: launch::Kernels,
     /// How many queries a newly recorded event answers with `CUDA_ERROR_NOT_READY`.
     event_delay: u32,
     timed_events: u64,
@@ -380,9 +384,44 @@ static DRIVER: LazyLock<Mutex<Driver>> = LazyLock::new(|| Mutex::new(Driver::fro
 
 thread_local! {
     /// The calling thread's context stack; the top is the current context.
-    static CONTEXT_STACK: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+    static CONTEXT_STACK: RefCell<ContextStack> = const { RefCell::new(ContextStack::new()) };
     /// The calling thread's `CUstreamCaptureMode` (0 = global, the default).
     static CAPTURE_MODE: Cell<u32> = const { Cell::new(0) };
+}
+
+/// A thread's context stack, of fixed room and without a destructor, so that the driver still
+/// answers from exit handlers that run after the thread's destructors (PyTorch's NCCL
+/// communicator manager synchronizes the device from one).
+pub struct ContextStack {
+    contexts: [usize; 32],
+    len: usize,
+}
+
+impl ContextStack {
+    const fn new() -> ContextStack {
+        ContextStack {
+            contexts: [0; 32],
+            len: 0,
+        }
+    }
+
+    /// Pushes `context`; a stack already 32 deep keeps its top replaced instead.
+    fn push(&mut self, context: usize) {
+        if self.len == self.contexts.len() {
+            self.len -= 1;
+        }
+        self.contexts[self.len] = context;
+        self.len += 1;
+    }
+
+    fn pop(&mut self) -> Option<usize> {
+        self.len = self.len.checked_sub(1)?;
+        Some(self.contexts[self.len])
+    }
+
+    fn last(&self) -> Option<&usize> {
+        self.contexts[..self.len].last()
+    }
 }
 
 fn lock() -> MutexGuard<'static, Driver> {
@@ -540,6 +579,10 @@ pub unsafe extern "C" fn fake_cuda_stat(name: *const c_char) -> i64 {
         "order_violations" => driver.timeline.counts.violations,
         "order_pending_uses" => driver.timeline.pending_uses(),
         "peer_links" => driver.peer_links.len() as u64,
+        "order_kernels" => driver.timeline.counts.kernels,
+        "kernel_launches" => driver.kernels.launches,
+        "kernel_pointer_arguments" => driver.kernels.pointer_arguments,
+        "kernels_without_parameter_info" => driver.kernels.without_parameter_info,
         "rdma_capable_physical" => driver.rdma_capable_physical(),
         symbol if symbol.starts_with("cu") || symbol.starts_with("nvml") => {
             driver.calls.get(symbol).copied().unwrap_or(0)

@@ -125,6 +125,7 @@ impl Driver {
 }
 
 const POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
+const POINTER_ATTRIBUTE_DEVICE_POINTER: c_int = 3;
 const POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
 const MEMORY_TYPE_DEVICE: u32 = 2;
 
@@ -363,6 +364,9 @@ pub unsafe extern "C" fn cuPointerGetAttribute(
             POINTER_ATTRIBUTE_MEMORY_TYPE => unsafe { put(data.cast::<u32>(), MEMORY_TYPE_DEVICE) },
             // SAFETY: as above.
             POINTER_ATTRIBUTE_DEVICE_ORDINAL => unsafe { put(data.cast::<c_int>(), device) },
+            // The address a kernel uses for it: the same (Triton checks its pointer arguments).
+            // SAFETY: as above.
+            POINTER_ATTRIBUTE_DEVICE_POINTER => unsafe { put(data.cast::<u64>(), ptr) },
             _ => Err(CUDA_ERROR_INVALID_VALUE),
         }
     })

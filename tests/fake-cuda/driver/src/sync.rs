@@ -59,7 +59,7 @@ pub struct Capture {
     invalidated: bool,
     /// Streams that joined and did work not yet joined back into the origin stream.
     unjoined: HashSet<usize>,
-    nodes: Vec<Node>,
+    nodes: Vec<Step>,
 }
 
 /// A piece of work: run at once on a stream, or kept in a graph.
@@ -67,6 +67,15 @@ pub struct Capture {
 pub enum Node {
     Copy { dst: u64, src: u64, count: u64 },
     Set { dst: u64, value: u8, count: u64 },
+}
+
+/// What a stream or a graph holds: a copy or memset, or a kernel (or a library call, which is
+/// kernels) that moves no bytes and touches what its arguments were seen to point into
+/// (`launch.rs`).
+#[derive(Clone)]
+pub enum Step {
+    Memory(Node),
+    Kernel(std::sync::Arc<[Touch]>),
 }
 
 /// The priorities streams may have, as the driver reports them: lower numbers are higher
@@ -199,6 +208,11 @@ impl Driver {
     /// in, or run now and booked as pending work of its stream. Each device side must already
     /// have been checked.
     pub fn submit(&mut self, stream: *mut c_void, node: Node, what: &str) -> Outcome {
+        self.submit_step(stream, Step::Memory(node), what)
+    }
+
+    /// [`Driver::submit`] for any step, a kernel's included.
+    pub fn submit_step(&mut self, stream: *mut c_void, step: Step, what: &str) -> Outcome {
         let lane = self.lane_of(stream)?;
         self.check_legacy_use(lane)?;
         if let Some(id) = self.capture_of(stream) {
@@ -209,13 +223,21 @@ impl Driver {
             if capture.invalidated {
                 return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
             }
-            capture.nodes.push(node);
+            capture.nodes.push(step);
             if stream as usize != capture.origin {
                 capture.unjoined.insert(stream as usize);
             }
             return Ok(());
         }
-        self.run(lane, node, what)
+        match step {
+            Step::Memory(node) => self.run(lane, node, what),
+            Step::Kernel(touches) => {
+                let live = self.live_kernel_touches(&touches);
+                self.timeline.counts.kernels += 1;
+                self.timeline.submit(lane, &live, what);
+                Ok(())
+            }
+        }
     }
 
     /// Runs `node` on `lane`: checks its device sides, books it, moves the bytes.
@@ -753,7 +775,7 @@ pub extern "C" fn cuGraphLaunch(exec: *mut c_void, stream: *mut c_void) -> CuRes
             .ok_or(CUDA_ERROR_INVALID_VALUE)?
             .clone();
         for node in nodes {
-            driver.submit(stream, node, "a graph's node")?;
+            driver.submit_step(stream, node, "a graph's node")?;
         }
         Ok(())
     })

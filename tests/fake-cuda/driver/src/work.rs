@@ -102,6 +102,8 @@ pub struct Counts {
     /// `cuMemUnmap` calls checked for pending work on their pages.
     pub unmaps_checked: u64,
     pub violations: u64,
+    /// Of the pieces of work, kernels and library calls (`launch.rs`).
+    pub kernels: u64,
 }
 
 #[derive(Default)]
@@ -328,13 +330,14 @@ pub fn write_report(counts: Counts) {
         return;
     };
     let line = format!(
-        "pid {} work {} handoffs_checked {} frees_checked {} unmaps_checked {} violations {}\n",
+        "pid {} work {} handoffs_checked {} frees_checked {} unmaps_checked {} violations {} kernels {}\n",
         std::process::id(),
         counts.work,
         counts.handoffs_checked,
         counts.frees_checked,
         counts.unmaps_checked,
-        counts.violations
+        counts.violations,
+        counts.kernels
     );
     if let Ok(mut file) = std::fs::OpenOptions::new()
         .create(true)

@@ -64,6 +64,15 @@ unsafe extern "C" {
     pub fn cuEventRecord(event: CuEvent, stream: CuStream) -> u32;
     pub fn cuEventQuery(event: CuEvent) -> u32;
     pub fn cuEventSynchronize(event: CuEvent) -> u32;
+    /// The fake driver's launch of a kernel the runtime registered (`driver/src/launch.rs`).
+    pub fn fake_cuda_launch_registered(
+        stream: CuStream,
+        fatbin: *const c_void,
+        name: *const c_char,
+        args: *mut *mut c_void,
+        grid: *const [c_uint; 3],
+        block: *const [c_uint; 3],
+    ) -> u32;
     /// The fake driver's fault sweep: counts a runtime call; the code it must fail with, or 0.
     pub fn fake_cuda_sweep_runtime_call(name: *const u8, len: usize) -> u32;
 }

@@ -1,16 +1,19 @@
 //! Kernels and modules: the fat-binary registration PyTorch's libraries make at load time
-//! (no-ops: about 500 binaries and 24,000 kernels for torch 2.15), launches (refused: no kernel
-//! runs here), function attributes, and the driver entry points PyTorch asks the runtime for.
+//! (about 500 binaries and 24,000 kernels for torch 2.15: each kernel's host stub is kept with
+//! its binary and device name), launches (work on their stream, booked by the driver, which
+//! reads the kernel's parameter layout from the binary; no code runs), function attributes,
+//! and the driver entry points PyTorch asks the runtime for.
 
+use std::cell::Cell;
+use std::collections::HashMap;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::runtime::sys::cudaFuncAttributes;
 
 use crate::driver::CuStream;
-use crate::{
-    CudaError, INVALID_VALUE, NO_KERNEL_IMAGE, NOT_SUPPORTED, api, log, put, put_optional,
-};
+use crate::{CudaError, INVALID_VALUE, NOT_SUPPORTED, api, api_on_device, log, put, put_optional};
 
 static FAT_BINARIES: AtomicU64 = AtomicU64::new(0);
 static KERNELS: AtomicU64 = AtomicU64::new(0);
@@ -24,12 +27,32 @@ pub struct Dim3 {
     z: c_uint,
 }
 
+/// What `__cudaRegisterFatBinary` returns: a handle of its own per binary, holding the wrapper
+/// it received (the compiler's code passes the handle back to `__cudaRegisterFunction`).
+#[repr(C)]
+struct Binary {
+    wrapper: *const c_void,
+}
+
+/// The kernels registered with `__cudaRegisterFunction`, by host stub address: the wrapper of
+/// their fat binary and their device name (both live as long as the library that holds them).
+static FUNCTIONS: Mutex<Option<HashMap<usize, (usize, usize)>>> = Mutex::new(None);
+
+fn functions() -> std::sync::MutexGuard<'static, Option<HashMap<usize, (usize, usize)>>> {
+    FUNCTIONS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 #[unsafe(no_mangle)]
-pub extern "C" fn __cudaRegisterFatBinary(_fat_cubin: *mut c_void) -> *mut *mut c_void {
-    // The handle is opaque to the caller; one shared, never-NULL slot serves every binary.
-    static mut HANDLE: [*mut c_void; 2] = [std::ptr::null_mut(); 2];
+pub extern "C" fn __cudaRegisterFatBinary(fat_cubin: *mut c_void) -> *mut *mut c_void {
     FAT_BINARIES.fetch_add(1, Ordering::Relaxed);
-    (&raw mut HANDLE).cast()
+    // Never freed: the compiler's code keeps the handle for the library's life (a library
+    // unloaded and loaded again registers anew; the few bytes stay).
+    Box::into_raw(Box::new(Binary {
+        wrapper: fat_cubin.cast_const(),
+    }))
+    .cast()
 }
 
 #[unsafe(no_mangle)]
@@ -38,10 +61,24 @@ pub extern "C" fn __cudaRegisterFatBinaryEnd(_handle: *mut *mut c_void) {}
 #[unsafe(no_mangle)]
 pub extern "C" fn __cudaUnregisterFatBinary(_handle: *mut *mut c_void) {}
 
-/// Takes the real function's ten arguments, and uses none.
+/// Takes the real function's ten arguments; keeps the host stub's binary and device name.
 #[unsafe(no_mangle)]
-pub extern "C" fn __cudaRegisterFunction() {
+pub unsafe extern "C" fn __cudaRegisterFunction(
+    handle: *mut *mut c_void,
+    host_function: *const c_char,
+    _device_function: *mut c_char,
+    device_name: *const c_char,
+) {
     KERNELS.fetch_add(1, Ordering::Relaxed);
+    let wrapper = if handle.is_null() {
+        0
+    } else {
+        // SAFETY: a handle this runtime made in __cudaRegisterFatBinary.
+        unsafe { (*handle.cast::<Binary>()).wrapper as usize }
+    };
+    functions()
+        .get_or_insert_with(HashMap::new)
+        .insert(host_function as usize, (wrapper, device_name as usize));
 }
 
 #[unsafe(no_mangle)]
@@ -50,13 +87,20 @@ pub extern "C" fn __cudaRegisterVar() {}
 #[unsafe(no_mangle)]
 pub extern "C" fn __cudaRegisterManagedVar() {}
 
+thread_local! {
+    /// What `__cudaPushCallConfiguration` left for the launch stub's `__cudaPopCallConfiguration`.
+    static CALL_CONFIGURATION: Cell<(Dim3, Dim3, usize, usize)> =
+        const { Cell::new((Dim3 { x: 1, y: 1, z: 1 }, Dim3 { x: 1, y: 1, z: 1 }, 0, 0)) };
+}
+
 #[unsafe(no_mangle)]
 pub extern "C" fn __cudaPushCallConfiguration(
-    _grid: Dim3,
-    _block: Dim3,
-    _shared_memory: usize,
-    _stream: CuStream,
+    grid: Dim3,
+    block: Dim3,
+    shared_memory: usize,
+    stream: CuStream,
 ) -> c_uint {
+    CALL_CONFIGURATION.set((grid, block, shared_memory, stream as usize));
     0
 }
 
@@ -67,67 +111,189 @@ pub unsafe extern "C" fn __cudaPopCallConfiguration(
     shared_memory: *mut usize,
     stream: *mut CuStream,
 ) -> CudaError {
-    let one = Dim3 { x: 1, y: 1, z: 1 };
+    let (pushed_grid, pushed_block, pushed_shared, pushed_stream) = CALL_CONFIGURATION.get();
     // SAFETY: the caller's out pointers, NULL or writable.
     unsafe {
-        put_optional(grid, one);
-        put_optional(block, one);
-        put_optional(shared_memory, 0);
-        put_optional(stream, std::ptr::null_mut());
+        put_optional(grid, pushed_grid);
+        put_optional(block, pushed_block);
+        put_optional(shared_memory, pushed_shared);
+        put_optional(stream, pushed_stream as CuStream);
     }
     crate::SUCCESS
 }
 
-/// Every launch fails: the fake has no GPU to run a kernel on. PyTorch reports the error as a
-/// `torch.AcceleratorError`, and the process goes on.
-fn refuse_launch(name: &'static str) -> CudaError {
-    log!("kernel launch refused (the fake CUDA runs no kernels)");
-    api(name, || Err(NO_KERNEL_IMAGE))
+/// `cudaErrorInvalidDeviceFunction`: the function is no registered kernel.
+const INVALID_DEVICE_FUNCTION: CudaError = 98;
+/// `cudaErrorInvalidConfiguration`: a grid or block beyond the device's limits.
+const INVALID_CONFIGURATION: CudaError = 9;
+/// The per-thread default stream, what `_ptsz` launches use for the NULL stream.
+const PER_THREAD_STREAM: usize = 2;
+
+/// A launch of a registered kernel: work on `stream` that the driver books as it books a copy,
+/// touching the device memory its arguments point into (`driver/src/launch.rs`). No code runs.
+fn launch(
+    name: &'static str,
+    function: *const c_void,
+    grid: Dim3,
+    block: Dim3,
+    arguments: *mut *mut c_void,
+    stream: CuStream,
+) -> CudaError {
+    api_on_device(name, |_| {
+        let registered = functions()
+            .as_ref()
+            .and_then(|f| f.get(&(function as usize)).copied());
+        let (wrapper, device_name) = registered.ok_or(INVALID_DEVICE_FUNCTION)?;
+        let grid = [grid.x, grid.y, grid.z];
+        let block = [block.x, block.y, block.z];
+        // SAFETY: a registered binary and name, the caller's arguments, dimensions on the stack.
+        let code = unsafe {
+            crate::driver::fake_cuda_launch_registered(
+                stream,
+                wrapper as *const c_void,
+                device_name as *const c_char,
+                arguments,
+                &grid,
+                &block,
+            )
+        };
+        match code {
+            crate::SUCCESS => Ok(()),
+            INVALID_VALUE => Err(INVALID_CONFIGURATION),
+            other => Err(other),
+        }
+    })
+}
+
+fn per_thread(stream: CuStream) -> CuStream {
+    if stream.is_null() {
+        PER_THREAD_STREAM as CuStream
+    } else {
+        stream
+    }
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaLaunchKernel(
-    _function: *const c_void,
-    _grid: Dim3,
-    _block: Dim3,
-    _arguments: *mut *mut c_void,
+    function: *const c_void,
+    grid: Dim3,
+    block: Dim3,
+    arguments: *mut *mut c_void,
     _shared_memory: usize,
-    _stream: CuStream,
+    stream: CuStream,
 ) -> CudaError {
-    refuse_launch("cudaLaunchKernel")
+    launch("cudaLaunchKernel", function, grid, block, arguments, stream)
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn __cudaLaunchKernel(
-    _function: *const c_void,
-    _grid: Dim3,
-    _block: Dim3,
-    _arguments: *mut *mut c_void,
+    function: *const c_void,
+    grid: Dim3,
+    block: Dim3,
+    arguments: *mut *mut c_void,
     _shared_memory: usize,
-    _stream: CuStream,
+    stream: CuStream,
 ) -> CudaError {
-    refuse_launch("__cudaLaunchKernel")
+    launch(
+        "__cudaLaunchKernel",
+        function,
+        grid,
+        block,
+        arguments,
+        stream,
+    )
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cudaLaunchKernel_ptsz(
+    function: *const c_void,
+    grid: Dim3,
+    block: Dim3,
+    arguments: *mut *mut c_void,
+    _shared_memory: usize,
+    stream: CuStream,
+) -> CudaError {
+    let stream = per_thread(stream);
+    launch(
+        "cudaLaunchKernel_ptsz",
+        function,
+        grid,
+        block,
+        arguments,
+        stream,
+    )
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn __cudaLaunchKernel_ptsz(
+    function: *const c_void,
+    grid: Dim3,
+    block: Dim3,
+    arguments: *mut *mut c_void,
+    _shared_memory: usize,
+    stream: CuStream,
+) -> CudaError {
+    let stream = per_thread(stream);
+    launch(
+        "__cudaLaunchKernel_ptsz",
+        function,
+        grid,
+        block,
+        arguments,
+        stream,
+    )
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cudaLaunchCooperativeKernel(
-    _function: *const c_void,
-    _grid: Dim3,
-    _block: Dim3,
-    _arguments: *mut *mut c_void,
+    function: *const c_void,
+    grid: Dim3,
+    block: Dim3,
+    arguments: *mut *mut c_void,
     _shared_memory: usize,
-    _stream: CuStream,
+    stream: CuStream,
 ) -> CudaError {
-    refuse_launch("cudaLaunchCooperativeKernel")
+    launch(
+        "cudaLaunchCooperativeKernel",
+        function,
+        grid,
+        block,
+        arguments,
+        stream,
+    )
+}
+
+/// `cudaLaunchConfig_t`: grid, block, dynamic shared memory, stream; its attributes (clusters,
+/// programmatic serialization) change nothing here.
+#[repr(C)]
+pub struct LaunchConfig {
+    grid: Dim3,
+    block: Dim3,
+    shared_memory: usize,
+    stream: CuStream,
+    attributes: *mut c_void,
+    attribute_count: c_uint,
 }
 
 #[unsafe(no_mangle)]
-pub extern "C" fn cudaLaunchKernelExC(
-    _config: *const c_void,
-    _function: *const c_void,
-    _arguments: *mut *mut c_void,
+pub unsafe extern "C" fn cudaLaunchKernelExC(
+    config: *const LaunchConfig,
+    function: *const c_void,
+    arguments: *mut *mut c_void,
 ) -> CudaError {
-    refuse_launch("cudaLaunchKernelExC")
+    if config.is_null() {
+        return api("cudaLaunchKernelExC", || Err(INVALID_VALUE));
+    }
+    // SAFETY: not NULL; a cudaLaunchConfig_t by the runtime API contract.
+    let config = unsafe { &*config };
+    launch(
+        "cudaLaunchKernelExC",
+        function,
+        config.grid,
+        config.block,
+        arguments,
+        config.stream,
+    )
 }
 
 #[unsafe(no_mangle)]

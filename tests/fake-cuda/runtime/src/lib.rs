@@ -5,8 +5,8 @@
 //! on one capacity. What the runtime adds is its own per-thread state: the current device and
 //! the last error.
 //!
-//! No kernel runs: a launch fails with `cudaErrorNoKernelImageForDevice`. Fat binaries register
-//! as no-ops. See `../README.md` for the whole picture and the knobs.
+//! Kernels launch and do nothing: a launch is work on its stream, booked by the driver
+//! (`kernels.rs`). See `../README.md` for the whole picture and the knobs.
 //!
 //! Every export goes through [`api`], which turns a panic into `cudaErrorUnknown` (nothing may
 //! unwind into PyTorch) and remembers a failure as the thread's last error.
