@@ -34,6 +34,11 @@ typedef void (*ferrocache_oom_observer)(int device, size_t alloc_size, size_t de
 typedef int (*ferrocache_filter_accepts)(const void *filter, cudaStream_t stream, const char **error);
 /* Destroys a capture's C++ stream filter. */
 typedef void (*ferrocache_filter_drop)(void *filter);
+/* Receive a snapshot's segments and their blocks. See ferrocache_snapshot_segments. */
+struct ferrocache_segment_info;
+struct ferrocache_block_info;
+typedef void (*ferrocache_segment_visitor)(void *context, const struct ferrocache_segment_info *segment);
+typedef void (*ferrocache_block_visitor)(void *context, const struct ferrocache_block_info *block);
 
 #ifdef __cplusplus
 extern "C" {
@@ -108,6 +113,29 @@ typedef struct ferrocache_device_stats {
   int64_t num_oom_rejections;
   int64_t max_split_size;
 } ferrocache_device_stats;
+
+// One segment of a snapshot, as PyTorch's `SegmentInfo` holds it (without its blocks).
+typedef struct ferrocache_segment_info {
+  int device;
+  uint64_t address;
+  uint64_t total_size;
+  uint64_t requested_size;
+  uint64_t allocated_size;
+  uint64_t active_size;
+  uint64_t stream;
+  int is_large;
+  int is_expandable;
+  unsigned long long pool_first;
+  unsigned long long pool_second;
+} ferrocache_segment_info;
+
+// One block of a snapshot's segment, as PyTorch's `BlockInfo` holds it.
+typedef struct ferrocache_block_info {
+  uint64_t size;
+  uint64_t requested_size;
+  int allocated;
+  int active;
+} ferrocache_block_info;
 
 #ifdef __cplusplus
 extern "C" {
@@ -241,6 +269,17 @@ int ferrocache_set_pool_no_split(int device, unsigned long long pool_first, unsi
 // `CUDAAllocator::isHistoryEnabled`: 1 while allocator events are recorded
 // (`ferrocache_record_history`), else 0.
 int ferrocache_history_enabled(void);
+
+// `CUDAAllocator::snapshot` from C++ (what PyTorch's NCCL process groups and the profiler
+// ask): every segment of every device in use, in device then address order, each followed by
+// its blocks, given to `segment` and `block` with `context`. With a pool id other than
+// `(0, 0)`, only that private pool's segments. The trace entries are not given (ferrocache's
+// history reaches Python through `ferrocache_snapshot`). No allocator lock is held while the
+// visitors run. Returns 0, or -1 (last error set).
+//
+// # Safety
+// `segment` and `block` are callable with `context`, and never unwind.
+int ferrocache_snapshot_segments(unsigned long long pool_first, unsigned long long pool_second, void *context, ferrocache_segment_visitor segment, ferrocache_block_visitor block);
 
 // This thread's last error: empty when the latest `ferrocache_*` call that can fail succeeded.
 // Never NULL. Owned by ferrocache; valid until the next ferrocache call on this thread.

@@ -115,6 +115,8 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_set_pool_use_on_oom": (c_int, (c_int, c_ulonglong, c_ulonglong, c_int)),
     "ferrocache_set_pool_no_split": (c_int, (c_int, c_ulonglong, c_ulonglong)),
     "ferrocache_history_enabled": (c_int, ()),
+    # Pool id ((0, 0): all), context, segment and block visitors.
+    "ferrocache_snapshot_segments": (c_int, (c_ulonglong, c_ulonglong, c_void_p, c_void_p, c_void_p)),
 }
 
 #: PyTorch's CUDA graph pool hooks. Their parameter types are C++ (``std::pair``,

@@ -63,6 +63,22 @@ struct ferrocache_device_stats {
         max_split_size;
 };
 
+struct ferrocache_segment_info {
+    int device;
+    uint64_t address, total_size, requested_size, allocated_size, active_size, stream;
+    int is_large, is_expandable;
+    unsigned long long pool_first, pool_second;
+};
+struct ferrocache_block_info {
+    uint64_t size, requested_size;
+    int allocated, active;
+};
+typedef void (*ferrocache_segment_visitor)(void* context, const ferrocache_segment_info* segment);
+typedef void (*ferrocache_block_visitor)(void* context, const ferrocache_block_info* block);
+int ferrocache_snapshot_segments(unsigned long long pool_first, unsigned long long pool_second,
+                                 void* context, ferrocache_segment_visitor segment,
+                                 ferrocache_block_visitor block);
+
 void* ferrocache_frontend_malloc(size_t size, int device, cudaStream_t stream, const char** error,
                                  ferrocache_oom_thrower* thrower);
 int ferrocache_free(void* ptr);
@@ -161,6 +177,33 @@ int filter_accepts(const void* filter, cudaStream_t stream, const char** error) 
 }
 
 void filter_drop(void* filter) { delete static_cast<StreamFilter*>(filter); }
+
+// A snapshot's segments and blocks, as the core gives them, into PyTorch's SegmentInfo.
+void add_segment(void* context, const ferrocache_segment_info* from) {
+    auto& segments = *static_cast<std::vector<c10::CachingDeviceAllocator::SegmentInfo>*>(context);
+    c10::CachingDeviceAllocator::SegmentInfo segment;
+    segment.device = static_cast<c10::DeviceIndex>(from->device);
+    segment.address = from->address;
+    segment.total_size = from->total_size;
+    segment.requested_size = from->requested_size;
+    segment.allocated_size = from->allocated_size;
+    segment.active_size = from->active_size;
+    segment.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(from->stream));
+    segment.is_large = from->is_large != 0;
+    segment.is_expandable = from->is_expandable != 0;
+    segment.owner_private_pool_id = {from->pool_first, from->pool_second};
+    segments.push_back(std::move(segment));
+}
+
+void add_block(void* context, const ferrocache_block_info* from) {
+    auto& segments = *static_cast<std::vector<c10::CachingDeviceAllocator::SegmentInfo>*>(context);
+    c10::CachingDeviceAllocator::BlockInfo block;
+    block.size = from->size;
+    block.requested_size = from->requested_size;
+    block.allocated = from->allocated != 0;
+    block.active = from->active != 0;
+    segments.back().blocks.push_back(std::move(block));
+}
 
 // PyTorch's out-of-memory observers, called by the core (with no allocator lock held).
 std::mutex observers_lock;
@@ -307,10 +350,18 @@ class FerrocacheAllocator final : public alloc::CUDAAllocator {
         check(ferrocache_reset_peak_stats(device), "resetPeakStats");
     }
 
-    alloc::SnapshotInfo snapshot(MempoolId /*mempool_id*/, bool /*include_traces*/) override {
-        TORCH_CHECK(false,
-                    "ferrocache answers snapshots through torch.cuda.memory._snapshot() (Python); "
-                    "its C++ snapshot is not written yet");
+    // The segments and blocks; the trace entries reach Python through
+    // torch.cuda.memory._snapshot(), which ferrocache answers there.
+    alloc::SnapshotInfo snapshot(MempoolId mempool_id, bool /*include_traces*/) override {
+        alloc::SnapshotInfo info;
+        std::vector<c10::CachingDeviceAllocator::SegmentInfo> segments;
+        // Exceptions must not cross the C ABI: nothing here throws but out of host memory.
+        check(ferrocache_snapshot_segments(mempool_id.first, mempool_id.second, &segments,
+                                           &add_segment, &add_block),
+              "snapshot");
+        info.segments = std::move(segments);
+        info.device_traces.resize(c10::cuda::device_count());
+        return info;
     }
 
     void beginAllocateToPool(c10::DeviceIndex device, MempoolId mempool_id,

@@ -38,6 +38,8 @@ C_TO_CTYPES = {
     "ferrocache_filter_drop": ctypes.c_void_p,
     "struct ferrocache_device_stats *": ctypes.c_void_p,
     "void * const *": ctypes.POINTER(ctypes.c_void_p),
+    "ferrocache_segment_visitor": ctypes.c_void_p,
+    "ferrocache_block_visitor": ctypes.c_void_p,
 }
 
 _PROTOTYPE = re.compile(r"^\s*([A-Za-z_][\w\s]*?\**)\s*\b(\w+)\(([^)]*)\);", re.MULTILINE)

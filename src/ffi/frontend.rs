@@ -296,3 +296,101 @@ pub extern "C" fn ferrocache_history_enabled() -> c_int {
         Ok(c_int::from(registry::process_wide().history.is_some()))
     })
 }
+
+/// One segment of a snapshot, as PyTorch's `SegmentInfo` holds it (without its blocks).
+#[repr(C)]
+#[allow(non_camel_case_types, reason = "a C type of the header")]
+pub struct ferrocache_segment_info {
+    pub device: c_int,
+    pub address: u64,
+    pub total_size: u64,
+    pub requested_size: u64,
+    pub allocated_size: u64,
+    pub active_size: u64,
+    pub stream: u64,
+    pub is_large: c_int,
+    pub is_expandable: c_int,
+    pub pool_first: c_ulonglong,
+    pub pool_second: c_ulonglong,
+}
+
+/// One block of a snapshot's segment, as PyTorch's `BlockInfo` holds it.
+#[repr(C)]
+#[allow(non_camel_case_types, reason = "a C type of the header")]
+pub struct ferrocache_block_info {
+    pub size: u64,
+    pub requested_size: u64,
+    pub allocated: c_int,
+    pub active: c_int,
+}
+
+/// Receives a segment; the blocks that follow, up to the next segment, are its own.
+#[allow(non_camel_case_types, reason = "a C type of the header")]
+pub type ferrocache_segment_visitor =
+    Option<unsafe extern "C" fn(context: *mut c_void, segment: *const ferrocache_segment_info)>;
+/// Receives a block of the segment last given.
+#[allow(non_camel_case_types, reason = "a C type of the header")]
+pub type ferrocache_block_visitor =
+    Option<unsafe extern "C" fn(context: *mut c_void, block: *const ferrocache_block_info)>;
+
+/// `CUDAAllocator::snapshot` from C++ (what PyTorch's NCCL process groups and the profiler
+/// ask): every segment of every device in use, in device then address order, each followed by
+/// its blocks, given to `segment` and `block` with `context`. With a pool id other than
+/// `(0, 0)`, only that private pool's segments. The trace entries are not given (ferrocache's
+/// history reaches Python through `ferrocache_snapshot`). No allocator lock is held while the
+/// visitors run. Returns 0, or -1 (last error set).
+///
+/// # Safety
+/// `segment` and `block` are callable with `context`, and never unwind.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_snapshot_segments(
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+    context: *mut c_void,
+    segment: ferrocache_segment_visitor,
+    block: ferrocache_block_visitor,
+) -> c_int {
+    with_last_error("ferrocache_snapshot_segments", -1, || {
+        let (Some(segment), Some(block)) = (segment, block) else {
+            return Err("ferrocache_snapshot_segments: a visitor is NULL".to_string());
+        };
+        let mut segments = Vec::new();
+        for device in registry::created_devices() {
+            segments.extend(device.lock()?.allocator().segments());
+        }
+        segments.sort_by_key(|s| (s.device, s.address));
+        let only = (pool_first, pool_second);
+        for taken in segments
+            .iter()
+            .filter(|s| only == (0, 0) || s.segment_pool_id == only)
+        {
+            let info = ferrocache_segment_info {
+                device: taken.device,
+                address: taken.address,
+                total_size: taken.total_size,
+                requested_size: taken.requested_size,
+                allocated_size: taken.allocated_size,
+                active_size: taken.active_size,
+                stream: taken.stream,
+                is_large: c_int::from(taken.segment_type == "large"),
+                is_expandable: c_int::from(taken.is_expandable),
+                pool_first: taken.segment_pool_id.0,
+                pool_second: taken.segment_pool_id.1,
+            };
+            // SAFETY: the caller promises the visitor is callable with `context`; `info` lives
+            // across the call.
+            unsafe { segment(context, &info) };
+            for taken in &taken.blocks {
+                let info = ferrocache_block_info {
+                    size: taken.size,
+                    requested_size: taken.requested_size,
+                    allocated: c_int::from(taken.state == "active_allocated"),
+                    active: c_int::from(taken.state.starts_with("active")),
+                };
+                // SAFETY: as above.
+                unsafe { block(context, &info) };
+            }
+        }
+        Ok(0)
+    })
+}

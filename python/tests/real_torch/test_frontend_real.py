@@ -8,6 +8,7 @@ fallback is seen (scripts/with-fake-cuda provides the CUDA headers the build nee
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 from torch_env import MIB, require_real_torch, run_torch, run_torch_process, torch_env
@@ -47,20 +48,26 @@ after_reset = figures()
 """
 
 
-def run_both(code: str, **env: str) -> tuple[Any, Any]:
-    native = run_torch(code, env=torch_env(**env))
-    ours = run_torch(INSTALL + code, env=torch_env(**env))
+def installed(code: str) -> str:
+    """``code`` run after install() put the front end in place."""
+    return INSTALL + textwrap.dedent(code)
+
+
+def run_both(code: str, check: bool = True, **env: str) -> tuple[Any, Any]:
+    native = run_torch(textwrap.dedent(code), env=torch_env(**env), check=check)
+    ours = run_torch(installed(code), env=torch_env(**env), check=check)
     return native, ours
 
 
 def test_install_puts_ferrocaches_own_allocator_object_in_place_of_pytorchs() -> None:
     done = run_torch_process(
-        INSTALL
-        + """
-        x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
-        result({"backend": torch._C._cuda_getAllocatorBackend(),
-                "served": ferrocache.memory_allocated() == x.nbytes})
+        installed(
         """
+        x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        print(json.dumps({"backend": torch._C._cuda_getAllocatorBackend(),
+                          "served": ferrocache.memory_allocated() == x.nbytes}))
+        """
+        )
     )
     assert done.returncode == 0, done.stderr
     assert "CUDAPluggableAllocator is used instead" not in done.stderr
@@ -72,10 +79,24 @@ def test_pytorchs_own_statistics_functions_read_ferrocaches_figures_as_pytorchs_
     assert ours == native
 
 
+def test_pytorchs_own_snapshot_function_reads_ferrocaches_segments_and_blocks() -> None:
+    code = """
+    a = torch.empty(1000, device="cuda")
+    b = torch.empty(3 * (1 << 20), device="cuda")
+    c = torch.empty(100, device="cuda")
+    del a
+    segments = torch._C._cuda_memorySnapshot(None)["segments"]
+    result(sorted((s["total_size"], s["allocated_size"], s["active_size"], s["segment_type"],
+                   [(b["size"], b["state"]) for b in s["blocks"]]) for s in segments))
+    """
+    native, ours = run_both(code)
+    assert ours == native
+
+
 def test_a_second_swap_is_refused_once_cuda_is_initialised() -> None:
     out = run_torch(
-        INSTALL
-        + """
+        installed(
+        """
         torch.empty(1, device="cuda")
         try:
             torch.cuda.memory.change_current_allocator(
@@ -84,6 +105,7 @@ def test_a_second_swap_is_refused_once_cuda_is_initialised() -> None:
         except RuntimeError as err:
             result(str(err))
         """
+        )
     )
     assert "Can't swap an already initialized allocator" in out
 
@@ -114,8 +136,8 @@ def test_pytorchs_own_mem_pool_class_serves_from_a_ferrocache_pool() -> None:
 
 def test_a_private_pool_unknown_to_the_allocator_is_an_error_not_a_crash() -> None:
     out = run_torch(
-        INSTALL
-        + """
+        installed(
+        """
         torch.empty(1, device="cuda")
         try:
             torch._C._cuda_checkPoolLiveAllocations(0, (0, 12345), set())
@@ -123,14 +145,15 @@ def test_a_private_pool_unknown_to_the_allocator_is_an_error_not_a_crash() -> No
         except RuntimeError as err:
             result(str(err))
         """
+        )
     )
     assert "checkPoolLiveAllocations" in out and "(0, 12345)" in out
 
 
 def test_an_out_of_memory_observer_attached_through_pytorch_is_called_by_ferrocache() -> None:
     out = run_torch(
-        INSTALL
-        + """
+        installed(
+        """
         seen = []
         torch._C._cuda_attach_out_of_memory_observer(lambda *args: seen.append(args[1]))
         try:
@@ -138,7 +161,8 @@ def test_an_out_of_memory_observer_attached_through_pytorch_is_called_by_ferroca
         except torch.OutOfMemoryError:
             pass
         result(seen)
-        """,
+        """
+        ),
         env=torch_env(1 << 30),
     )
     assert out == [1 << 40]
@@ -146,7 +170,10 @@ def test_an_out_of_memory_observer_attached_through_pytorch_is_called_by_ferroca
 
 def test_the_largest_cached_block_is_what_pytorchs_allocator_reports_to_cudnn() -> None:
     """cacheInfo has no Python binding; cuDNN in benchmark mode is its caller. On the fake, the
-    convolution's workspace search asks it, and must not raise."""
+    convolution's workspace search asks it, and must not raise (CUDAPluggableAllocator's
+    refusal would). The exit status is not checked: after cuDNN ran, the process on the fake
+    sometimes aborts at exit ("terminate called without an active exception") under PyTorch's
+    own allocator too, after the result was sent."""
     code = """
     torch.backends.cudnn.benchmark = True
     conv = torch.nn.Conv2d(3, 8, 3).cuda()
@@ -155,7 +182,7 @@ def test_the_largest_cached_block_is_what_pytorchs_allocator_reports_to_cudnn() 
     stats = torch._C._cuda_memoryStats(0)
     result({"peak": stats["allocated_bytes"]["all"]["peak"], "segments": stats["segment"]["all"]["current"]})
     """
-    native, ours = run_both(code)
+    native, ours = run_both(code, check=False)
     assert ours == native
 
 
