@@ -393,8 +393,9 @@ class FerrocacheAllocator final : public alloc::CUDAAllocator {
     void createOrIncrefPool(c10::DeviceIndex device, MempoolId mempool_id,
                             std::shared_ptr<alloc::CUDAAllocator> allocator) override {
         TORCH_CHECK(allocator == nullptr || allocator.get() == this,
-                    "ferrocache does not yet serve a MemPool from an allocator of its own "
-                    "(torch.cuda.MemPool(allocator=...))");
+                    "torch.cuda.MemPool(allocator=...) with ferrocache installed: ferrocache "
+                    "serves every pool from its own segments, so a pool backed by another "
+                    "allocator needs PyTorch's own allocator (do not call ferrocache.install())");
         check(ferrocache_create_or_incref_pool(device, mempool_id.first, mempool_id.second),
               "createOrIncrefPool");
     }
