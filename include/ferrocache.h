@@ -246,7 +246,7 @@ int ferrocache_cache_info(int device, size_t *largest);
 //
 // # Safety
 // `out` is valid for one `ferrocache_device_stats` write.
-int ferrocache_device_stats(int device, struct ferrocache_device_stats *out);
+int ferrocache_read_device_stats(int device, struct ferrocache_device_stats *out);
 
 // `CUDAAllocator::checkPoolLiveAllocations` (CUDA graph trees): 1 when the allocations live
 // in private pool `(pool_first, pool_second)` of `device` are exactly the `count` addresses at

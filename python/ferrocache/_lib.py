@@ -106,7 +106,7 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     ),
     "ferrocache_cache_info": (c_int, (c_int, POINTER(c_size_t))),
     # Device, a struct ferrocache_device_stats to fill.
-    "ferrocache_device_stats": (c_int, (c_int, c_void_p)),
+    "ferrocache_read_device_stats": (c_int, (c_int, c_void_p)),
     # Device, pool id, the expected live addresses and their count.
     "ferrocache_check_pool_live_allocations": (
         c_int,

@@ -91,7 +91,7 @@ double ferrocache_get_memory_fraction(int device);
 void rust_record_stream(void* ptr, cudaStream_t stream);
 void* rust_base_alloc(void* ptr, size_t* size);
 int ferrocache_cache_info(int device, size_t* largest);
-int ferrocache_device_stats(int device, struct ferrocache_device_stats* out);
+int ferrocache_read_device_stats(int device, struct ferrocache_device_stats* out);
 int ferrocache_reset_peak_stats(int device);
 int ferrocache_reset_accumulated_stats(int device);
 int ferrocache_set_caching_enabled(int enabled);
@@ -319,7 +319,7 @@ class FerrocacheAllocator final : public alloc::CUDAAllocator {
 
     DeviceStats getDeviceStats(c10::DeviceIndex device) override {
         struct ferrocache_device_stats from {};
-        check(ferrocache_device_stats(device, &from), "getDeviceStats");
+        check(ferrocache_read_device_stats(device, &from), "getDeviceStats");
         DeviceStats stats;
         copy_stats(from.allocation, stats.allocation);
         copy_stats(from.segment, stats.segment);

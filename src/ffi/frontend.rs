@@ -184,13 +184,13 @@ fn c_device_stats(stats: &DeviceStats) -> ferrocache_device_stats {
 /// # Safety
 /// `out` is valid for one `ferrocache_device_stats` write.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ferrocache_device_stats(
+pub unsafe extern "C" fn ferrocache_read_device_stats(
     device: c_int,
     out: *mut ferrocache_device_stats,
 ) -> c_int {
-    with_last_error("ferrocache_device_stats", -1, || {
+    with_last_error("ferrocache_read_device_stats", -1, || {
         if out.is_null() {
-            return Err("ferrocache_device_stats: out is NULL".to_string());
+            return Err("ferrocache_read_device_stats: out is NULL".to_string());
         }
         let stats = match registry::if_used(device)? {
             Some(device) => c_device_stats(device.lock()?.allocator().stats()),
