@@ -186,4 +186,27 @@ def test_the_largest_cached_block_is_what_pytorchs_allocator_reports_to_cudnn() 
     assert ours == native
 
 
+def test_cuda_graph_trees_stop_at_their_first_checkpoint_with_an_error_that_names_it() -> None:
+    """Not done yet (docs/cuda-graphs.md): a tree checkpoints its pool after each recording,
+    and the front end does not checkpoint pools. What it must not do meanwhile is crash or
+    answer wrongly: the compiled call raises, naming the call."""
+    out = run_torch(
+        installed(
+            """
+        g = torch.compile(lambda x: torch.relu(x) + 1, backend="cudagraphs")
+        outcomes = []
+        for _ in range(2):
+            try:
+                g(torch.randn(8, 16, device="cuda"))
+                outcomes.append("ran")
+            except RuntimeError as err:
+                outcomes.append(str(err).splitlines()[0])
+        result(outcomes)
+        """
+        )
+    )
+    assert out[0] == "ran"
+    assert "getCheckpointState" in out[1]
+
+
 __all__ = ["MIB"]
