@@ -246,9 +246,9 @@ def test_nccl_process_groups_with_ferrocaches_allocator() -> None:
         dist.init_process_group("nccl-legacy")
         dist.destroy_process_group()
         print("nccl-legacy: created and destroyed", flush=True)
-        # torch 2.15's default NCCL group (nccl2) starts NCCL at once; its clean-up asks the
-        # allocator for a snapshot (answered) and attaches an allocator trace tracker, which
-        # ferrocache does not feed yet and refuses, from a destructor: the process aborts.
+        # torch 2.15's default NCCL group (nccl2) starts NCCL at once; it asks the allocator for
+        # a snapshot (answered) and attaches an allocator trace tracker, which ferrocache does
+        # not feed yet and refuses where no exception may pass: the process aborts.
         os.environ["MASTER_PORT"] = free_port()
         dist.init_process_group("nccl")
         """
