@@ -101,7 +101,6 @@ def build(torch: ModuleType) -> Path:
     if absent:
         raise RuntimeError(f"this PyTorch lacks {', '.join(absent)} in {lib}")
     library = _lib.loaded_path() or _lib.library_path()
-    cuda_include = cuda_include_dirs(torch)
     major, minor = _torch_version_numbers(torch)
     abi = torch_api._cxx11_abi(torch)
     stat = library.stat()
@@ -113,6 +112,7 @@ def build(torch: ModuleType) -> Path:
     compiler = torch_api._compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found (looked for $CXX, c++, g++, clang++)")
+    cuda_include = cuda_include_dirs(torch)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name

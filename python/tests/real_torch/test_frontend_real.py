@@ -8,6 +8,7 @@ fallback is seen (scripts/with-fake-cuda provides the CUDA headers the build nee
 
 from __future__ import annotations
 
+import json
 import textwrap
 from typing import Any
 
@@ -72,6 +73,25 @@ def test_install_puts_ferrocaches_own_allocator_object_in_place_of_pytorchs() ->
     assert done.returncode == 0, done.stderr
     assert "CUDAPluggableAllocator is used instead" not in done.stderr
     assert '{"backend": "ferrocache", "served": true}' in done.stdout
+
+
+def test_without_cuda_headers_install_falls_back_to_the_pluggable_allocator_with_one_warning(tmp_path) -> None:
+    done = run_torch_process(
+        """
+        allocator = ferrocache.install()
+        from ferrocache import frontend
+        x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        print(json.dumps({"type": type(allocator).__name__, "front end": frontend.is_installed(),
+                          "served": ferrocache.memory_allocated() == x.nbytes,
+                          "mem_pool": type(torch.cuda.MemPool()).__module__}))
+        """,
+        env=torch_env(FERROCACHE_CUDA_INCLUDE=str(tmp_path / "none"), FERROCACHE_CACHE_DIR=str(tmp_path)),
+    )
+    warnings = [line for line in done.stderr.splitlines() if "[WARN]" in line]
+    assert len(warnings) == 1 and "CUDAPluggableAllocator is used instead" in warnings[0], done.stderr
+    assert "cuda_runtime.h" in warnings[0]
+    expected = {"type": "CUDAPluggableAllocator", "front end": False, "served": True, "mem_pool": "ferrocache.pools"}
+    assert json.dumps(expected) in done.stdout, done.stdout
 
 
 def test_pytorchs_own_statistics_functions_read_ferrocaches_figures_as_pytorchs_allocator_gives_them() -> None:
