@@ -10,7 +10,8 @@
 // knows each block's size, device and stream, so allocate() and the deleter go straight to it.
 //
 // FERROCACHE_TORCH_MINOR (given by the build, with FERROCACHE_TORCH_MAJOR) selects the virtuals
-// of the PyTorch it is built for.
+// of the PyTorch it is built for: checked against 2.11 and 2.15 (between them, a virtual this
+// file has wrong fails the build, and install() falls back to CUDAPluggableAllocator).
 #include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -164,7 +165,7 @@ void copy_stats(const ferrocache_stat (&from)[3], c10::CachingAllocator::StatArr
 using StreamFilter = std::function<bool(cudaStream_t)>;
 thread_local std::string filter_failure;
 
-int filter_accepts(const void* filter, cudaStream_t stream, const char** error) {
+int filter_accepts(const void* filter, cudaStream_t stream, const char** error) noexcept {
     try {
         return (*static_cast<const StreamFilter*>(filter))(stream) ? 1 : 0;
     } catch (const std::exception& e) {
@@ -176,40 +177,58 @@ int filter_accepts(const void* filter, cudaStream_t stream, const char** error) 
     return -1;
 }
 
-void filter_drop(void* filter) { delete static_cast<StreamFilter*>(filter); }
+void filter_drop(void* filter) noexcept { delete static_cast<StreamFilter*>(filter); }
 
-// A snapshot's segments and blocks, as the core gives them, into PyTorch's SegmentInfo.
-void add_segment(void* context, const ferrocache_segment_info* from) {
-    auto& segments = *static_cast<std::vector<c10::CachingDeviceAllocator::SegmentInfo>*>(context);
-    c10::CachingDeviceAllocator::SegmentInfo segment;
-    segment.device = static_cast<c10::DeviceIndex>(from->device);
-    segment.address = from->address;
-    segment.total_size = from->total_size;
-    segment.requested_size = from->requested_size;
-    segment.allocated_size = from->allocated_size;
-    segment.active_size = from->active_size;
-    segment.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(from->stream));
-    segment.is_large = from->is_large != 0;
-    segment.is_expandable = from->is_expandable != 0;
-    segment.owner_private_pool_id = {from->pool_first, from->pool_second};
-    segments.push_back(std::move(segment));
+// A snapshot's segments and blocks, as the core gives them, into PyTorch's SegmentInfo. The
+// visitors are called from Rust: nothing may unwind through them (out of host memory is noted).
+struct SnapshotSegments {
+    std::vector<c10::CachingDeviceAllocator::SegmentInfo> segments;
+    bool out_of_memory = false;
+};
+
+void add_segment(void* context, const ferrocache_segment_info* from) noexcept {
+    auto& taken = *static_cast<SnapshotSegments*>(context);
+    try {
+        c10::CachingDeviceAllocator::SegmentInfo segment;
+        segment.device = static_cast<c10::DeviceIndex>(from->device);
+        segment.address = from->address;
+        segment.total_size = from->total_size;
+        segment.requested_size = from->requested_size;
+        segment.allocated_size = from->allocated_size;
+        segment.active_size = from->active_size;
+        segment.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(from->stream));
+        segment.is_large = from->is_large != 0;
+        segment.is_expandable = from->is_expandable != 0;
+        segment.owner_private_pool_id = {from->pool_first, from->pool_second};
+        taken.segments.push_back(std::move(segment));
+    } catch (...) {
+        taken.out_of_memory = true;
+    }
 }
 
-void add_block(void* context, const ferrocache_block_info* from) {
-    auto& segments = *static_cast<std::vector<c10::CachingDeviceAllocator::SegmentInfo>*>(context);
-    c10::CachingDeviceAllocator::BlockInfo block;
-    block.size = from->size;
-    block.requested_size = from->requested_size;
-    block.allocated = from->allocated != 0;
-    block.active = from->active != 0;
-    segments.back().blocks.push_back(std::move(block));
+void add_block(void* context, const ferrocache_block_info* from) noexcept {
+    auto& taken = *static_cast<SnapshotSegments*>(context);
+    if (taken.segments.empty()) {
+        return;  // its segment could not be kept
+    }
+    try {
+        c10::CachingDeviceAllocator::BlockInfo block;
+        block.size = from->size;
+        block.requested_size = from->requested_size;
+        block.allocated = from->allocated != 0;
+        block.active = from->active != 0;
+        taken.segments.back().blocks.push_back(std::move(block));
+    } catch (...) {
+        taken.out_of_memory = true;
+    }
 }
 
 // PyTorch's out-of-memory observers, called by the core (with no allocator lock held).
 std::mutex observers_lock;
 std::vector<alloc::OutOfMemoryObserver> observers;
 
-void notify_observers(int device, size_t alloc_size, size_t device_total, size_t device_free) {
+void notify_observers(int device, size_t alloc_size, size_t device_total,
+                      size_t device_free) noexcept {
     std::vector<alloc::OutOfMemoryObserver> now;
     {
         std::lock_guard<std::mutex> guard(observers_lock);
@@ -337,7 +356,9 @@ class FerrocacheAllocator final : public alloc::CUDAAllocator {
         stats.num_sync_all_streams = from.num_sync_all_streams;
         stats.num_device_alloc = from.num_device_alloc;
         stats.num_device_free = from.num_device_free;
+#if FERROCACHE_TORCH_AT_LEAST(2, 15)
         stats.num_oom_rejections = from.num_oom_rejections;
+#endif
         stats.max_split_size = from.max_split_size;
         return stats;
     }
@@ -354,12 +375,14 @@ class FerrocacheAllocator final : public alloc::CUDAAllocator {
     // torch.cuda.memory._snapshot(), which ferrocache answers there.
     alloc::SnapshotInfo snapshot(MempoolId mempool_id, bool /*include_traces*/) override {
         alloc::SnapshotInfo info;
-        std::vector<c10::CachingDeviceAllocator::SegmentInfo> segments;
-        // Exceptions must not cross the C ABI: nothing here throws but out of host memory.
-        check(ferrocache_snapshot_segments(mempool_id.first, mempool_id.second, &segments,
+        SnapshotSegments taken;
+        check(ferrocache_snapshot_segments(mempool_id.first, mempool_id.second, &taken,
                                            &add_segment, &add_block),
               "snapshot");
-        info.segments = std::move(segments);
+        if (taken.out_of_memory) {
+            throw std::bad_alloc();
+        }
+        info.segments = std::move(taken.segments);
         info.device_traces.resize(c10::cuda::device_count());
         return info;
     }
@@ -441,7 +464,9 @@ class FerrocacheAllocator final : public alloc::CUDAAllocator {
               "recordHistory");
     }
 
+#if FERROCACHE_TORCH_AT_LEAST(2, 15)
     bool supportsUserMetadata() override { return true; }
+#endif
 
     void setUserMetadata(const std::string& metadata) override {
         check(ferrocache_set_memory_metadata(metadata.c_str()), "setUserMetadata");
@@ -465,9 +490,12 @@ class FerrocacheAllocator final : public alloc::CUDAAllocator {
         observers.push_back(std::move(observer));
     }
 
+#if FERROCACHE_TORCH_AT_LEAST(2, 15)
     // ferrocache never refuses an allocation in advance (throw_on_cudamalloc_oom is ignored),
     // so such an observer is never called.
     void attachOomRejectionObserver(alloc::OomRejectionObserver /*observer*/) override {}
+
+#endif
 
     void attachAllocatorTraceTracker(alloc::AllocatorTraceTracker /*tracker*/) override {
         TORCH_CHECK(false, "ferrocache does not yet send segment events to an allocator trace "
