@@ -196,7 +196,7 @@ def _install_frontend(torch: ModuleType, memory: Any) -> Any:
         return None
     try:
         frontend.install(torch)
-    except RuntimeError as err:
+    except (RuntimeError, OSError) as err:  # OSError: an unwritable cache, a compiler that fails to start
         if "initialized allocator" in str(err):
             raise RuntimeError(
                 f"ferrocache.install(): PyTorch refused to change its allocator ({err}); "
