@@ -1,13 +1,17 @@
-"""Host cost per allocation through real PyTorch: ferrocache behind CUDAPluggableAllocator
-against PyTorch's native caching allocator, on the fake CUDA, side by side in one run.
+"""Host cost per allocation through real PyTorch: ferrocache (its own allocator object, and
+behind CUDAPluggableAllocator) against PyTorch's native caching allocator, on the fake CUDA,
+side by side in one run.
 
     scripts/with-fake-cuda python benches/torch_alloc.py [--rounds 7] [--chunks 41] [--json FILE]
 
-Three kinds of process, identical but for the allocator PyTorch is given before CUDA starts:
+Four kinds of process, identical but for the allocator PyTorch is given before CUDA starts:
 
 - ``native``: PyTorch's own caching allocator;
-- ``ferrocache``: ``ferrocache.install()`` (``CUDAPluggableAllocator`` over ``rust_malloc`` and
-  ``rust_free``);
+- ``ferrocache``: ``ferrocache.install()``, ferrocache's own ``CUDAAllocator`` object
+  (python/ferrocache/frontend.cpp, no map of pointers);
+- ``pluggable``: ``ferrocache.install()`` with ``FERROCACHE_FRONTEND=0``
+  (``CUDAPluggableAllocator`` over ``rust_malloc`` and ``rust_free``, the path before the front
+  end);
 - ``floor``: ``CUDAPluggableAllocator`` over a do-nothing allocator (``floor_malloc`` and
   ``floor_free`` in benches/torch_alloc.cpp: a stack per size class, no lock). What it costs
   through PyTorch is PyTorch's wrapper, the least any pluggable allocator can cost there.
@@ -48,7 +52,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = Path(__file__).with_name("torch_alloc.cpp")
 WORK = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target")).resolve() / "torch-alloc-bench"
-MODES = ("native", "ferrocache", "floor")
+MODES = ("native", "ferrocache", "pluggable", "floor")
 LIVE = (1_000, 10_000, 100_000)
 SMALL = 4 << 10
 LARGE = 64 << 20
@@ -128,8 +132,11 @@ CHILD = textwrap.dedent(
         return ctypes.cast(getattr(library, name), ctypes.c_void_p).value
 
     direct = None  # the pluggable allocator's malloc and free, for calls without the wrapper
-    if mode == "ferrocache":
+    if mode in ("ferrocache", "pluggable"):
+        import os
         import ferrocache
+        if mode == "pluggable":
+            os.environ["FERROCACHE_FRONTEND"] = "0"
         ferrocache.install()
         library = ctypes.CDLL(str(ferrocache._lib.library_path()))
         direct = (address(library, "rust_malloc"), address(library, "rust_free"))
@@ -168,7 +175,7 @@ CHILD = textwrap.dedent(
         row["get_device"] = harness.get_device_ns(chunks, chunk_pairs)
         figures[str(live)] = row
     check(harness.torch_release(RELEASE_ALL), "release")
-    if mode == "ferrocache":  # ferrocache's own count: PyTorch did hand it the pairs
+    if mode in ("ferrocache", "pluggable"):  # ferrocache's own count: PyTorch did hand it the pairs
         figures["ferrocache_allocations"] = ferrocache.memory_stats()["allocation.all.allocated"]
 
     # The Python level: torch.empty + del with live tensors and a cached hole, as above.
@@ -289,33 +296,34 @@ def _cpp_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
     return [row for live, row in run.items() if live.isdigit()]
 
 
-def _ratio_range(runs: dict[str, list[dict[str, Any]]], *keys: str) -> str:
-    """The lowest and highest ferrocache/native ratio of one round (processes run in turn)."""
+def _ratio_range(runs: dict[str, list[dict[str, Any]]], *keys: str, mode: str = "ferrocache") -> str:
+    """The lowest and highest ``mode``/native ratio of one round (processes run in turn)."""
 
     def pick(run: dict[str, Any]) -> float:
         for key in keys:
             run = run[key]
         return float(run)  # type: ignore[arg-type]
 
-    ratios = [pick(f) / pick(n) for n, f in zip(runs["native"], runs["ferrocache"])]
+    ratios = [pick(f) / pick(n) for n, f in zip(runs["native"], runs[mode])]
     return f"{min(ratios):.2f}-{max(ratios):.2f}"
 
 
 def report(summary: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:
-    native, ours, floor = (summary[mode] for mode in MODES)
+    native, ours, pluggable, floor = (summary[mode] for mode in MODES)
     sizes = (("small", "4 KiB"), ("large", "64 MiB"))
     print(f"medians over {len(runs['native'])} rounds, ns per alloc+free pair")
     print()
     print("C++: raw_alloc_with_stream + raw_delete, through PyTorch")
-    print(f"{'pair':<7} {'live':>7} {'native':>8} {'ferrocache':>10} {'floor':>7} "
-          f"{'ferrocache/native':>17} {'(rounds)':>9} {'floor/native':>12}")  # fmt: skip
+    print(f"{'pair':<7} {'live':>7} {'native':>8} {'ferrocache':>10} {'pluggable':>9} "
+          f"{'floor':>7} {'ferrocache/native':>17} {'(rounds)':>9} {'pluggable/native':>16} "
+          f"{'floor/native':>12}")  # fmt: skip
     for live in native["cpp"]:
         for name, label in sizes:
             key = f"torch_{name}"
-            n, f, w = (m["cpp"][live][key] for m in (native, ours, floor))
+            n, f, p, w = (m["cpp"][live][key] for m in (native, ours, pluggable, floor))
             spread = _ratio_range(runs, live, key)
-            print(f"{label:<7} {int(live):>7,} {n:8.1f} {f:10.1f} {w:7.1f} "
-                  f"{f / n:17.2f} {spread:>9} {w / n:12.2f}")  # fmt: skip
+            print(f"{label:<7} {int(live):>7,} {n:8.1f} {f:10.1f} {p:9.1f} {w:7.1f} "
+                  f"{f / n:17.2f} {spread:>9} {p / n:16.2f} {w / n:12.2f}")  # fmt: skip
     print()
     print("the pluggable allocators called directly, and PyTorch's wrapper (= through - direct)")
     print(f"{'pair':<7} {'live':>7} {'ferrocache direct':>17} {'wrapper':>7} "
@@ -335,9 +343,11 @@ def report(summary: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> No
     print(f"device allocations in the timed pairs (most in one process): {device_allocs}")
     print()
     print("Python: torch.empty(1024, dtype=torch.float32, device='cuda') + del, 10,000 live")
-    n, f, w = native["python"], ours["python"], floor["python"]
-    print(f"native {n:.0f} ns, ferrocache {f:.0f} ns, floor {w:.0f} ns; ferrocache/native "
-          f"{f / n:.2f} (rounds {_ratio_range(runs, 'python')}), floor/native {w / n:.2f}")
+    n, f, p, w = native["python"], ours["python"], pluggable["python"], floor["python"]
+    print(f"native {n:.0f} ns, ferrocache {f:.0f} ns, pluggable {p:.0f} ns, floor {w:.0f} ns; "
+          f"ferrocache/native {f / n:.2f} (rounds {_ratio_range(runs, 'python')}), "
+          f"pluggable/native {p / n:.2f} (rounds {_ratio_range(runs, 'python', mode='pluggable')}), "
+          f"floor/native {w / n:.2f}")
 
 
 def main() -> None:

@@ -29,6 +29,16 @@ typedef const char *(*ferrocache_reserve_class_lookup)(cudaStream_t stream);
    ferrocache_attach_oom_observer. */
 typedef void (*ferrocache_oom_observer)(int device, size_t alloc_size, size_t device_total,
                                         size_t device_free);
+/* Asks a capture's C++ stream filter: 1 yes, 0 no, -1 it threw (what it said in *error). See
+   ferrocache_frontend_begin_allocate_to_pool. */
+typedef int (*ferrocache_filter_accepts)(const void *filter, cudaStream_t stream, const char **error);
+/* Destroys a capture's C++ stream filter. */
+typedef void (*ferrocache_filter_drop)(void *filter);
+/* Receive a snapshot's segments and their blocks. See ferrocache_snapshot_segments. */
+struct ferrocache_segment_info;
+struct ferrocache_block_info;
+typedef void (*ferrocache_segment_visitor)(void *context, const struct ferrocache_segment_info *segment);
+typedef void (*ferrocache_block_visitor)(void *context, const struct ferrocache_block_info *block);
 
 #ifdef __cplusplus
 extern "C" {
@@ -73,6 +83,59 @@ void rust_release_pool(int device, std::pair<unsigned long long, unsigned long l
 }  // extern "C"
 #endif  /* C++ only */
 
+
+// One of PyTorch's `Stat`s.
+typedef struct ferrocache_stat {
+  int64_t current;
+  int64_t peak;
+  int64_t allocated;
+  int64_t freed;
+} ferrocache_stat;
+
+// PyTorch's `DeviceStats`, its `StatArray`s as [all, small pool, large pool], in its order.
+typedef struct ferrocache_device_stats {
+  struct ferrocache_stat allocation[3];
+  struct ferrocache_stat segment[3];
+  struct ferrocache_stat active[3];
+  struct ferrocache_stat inactive_split[3];
+  struct ferrocache_stat allocated_bytes[3];
+  struct ferrocache_stat reserved_bytes[3];
+  struct ferrocache_stat active_bytes[3];
+  struct ferrocache_stat inactive_split_bytes[3];
+  struct ferrocache_stat requested_bytes[3];
+  int64_t num_alloc_retries;
+  int64_t num_ooms;
+  struct ferrocache_stat oversize_allocations;
+  struct ferrocache_stat oversize_segments;
+  int64_t num_sync_all_streams;
+  int64_t num_device_alloc;
+  int64_t num_device_free;
+  int64_t num_oom_rejections;
+  int64_t max_split_size;
+} ferrocache_device_stats;
+
+// One segment of a snapshot, as PyTorch's `SegmentInfo` holds it (without its blocks).
+typedef struct ferrocache_segment_info {
+  int device;
+  uint64_t address;
+  uint64_t total_size;
+  uint64_t requested_size;
+  uint64_t allocated_size;
+  uint64_t active_size;
+  uint64_t stream;
+  int is_large;
+  int is_expandable;
+  unsigned long long pool_first;
+  unsigned long long pool_second;
+} ferrocache_segment_info;
+
+// One block of a snapshot's segment, as PyTorch's `BlockInfo` holds it.
+typedef struct ferrocache_block_info {
+  uint64_t size;
+  uint64_t requested_size;
+  int allocated;
+  int active;
+} ferrocache_block_info;
 
 #ifdef __cplusplus
 extern "C" {
@@ -147,6 +210,76 @@ void *ferrocache_alloc(size_t size, int device, cudaStream_t stream);
 // Returns 0, or -1 (last error set, logged at ERROR, nothing changed) for a pointer ferrocache
 // did not give out or already freed. NULL returns 0 and does nothing.
 int ferrocache_free(void *ptr);
+
+// `CUDAAllocator::allocate` and `raw_alloc`: what `rust_malloc` does, for a caller outside
+// the library. Returns the pointer with `*error` set to NULL, or NULL with `*error` pointing
+// at the reason (valid until this thread's next ferrocache call) and `*thrower` at the
+// registered out-of-memory thrower when memory ran out (else NULL). Size 0 gives NULL with no
+// error.
+//
+// # Safety
+// `error` and `thrower` are NULL or valid for one pointer write each.
+void *ferrocache_frontend_malloc(size_t size, int device, cudaStream_t stream, const char **error, ferrocache_oom_thrower *thrower);
+
+// `CUDAAllocator::beginAllocateToPool`: from now until `ferrocache_end_allocate_to_pool`,
+// allocations on `device` whose stream `filter` accepts come from the private pool
+// `(pool_first, pool_second)`. Takes ownership of `filter` (NULL: it could not be copied).
+// Returns NULL, or why the capture is refused (logged at ERROR), which the C++ side throws.
+//
+// # Safety
+// `filter` is NULL or an object that `accepts` and `drop` work on, not used by the caller
+// afterwards.
+const char *ferrocache_frontend_begin_allocate_to_pool(int device, unsigned long long pool_first, unsigned long long pool_second, void *filter, ferrocache_filter_accepts accepts, ferrocache_filter_drop drop);
+
+// `CUDAAllocator::cacheInfo` as PyTorch's allocator answers it (cuDNN sizes its benchmark
+// workspaces by it): `*largest` becomes the largest of itself and every cached block of
+// `device`, private pools included; a `*largest` of 0 starts from the device's free memory.
+// Returns 0, or -1 (last error set).
+//
+// # Safety
+// `largest` is valid for one `size_t` read and write.
+int ferrocache_cache_info(int device, size_t *largest);
+
+// `CUDAAllocator::getDeviceStats`: `device`'s statistics, what `torch.cuda.memory_stats`
+// reports, into `*out` (all zero for a device not used yet). Returns 0, or -1 (last error
+// set).
+//
+// # Safety
+// `out` is valid for one `ferrocache_device_stats` write.
+int ferrocache_read_device_stats(int device, struct ferrocache_device_stats *out);
+
+// `CUDAAllocator::checkPoolLiveAllocations` (CUDA graph trees): 1 when the allocations live
+// in private pool `(pool_first, pool_second)` of `device` are exactly the `count` addresses at
+// `expected`, 0 when not, -1 for an unknown pool or device (last error set).
+//
+// # Safety
+// `expected` is valid for `count` pointer reads (or `count` is 0).
+int ferrocache_check_pool_live_allocations(int device, unsigned long long pool_first, unsigned long long pool_second, void *const *expected, size_t count);
+
+// `CUDAAllocator::setUseOnOOM`, as `torch.cuda.MemPool(use_on_oom=True)` calls it: with
+// `use_on_oom` non-zero, an allocation outside every private pool that would run out of memory
+// may take one of the pool's cached blocks. Returns 0, or -1 (last error set) when there is no
+// such pool.
+int ferrocache_set_pool_use_on_oom(int device, unsigned long long pool_first, unsigned long long pool_second, int use_on_oom);
+
+// `CUDAAllocator::setNoSplit`, as `torch.cuda.MemPool(no_split=True)` calls it: the pool's
+// blocks are handed out whole. Returns 0, or -1 (last error set) when there is no such pool.
+int ferrocache_set_pool_no_split(int device, unsigned long long pool_first, unsigned long long pool_second);
+
+// `CUDAAllocator::isHistoryEnabled`: 1 while allocator events are recorded
+// (`ferrocache_record_history`), else 0.
+int ferrocache_history_enabled(void);
+
+// `CUDAAllocator::snapshot` from C++ (what PyTorch's NCCL process groups and the profiler
+// ask): every segment of every device in use, in device then address order, each followed by
+// its blocks, given to `segment` and `block` with `context`. With a pool id other than
+// `(0, 0)`, only that private pool's segments. The trace entries are not given (ferrocache's
+// history reaches Python through `ferrocache_snapshot`). No allocator lock is held while the
+// visitors run. Returns 0, or -1 (last error set).
+//
+// # Safety
+// `segment` and `block` are callable with `context`, and never unwind.
+int ferrocache_snapshot_segments(unsigned long long pool_first, unsigned long long pool_second, void *context, ferrocache_segment_visitor segment, ferrocache_block_visitor block);
 
 // This thread's last error: empty when the latest `ferrocache_*` call that can fail succeeded.
 // Never NULL. Owned by ferrocache; valid until the next ferrocache call on this thread.

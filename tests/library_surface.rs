@@ -11,8 +11,9 @@ use regex::Regex;
 
 /// The C ABI: `rust_malloc` and the CUDA graph pool hooks (C++), `rust_free` and the other hooks
 /// PyTorch takes, the `ferrocache_*` functions of the Python package, and the command line the
-/// `ferrocache` binary runs.
-const EXPORTS: [&str; 50] = [
+/// `ferrocache` binary runs, and what ferrocache's own allocator object for PyTorch
+/// (python/ferrocache/frontend.cpp) asks.
+const EXPORTS: [&str; 59] = [
     "ferrocache_alloc",
     "ferrocache_attach_oom_observer",
     "ferrocache_begin_allocate_current_thread_to_pool",
@@ -41,6 +42,15 @@ const EXPORTS: [&str; 50] = [
     "ferrocache_set_caching_enabled",
     "ferrocache_caching_enabled",
     "ferrocache_set_pool_options",
+    "ferrocache_frontend_malloc",
+    "ferrocache_frontend_begin_allocate_to_pool",
+    "ferrocache_cache_info",
+    "ferrocache_read_device_stats",
+    "ferrocache_check_pool_live_allocations",
+    "ferrocache_set_pool_use_on_oom",
+    "ferrocache_set_pool_no_split",
+    "ferrocache_history_enabled",
+    "ferrocache_snapshot_segments",
     "ferrocache_empty_pool_cache",
     "ferrocache_set_oom_thrower",
     "ferrocache_set_reserve_class_lookup",

@@ -98,6 +98,28 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_last_sleep_report": (c_void_p, ()),
     # Gives back sleep's idle pinned host memory: the bytes given back.
     "ferrocache_release_host_memory": (c_ulonglong, ()),
+    # ferrocache's own CUDAAllocator object for PyTorch (frontend.cpp) and what it asks.
+    "ferrocache_frontend_malloc": (
+        c_void_p,
+        (c_size_t, c_int, c_void_p, POINTER(c_char_p), POINTER(c_void_p)),
+    ),
+    "ferrocache_frontend_begin_allocate_to_pool": (
+        c_char_p,
+        (c_int, c_ulonglong, c_ulonglong, c_void_p, c_void_p, c_void_p),
+    ),
+    "ferrocache_cache_info": (c_int, (c_int, POINTER(c_size_t))),
+    # Device, a struct ferrocache_device_stats to fill.
+    "ferrocache_read_device_stats": (c_int, (c_int, c_void_p)),
+    # Device, pool id, the expected live addresses and their count.
+    "ferrocache_check_pool_live_allocations": (
+        c_int,
+        (c_int, c_ulonglong, c_ulonglong, POINTER(c_void_p), c_size_t),
+    ),
+    "ferrocache_set_pool_use_on_oom": (c_int, (c_int, c_ulonglong, c_ulonglong, c_int)),
+    "ferrocache_set_pool_no_split": (c_int, (c_int, c_ulonglong, c_ulonglong)),
+    "ferrocache_history_enabled": (c_int, ()),
+    # Pool id ((0, 0): all), context, segment and block visitors.
+    "ferrocache_snapshot_segments": (c_int, (c_ulonglong, c_ulonglong, c_void_p, c_void_p, c_void_p)),
 }
 
 #: PyTorch's CUDA graph pool hooks. Their parameter types are C++ (``std::pair``,
@@ -109,7 +131,7 @@ CPP_HOOKS = frozenset(
 
 #: Functions that must never be called through ctypes (they throw C++ exceptions, or take C++
 #: types).
-NOT_CALLABLE = frozenset({"rust_malloc"}) | CPP_HOOKS
+NOT_CALLABLE = frozenset({"rust_malloc", "ferrocache_frontend_begin_allocate_to_pool"}) | CPP_HOOKS
 #: Functions that do not make the library read its settings.
 _SETTINGS_FREE = frozenset(
     {

@@ -1,9 +1,12 @@
 """``ferrocache.install()``: makes ferrocache PyTorch's CUDA allocator.
 
-It builds ``torch.cuda.memory.CUDAPluggableAllocator(library_path(), "rust_malloc",
-"rust_free")``, hands PyTorch the addresses of the library's hooks (PyTorch's ``set_*_fn``
-methods of the allocator object take function addresses as integers), and calls
-``torch.cuda.memory.change_current_allocator``. PyTorch only allows that before CUDA is
+It swaps in ferrocache's own ``CUDAAllocator`` object (:mod:`ferrocache.frontend`, built
+against the running PyTorch and cached), which answers every question PyTorch's C++ code asks
+its allocator. Where that object cannot be built (no compiler, no CUDA headers) it writes one
+WARN naming what is lost and builds ``torch.cuda.memory.CUDAPluggableAllocator(library_path(),
+"rust_malloc", "rust_free")`` instead, hands PyTorch the addresses of the library's hooks
+(PyTorch's ``set_*_fn`` methods take function addresses as integers), and calls
+``torch.cuda.memory.change_current_allocator``. PyTorch only allows either before CUDA is
 initialised, so ``install()`` must come before the first CUDA tensor.
 """
 
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Optional, Union
 
-from . import _env, _lib, _ranks, config, oom, torch_api
+from . import _env, _lib, _ranks, config, frontend, oom, torch_api
 
 #: PyTorch's hook setters, the library function each one gets, and what is lost without it.
 HOOKS = (
@@ -105,7 +108,8 @@ def install(
     (:func:`ferrocache.oom.snapshot_on_oom`). ``{rank}``, ``{local_rank}`` and ``{pid}`` in it
     are replaced; without them, one rank of a job of several writes ``<stem>_rank<N><ext>``.
 
-    Returns the ``torch.cuda.memory.CUDAPluggableAllocator``. Raises ``ValueError`` with
+    Returns PyTorch's allocator object: ``torch.cuda.memory._get_current_allocator()`` for
+    ferrocache's own (:mod:`ferrocache.frontend`), else the ``CUDAPluggableAllocator``. Raises ``ValueError`` with
     PyTorch's wording for an invalid setting, ``RuntimeError`` when CUDA is already initialised
     (too late to change PyTorch's allocator) and ``ImportError`` without PyTorch. A second call
     returns the same allocator and changes nothing.
@@ -162,18 +166,11 @@ def install(
         if torch_version:
             os.environ.setdefault(PYTORCH_VERSION_VAR, str(torch_version))
         config.apply(conf, log_level)
-        path = str(_lib.library_path())
         _lib.load()
-        allocator = memory.CUDAPluggableAllocator(path, "rust_malloc", "rust_free")
-        _connect_hooks(allocator)
-        try:
-            memory.change_current_allocator(allocator)
-        except RuntimeError as err:
-            raise RuntimeError(
-                f"ferrocache.install(): PyTorch refused to change its allocator ({err}); "
-                "call ferrocache.install() before anything uses CUDA"
-            ) from err
-        torch_api.patch_torch_cuda(torch)
+        allocator = _install_frontend(torch, memory)
+        if allocator is None:
+            allocator = _install_pluggable(memory)
+        torch_api.patch_torch_cuda(torch, own_pools=frontend.is_installed())
         torch_api.connect_oom_error(torch)
         _replace_oom_observer_attachment(torch)
         _warn_of_nccl_register_hook()
@@ -181,6 +178,51 @@ def install(
             oom.snapshot_on_oom(snapshot_on_oom)
         _installed = _Installed(allocator, conf, log_level, snapshot_on_oom)
         return allocator
+
+
+#: What PyTorch's CUDAPluggableAllocator, the fallback, cannot do that the front end does.
+FRONTEND_LOST = (
+    "PyTorch's C++ callers get refusals: cacheInfo (convolutions with "
+    "torch.backends.cudnn.benchmark=True raise), checkPoolLiveAllocations (CUDA graph trees), "
+    "getDeviceStats from C++, PyTorch's own torch.cuda.MemPool (ferrocache's stands in), and "
+    "every allocation pays PyTorch's map of pointers"
+)
+
+
+def _install_frontend(torch: ModuleType, memory: Any) -> Any:
+    """ferrocache's own allocator object swapped in, as PyTorch's ``_CUDAAllocator``; None,
+    after one WARN naming what is lost, where it cannot be built or loaded."""
+    if not frontend.wanted():
+        return None
+    try:
+        frontend.install(torch)
+    except (RuntimeError, OSError) as err:  # OSError: an unwritable cache, a compiler that fails to start
+        if "initialized allocator" in str(err):
+            raise RuntimeError(
+                f"ferrocache.install(): PyTorch refused to change its allocator ({err}); "
+                "call ferrocache.install() before anything uses CUDA"
+            ) from err
+        _ranks.log(
+            "WARN",
+            f"ferrocache's own allocator object is unavailable ({err}); PyTorch's "
+            f"CUDAPluggableAllocator is used instead: {FRONTEND_LOST}",
+        )
+        return None
+    return memory._get_current_allocator()
+
+
+def _install_pluggable(memory: Any) -> Any:
+    """PyTorch's CUDAPluggableAllocator around the library's functions, swapped in."""
+    allocator = memory.CUDAPluggableAllocator(str(_lib.library_path()), "rust_malloc", "rust_free")
+    _connect_hooks(allocator)
+    try:
+        memory.change_current_allocator(allocator)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"ferrocache.install(): PyTorch refused to change its allocator ({err}); "
+            "call ferrocache.install() before anything uses CUDA"
+        ) from err
+    return allocator
 
 
 def _snapshot_on_oom_path(given: Optional[Union[str, "os.PathLike[str]"]]) -> Optional[str]:

@@ -258,9 +258,11 @@ def _replace(module: ModuleType, name: str, function: Callable[..., Any]) -> Non
     _replaced.append((module, name, original))
 
 
-def patch_torch_cuda(torch: ModuleType) -> list[str]:
+def patch_torch_cuda(torch: ModuleType, own_pools: bool = False) -> list[str]:
     """Puts :data:`TORCH_CUDA_FUNCTIONS` and :data:`TORCH_ACCELERATOR_FUNCTIONS` in place;
-    returns the qualified names replaced."""
+    returns the qualified names replaced. ``own_pools``: PyTorch's ``MemPool`` and
+    ``use_mem_pool`` stay PyTorch's (ferrocache's allocator object answers their calls), else
+    :data:`TORCH_POOL_NAMES` replace them."""
     cuda_memory = torch.cuda.memory
     for name, function in TORCH_CUDA_FUNCTIONS.items():
         if not hasattr(cuda_memory, name):
@@ -268,7 +270,7 @@ def patch_torch_cuda(torch: ModuleType) -> list[str]:
         _replace(cuda_memory, name, function)
         if hasattr(torch.cuda, name):
             _replace(torch.cuda, name, function)
-    for name, replacement in TORCH_POOL_NAMES.items():
+    for name, replacement in TORCH_POOL_NAMES.items() if not own_pools else ():
         for module in (cuda_memory, torch.cuda):
             if hasattr(module, name):
                 _replace(module, name, replacement)

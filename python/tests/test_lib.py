@@ -31,6 +31,15 @@ C_TO_CTYPES = {
     "ferrocache_oom_observer": ctypes.c_void_p,
     "const char * const *": ctypes.POINTER(ctypes.c_char_p),
     "unsigned long long": ctypes.c_ulonglong,
+    # What the front end (python/ferrocache/frontend.cpp) passes.
+    "const char **": ctypes.POINTER(ctypes.c_char_p),
+    "ferrocache_oom_thrower *": ctypes.POINTER(ctypes.c_void_p),
+    "ferrocache_filter_accepts": ctypes.c_void_p,
+    "ferrocache_filter_drop": ctypes.c_void_p,
+    "struct ferrocache_device_stats *": ctypes.c_void_p,
+    "void * const *": ctypes.POINTER(ctypes.c_void_p),
+    "ferrocache_segment_visitor": ctypes.c_void_p,
+    "ferrocache_block_visitor": ctypes.c_void_p,
 }
 
 _PROTOTYPE = re.compile(r"^\s*([A-Za-z_][\w\s]*?\**)\s*\b(\w+)\(([^)]*)\);", re.MULTILINE)

@@ -19,6 +19,7 @@
 //! | [`registry`] | the per-device allocators, their creation, and what applies to every device: the settings (read on first use), history recording, caching on or off |
 //! | [`guard`] | panics caught at every export, this thread's last error |
 //! | [`entry`] | allocation and free: `rust_malloc`'s core, `rust_free`, `ferrocache_alloc`/`free` |
+//! | [`frontend`] | what ferrocache's own `CUDAAllocator` object asks beyond the hooks: allocation, pools, `cacheInfo`, `DeviceStats`, a pool's live allocations |
 //! | [`hooks`] | PyTorch's other `set_*_fn` hooks: init, reset, memory fraction, record stream, base allocation |
 //! | [`pools`] | private pools: CUDA graph captures and `torch.cuda.MemPool` |
 //! | [`callbacks`] | functions C registers: stack gatherer, OOM thrower and observers, reserve-class lookup |
@@ -32,6 +33,7 @@
 mod advice;
 mod callbacks;
 mod entry;
+mod frontend;
 mod guard;
 mod hooks;
 mod inspect;

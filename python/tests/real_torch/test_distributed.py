@@ -214,7 +214,7 @@ def test_ipc_and_a_mempool_of_another_allocator_are_refused_clearly() -> None:
     assert out == {
         "mempool": [0, 1],
         "mempool_with_its_own_allocator": "torch.cuda.MemPool(allocator=...) with ferrocache installed",
-        "ipc": "CUDAPluggableAllocator does not yet support shareIPcHandle",
+        "ipc": "ferrocache does not share CUDA memory between processes yet (shareIpcHandle)",
         "ferrocache_pool": 1,
     }
 
@@ -229,9 +229,9 @@ def free_port():
 """
 
 
-def test_nccl_process_groups_with_a_plugged_in_allocator() -> None:
+def test_nccl_process_groups_with_ferrocaches_allocator() -> None:
     """On the fake, NCCL itself cannot start (its library is a stub), but creating and destroying
-    process groups shows what PyTorch does around a plugged-in allocator."""
+    process groups shows what PyTorch does around ferrocache's allocator object."""
     nccl = run_torch_process(
         FREE_PORT
         + textwrap.dedent(
@@ -246,9 +246,9 @@ def test_nccl_process_groups_with_a_plugged_in_allocator() -> None:
         dist.init_process_group("nccl-legacy")
         dist.destroy_process_group()
         print("nccl-legacy: created and destroyed", flush=True)
-        # torch 2.15's default NCCL group (nccl2) starts NCCL at once; when that fails, its
-        # clean-up asks the allocator for a snapshot, which a plugged-in allocator refuses,
-        # from a destructor: the process aborts.
+        # torch 2.15's default NCCL group (nccl2) starts NCCL at once; it asks the allocator for
+        # a snapshot (answered) and attaches an allocator trace tracker, which ferrocache does
+        # not feed yet and refuses where no exception may pass: the process aborts.
         os.environ["MASTER_PORT"] = free_port()
         dist.init_process_group("nccl")
         """
@@ -257,7 +257,7 @@ def test_nccl_process_groups_with_a_plugged_in_allocator() -> None:
     )
     assert "nccl-legacy: created and destroyed" in nccl.stdout, nccl.stderr
     assert nccl.returncode == -signal.SIGABRT
-    assert "CUDAPluggableAllocator does not yet support snapshot" in nccl.stderr
+    assert "ferrocache does not yet send segment events to an allocator trace tracker" in nccl.stderr
 
     hook = run_torch_process(
         FREE_PORT

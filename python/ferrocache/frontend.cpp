@@ -1,0 +1,573 @@
+// ferrocache's own CUDAAllocator object: what PyTorch calls in place of its caching allocator
+// once ferrocache.install() swapped it in (torch::cuda::CUDAPluggableAllocator::
+// changeCurrentAllocator, the swap PyTorch's pluggable object uses). Built by
+// ferrocache.frontend against the running PyTorch's headers, libc10, libc10_cuda and
+// libtorch_cuda, and libferrocache, cached per PyTorch version; never shipped prebuilt (the
+// class layout is PyTorch's, per version).
+//
+// Each method converts C++ types and calls the C ABI (include/ferrocache.h): every decision is
+// made in Rust. Unlike PyTorch's CUDAPluggableAllocator, it keeps no map of pointers: the core
+// knows each block's size, device and stream, so allocate() and the deleter go straight to it.
+//
+// FERROCACHE_TORCH_MINOR (given by the build, with FERROCACHE_TORCH_MAJOR) selects the virtuals
+// of the PyTorch it is built for: checked against 2.11 and 2.15 (between them, a virtual this
+// file has wrong fails the build, and install() falls back to CUDAPluggableAllocator).
+#include <c10/core/Allocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#ifndef FERROCACHE_TORCH_MAJOR
+#define FERROCACHE_TORCH_MAJOR 2
+#endif
+#ifndef FERROCACHE_TORCH_MINOR
+#define FERROCACHE_TORCH_MINOR 15
+#endif
+#define FERROCACHE_TORCH_AT_LEAST(major, minor) \
+    (FERROCACHE_TORCH_MAJOR > (major) ||        \
+     (FERROCACHE_TORCH_MAJOR == (major) && FERROCACHE_TORCH_MINOR >= (minor)))
+
+// libferrocache's C ABI (include/ferrocache.h; that header is not installed with the package).
+extern "C" {
+typedef void (*ferrocache_oom_thrower)(const char* message);
+typedef void (*ferrocache_oom_observer)(int device, size_t alloc_size, size_t device_total,
+                                        size_t device_free);
+typedef int (*ferrocache_filter_accepts)(const void* filter, cudaStream_t stream,
+                                         const char** error);
+typedef void (*ferrocache_filter_drop)(void* filter);
+struct ferrocache_stat {
+    int64_t current, peak, allocated, freed;
+};
+struct ferrocache_device_stats {
+    ferrocache_stat allocation[3], segment[3], active[3], inactive_split[3], allocated_bytes[3],
+        reserved_bytes[3], active_bytes[3], inactive_split_bytes[3], requested_bytes[3];
+    int64_t num_alloc_retries, num_ooms;
+    ferrocache_stat oversize_allocations, oversize_segments;
+    int64_t num_sync_all_streams, num_device_alloc, num_device_free, num_oom_rejections,
+        max_split_size;
+};
+
+struct ferrocache_segment_info {
+    int device;
+    uint64_t address, total_size, requested_size, allocated_size, active_size, stream;
+    int is_large, is_expandable;
+    unsigned long long pool_first, pool_second;
+};
+struct ferrocache_block_info {
+    uint64_t size, requested_size;
+    int allocated, active;
+};
+typedef void (*ferrocache_segment_visitor)(void* context, const ferrocache_segment_info* segment);
+typedef void (*ferrocache_block_visitor)(void* context, const ferrocache_block_info* block);
+int ferrocache_snapshot_segments(unsigned long long pool_first, unsigned long long pool_second,
+                                 void* context, ferrocache_segment_visitor segment,
+                                 ferrocache_block_visitor block);
+
+void* ferrocache_frontend_malloc(size_t size, int device, cudaStream_t stream, const char** error,
+                                 ferrocache_oom_thrower* thrower);
+int ferrocache_free(void* ptr);
+const char* ferrocache_last_error(void);
+void ferrocache_string_free(char* string);
+void rust_init(int device_count);
+int ferrocache_empty_cache(void);
+int ferrocache_set_memory_fraction(double fraction, int device);
+double ferrocache_get_memory_fraction(int device);
+void rust_record_stream(void* ptr, cudaStream_t stream);
+void* rust_base_alloc(void* ptr, size_t* size);
+int ferrocache_cache_info(int device, size_t* largest);
+int ferrocache_read_device_stats(int device, struct ferrocache_device_stats* out);
+int ferrocache_reset_peak_stats(int device);
+int ferrocache_reset_accumulated_stats(int device);
+int ferrocache_set_caching_enabled(int enabled);
+int ferrocache_caching_enabled(void);
+int ferrocache_record_history(int enabled, size_t max_entries);
+int ferrocache_history_enabled(void);
+int ferrocache_set_memory_metadata(const char* metadata);
+char* ferrocache_get_memory_metadata(void);
+int ferrocache_attach_oom_observer(ferrocache_oom_observer observer);
+const char* ferrocache_frontend_begin_allocate_to_pool(int device, unsigned long long pool_first,
+                                                       unsigned long long pool_second,
+                                                       void* filter,
+                                                       ferrocache_filter_accepts accepts,
+                                                       ferrocache_filter_drop drop);
+int ferrocache_end_allocate_to_pool(int device, unsigned long long first, unsigned long long second);
+int ferrocache_release_pool(int device, unsigned long long first, unsigned long long second);
+int ferrocache_create_or_incref_pool(int device, unsigned long long first,
+                                     unsigned long long second);
+int ferrocache_pool_use_count(int device, unsigned long long first, unsigned long long second);
+int ferrocache_empty_pool_cache(int device, unsigned long long first, unsigned long long second);
+int ferrocache_set_pool_use_on_oom(int device, unsigned long long first, unsigned long long second,
+                                   int use_on_oom);
+int ferrocache_set_pool_no_split(int device, unsigned long long first, unsigned long long second);
+int ferrocache_check_pool_live_allocations(int device, unsigned long long first,
+                                           unsigned long long second, void* const* expected,
+                                           size_t count);
+}
+
+namespace {
+
+namespace alloc = c10::cuda::CUDACachingAllocator;
+using c10::CachingDeviceAllocator::DeviceStats;
+using MempoolId = c10::MempoolId_t;
+
+// What a failed ferrocache call said, as PyTorch's error (RuntimeError in Python).
+[[noreturn]] void fail(const char* call) {
+    TORCH_CHECK(false, call, ": ", ferrocache_last_error());
+}
+
+void check(int status, const char* call) {
+    if (status < 0) {
+        fail(call);
+    }
+}
+
+// The deleter of every DataPtr ferrocache hands out: the core finds the block by its address.
+// A pointer it does not know is logged there; a deleter must not throw.
+void delete_block(void* ptr) { (void)ferrocache_free(ptr); }
+
+c10::DeviceIndex current_device() {
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    return device;
+}
+
+void copy_stat(const ferrocache_stat& from, c10::CachingAllocator::Stat& to) {
+    to.current = from.current;
+    to.peak = from.peak;
+    to.allocated = from.allocated;
+    to.freed = from.freed;
+}
+
+void copy_stats(const ferrocache_stat (&from)[3], c10::CachingAllocator::StatArray& to) {
+    for (size_t i = 0; i < 3; ++i) {
+        copy_stat(from[i], to[i]);
+    }
+}
+
+// A capture's stream filter, asked from Rust: 1 yes, 0 no, -1 it threw.
+using StreamFilter = std::function<bool(cudaStream_t)>;
+thread_local std::string filter_failure;
+
+int filter_accepts(const void* filter, cudaStream_t stream, const char** error) noexcept {
+    try {
+        return (*static_cast<const StreamFilter*>(filter))(stream) ? 1 : 0;
+    } catch (const std::exception& e) {
+        filter_failure = e.what();
+    } catch (...) {
+        filter_failure = "an exception that is not a std::exception";
+    }
+    *error = filter_failure.c_str();
+    return -1;
+}
+
+void filter_drop(void* filter) noexcept { delete static_cast<StreamFilter*>(filter); }
+
+// A snapshot's segments and blocks, as the core gives them, into PyTorch's SegmentInfo. The
+// visitors are called from Rust: nothing may unwind through them (out of host memory is noted).
+struct SnapshotSegments {
+    std::vector<c10::CachingDeviceAllocator::SegmentInfo> segments;
+    bool out_of_memory = false;
+};
+
+void add_segment(void* context, const ferrocache_segment_info* from) noexcept {
+    auto& taken = *static_cast<SnapshotSegments*>(context);
+    try {
+        c10::CachingDeviceAllocator::SegmentInfo segment;
+        segment.device = static_cast<c10::DeviceIndex>(from->device);
+        segment.address = from->address;
+        segment.total_size = from->total_size;
+        segment.requested_size = from->requested_size;
+        segment.allocated_size = from->allocated_size;
+        segment.active_size = from->active_size;
+        segment.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(from->stream));
+        segment.is_large = from->is_large != 0;
+        segment.is_expandable = from->is_expandable != 0;
+        segment.owner_private_pool_id = {from->pool_first, from->pool_second};
+        taken.segments.push_back(std::move(segment));
+    } catch (...) {
+        taken.out_of_memory = true;
+    }
+}
+
+void add_block(void* context, const ferrocache_block_info* from) noexcept {
+    auto& taken = *static_cast<SnapshotSegments*>(context);
+    if (taken.segments.empty()) {
+        return;  // its segment could not be kept
+    }
+    try {
+        c10::CachingDeviceAllocator::BlockInfo block;
+        block.size = from->size;
+        block.requested_size = from->requested_size;
+        block.allocated = from->allocated != 0;
+        block.active = from->active != 0;
+        taken.segments.back().blocks.push_back(std::move(block));
+    } catch (...) {
+        taken.out_of_memory = true;
+    }
+}
+
+// PyTorch's out-of-memory observers, called by the core (with no allocator lock held).
+std::mutex observers_lock;
+std::vector<alloc::OutOfMemoryObserver> observers;
+
+void notify_observers(int device, size_t alloc_size, size_t device_total,
+                      size_t device_free) noexcept {
+    std::vector<alloc::OutOfMemoryObserver> now;
+    {
+        std::lock_guard<std::mutex> guard(observers_lock);
+        now = observers;
+    }
+    for (const auto& observer : now) {
+        try {
+            observer(device, alloc_size, device_total, device_free);
+        } catch (...) {
+            // The out-of-memory error that follows matters more than an observer's failure.
+        }
+    }
+}
+
+class FerrocacheAllocator final : public alloc::CUDAAllocator {
+   public:
+    void* malloc(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+        const char* error = nullptr;
+        ferrocache_oom_thrower thrower = nullptr;
+        void* ptr = ferrocache_frontend_malloc(size, device, stream, &error, &thrower);
+        if (C10_UNLIKELY(error != nullptr)) {
+            if (thrower != nullptr) {
+                thrower(error);  // throws c10::OutOfMemoryError
+            }
+            TORCH_CHECK(false, error);
+        }
+        return ptr;
+    }
+
+    c10::DataPtr allocate(size_t size) override {
+        c10::DeviceIndex device = current_device();
+        void* ptr = malloc(size, device, c10::cuda::getCurrentCUDAStream(device).stream());
+        return {ptr, ptr, &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
+    }
+
+    c10::DeleterFnPtr raw_deleter() const override { return &delete_block; }
+
+    void copy_data(void* dest, const void* src, std::size_t count) const override {
+        C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+    }
+
+    void* raw_alloc(size_t nbytes) override {
+        c10::DeviceIndex device = current_device();
+        return malloc(nbytes, device, c10::cuda::getCurrentCUDAStream(device).stream());
+    }
+
+    void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+        return malloc(nbytes, current_device(), stream);
+    }
+
+    void raw_delete(void* ptr) override { check(ferrocache_free(ptr), "raw_delete"); }
+
+    void init(int device_count) override {
+        rust_init(device_count);
+        initialized_.store(true);
+    }
+
+    // PyTorch's rule for changeCurrentAllocator: once CUDA was initialised with this allocator
+    // (init), memory may have been handed out, and no other allocator may take over.
+    bool initialized() override { return initialized_.load(); }
+
+    double getMemoryFraction(c10::DeviceIndex device) override {
+        double fraction = ferrocache_get_memory_fraction(device);
+        if (fraction < 0) {
+            fail("getMemoryFraction");
+        }
+        return fraction;
+    }
+
+    void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+        check(ferrocache_set_memory_fraction(fraction, device), "setMemoryFraction");
+    }
+
+    std::vector<alloc::StreamSegmentSize> getExpandableSegmentSizes(
+        c10::DeviceIndex /*device*/) override {
+        return {};
+    }
+
+    void emptyCache(MempoolId mempool_id) override {
+        if (mempool_id.first == 0 && mempool_id.second == 0) {
+            check(ferrocache_empty_cache(), "emptyCache");
+            return;
+        }
+        for (int device = 0; device < c10::cuda::device_count(); ++device) {
+            check(ferrocache_empty_pool_cache(device, mempool_id.first, mempool_id.second),
+                  "emptyCache");
+        }
+    }
+
+    void enable(bool value) override { (void)ferrocache_set_caching_enabled(value ? 1 : 0); }
+
+    bool isEnabled() const override { return ferrocache_caching_enabled() != 0; }
+
+    void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
+        check(ferrocache_cache_info(device, largestBlock), "cacheInfo");
+    }
+
+    void* getBaseAllocation(void* ptr, size_t* size) override { return rust_base_alloc(ptr, size); }
+
+    void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+        // As PyTorch's allocator: memory it did not hand out is not its business.
+        if (ptr.get() == nullptr || ptr.get_deleter() != &delete_block) {
+            return;
+        }
+        rust_record_stream(ptr.get(), stream.stream());
+    }
+
+    DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+        struct ferrocache_device_stats from {};
+        check(ferrocache_read_device_stats(device, &from), "getDeviceStats");
+        DeviceStats stats;
+        copy_stats(from.allocation, stats.allocation);
+        copy_stats(from.segment, stats.segment);
+        copy_stats(from.active, stats.active);
+        copy_stats(from.inactive_split, stats.inactive_split);
+        copy_stats(from.allocated_bytes, stats.allocated_bytes);
+        copy_stats(from.reserved_bytes, stats.reserved_bytes);
+        copy_stats(from.active_bytes, stats.active_bytes);
+        copy_stats(from.inactive_split_bytes, stats.inactive_split_bytes);
+        copy_stats(from.requested_bytes, stats.requested_bytes);
+        stats.num_alloc_retries = from.num_alloc_retries;
+        stats.num_ooms = from.num_ooms;
+        copy_stat(from.oversize_allocations, stats.oversize_allocations);
+        copy_stat(from.oversize_segments, stats.oversize_segments);
+        stats.num_sync_all_streams = from.num_sync_all_streams;
+        stats.num_device_alloc = from.num_device_alloc;
+        stats.num_device_free = from.num_device_free;
+#if FERROCACHE_TORCH_AT_LEAST(2, 15)
+        stats.num_oom_rejections = from.num_oom_rejections;
+#endif
+        stats.max_split_size = from.max_split_size;
+        return stats;
+    }
+
+    void resetAccumulatedStats(c10::DeviceIndex device) override {
+        check(ferrocache_reset_accumulated_stats(device), "resetAccumulatedStats");
+    }
+
+    void resetPeakStats(c10::DeviceIndex device) override {
+        check(ferrocache_reset_peak_stats(device), "resetPeakStats");
+    }
+
+    // The segments and blocks; the trace entries reach Python through
+    // torch.cuda.memory._snapshot(), which ferrocache answers there.
+    alloc::SnapshotInfo snapshot(MempoolId mempool_id, bool /*include_traces*/) override {
+        alloc::SnapshotInfo info;
+        SnapshotSegments taken;
+        check(ferrocache_snapshot_segments(mempool_id.first, mempool_id.second, &taken,
+                                           &add_segment, &add_block),
+              "snapshot");
+        if (taken.out_of_memory) {
+            throw std::bad_alloc();
+        }
+        info.segments = std::move(taken.segments);
+        info.device_traces.resize(c10::cuda::device_count());
+        return info;
+    }
+
+    void beginAllocateToPool(c10::DeviceIndex device, MempoolId mempool_id,
+                             std::function<bool(cudaStream_t)> filter) override {
+        StreamFilter* kept = new (std::nothrow) StreamFilter(std::move(filter));
+        const char* refused = ferrocache_frontend_begin_allocate_to_pool(
+            device, mempool_id.first, mempool_id.second, kept, &filter_accepts, &filter_drop);
+        TORCH_CHECK(refused == nullptr, refused);
+    }
+
+    void endAllocateToPool(c10::DeviceIndex device, MempoolId mempool_id) override {
+        check(ferrocache_end_allocate_to_pool(device, mempool_id.first, mempool_id.second),
+              "endAllocateToPool");
+    }
+
+    void releasePool(c10::DeviceIndex device, MempoolId mempool_id) override {
+        // MemPool's destructor calls it: a warning, never an exception out of a destructor.
+        if (ferrocache_release_pool(device, mempool_id.first, mempool_id.second) < 0) {
+            TORCH_WARN("ferrocache: releasePool: ", ferrocache_last_error());
+        }
+    }
+
+    int getPoolUseCount(c10::DeviceIndex device, MempoolId mempool_id) override {
+        int count = ferrocache_pool_use_count(device, mempool_id.first, mempool_id.second);
+        check(count, "getPoolUseCount");
+        return count;
+    }
+
+    void createOrIncrefPool(c10::DeviceIndex device, MempoolId mempool_id,
+                            std::shared_ptr<alloc::CUDAAllocator> allocator) override {
+        TORCH_CHECK(allocator == nullptr || allocator.get() == this,
+                    "torch.cuda.MemPool(allocator=...) with ferrocache installed: ferrocache "
+                    "serves every pool from its own segments, so a pool backed by another "
+                    "allocator needs PyTorch's own allocator (do not call ferrocache.install())");
+        check(ferrocache_create_or_incref_pool(device, mempool_id.first, mempool_id.second),
+              "createOrIncrefPool");
+    }
+
+    void setUseOnOOM(c10::DeviceIndex device, MempoolId mempool_id, bool use_on_oom) override {
+        check(ferrocache_set_pool_use_on_oom(device, mempool_id.first, mempool_id.second,
+                                             use_on_oom ? 1 : 0),
+              "setUseOnOOM");
+    }
+
+    void setNoSplit(c10::DeviceIndex device, MempoolId mempool_id) override {
+        check(ferrocache_set_pool_no_split(device, mempool_id.first, mempool_id.second),
+              "setNoSplit");
+    }
+
+    bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId mempool_id,
+                                  const std::unordered_set<void*>& expected) override {
+        std::vector<void*> pointers(expected.begin(), expected.end());
+        int answer = ferrocache_check_pool_live_allocations(
+            device, mempool_id.first, mempool_id.second, pointers.data(), pointers.size());
+        check(answer, "checkPoolLiveAllocations");
+        return answer == 1;
+    }
+
+    alloc::ShareableHandle shareIpcHandle(void* /*ptr*/) override {
+        TORCH_CHECK(false, "ferrocache does not share CUDA memory between processes yet "
+                           "(shareIpcHandle)");
+    }
+
+    std::shared_ptr<void> getIpcDevPtr(std::string /*handle*/) override {
+        TORCH_CHECK(false, "ferrocache does not open CUDA memory of other processes yet "
+                           "(getIpcDevPtr)");
+    }
+
+    bool isHistoryEnabled() override { return ferrocache_history_enabled() != 0; }
+
+    void recordHistory(bool enabled, alloc::CreateContextFn /*context_recorder*/,
+                       size_t alloc_trace_max_entries, alloc::RecordContext /*when*/,
+                       bool /*clearHistory*/,
+                       const std::vector<std::string>& /*skip_actions*/) override {
+        // Stacks come from the Python package's gatherer (ferrocache.snapshot).
+        check(ferrocache_record_history(enabled ? 1 : 0, alloc_trace_max_entries),
+              "recordHistory");
+    }
+
+#if FERROCACHE_TORCH_AT_LEAST(2, 15)
+    bool supportsUserMetadata() override { return true; }
+#endif
+
+    void setUserMetadata(const std::string& metadata) override {
+        check(ferrocache_set_memory_metadata(metadata.c_str()), "setUserMetadata");
+    }
+
+    std::string getUserMetadata() override {
+        char* metadata = ferrocache_get_memory_metadata();
+        if (metadata == nullptr) {
+            fail("getUserMetadata");
+        }
+        std::string answer(metadata);
+        ferrocache_string_free(metadata);
+        return answer;
+    }
+
+    void attachOutOfMemoryObserver(alloc::OutOfMemoryObserver observer) override {
+        std::lock_guard<std::mutex> guard(observers_lock);
+        if (observers.empty()) {
+            check(ferrocache_attach_oom_observer(&notify_observers), "attachOutOfMemoryObserver");
+        }
+        observers.push_back(std::move(observer));
+    }
+
+#if FERROCACHE_TORCH_AT_LEAST(2, 15)
+    // ferrocache never refuses an allocation in advance (throw_on_cudamalloc_oom is ignored),
+    // so such an observer is never called.
+    void attachOomRejectionObserver(alloc::OomRejectionObserver /*observer*/) override {}
+
+#endif
+
+    void attachAllocatorTraceTracker(alloc::AllocatorTraceTracker /*tracker*/) override {
+        TORCH_CHECK(false, "ferrocache does not yet send segment events to an allocator trace "
+                           "tracker (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK)");
+    }
+
+    void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+        c10::cuda::CUDAGuard device_guard(dev);
+        cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+        if (err == cudaErrorPeerAccessAlreadyEnabled) {
+            (void)cudaGetLastError();  // already enabled is no error
+        } else {
+            C10_CUDA_CHECK(err);
+        }
+    }
+
+    cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
+                            cudaStream_t stream, bool p2p_enabled) override {
+        // ferrocache's memory comes from cuMemAlloc or cuMemMap; without peer access, a copy
+        // between devices must be the peer kind (PyTorch's rule for its own allocator).
+        if (p2p_enabled || dstDevice == srcDevice) {
+            return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+        }
+        return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
+    }
+
+    std::shared_ptr<alloc::AllocatorState> getCheckpointState(c10::DeviceIndex /*device*/,
+                                                              MempoolId /*id*/) override {
+        TORCH_CHECK(false, "ferrocache does not yet checkpoint a private pool "
+                           "(getCheckpointState)");
+    }
+
+    alloc::CheckpointDelta setCheckpointPoolState(
+        c10::DeviceIndex /*device*/, std::shared_ptr<alloc::AllocatorState> /*pps*/) override {
+        TORCH_CHECK(false, "ferrocache does not yet restore a private pool's checkpoint "
+                           "(setCheckpointPoolState)");
+    }
+
+    std::string name() override { return "ferrocache"; }
+
+   private:
+    std::atomic<bool> initialized_{false};
+};
+
+thread_local std::string install_failure;
+
+}  // namespace
+
+// Makes a FerrocacheAllocator PyTorch's CUDA allocator. Returns NULL, or why PyTorch refused
+// (valid until the next call on this thread): "Can't swap an already initialized allocator"
+// once CUDA was initialised. Never throws.
+extern "C" __attribute__((visibility("default"))) const char* ferrocache_frontend_install() {
+    try {
+        auto allocator = std::make_shared<FerrocacheAllocator>();
+        torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
+        return nullptr;
+    } catch (const c10::Error& e) {
+        install_failure = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+        install_failure = e.what();
+    } catch (...) {
+        install_failure = "an exception that is not a std::exception";
+    }
+    return install_failure.c_str();
+}
+
+// Whether PyTorch's current CUDA allocator is ferrocache's front end (its name()). Never throws.
+extern "C" __attribute__((visibility("default"))) int ferrocache_frontend_installed() {
+    try {
+        auto* current = alloc::get();
+        return current != nullptr && dynamic_cast<FerrocacheAllocator*>(current) != nullptr;
+    } catch (...) {
+        return 0;
+    }
+}
