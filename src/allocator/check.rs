@@ -225,7 +225,7 @@ impl<D: Device> DeviceAllocator<D> {
                 ));
             }
         }
-        for capture in &self.captures {
+        for capture in &self.pools.captures {
             if !self.pools.is_live(capture.pool) || self.pools.private(capture.pool).use_count == 0
             {
                 return Err(format!(

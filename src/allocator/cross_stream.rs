@@ -78,7 +78,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// Whether a miss of `request` in its own stream's cache may look at other streams.
     fn cross_stream_applies(&self, request: &Request) -> bool {
         self.config.opt_in.cross_stream
-            && self.captures.is_empty()
+            && self.pools.captures.is_empty()
             && request.owner == Owner::Ordinary
             && !self.segments.any_asleep()
     }

@@ -45,7 +45,7 @@ impl<D: Device> DeviceAllocator<D> {
         if !used_before {
             block.stream_uses.push(stream);
         }
-        if !self.captures.is_empty() {
+        if !self.pools.captures.is_empty() {
             // Only a use that a capture alone made is dropped when the capture's deferred free
             // is processed: one made outside it too still needs its event.
             if !used_before {
@@ -179,7 +179,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// (`remove_cudagraph_stream_uses`); so do the blocks whose events the device refused
     /// before (a retry).
     pub(super) fn insert_events_deferred_until_no_capture(&mut self) {
-        debug_assert!(self.captures.is_empty());
+        debug_assert!(self.pools.captures.is_empty());
         for id in std::mem::take(&mut self.events.to_record) {
             if let Some(during_capture) = self.events.capture_stream_uses.remove(&id) {
                 self.arena

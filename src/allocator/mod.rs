@@ -72,7 +72,7 @@ use guard::{Announce, Refusal};
 use history::{StackId, TraceAction};
 use ledger::Ledger;
 use owner::Owner;
-use private_pool::{BlockPools, Capture, MempoolId};
+use private_pool::{BlockPools, MempoolId};
 use segments::{Segment, SegmentTable};
 use source::Source;
 use stats::DeviceStats;
@@ -130,8 +130,6 @@ pub struct DeviceAllocator<D: Device> {
     ledger: Ledger,
     /// Frees waiting for other streams ([`events`]).
     events: StreamEvents,
-    /// Captures under way, each with its pool and stream filter.
-    captures: Vec<Capture>,
     /// Blocks handed out to the program, by address.
     allocated: live::LiveTable,
     /// Cross-stream reuse (opt-in): what it did, and its merging state.
@@ -152,7 +150,6 @@ impl<D: Device> DeviceAllocator<D> {
             source: Source::default(),
             ledger: Ledger::new(config.max_split_size),
             events: StreamEvents::default(),
-            captures: Vec::new(),
             allocated: live::LiveTable::default(),
             cross_stream: CrossStream::default(),
             staging: staging::HostStaging::default(),
@@ -273,7 +270,7 @@ impl<D: Device> DeviceAllocator<D> {
         stream: StreamId,
         tag: Option<u32>,
     ) -> Result<DevicePtr, AllocError> {
-        let owner = if self.captures.is_empty() {
+        let owner = if self.pools.captures.is_empty() {
             // Event queries are illegal during a capture, so completed frees wait until after.
             if self.events.pending_count > 0 || !self.events.to_record.is_empty() {
                 self.process_events()?;
@@ -388,7 +385,7 @@ impl<D: Device> DeviceAllocator<D> {
             return Ok(id);
         }
         // Releasing everything synchronizes, which a capture forbids.
-        if self.captures.is_empty() {
+        if self.pools.captures.is_empty() {
             logging::alloc_retry(request.alloc_size, "releasing all cached blocks");
             self.release_cached_blocks()?;
             if let Some(id) = self.alloc_block(request, true)? {

@@ -95,6 +95,9 @@ pub(crate) struct BlockPools {
     /// Each tag's small and large pools, with the tag's id; never forgotten (a tag is a name
     /// the program chose, a handful per process).
     tagged: Vec<(u32, [BlockPool; 2])>,
+    /// Captures under way, each with its pool and stream filter (allocations on an accepted
+    /// stream go to that pool).
+    pub(super) captures: Vec<Capture>,
 }
 
 /// The slot of a pool kind in a pair of block pools.
@@ -119,6 +122,7 @@ impl Default for BlockPools {
             private: Vec::new(),
             by_id: FxHashMap::default(),
             tagged: Vec::new(),
+            captures: Vec::new(),
         }
     }
 }
@@ -266,6 +270,16 @@ pub(super) struct Capture {
     pub(super) filter: StreamFilter,
 }
 
+impl std::fmt::Debug for Capture {
+    /// The filter is a closure: only the ids show.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Capture")
+            .field("id", &self.id)
+            .field("pool", &self.pool)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Why a pool operation was refused. Nothing changed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PoolError {
@@ -394,11 +408,11 @@ impl<D: Device> DeviceAllocator<D> {
         id: MempoolId,
         filter: StreamFilter,
     ) -> Result<(), PoolError> {
-        if self.captures.iter().any(|c| c.id == id) {
+        if self.pools.captures.iter().any(|c| c.id == id) {
             return Err(PoolError::AlreadyRecording(id));
         }
         let pool = self.create_or_incref_pool(id)?;
-        self.captures.push(Capture { id, pool, filter });
+        self.pools.captures.push(Capture { id, pool, filter });
         logging::capture_begins(id, self.pools.private(pool).use_count);
         Ok(())
     }
@@ -407,12 +421,13 @@ impl<D: Device> DeviceAllocator<D> {
     /// its references.
     pub fn end_allocate_to_pool(&mut self, id: MempoolId) -> Result<(), PoolError> {
         let position = self
+            .pools
             .captures
             .iter()
             .position(|c| c.id == id)
             .ok_or(PoolError::NotRecording(id))?;
         // The filter belongs to the caller's capture and is dropped here, at its end.
-        self.captures.remove(position);
+        self.pools.captures.remove(position);
         logging::capture_ends(id);
         Ok(())
     }
@@ -421,7 +436,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// wholly free segments go back to the device on the next `empty_cache`.
     pub fn release_pool(&mut self, id: MempoolId) -> Result<(), PoolError> {
         let index = self.pools.find(id).ok_or(PoolError::Unknown(id))?;
-        let recording = self.captures.iter().any(|c| c.pool == index);
+        let recording = self.pools.captures.iter().any(|c| c.pool == index);
         let pool = self.pools.private_mut(index);
         match pool.use_count {
             0 => return Err(PoolError::NotReferenced(id)),
@@ -447,21 +462,21 @@ impl<D: Device> DeviceAllocator<D> {
                 id: pool.id,
                 use_count: pool.use_count,
                 segment_count: pool.segment_count,
-                recording: self.captures.iter().any(|c| c.pool == index),
+                recording: self.pools.captures.iter().any(|c| c.pool == index),
             })
             .collect()
     }
 
     /// Whether a capture is under way (PyTorch's `!captures_underway.empty()`).
     pub fn capture_underway(&self) -> bool {
-        !self.captures.is_empty()
+        !self.pools.captures.is_empty()
     }
 
     /// PyTorch's `get_pool`, the private half: the pool of the first capture whose filter
     /// accepts `stream`, or `None` for the ordinary pools.
     #[inline]
     pub(super) fn private_pool_for(&self, stream: StreamId) -> Result<Owner, AllocError> {
-        for capture in &self.captures {
+        for capture in &self.pools.captures {
             match (capture.filter)(stream) {
                 Ok(true) => return Ok(Owner::Private(capture.pool)),
                 Ok(false) => {}

@@ -29,7 +29,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// `release_cached_blocks`. During a capture only unreferenced private pools are released:
     /// the ordinary pools would need a synchronization, which a capture forbids.
     pub(super) fn release_cached_blocks(&mut self) -> Result<(), DeviceError> {
-        if self.captures.is_empty() {
+        if self.pools.captures.is_empty() {
             self.synchronize_and_free_events()?;
             self.source.leftovers.retry(&mut self.device)?;
             self.coalesce_across_streams()?;

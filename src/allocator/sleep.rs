@@ -229,7 +229,7 @@ impl<D: Device> DeviceAllocator<D> {
         mut per_segment: impl FnMut(&mut Self, &mut S, SegmentId, &mut SleepReport) -> Result<(), Stop>,
         finish: impl FnOnce(&mut Self, &mut S, &mut SleepReport) -> Result<(), Stop>,
     ) -> Result<SleepReport, SleepError> {
-        if !self.captures.is_empty() {
+        if !self.pools.captures.is_empty() {
             return Err(SleepError::Capturing);
         }
         let started = Instant::now();
