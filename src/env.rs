@@ -196,6 +196,27 @@ pub const CACHE_DIR: Variable = Variable {
     run_option: None,
 };
 
+/// `FERROCACHE_FRONTEND`: off keeps PyTorch's `CUDAPluggableAllocator` instead of ferrocache's
+/// own allocator object (python/ferrocache/frontend.cpp); on by default.
+pub const FRONTEND: Variable = Variable {
+    name: "FERROCACHE_FRONTEND",
+    meaning: "off (0, false, no): install PyTorch's CUDAPluggableAllocator instead of ferrocache's \
+              own allocator object for PyTorch (on by default)",
+    parsing: Parsing::Flag,
+    read_by: Reader::Package,
+    run_option: None,
+};
+
+/// `FERROCACHE_CUDA_INCLUDE`: CUDA's runtime headers for building the front end.
+pub const CUDA_INCLUDE: Variable = Variable {
+    name: "FERROCACHE_CUDA_INCLUDE",
+    meaning: "a folder with CUDA's cuda_runtime.h (and crt/), searched first when the front end \
+              is built",
+    parsing: Parsing::Path,
+    read_by: Reader::Package,
+    run_option: None,
+};
+
 /// `FERROCACHE_RUN_REPORT`: `ferrocache run`'s report at each process's exit.
 pub const RUN_REPORT: Variable = Variable {
     name: "FERROCACHE_RUN_REPORT",
@@ -273,7 +294,7 @@ pub const PYTHONPATH: Variable = Variable {
 
 /// Every variable ferrocache reads or sets, PyTorch's first, then ferrocache's own, then those
 /// of `ferrocache run`, then `torchrun`'s and Python's.
-pub const TABLE: [Variable; 20] = [
+pub const TABLE: [Variable; 22] = [
     ALLOC_CONF,
     HIP_ALLOC_CONF,
     ANY_ALLOC_CONF,
@@ -286,6 +307,8 @@ pub const TABLE: [Variable; 20] = [
     LIBRARY,
     OOM_SHIM,
     CACHE_DIR,
+    FRONTEND,
+    CUDA_INCLUDE,
     RUN_REPORT,
     RUN_RECORD,
     RUN_REPORT_JSON,

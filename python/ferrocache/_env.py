@@ -147,6 +147,22 @@ CACHE_DIR = Variable(
     run_option=None,
 )
 
+FRONTEND = Variable(
+    name="FERROCACHE_FRONTEND",
+    meaning="off (0, false, no): install PyTorch's CUDAPluggableAllocator instead of ferrocache's own allocator object for PyTorch (on by default)",
+    parsing="flag",
+    read_by="package",
+    run_option=None,
+)
+
+CUDA_INCLUDE = Variable(
+    name="FERROCACHE_CUDA_INCLUDE",
+    meaning="a folder with CUDA's cuda_runtime.h (and crt/), searched first when the front end is built",
+    parsing="path",
+    read_by="package",
+    run_option=None,
+)
+
 RUN_REPORT = Variable(
     name="FERROCACHE_RUN_REPORT",
     meaning='ferrocache run: each process prints its report at exit (on unless set to off)',
@@ -231,6 +247,8 @@ TABLE = (
     LIBRARY,
     OOM_SHIM,
     CACHE_DIR,
+    FRONTEND,
+    CUDA_INCLUDE,
     RUN_REPORT,
     RUN_RECORD,
     RUN_REPORT_JSON,

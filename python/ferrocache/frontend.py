@@ -29,20 +29,19 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Optional
 
-from . import _lib, torch_api
+from . import _env, _lib, torch_api
 
 #: ``0`` (or false, no, off): use PyTorch's CUDAPluggableAllocator, not the front end.
-FRONTEND_ENV = "FERROCACHE_FRONTEND"
+FRONTEND_ENV = _env.FRONTEND.name
 #: A folder with ``cuda_runtime.h`` (and ``crt/``), searched first.
-CUDA_INCLUDE_ENV = "FERROCACHE_CUDA_INCLUDE"
+CUDA_INCLUDE_ENV = _env.CUDA_INCLUDE.name
 _SOURCE = Path(__file__).with_name("frontend.cpp")
 _frontend: Any = None  # the loaded front end, kept for the life of the process
 
 
 def wanted() -> bool:
     """Whether ``FERROCACHE_FRONTEND`` leaves the front end on (the default)."""
-    value = os.environ.get(FRONTEND_ENV, "").strip().lower()
-    return value not in ("0", "false", "no", "off")
+    return _env.flag_is_on(_env.FRONTEND, default=True)
 
 
 def _site_packages_of(torch: ModuleType) -> Path:
