@@ -16,7 +16,7 @@ import ctypes
 import json
 import os
 import threading
-from ctypes import POINTER, c_char_p, c_double, c_int, c_size_t, c_ulonglong, c_void_p
+from ctypes import POINTER, c_char_p, c_double, c_int, c_size_t, c_uint64, c_ulonglong, c_void_p
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -97,7 +97,7 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     # The report of this thread's latest sleep or wake, a failed one's included.
     "ferrocache_last_sleep_report": (c_void_p, ()),
     # Gives back sleep's idle pinned host memory: the bytes given back.
-    "ferrocache_release_host_memory": (c_ulonglong, ()),
+    "ferrocache_release_host_memory": (c_uint64, ()),
     # ferrocache's own CUDAAllocator object for PyTorch (frontend.cpp) and what it asks.
     "ferrocache_frontend_malloc": (
         c_void_p,

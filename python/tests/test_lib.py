@@ -31,6 +31,7 @@ C_TO_CTYPES = {
     "ferrocache_oom_observer": ctypes.c_void_p,
     "const char * const *": ctypes.POINTER(ctypes.c_char_p),
     "unsigned long long": ctypes.c_ulonglong,
+    "uint64_t": ctypes.c_uint64,
     # What the front end (python/ferrocache/frontend.cpp) passes.
     "const char **": ctypes.POINTER(ctypes.c_char_p),
     "ferrocache_oom_thrower *": ctypes.POINTER(ctypes.c_void_p),
