@@ -245,5 +245,8 @@ def test_ddp_and_fsdp2_on_two_fake_gpus_with_torchs_default_nccl_backend_train_a
     runs_alike(DISTRIBUTED, tmp_path)
 
 
+@pytest.mark.xfail(strict=False, reason="flaky under load (found 2026-12-07): ProcessGroupNCCL "
+                   "frees FSDP2's collective tensors from its watchdog thread, so peaks can differ "
+                   "with thread timing under either allocator; docs/real-clients.md")
 def test_ddp_and_fsdp2_on_two_fake_gpus_with_the_stock_process_group_nccl_train_alike(tmp_path):
     runs_alike(DISTRIBUTED_STOCK_NCCL, tmp_path)
