@@ -39,6 +39,9 @@ struct ferrocache_segment_info;
 struct ferrocache_block_info;
 typedef void (*ferrocache_segment_visitor)(void *context, const struct ferrocache_segment_info *segment);
 typedef void (*ferrocache_block_visitor)(void *context, const struct ferrocache_block_info *block);
+/* A private pool's checkpoint, opaque: made by ferrocache_checkpoint_pool, given back with
+   ferrocache_checkpoint_free. */
+struct ferrocache_checkpoint;
 
 #ifdef __cplusplus
 extern "C" {
@@ -83,6 +86,17 @@ void rust_release_pool(int device, std::pair<unsigned long long, unsigned long l
 }  // extern "C"
 #endif  /* C++ only */
 
+
+// What `ferrocache_restore_pool_checkpoint` changed (PyTorch's `CheckpointDelta`): the
+// addresses of the allocations it freed (their tensors must lose their deleter) and of the
+// checkpoint's allocations, live again (their `DataPtr`s get the front end's deleter). The
+// arrays are ferrocache's, valid until `ferrocache_checkpoint_delta_free`.
+typedef struct ferrocache_checkpoint_delta {
+  void **freed;
+  size_t freed_count;
+  void **allocated;
+  size_t allocated_count;
+} ferrocache_checkpoint_delta;
 
 // One of PyTorch's `Stat`s.
 typedef struct ferrocache_stat {
@@ -194,6 +208,39 @@ int ferrocache_attach_oom_observer(ferrocache_oom_observer observer);
 
 // Detaches every attachment of `observer`; an observer not attached is no error. Returns 0.
 int ferrocache_detach_oom_observer(ferrocache_oom_observer observer);
+
+// `CUDAAllocator::getCheckpointState` (CUDA graph trees, after each recording): the blocks
+// of private pool `(pool_first, pool_second)` on `device`, segment by segment. Returns the
+// checkpoint, owned by the caller (`ferrocache_checkpoint_free`), or NULL (last error set)
+// for an unknown pool, one whose references were all released, or a block of it that waits
+// for other streams.
+struct ferrocache_checkpoint *ferrocache_checkpoint_pool(int device, unsigned long long pool_first, unsigned long long pool_second);
+
+// Gives back a checkpoint; NULL is nothing.
+//
+// # Safety
+// `checkpoint` is NULL or came from `ferrocache_checkpoint_pool` and is given back once.
+void ferrocache_checkpoint_free(struct ferrocache_checkpoint *checkpoint);
+
+// `CUDAAllocator::setCheckpointPoolState` (CUDA graph trees, before recording a new branch):
+// frees every allocation of the checkpoint's pool, then puts the checkpoint's blocks back at
+// their addresses, the checkpoint's allocations live again. Fills `*delta` (its arrays are
+// given back with `ferrocache_checkpoint_delta_free`) and returns 0; or returns -1 (last
+// error set, `*delta` empty, nothing changed) for another device's checkpoint, a pool gone
+// or unreferenced, or a checkpointed segment that is gone or was carved otherwise since.
+//
+// # Safety
+// `checkpoint` came from `ferrocache_checkpoint_pool` and is not given back meanwhile;
+// `delta` is valid for one write.
+int ferrocache_restore_pool_checkpoint(int device, const struct ferrocache_checkpoint *checkpoint, struct ferrocache_checkpoint_delta *delta);
+
+// Gives back the arrays of a delta that `ferrocache_restore_pool_checkpoint` filled, and
+// empties it; NULL, or an empty delta, is nothing.
+//
+// # Safety
+// `delta` is NULL or a delta filled by `ferrocache_restore_pool_checkpoint` (or emptied by
+// this function), its fields unchanged since.
+void ferrocache_checkpoint_delta_free(struct ferrocache_checkpoint_delta *delta);
 
 // `CUDAPluggableAllocator`'s free function. NULL does nothing. A pointer ferrocache did not give
 // out, or one already freed, is logged at ERROR and nothing changes. A `size`, `device` or

@@ -34,7 +34,7 @@
 pub(crate) mod backing;
 pub(crate) mod block;
 mod check;
-mod checkpoint;
+pub mod checkpoint;
 pub(crate) mod cross_stream;
 mod error;
 mod events;

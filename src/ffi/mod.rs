@@ -20,6 +20,7 @@
 //! | [`guard`] | panics caught at every export, this thread's last error |
 //! | [`entry`] | allocation and free: `rust_malloc`'s core, `rust_free`, `ferrocache_alloc`/`free` |
 //! | [`frontend`] | what ferrocache's own `CUDAAllocator` object asks beyond the hooks: allocation, pools, `cacheInfo`, `DeviceStats`, a pool's live allocations |
+//! | [`checkpoint`] | CUDA graph trees' checkpoints of a private pool, and their restore, for the front end |
 //! | [`hooks`] | PyTorch's other `set_*_fn` hooks: init, reset, memory fraction, record stream, base allocation |
 //! | [`pools`] | private pools: CUDA graph captures and `torch.cuda.MemPool` |
 //! | [`callbacks`] | functions C registers: stack gatherer, OOM thrower and observers, reserve-class lookup |
@@ -32,6 +33,7 @@
 
 mod advice;
 mod callbacks;
+mod checkpoint;
 mod entry;
 mod frontend;
 mod guard;
