@@ -13,7 +13,7 @@ use regex::Regex;
 /// PyTorch takes, the `ferrocache_*` functions of the Python package, and the command line the
 /// `ferrocache` binary runs, and what ferrocache's own allocator object for PyTorch
 /// (python/ferrocache/frontend.cpp) asks.
-const EXPORTS: [&str; 59] = [
+const EXPORTS: [&str; 63] = [
     "ferrocache_alloc",
     "ferrocache_attach_oom_observer",
     "ferrocache_begin_allocate_current_thread_to_pool",
@@ -47,6 +47,10 @@ const EXPORTS: [&str; 59] = [
     "ferrocache_cache_info",
     "ferrocache_read_device_stats",
     "ferrocache_check_pool_live_allocations",
+    "ferrocache_checkpoint_pool",
+    "ferrocache_checkpoint_free",
+    "ferrocache_restore_pool_checkpoint",
+    "ferrocache_checkpoint_delta_free",
     "ferrocache_set_pool_use_on_oom",
     "ferrocache_set_pool_no_split",
     "ferrocache_history_enabled",
@@ -180,7 +184,8 @@ fn the_committed_header_is_up_to_date() {
 
 #[test]
 fn the_header_declares_every_export_and_nothing_else() {
-    let declaration = Regex::new(r"(?m)^(?:const )?\w+ \*?(\w+)\(.*\);$").expect("a valid pattern");
+    let declaration =
+        Regex::new(r"(?m)^(?:const )?(?:struct )?\w+ \*?(\w+)\(.*\);$").expect("a valid pattern");
     let declared: BTreeSet<String> = declaration
         .captures_iter(&committed_header())
         .map(|c| c[1].to_string())

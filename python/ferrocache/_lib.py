@@ -115,6 +115,13 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
         c_int,
         (c_int, c_ulonglong, c_ulonglong, POINTER(c_void_p), c_size_t),
     ),
+    # CUDA graph trees' checkpoints: device and pool id (a checkpoint, NULL on failure); the
+    # checkpoint given back; device, checkpoint and a struct ferrocache_checkpoint_delta to fill;
+    # that delta's arrays given back.
+    "ferrocache_checkpoint_pool": (c_void_p, (c_int, c_ulonglong, c_ulonglong)),
+    "ferrocache_checkpoint_free": (None, (c_void_p,)),
+    "ferrocache_restore_pool_checkpoint": (c_int, (c_int, c_void_p, c_void_p)),
+    "ferrocache_checkpoint_delta_free": (None, (c_void_p,)),
     "ferrocache_set_pool_use_on_oom": (c_int, (c_int, c_ulonglong, c_ulonglong, c_int)),
     "ferrocache_set_pool_no_split": (c_int, (c_int, c_ulonglong, c_ulonglong)),
     "ferrocache_history_enabled": (c_int, ()),

@@ -41,6 +41,9 @@ C_TO_CTYPES = {
     "void * const *": ctypes.POINTER(ctypes.c_void_p),
     "ferrocache_segment_visitor": ctypes.c_void_p,
     "ferrocache_block_visitor": ctypes.c_void_p,
+    "struct ferrocache_checkpoint *": ctypes.c_void_p,
+    "const struct ferrocache_checkpoint *": ctypes.c_void_p,
+    "struct ferrocache_checkpoint_delta *": ctypes.c_void_p,
 }
 
 _PROTOTYPE = re.compile(r"^\s*([A-Za-z_][\w\s]*?\**)\s*\b(\w+)\(([^)]*)\);", re.MULTILINE)
