@@ -119,6 +119,19 @@ int ferrocache_set_pool_no_split(int device, unsigned long long first, unsigned 
 int ferrocache_check_pool_live_allocations(int device, unsigned long long first,
                                            unsigned long long second, void* const* expected,
                                            size_t count);
+struct ferrocache_checkpoint;
+struct ferrocache_checkpoint_delta {
+    void** freed;
+    size_t freed_count;
+    void** allocated;
+    size_t allocated_count;
+};
+ferrocache_checkpoint* ferrocache_checkpoint_pool(int device, unsigned long long pool_first,
+                                                  unsigned long long pool_second);
+void ferrocache_checkpoint_free(ferrocache_checkpoint* checkpoint);
+int ferrocache_restore_pool_checkpoint(int device, const ferrocache_checkpoint* checkpoint,
+                                       ferrocache_checkpoint_delta* delta);
+void ferrocache_checkpoint_delta_free(ferrocache_checkpoint_delta* delta);
 }
 
 namespace {
@@ -522,16 +535,54 @@ class FerrocacheAllocator final : public alloc::CUDAAllocator {
         return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
     }
 
-    std::shared_ptr<alloc::AllocatorState> getCheckpointState(c10::DeviceIndex /*device*/,
-                                                              MempoolId /*id*/) override {
-        TORCH_CHECK(false, "ferrocache does not yet checkpoint a private pool "
-                           "(getCheckpointState)");
+    // A private pool's checkpoint (getCheckpointState), as PyTorch keeps it: the C++ object
+    // owns the core's checkpoint and gives it back when the graph tree lets it go.
+    class Checkpoint final : public alloc::AllocatorState {
+       public:
+        explicit Checkpoint(ferrocache_checkpoint* taken) : taken_(taken) {}
+        ~Checkpoint() override { ferrocache_checkpoint_free(taken_); }
+        Checkpoint(const Checkpoint&) = delete;
+        Checkpoint& operator=(const Checkpoint&) = delete;
+        const ferrocache_checkpoint* taken() const { return taken_; }
+
+       private:
+        ferrocache_checkpoint* taken_;
+    };
+
+    std::shared_ptr<alloc::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                              MempoolId id) override {
+        ferrocache_checkpoint* taken = ferrocache_checkpoint_pool(device, id.first, id.second);
+        if (taken == nullptr) {
+            fail("getCheckpointState");
+        }
+        try {
+            return std::make_shared<Checkpoint>(taken);
+        } catch (...) {
+            ferrocache_checkpoint_free(taken);
+            throw;
+        }
     }
 
+    // The freed pointers as they are; the re-allocated blocks as DataPtrs with this object's
+    // deleter, so that their later free comes back here.
     alloc::CheckpointDelta setCheckpointPoolState(
-        c10::DeviceIndex /*device*/, std::shared_ptr<alloc::AllocatorState> /*pps*/) override {
-        TORCH_CHECK(false, "ferrocache does not yet restore a private pool's checkpoint "
-                           "(setCheckpointPoolState)");
+        c10::DeviceIndex device, std::shared_ptr<alloc::AllocatorState> pps) override {
+        auto checkpoint = std::dynamic_pointer_cast<Checkpoint>(pps);
+        TORCH_CHECK(checkpoint != nullptr, "setCheckpointPoolState: not a checkpoint that "
+                                           "ferrocache's getCheckpointState made");
+        ferrocache_checkpoint_delta restored{};
+        check(ferrocache_restore_pool_checkpoint(device, checkpoint->taken(), &restored),
+              "setCheckpointPoolState");
+        std::unique_ptr<ferrocache_checkpoint_delta, void (*)(ferrocache_checkpoint_delta*)>
+            owned(&restored, &ferrocache_checkpoint_delta_free);
+        alloc::CheckpointDelta delta;
+        delta.ptrs_freed.assign(restored.freed, restored.freed + restored.freed_count);
+        for (size_t i = 0; i < restored.allocated_count; ++i) {
+            void* ptr = restored.allocated[i];
+            delta.dataptrs_allocd.emplace_back(ptr, ptr, &delete_block,
+                                               c10::Device(c10::DeviceType::CUDA, device));
+        }
+        return delta;
     }
 
     std::string name() override { return "ferrocache"; }
