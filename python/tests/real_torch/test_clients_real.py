@@ -70,7 +70,6 @@ class Client:
 #: in its words; each names the CUDAAllocator question. (Under PyTorch's CUDAPluggableAllocator
 #: these were "... does not yet support cacheInfo / checkPoolLiveAllocations / shareIPcHandle /
 #: snapshot"; the front end answers cacheInfo, checkPoolLiveAllocations and snapshot.)
-GET_CHECKPOINT_STATE = "ferrocache does not yet checkpoint a private pool (getCheckpointState)"
 SHARE_IPC_HANDLE = "ferrocache does not share CUDA memory between processes yet (shareIpcHandle)"
 TRACE_TRACKER = "ferrocache does not yet send segment events to an allocator trace tracker"
 
@@ -82,7 +81,7 @@ DECODER_TIGHT = Client("decoder_transformers.py", packages=("transformers",),
                        expected={"generated_shape": [2, 12]},
                        env={"FAKE_LIBCUDA_TOTAL_MEM": str(35 << 20)})  # fmt: skip
 CONV = Client("conv_cudnn_benchmark.py")
-COMPILE = Client("compile_cudagraphs.py", refusal=GET_CHECKPOINT_STATE)
+COMPILE = Client("compile_cudagraphs.py")
 GRAPHED = Client("graphed_callables.py")
 LIGHTNING = Client("lightning_trainer.py", packages=("lightning",))
 #: The bytes each side reads back show that the memory is shared between the processes (with
@@ -222,7 +221,6 @@ def test_a_convolutional_network_in_cudnn_benchmark_mode_trains_alike(tmp_path):
     runs_alike(CONV, tmp_path)
 
 
-@expected_refusal(COMPILE)
 def test_torch_compile_with_cuda_graphs_records_two_branches_and_replays_alike(tmp_path):
     runs_alike(COMPILE, tmp_path)
 
