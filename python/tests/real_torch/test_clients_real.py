@@ -81,7 +81,12 @@ DECODER_TIGHT = Client("decoder_transformers.py", packages=("transformers",),
                        expected={"generated_shape": [2, 12]},
                        env={"FAKE_LIBCUDA_TOTAL_MEM": str(35 << 20)})  # fmt: skip
 CONV = Client("conv_cudnn_benchmark.py")
-COMPILE = Client("compile_cudagraphs.py")
+#: The CUDA graph tree restores its pool to a checkpoint once, to record the second shape's
+#: branch after replaying the first's.
+COMPILE = Client("compile_cudagraphs.py", expected={"checkpoint_restores": 1})
+#: The same through Inductor (mode="reduce-overhead"), where Triton is installed (not in CI).
+COMPILE_REDUCE_OVERHEAD = Client("compile_cudagraphs.py",
+                                 env={"CLIENT_COMPILE_MODE": "reduce-overhead"})  # fmt: skip
 GRAPHED = Client("graphed_callables.py")
 LIGHTNING = Client("lightning_trainer.py", packages=("lightning",))
 #: The bytes each side reads back show that the memory is shared between the processes (with
@@ -223,6 +228,13 @@ def test_a_convolutional_network_in_cudnn_benchmark_mode_trains_alike(tmp_path):
 
 def test_torch_compile_with_cuda_graphs_records_two_branches_and_replays_alike(tmp_path):
     runs_alike(COMPILE, tmp_path)
+
+
+def test_torch_compile_in_reduce_overhead_mode_records_two_branches_and_replays_alike(tmp_path):
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed: Inductor's kernels (mode=\"reduce-overhead\") need it")
+    figures = runs_alike(COMPILE_REDUCE_OVERHEAD, tmp_path)
+    assert figures["extra"]["checkpoint_restores"] > 0, figures["extra"]
 
 
 def test_cuda_graphs_made_by_hand_replay_at_the_same_addresses_alike(tmp_path):
