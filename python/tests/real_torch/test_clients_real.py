@@ -131,7 +131,7 @@ def _run(
     env.update(torch_env(
         4 * GIB, FAKE_LIBCUDA_DEVICE_COUNT=str(max(client.ranks, 1)), FAKE_CUDA_ORDER_FATAL="1",
         OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
-        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), PYTHONWARNINGS="ignore",
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{name}"), PYTHONWARNINGS="ignore",
         **client.env,
     ))  # fmt: skip
     process = subprocess.Popen(
