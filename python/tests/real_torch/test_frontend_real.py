@@ -206,27 +206,79 @@ def test_the_largest_cached_block_is_what_pytorchs_allocator_reports_to_cudnn() 
     assert ours == native
 
 
-def test_cuda_graph_trees_stop_at_their_first_checkpoint_with_an_error_that_names_it() -> None:
-    """Not done yet (docs/cuda-graphs.md): a tree checkpoints its pool after each recording,
-    and the front end does not checkpoint pools. What it must not do meanwhile is crash or
-    answer wrongly: the compiled call raises, naming the call."""
-    out = run_torch(
-        installed(
-            """
-        g = torch.compile(lambda x: torch.relu(x) + 1, backend="cudagraphs")
-        outcomes = []
-        for _ in range(2):
-            try:
-                g(torch.randn(8, 16, device="cuda"))
-                outcomes.append("ran")
-            except RuntimeError as err:
-                outcomes.append(str(err).splitlines()[0])
-        result(outcomes)
-        """
-        )
-    )
-    assert out[0] == "ran"
-    assert "getCheckpointState" in out[1]
+#: A pool's checkpoint and its restore through PyTorch's own functions, as CUDA graph trees
+#: call them: a first capture leaves two tensors and a hole, a second fills the hole and adds a
+#: segment, and the restore frees the second capture's tensor (its storage, passed as stale,
+#: loses its deleter) and gives the first capture's blocks back.
+#: PyTorch's C++ statistics (with private pools, torch._C._cuda_memoryStats holds more than
+#: the flat keys of WORK).
+POOL_FIGURES = """
+def figures():
+    stats = torch._C._cuda_memoryStats(0)
+    return {f"{name}.all.{field}": stats[name]["all"][field]
+            for name in ("allocated_bytes", "reserved_bytes", "segment", "allocation", "requested_bytes")
+            for field in ("current", "peak", "allocated")}
+"""
+CHECKPOINT = POOL_FIGURES + """
+pool = torch.cuda.graph_pool_handle()
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+first, second, third = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+with torch.cuda.graph(first, pool=pool, stream=side):
+    a = torch.empty(1000, device="cuda")
+    hole = torch.empty(4000, device="cuda")
+    hole_ptr = hole.data_ptr()
+    del hole
+    b = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+state = torch._C._cuda_getCheckpointState(0, pool)
+at_checkpoint = figures()
+with torch.cuda.graph(second, pool=pool, stream=side):
+    c = torch.empty(4000, device="cuda")
+    d = torch.empty(30 << 20, dtype=torch.uint8, device="cuda")
+c_in_hole = c.data_ptr() == hole_ptr
+del d
+torch._C._cuda_setCheckpointPoolState(0, state, [c.untyped_storage()._cdata], [])
+live = torch._C._cuda_checkPoolLiveAllocations(0, pool, {a.data_ptr(), b.data_ptr()})
+restored = figures()
+del c
+with torch.cuda.graph(third, pool=pool, stream=side):
+    e = torch.empty(4000, device="cuda")
+try:
+    torch._C._cuda_getCheckpointState(0, (0, 12345))
+    unknown = "answered"
+except RuntimeError:
+    unknown = "refused"
+result({"c_in_hole": c_in_hole, "live": live, "e_in_hole": e.data_ptr() == hole_ptr,
+        "at_checkpoint": at_checkpoint, "restored": restored, "end": figures(), "unknown": unknown})
+"""
+
+
+def test_a_pools_checkpoint_is_restored_through_pytorchs_functions_as_by_pytorchs_allocator() -> None:
+    native, ours = run_both(CHECKPOINT)
+    assert ours["c_in_hole"] and ours["live"] and ours["e_in_hole"], ours
+    assert ours["unknown"] == "refused"
+    # The checkpoint's allocations again; the second capture's segment stays, wholly free.
+    for key in ("allocated_bytes.all.current", "allocation.all.current"):
+        assert ours["restored"][key] == ours["at_checkpoint"][key], key
+    assert ours == native
+
+
+def test_cuda_graph_trees_record_and_replay_two_branches_as_under_pytorchs_allocator() -> None:
+    """torch.compile(backend="cudagraphs") over two shapes: the second shape's recording
+    restores the pool to the checkpoint taken after the first's."""
+    code = POOL_FIGURES + textwrap.dedent("""
+    g = torch.compile(lambda x: torch.relu(x) + 1, backend="cudagraphs", dynamic=False)
+    restores = []
+    real = torch._C._cuda_setCheckpointPoolState
+    torch._C._cuda_setCheckpointPoolState = lambda *args: restores.append(1) or real(*args)
+    outputs = []
+    for rows in (8, 8, 8, 16, 16, 16, 8):
+        outputs.append(g(torch.ones(rows, 16, device="cuda")).data_ptr())
+    result({"outputs": outputs, "restores": len(restores), "figures": figures()})
+    """)
+    native, ours = run_both(code)
+    assert ours["restores"] > 0, ours
+    assert ours == native
 
 
 __all__ = ["MIB"]
