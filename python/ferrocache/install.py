@@ -183,7 +183,8 @@ def install(
 #: What PyTorch's CUDAPluggableAllocator, the fallback, cannot do that the front end does.
 FRONTEND_LOST = (
     "PyTorch's C++ callers get refusals: cacheInfo (convolutions with "
-    "torch.backends.cudnn.benchmark=True raise), checkPoolLiveAllocations (CUDA graph trees), "
+    "torch.backends.cudnn.benchmark=True raise), checkPoolLiveAllocations and pool "
+    "checkpoints (CUDA graph trees: torch.compile with CUDA graphs raises), "
     "getDeviceStats from C++, PyTorch's own torch.cuda.MemPool (ferrocache's stands in), and "
     "every allocation pays PyTorch's map of pointers"
 )
