@@ -418,3 +418,161 @@ fn a_checkpoint_of_another_devices_pool_is_refused() {
         })
     );
 }
+
+#[path = "common/properties.rs"]
+mod properties;
+
+mod random_trees {
+    //! Random trees of recordings: recordings into the pool, outputs dropped, ordinary
+    //! allocations beside, checkpoints taken and restored in any order. After every step the
+    //! allocator's invariants hold; after every restore the pool's live allocations are the
+    //! checkpoint's and its checkpointed segments are carved as they were; a refused restore
+    //! changes nothing.
+
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// A recording: allocations of these sizes, those marked freed within it.
+        Record(Vec<(usize, bool)>),
+        /// The program drops one of the pool's live outputs.
+        DropOutput(usize),
+        /// An ordinary allocation beside the pool, or the free of one.
+        Ordinary(usize),
+        FreeOrdinary(usize),
+        Checkpoint,
+        /// Restores one of the checkpoints taken so far.
+        Restore(usize),
+    }
+
+    fn size() -> impl Strategy<Value = usize> {
+        prop_oneof![
+            3 => 1usize..(1 << 20),
+            1 => (1usize << 20)..(24 << 20),
+        ]
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => prop::collection::vec((size(), any::<bool>()), 1..6).prop_map(Op::Record),
+            2 => any::<usize>().prop_map(Op::DropOutput),
+            1 => size().prop_map(Op::Ordinary),
+            1 => any::<usize>().prop_map(Op::FreeOrdinary),
+            2 => Just(Op::Checkpoint),
+            3 => any::<usize>().prop_map(Op::Restore),
+        ]
+    }
+
+    type Layout = Vec<(u64, Vec<(u64, bool)>)>;
+
+    /// The pool's segments (mapped ranges) with their blocks.
+    fn pool_layout(a: &DeviceAllocator<SimDevice>) -> Layout {
+        let mut segments: Layout = a
+            .segments()
+            .into_iter()
+            .filter(|s| s.segment_pool_id == POOL)
+            .map(|s| {
+                let blocks = s
+                    .blocks
+                    .iter()
+                    .map(|b| (b.size, b.state == "active_allocated"));
+                (s.address, blocks.collect())
+            })
+            .collect();
+        segments.sort();
+        segments
+    }
+
+    fn sorted(mut addresses: Vec<u64>) -> Vec<u64> {
+        addresses.sort_unstable();
+        addresses
+    }
+
+    fn run(config: Config, ops: &[Op]) -> Result<(), TestCaseError> {
+        let mut a = allocator(config);
+        a.create_or_incref_pool(POOL).unwrap();
+        let mut outputs: Vec<u64> = Vec::new();
+        let mut ordinary: Vec<u64> = Vec::new();
+        let mut checkpoints: Vec<(PoolCheckpoint, Layout)> = Vec::new();
+        for op in ops {
+            match op {
+                Op::Record(sizes) => {
+                    a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+                    for &(size, freed) in sizes {
+                        let Ok(ptr) = a.malloc(size, CAPTURE) else {
+                            continue;
+                        };
+                        if freed {
+                            a.free(ptr).unwrap();
+                        } else {
+                            outputs.push(ptr);
+                        }
+                    }
+                    a.end_allocate_to_pool(POOL).unwrap();
+                    a.release_pool(POOL).unwrap(); // each recording's own reference
+                }
+                Op::DropOutput(i) if !outputs.is_empty() => {
+                    a.free(outputs.swap_remove(i % outputs.len())).unwrap();
+                }
+                Op::Ordinary(size) => ordinary.extend(a.malloc(*size, OTHER).ok()),
+                Op::FreeOrdinary(i) if !ordinary.is_empty() => {
+                    a.free(ordinary.swap_remove(i % ordinary.len())).unwrap();
+                }
+                Op::Checkpoint => {
+                    let checkpoint = a.checkpoint_pool(POOL).unwrap();
+                    prop_assert_eq!(sorted(checkpoint.allocations()), sorted(outputs.clone()));
+                    checkpoints.push((checkpoint, pool_layout(&a)));
+                }
+                Op::Restore(i) if !checkpoints.is_empty() => {
+                    let (checkpoint, layout) = &checkpoints[i % checkpoints.len()];
+                    let before = (pool_layout(&a), a.stats().clone());
+                    match a.restore_pool_checkpoint(checkpoint) {
+                        Ok(delta) => {
+                            prop_assert_eq!(sorted(delta.freed), sorted(outputs.clone()));
+                            outputs = checkpoint.allocations();
+                            prop_assert_eq!(sorted(delta.allocated), sorted(outputs.clone()));
+                            prop_assert_eq!(
+                                a.pool_live_allocations(POOL).unwrap(),
+                                sorted(outputs.clone())
+                            );
+                            let now = pool_layout(&a);
+                            for segment in layout {
+                                prop_assert!(now.contains(segment), "{:x?} in {:x?}", segment, now);
+                            }
+                        }
+                        Err(CheckpointError::SegmentChanged { .. }) => {
+                            // Only an expandable segment changes shape (pages mapped since).
+                            prop_assert!(a.config().expandable_segments);
+                            prop_assert_eq!((pool_layout(&a), a.stats().clone()), before);
+                        }
+                        Err(other) => prop_assert!(false, "refused: {}", other),
+                    }
+                }
+                _ => {}
+            }
+            if let Err(why) = a.check_invariants() {
+                prop_assert!(false, "after {:?}: {}", op, why);
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(properties::config(64))]
+
+        #[test]
+        fn restores_of_random_trees_give_back_each_checkpoint(
+            ops in prop::collection::vec(op(), 1..40)
+        ) {
+            run(Config::default(), &ops)?;
+        }
+
+        #[test]
+        fn restores_of_random_trees_over_expandable_segments_give_back_or_refuse_unchanged(
+            ops in prop::collection::vec(op(), 1..40)
+        ) {
+            run(Config { expandable_segments: true, ..Config::default() }, &ops)?;
+        }
+    }
+}
