@@ -240,7 +240,10 @@ mod tests {
             Ok(SharedMemory::Pages {
                 pid: 6710,
                 page_size: 20 << 20,
-                pages: vec![PageHandle::FileDescriptor(9), PageHandle::FileDescriptor(11)],
+                pages: vec![
+                    PageHandle::FileDescriptor(9),
+                    PageHandle::FileDescriptor(11)
+                ],
             })
         );
         // Its padding held whatever was in memory; it is ignored.
@@ -301,8 +304,11 @@ mod tests {
             );
         }
         // Version 2 carries no handle type: the receiver's own decides.
-        for (memory, fabric) in [(&memories[0], false), (&memories[1], false), (&memories[2], true)]
-        {
+        for (memory, fabric) in [
+            (&memories[0], false),
+            (&memories[1], false),
+            (&memories[2], true),
+        ] {
             assert_eq!(
                 parse(&write(memory, UNTYPED_VERSION), fabric).as_ref(),
                 Ok(memory)
@@ -361,6 +367,10 @@ mod tests {
         }
         let mut trailing = write(&SharedMemory::Allocation([1; 64]), CURRENT_VERSION);
         trailing.push(0);
-        assert!(parse(&trailing, false).unwrap_err().contains("after the end"));
+        assert!(
+            parse(&trailing, false)
+                .unwrap_err()
+                .contains("after the end")
+        );
     }
 }
