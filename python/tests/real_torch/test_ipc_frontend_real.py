@@ -207,6 +207,9 @@ LOADER = textwrap.dedent(
         from ferrocache import frontend
         assert frontend.is_installed(), "install() fell back to CUDAPluggableAllocator"
 
+    def worker_init(_):
+        use()
+
     class CudaItems(torch.utils.data.Dataset):
         def __len__(self):
             return 6
@@ -216,11 +219,12 @@ LOADER = textwrap.dedent(
             return {"backend": torch._C._cuda_getAllocatorBackend(), "item": item}
 
     if __name__ == "__main__":
+        # Kernels compute nothing on the fake: the items are read with whole copies.
         use()
         loader = torch.utils.data.DataLoader(
             CudaItems(), batch_size=None, num_workers=2, multiprocessing_context="spawn",
-            worker_init_fn=lambda _: use())
-        read = [(got["backend"], got["item"][::1 << 20].cpu().tolist()) for got in loader]
+            worker_init_fn=worker_init)
+        read = [(got["backend"], got["item"].cpu()[::1 << 20].tolist()) for got in loader]
         with open(sys.argv[1], "w") as out:
             json.dump(read, out)
     """
