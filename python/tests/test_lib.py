@@ -41,6 +41,11 @@ C_TO_CTYPES = {
     "void * const *": ctypes.POINTER(ctypes.c_void_p),
     "ferrocache_segment_visitor": ctypes.c_void_p,
     "ferrocache_block_visitor": ctypes.c_void_p,
+    # CUDA IPC's handle bytes, their offset and the token of an opened handle.
+    "uint8_t *": ctypes.c_void_p,
+    "const uint8_t *": ctypes.c_void_p,
+    "int64_t *": ctypes.POINTER(ctypes.c_int64),
+    "uint64_t *": ctypes.POINTER(ctypes.c_uint64),
 }
 
 _PROTOTYPE = re.compile(r"^\s*([A-Za-z_][\w\s]*?\**)\s*\b(\w+)\(([^)]*)\);", re.MULTILINE)
