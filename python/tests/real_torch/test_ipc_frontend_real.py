@@ -245,3 +245,86 @@ def test_dataloader_workers_on_ferrocache_return_cuda_tensors(tmp_path, conf):
     )  # fmt: skip
     assert process.returncode == 0, process.stderr[-8000:]
     assert json.loads(out.read_text()) == [["ferrocache", [i] * 3] for i in range(6)]
+
+
+TWO_IN_ONE_SEGMENT = textwrap.dedent(
+    """
+    import ctypes, gc, json, sys
+    import torch
+    import torch.multiprocessing as mp
+
+    OUT, SENDER, RECEIVER = sys.argv[1], sys.argv[2], sys.argv[3]
+
+    def fake_stat(name):
+        fake = ctypes.CDLL("libcuda.so.1")
+        fake.fake_cuda_stat.restype = ctypes.c_int64
+        fake.fake_cuda_stat.argtypes = [ctypes.c_char_p]
+        return fake.fake_cuda_stat(name.encode())
+
+    def use(allocator):
+        if allocator == "ferrocache":
+            import ferrocache
+            ferrocache.install()
+            from ferrocache import frontend
+            assert frontend.is_installed(), "install() fell back to CUDAPluggableAllocator"
+        torch.empty(1, device="cuda")
+
+    def child(allocator, connection):
+        use(allocator)
+        first, second = connection.recv()
+        answer = {
+            "read": [first.cpu().tolist(), second.cpu().tolist()],
+            "opened": fake_stat("cuIpcOpenMemHandle_v2"),
+            "open_while_held": fake_stat("ipc_opened"),
+        }
+        del first
+        gc.collect()
+        answer["open_while_one_is_held"] = fake_stat("ipc_opened")
+        del second
+        gc.collect()
+        answer["open_after_both"] = fake_stat("ipc_opened")
+        connection.send(answer)
+
+    if __name__ == "__main__":
+        use(SENDER)
+        connection, child_end = mp.get_context("spawn").Pipe()
+        process = mp.get_context("spawn").Process(
+            target=child, args=(RECEIVER, child_end), daemon=True)
+        process.start()
+        child_end.close()
+        first = torch.tensor([1, 2, 3], dtype=torch.int64).cuda()
+        second = torch.tensor([4, 5, 6], dtype=torch.int64).cuda()
+        connection.send((first, second))
+        answer = connection.recv()
+        process.join(timeout=120)
+        answer["exit"] = process.exitcode
+        with open(OUT, "w") as out:
+            json.dump(answer, out)
+    """
+)
+
+
+@pytest.mark.parametrize("receiver", ["native", "ferrocache"])
+def test_two_tensors_of_one_segment_are_opened_once_until_both_are_let_go(tmp_path, receiver):
+    """The receiver keeps one mapping per handle, as PyTorch's ``ipcMemHandle_to_devptr``: two
+    tensors of one small segment share its memory handle, so it is opened once and closed when
+    the last of them goes."""
+    script = tmp_path / "two.py"
+    script.write_text(TWO_IN_ONE_SEGMENT)
+    out = tmp_path / "out.json"
+    env = dict(os.environ)
+    env.pop("FERROCACHE_LIBRARY", None)
+    env.update(torch_env(FAKE_CUDA_ORDER_FATAL="1"))
+    process = subprocess.run(
+        [sys.executable, str(script), str(out), "ferrocache", receiver], env=env,
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert process.returncode == 0, process.stderr[-8000:]
+    assert json.loads(out.read_text()) == {
+        "read": [[1, 2, 3], [4, 5, 6]],
+        "opened": 1,
+        "open_while_held": 1,
+        "open_while_one_is_held": 1,
+        "open_after_both": 0,
+        "exit": 0,
+    }
