@@ -397,6 +397,34 @@ int ferrocache_record_history(int enabled, size_t max_entries);
 // the last error.
 int ferrocache_check_invariants(void);
 
+// `CUDAAllocator::shareIpcHandle`: the handle of the allocation that starts at `ptr`, in the
+// format of PyTorch `version` (3 for 2.13 and later, 2 before), as a buffer of `*len` bytes
+// that `ferrocache_ipc_bytes_free` gives back; the allocation's offset in the shared memory
+// in `*offset`. NULL when it cannot be shared, with the reason in the last error.
+//
+// # Safety
+// `len` and `offset` are valid for one write each.
+uint8_t *ferrocache_ipc_share(void *ptr, int version, size_t *len, int64_t *offset);
+
+// Gives back a buffer of `len` bytes that `ferrocache_ipc_share` returned.
+//
+// # Safety
+// `bytes` came from `ferrocache_ipc_share` with this `len`, and is given back once.
+void ferrocache_ipc_bytes_free(uint8_t *bytes, size_t len);
+
+// `CUDAAllocator::getIpcDevPtr`: maps the memory that the `len` bytes of `handle` name (from
+// ferrocache or PyTorch's allocator) on `device`, or finds it mapped already. Returns where
+// it starts, with `*token` for `ferrocache_ipc_close`; NULL with the reason in the last error.
+//
+// # Safety
+// `handle` is valid for `len` bytes; `token` for one write.
+void *ferrocache_ipc_open(const uint8_t *handle, size_t len, int device, uint64_t *token);
+
+// The end of one `ferrocache_ipc_open`'s use: the last user of a mapping unmaps it (after
+// the device's work is done, as PyTorch). 0, or -1 with the reason in the last error (logged:
+// it runs in a deleter, which must not throw).
+int ferrocache_ipc_close(uint64_t token);
+
 // PyTorch's `_cuda_beginAllocateCurrentThreadToPool` (what `torch.cuda.use_mem_pool` calls):
 // allocations this thread makes on `device` come from the private pool `(pool_first,
 // pool_second)` (created, or given one more reference) until

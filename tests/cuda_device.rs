@@ -1082,14 +1082,61 @@ fn physical_pages_are_plain_where_the_device_lacks_rdma_with_vmm() {
     );
 }
 
-/// No shareable handle type is asked for (nothing exports ferrocache's memory), so a device
-/// without POSIX file descriptor handles works too.
+/// Where the device has POSIX file descriptor handles, physical memory is created exportable
+/// as one (as PyTorch creates it, for CUDA IPC); where it lacks them, none is asked for, so
+/// that such a device works too (its memory cannot be shared).
 #[test]
 fn physical_pages_need_no_shareable_handle_type() {
     physical_page_under(
         "physical_pages_need_no_shareable_handle_type",
         &[("FAKE_LIBCUDA_POSIX_FD_HANDLES", "0")],
         1,
+    );
+}
+
+/// A page exported for CUDA IPC: one descriptor, made once, another process's for the taking
+/// until the page's release closes it.
+#[test]
+fn an_exported_page_keeps_one_descriptor_until_its_release() {
+    in_own_process(
+        "an_exported_page_keeps_one_descriptor_until_its_release",
+        &[],
+        || {
+            let fake = FakeCuda::open();
+            let mut device = open_device();
+            let page = device.page_granularity().expect("granularity");
+            let handle = device.create_physical(page).expect("cuMemCreate");
+            let fd = device.export_physical(handle).expect("export");
+            assert_eq!(device.export_physical(handle), Ok(fd), "made once");
+            assert_eq!(fake.stat("cuMemExportToShareableHandle"), 1);
+            let is_open = |fd| {
+                // SAFETY: fcntl with F_GETFD only asks whether the descriptor is open.
+                unsafe { libc::fcntl(fd, libc::F_GETFD) >= 0 }
+            };
+            assert!(is_open(fd), "open while shared");
+            device.release_physical(handle).expect("release");
+            assert!(!is_open(fd), "closed at release");
+        },
+    );
+}
+
+/// Without POSIX file descriptor handles, a page cannot be exported: the driver says why.
+#[test]
+fn a_page_of_a_device_without_descriptor_handles_is_not_exported() {
+    in_own_process(
+        "a_page_of_a_device_without_descriptor_handles_is_not_exported",
+        &[("FAKE_LIBCUDA_POSIX_FD_HANDLES", "0")],
+        || {
+            let mut device = open_device();
+            let page = device.page_granularity().expect("granularity");
+            let handle = device.create_physical(page).expect("cuMemCreate");
+            let refused = device.export_physical(handle).expect_err("refused");
+            assert!(
+                refused.to_string().contains("cuMemExportToShareableHandle"),
+                "{refused}"
+            );
+            device.release_physical(handle).expect("release");
+        },
     );
 }
 

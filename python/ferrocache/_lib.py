@@ -16,7 +16,17 @@ import ctypes
 import json
 import os
 import threading
-from ctypes import POINTER, c_char_p, c_double, c_int, c_size_t, c_uint64, c_ulonglong, c_void_p
+from ctypes import (
+    POINTER,
+    c_char_p,
+    c_double,
+    c_int,
+    c_int64,
+    c_size_t,
+    c_uint64,
+    c_ulonglong,
+    c_void_p,
+)
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -127,6 +137,12 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_history_enabled": (c_int, ()),
     # Pool id ((0, 0): all), context, segment and block visitors.
     "ferrocache_snapshot_segments": (c_int, (c_ulonglong, c_ulonglong, c_void_p, c_void_p, c_void_p)),
+    # CUDA IPC (src/ffi/ipc.rs): a handle's bytes (length, offset), given back; a handle opened
+    # (bytes, length, device, token), closed by its token.
+    "ferrocache_ipc_share": (c_void_p, (c_void_p, c_int, POINTER(c_size_t), POINTER(c_int64))),
+    "ferrocache_ipc_bytes_free": (None, (c_void_p, c_size_t)),
+    "ferrocache_ipc_open": (c_void_p, (c_void_p, c_size_t, c_int, POINTER(c_uint64))),
+    "ferrocache_ipc_close": (c_int, (c_uint64,)),
 }
 
 #: PyTorch's CUDA graph pool hooks. Their parameter types are C++ (``std::pair``,

@@ -134,6 +134,14 @@ int ferrocache_restore_pool_checkpoint(int device, const ferrocache_checkpoint* 
 void ferrocache_checkpoint_delta_free(ferrocache_checkpoint_delta* delta);
 }
 
+// CUDA IPC (src/ffi/ipc.rs): PyTorch's shareable handles, written and opened in Rust.
+extern "C" {
+uint8_t* ferrocache_ipc_share(void* ptr, int version, size_t* len, int64_t* offset);
+void ferrocache_ipc_bytes_free(uint8_t* bytes, size_t len);
+void* ferrocache_ipc_open(const uint8_t* handle, size_t len, int device, uint64_t* token);
+int ferrocache_ipc_close(uint64_t token);
+}
+
 namespace {
 
 namespace alloc = c10::cuda::CUDACachingAllocator;
@@ -456,14 +464,39 @@ class FerrocacheAllocator final : public alloc::CUDAAllocator {
         return answer == 1;
     }
 
-    alloc::ShareableHandle shareIpcHandle(void* /*ptr*/) override {
-        TORCH_CHECK(false, "ferrocache does not share CUDA memory between processes yet "
-                           "(shareIpcHandle)");
+    // PyTorch's SHAREABLE_HANDLE_VERSION: 3 from 2.13 on (its expandable header names the
+    // handle type), 2 before.
+    static constexpr int kShareableHandleVersion = FERROCACHE_TORCH_AT_LEAST(2, 13) ? 3 : 2;
+
+    // The bytes ferrocache_ipc_share made, given back however the method ends.
+    struct SharedBytes {
+        uint8_t* bytes;
+        size_t len;
+        ~SharedBytes() { ferrocache_ipc_bytes_free(bytes, len); }
+    };
+
+    alloc::ShareableHandle shareIpcHandle(void* ptr) override {
+        size_t len = 0;
+        int64_t offset = 0;
+        uint8_t* bytes = ferrocache_ipc_share(ptr, kShareableHandleVersion, &len, &offset);
+        if (bytes == nullptr) {
+            fail("shareIpcHandle");
+        }
+        SharedBytes kept{bytes, len};
+        return {static_cast<ptrdiff_t>(offset), std::string(reinterpret_cast<char*>(bytes), len)};
     }
 
-    std::shared_ptr<void> getIpcDevPtr(std::string /*handle*/) override {
-        TORCH_CHECK(false, "ferrocache does not open CUDA memory of other processes yet "
-                           "(getIpcDevPtr)");
+    // The mapping lives as long as the returned pointer: its deleter is the Rust close (which
+    // logs a failure; a deleter must not throw). Should the shared_ptr fail to allocate, it
+    // calls the deleter itself.
+    std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+        uint64_t token = 0;
+        void* ptr = ferrocache_ipc_open(reinterpret_cast<const uint8_t*>(handle.data()),
+                                        handle.size(), current_device(), &token);
+        if (ptr == nullptr) {
+            fail("getIpcDevPtr");
+        }
+        return std::shared_ptr<void>(ptr, [token](void*) { (void)ferrocache_ipc_close(token); });
     }
 
     bool isHistoryEnabled() override { return ferrocache_history_enabled() != 0; }

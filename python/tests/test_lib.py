@@ -44,6 +44,11 @@ C_TO_CTYPES = {
     "struct ferrocache_checkpoint *": ctypes.c_void_p,
     "const struct ferrocache_checkpoint *": ctypes.c_void_p,
     "struct ferrocache_checkpoint_delta *": ctypes.c_void_p,
+    # CUDA IPC's handle bytes, their offset and the token of an opened handle.
+    "uint8_t *": ctypes.c_void_p,
+    "const uint8_t *": ctypes.c_void_p,
+    "int64_t *": ctypes.POINTER(ctypes.c_int64),
+    "uint64_t *": ctypes.POINTER(ctypes.c_uint64),
 }
 
 _PROTOTYPE = re.compile(r"^\s*([A-Za-z_][\w\s]*?\**)\s*\b(\w+)\(([^)]*)\);", re.MULTILINE)

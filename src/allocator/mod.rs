@@ -50,6 +50,7 @@ pub(crate) mod pool;
 pub mod private_pool;
 mod release;
 pub(crate) mod segments;
+pub mod shareable;
 pub mod sleep;
 mod source;
 mod staging;

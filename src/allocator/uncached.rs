@@ -50,6 +50,11 @@ impl<D: Device> DeviceMemory<D> {
         &mut self.caching
     }
 
+    /// Whether `ptr` is a live allocation made while caching was off.
+    pub fn is_uncached(&self, ptr: DevicePtr) -> bool {
+        !self.uncached.is_empty() && self.uncached.contains_key(&ptr)
+    }
+
     /// PyTorch's `enable`: allocations made from now on are cached or not; those made while
     /// caching was off still go back to the driver at their free.
     pub fn set_caching_enabled(&mut self, enabled: bool) {

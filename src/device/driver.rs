@@ -317,6 +317,20 @@ pub mod sys {
             size: usize,
             stream: CUstream,
         );
+        fn cuIpcGetMemHandle(handle: *mut CUipcMemHandle, ptr: CUdeviceptr);
+        fn cuIpcOpenMemHandle_v2(ptr: *mut CUdeviceptr, handle: CUipcMemHandle, flags: c_uint);
+        fn cuIpcCloseMemHandle(ptr: CUdeviceptr);
+        fn cuMemExportToShareableHandle(
+            shareable: *mut std::ffi::c_void,
+            handle: CUmemGenericAllocationHandle,
+            handle_type: CUmemAllocationHandleType,
+            flags: c_ulonglong,
+        );
+        fn cuMemImportFromShareableHandle(
+            handle: *mut CUmemGenericAllocationHandle,
+            shareable: *mut std::ffi::c_void,
+            handle_type: CUmemAllocationHandleType,
+        );
     }
 }
 

@@ -43,6 +43,23 @@ pub struct ProcessMemory {
     pub used_bytes: u64,
 }
 
+/// Physical memory of another process, as `cuMemImportFromShareableHandle` takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SharedPhysical {
+    /// A POSIX file descriptor of this process (taken from the exporter with `pidfd_getfd`);
+    /// the import does not close it.
+    FileDescriptor(i32),
+    /// A `CUmemFabricHandle`'s 64 bytes.
+    Fabric([u8; 64]),
+}
+
+/// The refusal of a device that does not share memory between processes (the simulated one).
+fn no_ipc(call: &'static str) -> DeviceError {
+    DeviceError::Unavailable(format!(
+        "{call}: this device does not share memory between processes"
+    ))
+}
+
 /// Why a device operation failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeviceError {
@@ -180,5 +197,31 @@ pub trait Device {
     /// out-of-memory message, never on the allocation path.
     fn compute_processes(&mut self) -> Vec<ProcessMemory> {
         Vec::new()
+    }
+
+    /// `cuIpcGetMemHandle` of the base of a `malloc`'d allocation: the 64 bytes another
+    /// process opens with [`Device::open_ipc_memory`]. A device without CUDA IPC refuses.
+    fn ipc_memory_handle(&mut self, _base: DevicePtr) -> Result<[u8; 64], DeviceError> {
+        Err(no_ipc("cuIpcGetMemHandle"))
+    }
+    /// `cuIpcOpenMemHandle` (lazy peer access) in this device's context: where another
+    /// process's allocation is mapped here, until [`Device::close_ipc_memory`].
+    fn open_ipc_memory(&mut self, _handle: &[u8; 64]) -> Result<DevicePtr, DeviceError> {
+        Err(no_ipc("cuIpcOpenMemHandle"))
+    }
+    /// `cuIpcCloseMemHandle` of what [`Device::open_ipc_memory`] returned.
+    fn close_ipc_memory(&mut self, _ptr: DevicePtr) -> Result<(), DeviceError> {
+        Err(no_ipc("cuIpcCloseMemHandle"))
+    }
+    /// `cuMemExportToShareableHandle` as a POSIX file descriptor of this process, which the
+    /// device keeps open (one per physical handle, made once) until the handle's
+    /// [`Device::release_physical`]: another process takes it with `pidfd_getfd` meanwhile.
+    fn export_physical(&mut self, _handle: PhysicalHandle) -> Result<i32, DeviceError> {
+        Err(no_ipc("cuMemExportToShareableHandle"))
+    }
+    /// `cuMemImportFromShareableHandle`: physical memory of another process, as a handle of
+    /// this one that [`Device::map`] maps and [`Device::release_physical`] gives back.
+    fn import_physical(&mut self, _shared: &SharedPhysical) -> Result<PhysicalHandle, DeviceError> {
+        Err(no_ipc("cuMemImportFromShareableHandle"))
     }
 }

@@ -26,6 +26,7 @@
 //! | [`callbacks`] | functions C registers: stack gatherer, OOM thrower and observers, reserve-class lookup |
 //! | [`thread`] | what a thread sets for its own allocations: its tag and its trace metadata |
 //! | [`inspect`] | statistics, snapshot, history recording, invariant checks |
+//! | [`ipc`] | CUDA IPC for the front end: `shareIpcHandle` and `getIpcDevPtr` in PyTorch's handle format |
 //! | [`advice`] | `ferrocache_advise` and the advice line after an out-of-memory |
 //! | [`settings`] | `PYTORCH_CUDA_ALLOC_CONF` checked, described, replaced at run time; caching turned on or off |
 //! | [`sleep`] | sleep and wake of tagged memory, with per-device reports |
@@ -39,6 +40,7 @@ mod frontend;
 mod guard;
 mod hooks;
 mod inspect;
+mod ipc;
 mod pools;
 mod registry;
 mod settings;

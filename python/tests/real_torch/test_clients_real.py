@@ -69,8 +69,9 @@ class Client:
 #: What ferrocache's allocator object for PyTorch (python/ferrocache/frontend.cpp) still refuses,
 #: in its words; each names the CUDAAllocator question. (Under PyTorch's CUDAPluggableAllocator
 #: these were "... does not yet support cacheInfo / checkPoolLiveAllocations / shareIPcHandle /
-#: snapshot"; the front end answers cacheInfo, checkPoolLiveAllocations and snapshot.)
-SHARE_IPC_HANDLE = "ferrocache does not share CUDA memory between processes yet (shareIpcHandle)"
+#: snapshot"; the front end answers cacheInfo, checkPoolLiveAllocations, the checkpoints of graph
+#: trees, snapshot and, in
+#: PyTorch's handle format, shareIpcHandle and getIpcDevPtr.)
 TRACE_TRACKER = "ferrocache does not yet send segment events to an allocator trace tracker"
 
 DECODER = Client("decoder_transformers.py", packages=("transformers",),
@@ -91,7 +92,7 @@ GRAPHED = Client("graphed_callables.py")
 LIGHTNING = Client("lightning_trainer.py", packages=("lightning",))
 #: The bytes each side reads back show that the memory is shared between the processes (with
 #: the fake's FAKE_LIBCUDA_IPC_PRIVATE_COPY=1, "child_wrote" and "loader_read" differ).
-IPC = Client("multiprocessing_ipc.py", refusal=SHARE_IPC_HANDLE, expected={
+IPC = Client("multiprocessing_ipc.py", expected={
     "child_read": [1, 2, 3], "child_wrote": [4, 5, 6], "parent_read": [7, 8, 9], "child_exit": 0,
     "loader_read": [[i] * 4 for i in range(4)],
 })  # fmt: skip
@@ -245,7 +246,6 @@ def test_lightnings_trainer_fits_with_mixed_precision_alike(tmp_path):
     runs_alike(LIGHTNING, tmp_path)
 
 
-@expected_refusal(IPC)
 def test_cuda_tensors_travel_between_processes_and_from_dataloader_workers_alike(tmp_path):
     runs_alike(IPC, tmp_path)
 

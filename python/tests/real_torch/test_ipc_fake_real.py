@@ -10,8 +10,8 @@ No kernel runs on the fake, so bytes move with copies only. The round trip fails
 memory is a private copy of the parent's: ``FAKE_LIBCUDA_IPC_PRIVATE_COPY=1`` makes the fake do
 just that, and the last test shows the round trip then fails.
 
-ferrocache (a pluggable allocator) does not share tensors between processes yet: PyTorch
-refuses it (``test_distributed.py``)."""
+ferrocache's own allocator object shares and opens them in PyTorch's handle format:
+``test_ipc_frontend_real.py``."""
 
 from __future__ import annotations
 

@@ -132,6 +132,22 @@ impl ExpandableSegment {
         self.base + (index * self.page_size) as u64
     }
 
+    /// The physical pages under `[ptr, ptr + size)`, whole pages as PyTorch's `share` takes
+    /// them (for CUDA IPC): the address of the first, and each page's handle in order; `None`
+    /// when one of them is not mapped (asleep).
+    pub(crate) fn pages_under(
+        &self,
+        ptr: DevicePtr,
+        size: usize,
+    ) -> Option<(DevicePtr, Vec<PhysicalHandle>)> {
+        let begin = self.page_left(ptr);
+        let end = self.page_right(ptr + size as u64);
+        let handles = (begin..end)
+            .map(|i| self.pages.get(i).copied().flatten())
+            .collect::<Option<Vec<_>>>()?;
+        Some((self.page_ptr(begin), handles))
+    }
+
     /// Maps physical pages under `[ptr, ptr + size)`; `ptr` is page aligned. Returns the range
     /// mapped (whole pages, so possibly more than asked).
     ///

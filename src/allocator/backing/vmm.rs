@@ -125,6 +125,12 @@ impl VmmSegment {
         self.handle.is_some()
     }
 
+    /// The physical memory mapped now and the bytes it covers from [`VmmSegment::base`] (whole
+    /// pages), for CUDA IPC; `None` while asleep.
+    pub(crate) fn physical(&self) -> Option<(PhysicalHandle, usize)> {
+        self.handle.map(|handle| (handle, self.mapped_size))
+    }
+
     /// Queues the copy of `backup`'s ranges of this (awake) segment into its pinned buffer on
     /// `stream`. A failure leaves the segment as it was (awake); copies queued before it may
     /// still be running.

@@ -17,13 +17,14 @@ use super::driver::{self, sys};
 use super::nvml::{self, PciLocation};
 use super::{
     DeviceError, DevicePtr, EventHandle, MemInfo, PhysicalHandle, PinnedHostBuffer, ProcessMemory,
-    StreamId,
+    SharedPhysical, StreamId,
 };
 use crate::device::Device;
 use crate::logging;
 
 mod calls;
 mod context;
+mod ipc;
 
 pub use calls::unusable;
 use calls::{
@@ -65,6 +66,11 @@ pub struct CudaDevice {
     /// Page-locked host buffers from `cuMemHostAlloc`, by their address, with their sizes:
     /// each copy into one is checked to stay inside it.
     pinned: HashMap<PinnedHostBuffer, (*mut std::ffi::c_void, usize)>,
+    /// The shareable handle type physical memory is created with: POSIX file descriptors
+    /// where the device has them, as PyTorch's expandable segments ask (see [`ipc`]).
+    shareable_handle_type: sys::CUmemAllocationHandleType,
+    /// The file descriptor each exported physical handle was shared as, closed at its release.
+    exported: HashMap<PhysicalHandle, i32>,
 }
 
 // SAFETY: the raw pointers are driver handles (a primary context and events), which belong to
@@ -140,6 +146,10 @@ impl CudaDevice {
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
         )? != 0;
         let peers = peers_of(device, ordinal, count)?;
+        let shareable_handle_type = ipc::shareable_handle_type(device_attribute(
+            device,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+        )? != 0);
 
         let mut context: sys::CUcontext = ptr::null_mut();
         // SAFETY: the out pointer is a live local; `device` came from cuDeviceGet.
@@ -161,6 +171,8 @@ impl CudaDevice {
             idle_events: Vec::new(),
             event_contexts: HashMap::new(),
             pinned: HashMap::new(),
+            shareable_handle_type,
+            exported: HashMap::new(),
         })
     }
 
@@ -243,14 +255,13 @@ impl CudaDevice {
     }
 
     /// The properties of expandable-segment pages: pinned device memory on this device, GPUDirect
-    /// RDMA capable where the device supports it (as PyTorch sets them). No shareable handle
-    /// type is requested: nothing exports ferrocache's memory to another process (PyTorch's
-    /// plugged-in allocator interface has no IPC), and a handle type the device lacks would fail
-    /// every `cuMemCreate`.
+    /// RDMA capable where the device supports it, exportable as a POSIX file descriptor where the
+    /// device has them (as PyTorch sets them; a handle type the device lacks would fail every
+    /// `cuMemCreate`, so none is asked then, and such memory cannot be shared).
     fn allocation_properties(&self) -> sys::CUmemAllocationProp {
         sys::CUmemAllocationProp {
             type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-            requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            requestedHandleTypes: self.shareable_handle_type,
             location: device_location(self.ordinal),
             win32HandleMetaData: ptr::null_mut(),
             allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
@@ -461,7 +472,11 @@ impl Device for CudaDevice {
     fn release_physical(&mut self, handle: PhysicalHandle) -> Result<(), DeviceError> {
         let _context = self.enter()?;
         // SAFETY: a handle from `create_physical`; the driver validates it.
-        check_call("cuMemRelease", || unsafe { sys::cuMemRelease(handle) })
+        check_call("cuMemRelease", || unsafe { sys::cuMemRelease(handle) })?;
+        if let Some(fd) = self.exported.remove(&handle) {
+            ipc::close_exported(fd);
+        }
+        Ok(())
     }
 
     fn map(
@@ -599,6 +614,36 @@ impl Device for CudaDevice {
         })
     }
 
+    fn ipc_memory_handle(&mut self, base: DevicePtr) -> Result<[u8; 64], DeviceError> {
+        let _context = self.enter()?;
+        ipc::memory_handle(base)
+    }
+
+    fn open_ipc_memory(&mut self, handle: &[u8; 64]) -> Result<DevicePtr, DeviceError> {
+        let _context = self.enter()?;
+        ipc::open_memory(handle)
+    }
+
+    fn close_ipc_memory(&mut self, ptr: DevicePtr) -> Result<(), DeviceError> {
+        let _context = self.enter()?;
+        ipc::close_memory(ptr)
+    }
+
+    fn export_physical(&mut self, handle: PhysicalHandle) -> Result<i32, DeviceError> {
+        if let Some(&fd) = self.exported.get(&handle) {
+            return Ok(fd);
+        }
+        let _context = self.enter()?;
+        let fd = ipc::export_fd(handle)?;
+        self.exported.insert(handle, fd);
+        Ok(fd)
+    }
+
+    fn import_physical(&mut self, shared: &SharedPhysical) -> Result<PhysicalHandle, DeviceError> {
+        let _context = self.enter()?;
+        ipc::import(shared)
+    }
+
     /// Asks NVML (see `nvml.rs`); a driver error on the way leaves the list empty.
     fn compute_processes(&mut self) -> Vec<ProcessMemory> {
         match self.pci_location() {
@@ -710,6 +755,7 @@ mod tests {
             include_str!("mod.rs"),
             include_str!("calls.rs"),
             include_str!("context.rs"),
+            include_str!("ipc.rs"),
         ]
         .concat();
         for after in source.split("sys::cu").skip(1) {
