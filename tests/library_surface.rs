@@ -13,7 +13,7 @@ use regex::Regex;
 /// PyTorch takes, the `ferrocache_*` functions of the Python package, and the command line the
 /// `ferrocache` binary runs, and what ferrocache's own allocator object for PyTorch
 /// (python/ferrocache/frontend.cpp) asks.
-const EXPORTS: [&str; 63] = [
+const EXPORTS: [&str; 67] = [
     "ferrocache_alloc",
     "ferrocache_attach_oom_observer",
     "ferrocache_begin_allocate_current_thread_to_pool",
