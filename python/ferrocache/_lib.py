@@ -16,7 +16,17 @@ import ctypes
 import json
 import os
 import threading
-from ctypes import POINTER, c_char_p, c_double, c_int, c_size_t, c_uint64, c_ulonglong, c_void_p
+from ctypes import (
+    POINTER,
+    c_char_p,
+    c_double,
+    c_int,
+    c_int64,
+    c_size_t,
+    c_uint64,
+    c_ulonglong,
+    c_void_p,
+)
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -120,6 +130,10 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_history_enabled": (c_int, ()),
     # Pool id ((0, 0): all), context, segment and block visitors.
     "ferrocache_snapshot_segments": (c_int, (c_ulonglong, c_ulonglong, c_void_p, c_void_p, c_void_p)),
+    # The one allocator trace tracker (a function's address; NULL: none).
+    "ferrocache_attach_trace_tracker": (c_int, (c_void_p,)),
+    # Device, an array of struct ferrocache_stream_segment_size and its length.
+    "ferrocache_expandable_segment_sizes": (c_int64, (c_int, c_void_p, c_size_t)),
 }
 
 #: PyTorch's CUDA graph pool hooks. Their parameter types are C++ (``std::pair``,
