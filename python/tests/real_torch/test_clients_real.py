@@ -72,7 +72,6 @@ class Client:
 #: snapshot"; the front end answers cacheInfo, checkPoolLiveAllocations and snapshot.)
 GET_CHECKPOINT_STATE = "ferrocache does not yet checkpoint a private pool (getCheckpointState)"
 SHARE_IPC_HANDLE = "ferrocache does not share CUDA memory between processes yet (shareIpcHandle)"
-TRACE_TRACKER = "ferrocache does not yet send segment events to an allocator trace tracker"
 
 DECODER = Client("decoder_transformers.py", packages=("transformers",),
                  expected={"generated_shape": [2, 12]})  # fmt: skip
@@ -92,9 +91,9 @@ IPC = Client("multiprocessing_ipc.py", refusal=SHARE_IPC_HANDLE, expected={
     "loader_read": [[i] * 4 for i in range(4)],
 })  # fmt: skip
 #: torch 2.15's default "nccl" backend (ProcessGroupNCCL2) attaches an allocator trace tracker
-#: when it makes its communicator, in init_process_group; the refusal, thrown on a path that
-#: cannot throw, aborts each rank.
-DISTRIBUTED = Client("ddp_fsdp2.py", ranks=2, refusal=TRACE_TRACKER)
+#: when it makes its communicator, in init_process_group, and registers the segments it hears of
+#: (the front end sends them: src/ffi/trace_tracker.rs).
+DISTRIBUTED = Client("ddp_fsdp2.py", ranks=2)
 #: The stock ProcessGroupNCCL, which torch 2.15 keeps behind TORCH_DIST_USE_NCCL2=0, asks for no
 #: snapshot: the same job runs under both allocators.
 DISTRIBUTED_STOCK_NCCL = Client("ddp_fsdp2.py", ranks=2, env={"TORCH_DIST_USE_NCCL2": "0"})
@@ -240,7 +239,6 @@ def test_cuda_tensors_travel_between_processes_and_from_dataloader_workers_alike
     runs_alike(IPC, tmp_path)
 
 
-@expected_refusal(DISTRIBUTED)
 def test_ddp_and_fsdp2_on_two_fake_gpus_with_torchs_default_nccl_backend_train_alike(tmp_path):
     runs_alike(DISTRIBUTED, tmp_path)
 
