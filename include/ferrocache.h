@@ -416,6 +416,16 @@ int ferrocache_empty_pool_cache(int device, unsigned long long pool_first, unsig
 // set) when there is no such pool (never created, or gone after `empty_cache`).
 int ferrocache_pool_use_count(int device, unsigned long long pool_first, unsigned long long pool_second);
 
+// `CUDAAllocator::getExpandableSegmentSizes(device)`: writes up to `capacity` of the device's
+// expandable segments to `out`, in address order, and returns how many there are (call again
+// with more room when that is more than `capacity`); 0 for a device not used yet (not opened
+// for the question). Returns -1 (last error set) for a bad device or a NULL `out` with a
+// non-zero `capacity`.
+//
+// # Safety
+// `out` is valid for `capacity` writes (or `capacity` is 0).
+int64_t ferrocache_expandable_segment_sizes(int device, struct ferrocache_stream_segment_size *out, size_t capacity);
+
 // `torch.cuda.memory._set_allocator_settings(text)`: parses `text` as PyTorch's
 // `setAllocatorSettings` does, over the settings in effect (a key not named keeps its value,
 // except `max_split_size_mb`, `roundup_power2_divisions` and `garbage_collection_threshold`,
@@ -536,16 +546,6 @@ char *ferrocache_get_memory_metadata(void);
 // frees: it must stay callable for the life of the process (or until replaced), never call
 // ferrocache for the same device, and never unwind. Returns 0, or -1 (last error set).
 int ferrocache_attach_trace_tracker(ferrocache_trace_tracker tracker);
-
-// `CUDAAllocator::getExpandableSegmentSizes(device)`: writes up to `capacity` of the device's
-// expandable segments to `out`, in address order, and returns how many there are (call again
-// with more room when that is more than `capacity`); 0 for a device not used yet (not opened
-// for the question). Returns -1 (last error set) for a bad device or a NULL `out` with a
-// non-zero `capacity`.
-//
-// # Safety
-// `out` is valid for `capacity` writes (or `capacity` is 0).
-int64_t ferrocache_expandable_segment_sizes(int device, struct ferrocache_stream_segment_size *out, size_t capacity);
 
 #ifdef __cplusplus
 }  // extern "C"
