@@ -14,14 +14,13 @@ import pickle
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Optional, Union
 
 import pytest
 
-from torch_env import GIB, require_real_torch, run_torch, run_torch_process, torch_env
+from torch_env import GIB, require_real_torch, run_torch, torch_env
 
 require_real_torch()
 
@@ -220,16 +219,6 @@ def test_ipc_and_a_mempool_of_another_allocator_are_refused_clearly() -> None:
         "ipc": "ferrocache does not share CUDA memory between processes yet (shareIpcHandle)",
         "ferrocache_pool": 1,
     }
-
-
-#: A child's helper: a TCP port free now, for a process group's store.
-FREE_PORT = """
-def free_port():
-    import socket
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
-"""
 
 
 #: The NCCL backends that register the caching allocator's segments with their communicators:
