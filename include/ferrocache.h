@@ -417,7 +417,8 @@ int ferrocache_empty_pool_cache(int device, unsigned long long pool_first, unsig
 int ferrocache_pool_use_count(int device, unsigned long long pool_first, unsigned long long pool_second);
 
 // `CUDAAllocator::getExpandableSegmentSizes(device)`: writes up to `capacity` of the device's
-// expandable segments to `out`, in address order, and returns how many there are (call again
+// expandable segments to `out`, in address order (those of the legacy default stream left out,
+// as PyTorch leaves them out), and returns how many there are (call again
 // with more room when that is more than `capacity`); 0 for a device not used yet (not opened
 // for the question). Returns -1 (last error set) for a bad device or a NULL `out` with a
 // non-zero `capacity`.

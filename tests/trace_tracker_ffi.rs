@@ -11,7 +11,7 @@ use std::ptr;
 use std::sync::Mutex;
 
 use cdylib::Ferrocache;
-use support::{in_own_process, in_own_process_stderr};
+use support::{in_own_process, in_own_process_stderr, new_stream};
 
 const MIB: u64 = 1 << 20;
 
@@ -165,10 +165,12 @@ fn expandable_segment_sizes_list_each_segment_with_its_pool_and_mapped_bytes() {
             assert_eq!(unsafe { attach(Some(record)) }, 0);
             // SAFETY: no room asked for.
             assert_eq!(unsafe { sizes(0, ptr::null_mut(), 0) }, 0);
-            // SAFETY: plain values; the default stream.
-            let small = unsafe { alloc(4096, 0, ptr::null_mut()) };
+            // PyTorch leaves out the default stream's segments; a stream of its own is listed.
+            let stream = ptr::without_provenance_mut(new_stream() as usize);
+            // SAFETY: plain values; a live stream.
+            let small = unsafe { alloc(4096, 0, stream) };
             // SAFETY: as above.
-            let large = unsafe { alloc(30 * MIB as usize, 0, ptr::null_mut()) };
+            let large = unsafe { alloc(30 * MIB as usize, 0, stream) };
             assert!(!small.is_null() && !large.is_null());
             // SAFETY: no room: the count only.
             assert_eq!(unsafe { sizes(0, ptr::null_mut(), 0) }, 2);
@@ -185,6 +187,7 @@ fn expandable_segment_sizes_list_each_segment_with_its_pool_and_mapped_bytes() {
                 .collect();
             got.sort();
             assert_eq!(got, vec![(0, 40 * MIB), (1, 2 * MIB)]);
+            assert!(room.iter().all(|s| s.stream == stream));
             let maps: Vec<u64> = segment_events()
                 .iter()
                 .filter(|e| e.0 == SEGMENT_MAP)

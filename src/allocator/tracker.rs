@@ -70,13 +70,15 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// `getExpandableSegmentSizes`: each expandable segment's stream, pool and bytes mapped
     /// now, in address order (PyTorch lists them in the order it made them, which is address
-    /// order while no address range was given back).
+    /// order while no address range was given back). As PyTorch's, it leaves out the segments
+    /// of the legacy default stream: it skips a segment whose stream handle is NULL (meant for
+    /// segments without a stream), and that stream's handle is NULL.
     pub fn expandable_segment_sizes(&self) -> Vec<StreamSegmentSize> {
         let mut sizes: Vec<(DevicePtr, StreamSegmentSize)> = self
             .segments
             .iter()
             .filter_map(|(_, segment)| match &segment.memory {
-                Memory::Expandable(pages) => Some((
+                Memory::Expandable(pages) if pages.stream() != 0 => Some((
                     pages.base(),
                     StreamSegmentSize {
                         stream: pages.stream(),
@@ -186,27 +188,30 @@ mod tests {
         };
         let mut allocator = DeviceAllocator::new(SimDevice::new(1 << 30), 0, config);
         let seen = tracked(&mut allocator);
-        let small = allocator.malloc(4096, 0).unwrap();
-        let large = allocator.malloc(30 * MIB, 0).unwrap();
+        let small = allocator.malloc(4096, 5).unwrap();
+        let large = allocator.malloc(30 * MIB, 5).unwrap();
+        let on_default_stream = allocator.malloc(4096, 0).unwrap();
         let mut sizes = allocator.expandable_segment_sizes();
         sizes.sort_by_key(|s| s.is_small_pool);
         assert_eq!(
             sizes,
             vec![
                 StreamSegmentSize {
-                    stream: 0,
+                    stream: 5,
                     is_small_pool: false,
                     mapped_size: 40 * MIB as u64
                 },
                 StreamSegmentSize {
-                    stream: 0,
+                    stream: 5,
                     is_small_pool: true,
                     mapped_size: 2 * MIB as u64
                 },
-            ]
+            ],
+            "the default stream's segment is left out, as PyTorch leaves it out"
         );
         allocator.free(small).unwrap();
         allocator.free(large).unwrap();
+        allocator.free(on_default_stream).unwrap();
         allocator.empty_cache().unwrap();
         let segment_events: Vec<_> = actions(&seen)
             .into_iter()
@@ -218,7 +223,9 @@ mod tests {
             vec![
                 (TraceAction::SegmentMap, 2 * MIB as u64),
                 (TraceAction::SegmentMap, 40 * MIB as u64),
+                (TraceAction::SegmentMap, 2 * MIB as u64),
                 (TraceAction::SegmentUnmap, 40 * MIB as u64),
+                (TraceAction::SegmentUnmap, 2 * MIB as u64),
                 (TraceAction::SegmentUnmap, 2 * MIB as u64),
             ]
         );

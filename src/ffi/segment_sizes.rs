@@ -18,7 +18,8 @@ pub struct ferrocache_stream_segment_size {
 }
 
 /// `CUDAAllocator::getExpandableSegmentSizes(device)`: writes up to `capacity` of the device's
-/// expandable segments to `out`, in address order, and returns how many there are (call again
+/// expandable segments to `out`, in address order (those of the legacy default stream left out,
+/// as PyTorch leaves them out), and returns how many there are (call again
 /// with more room when that is more than `capacity`); 0 for a device not used yet (not opened
 /// for the question). Returns -1 (last error set) for a bad device or a NULL `out` with a
 /// non-zero `capacity`.

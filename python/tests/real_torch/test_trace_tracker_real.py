@@ -166,6 +166,7 @@ def test_a_trace_tracker_attached_from_cpp_sees_the_events_pytorchs_allocator_se
     answers = under_both(
         probe,
         """
+        torch.cuda.init()  # PyTorch's allocator attaches trackers to the devices it has
         probe.probe_attach()
         large = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
         small = torch.empty(1000, device="cuda")
@@ -191,11 +192,15 @@ def test_expandable_segments_send_a_map_and_an_unmap_per_range_and_report_their_
     answers = under_both(
         probe,
         """
+        torch.cuda.init()  # PyTorch's allocator attaches trackers to the devices it has
         probe.probe_attach()
-        small = torch.empty(1000, device="cuda")
-        large = torch.empty(30 << 20, dtype=torch.uint8, device="cuda")
+        on_default = torch.empty(1000, device="cuda")  # PyTorch does not list its segment
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            small = torch.empty(1000, device="cuda")
+            large = torch.empty(30 << 20, dtype=torch.uint8, device="cuda")
         sizes = segment_sizes()
-        del small, large
+        del on_default, small, large
         torch.cuda.empty_cache()
         result(dict(events=taken(), sizes=sizes, after=segment_sizes()))
         """,
@@ -207,4 +212,4 @@ def test_expandable_segments_send_a_map_and_an_unmap_per_range_and_report_their_
     assert [(small, size) for _, small, size in ours["sizes"]] == [(0, 40 << 20), (1, 2 << 20)]
     assert ours["after"] == native["after"]
     actions = [e["action"] for e in ours["events"]]
-    assert actions.count("segment_map") == 2 and actions.count("segment_unmap") == 2, actions
+    assert actions.count("segment_map") == 3 and actions.count("segment_unmap") == 3, actions
