@@ -252,6 +252,8 @@ def test_the_nccl_register_hook_registers_the_segments_pytorchs_allocator_regist
             live = {tuple(segment) for segment in ours[f"segments_{step}"]}
             assert {tuple(r) for r in ours[step]} <= live, f"{step}: a registration of no segment"
         assert len(ours["after_alloc"]) == len(ours["after_init"]) + 1, ours
+        # The stock backend leaves registered what was made after the collectives (its barrier's
+        # segment): the communicator's destruction takes them (NCCL's rule).
         assert ours["after_destroy"] == native["after_destroy"] == []
         assert ours["registrations_made"] == native["registrations_made"] > 0
         assert ours["deregistered_after_free"] == native["deregistered_after_free"] == 0

@@ -158,6 +158,13 @@ impl<T> Registry<T> {
         self.with(handle, |_| ()).is_some()
     }
 
+    /// Keeps only the objects `keep` accepts.
+    pub fn retain(&self, mut keep: impl FnMut(&T) -> bool) {
+        if let Some(objects) = self.lock().as_mut() {
+            objects.retain(|_, object| keep(object));
+        }
+    }
+
     /// Every live object, copied.
     pub fn values(&self) -> Vec<T>
     where

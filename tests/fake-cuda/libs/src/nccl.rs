@@ -277,9 +277,15 @@ pub unsafe extern "C" fn ncclCommShrink(
     })
 }
 
+/// Destroy and abort: the communicator's resources are freed, its buffer registrations with
+/// them.
 fn end_comm(comm: *mut c_void) -> Result {
     guard(INVALID_ARGUMENT, || {
-        COMMS.remove(comm).map_or(INVALID_ARGUMENT, |_| SUCCESS)
+        if COMMS.remove(comm).is_none() {
+            return INVALID_ARGUMENT;
+        }
+        REGISTRATIONS.retain(|r| r.comm != comm as usize);
+        SUCCESS
     })
 }
 
