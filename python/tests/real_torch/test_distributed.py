@@ -20,7 +20,7 @@ from typing import Optional, Union
 
 import pytest
 
-from torch_env import GIB, require_real_torch, run_torch, torch_env
+from torch_env import GIB, TORCH_VERSION, require_real_torch, run_torch, torch_env
 
 require_real_torch()
 
@@ -223,11 +223,13 @@ def test_ipc_and_a_mempool_of_another_allocator_are_refused_clearly() -> None:
 
 #: The NCCL backends that register the caching allocator's segments with their communicators:
 #: the stock ProcessGroupNCCL with its register hook on, and torch 2.15's default (nccl2), whose
-#: hook is always on (for the ordinary pools, unless expandable segments are on).
+#: hook is always on (for the ordinary pools, unless expandable segments are on). Before 2.15,
+#: "nccl" is the stock one.
+HOOK = {"TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1"}
 NCCL_REGISTERING = [
-    pytest.param("nccl-legacy", {"TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1"}, id="stock-with-hook"),
+    pytest.param("nccl-legacy", HOOK, id="stock-with-hook"),
     pytest.param("nccl", {}, id="default-nccl2"),
-]  # fmt: skip
+] if TORCH_VERSION >= (2, 15) else [pytest.param("nccl", HOOK, id="stock-with-hook")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("backend", "env"), NCCL_REGISTERING)
