@@ -41,6 +41,9 @@ C_TO_CTYPES = {
     "void * const *": ctypes.POINTER(ctypes.c_void_p),
     "ferrocache_segment_visitor": ctypes.c_void_p,
     "ferrocache_block_visitor": ctypes.c_void_p,
+    "int64_t": ctypes.c_int64,
+    "ferrocache_trace_tracker": ctypes.c_void_p,
+    "struct ferrocache_stream_segment_size *": ctypes.c_void_p,
 }
 
 _PROTOTYPE = re.compile(r"^\s*([A-Za-z_][\w\s]*?\**)\s*\b(\w+)\(([^)]*)\);", re.MULTILINE)
