@@ -48,8 +48,11 @@ const SEGMENT_FREE: c_int = 4;
 const SEGMENT_MAP: c_int = 5;
 const SEGMENT_UNMAP: c_int = 6;
 
-/// (action, device, addr, size, pool) of each event seen.
-static SEEN: Mutex<Vec<(c_int, c_int, u64, u64, (u64, u64))>> = Mutex::new(Vec::new());
+/// (action, device, addr, size, pool) of an event seen.
+type Seen = (c_int, c_int, u64, u64, (u64, u64));
+
+/// Every event seen, in order.
+static SEEN: Mutex<Vec<Seen>> = Mutex::new(Vec::new());
 
 unsafe extern "C" fn record(event: *const TraceEvent, _error: *mut *const c_char) -> c_int {
     // SAFETY: the library passes a valid event for the duration of the call.
@@ -70,7 +73,7 @@ unsafe extern "C" fn refuse(_event: *const TraceEvent, error: *mut *const c_char
     -1
 }
 
-fn segment_events() -> Vec<(c_int, c_int, u64, u64, (u64, u64))> {
+fn segment_events() -> Vec<Seen> {
     SEEN.lock()
         .unwrap()
         .iter()
