@@ -42,6 +42,10 @@ typedef void (*ferrocache_block_visitor)(void *context, const struct ferrocache_
 /* A private pool's checkpoint, opaque: made by ferrocache_checkpoint_pool, given back with
    ferrocache_checkpoint_free. */
 struct ferrocache_checkpoint;
+/* Receives one allocator trace entry (PyTorch's TraceEntry) under the device's lock; returns 0,
+   or -1 with why in *error. See ferrocache_attach_trace_tracker. */
+struct ferrocache_trace_event;
+typedef int (*ferrocache_trace_tracker)(const struct ferrocache_trace_event *event, const char **error);
 
 #ifdef __cplusplus
 extern "C" {
@@ -128,6 +132,15 @@ typedef struct ferrocache_device_stats {
   int64_t max_split_size;
 } ferrocache_device_stats;
 
+// One expandable segment's size, as PyTorch's `StreamSegmentSize` holds it.
+typedef struct ferrocache_stream_segment_size {
+  cudaStream_t stream;
+  // 1 when its pages are the small pool's (2 MiB), else 0.
+  int is_small_pool;
+  // Bytes mapped in it now.
+  uint64_t total_size;
+} ferrocache_stream_segment_size;
+
 // One segment of a snapshot, as PyTorch's `SegmentInfo` holds it (without its blocks).
 typedef struct ferrocache_segment_info {
   int device;
@@ -150,6 +163,21 @@ typedef struct ferrocache_block_info {
   int allocated;
   int active;
 } ferrocache_block_info;
+
+// One trace entry, as PyTorch's `TraceEntry` holds it.
+typedef struct ferrocache_trace_event {
+  // PyTorch's `TraceEntry::Action`: 0 alloc, 1 free_requested, 2 free_completed,
+  // 3 segment_alloc, 4 segment_free, 5 segment_map, 6 segment_unmap, 7 snapshot, 8 oom.
+  int action;
+  int device;
+  // The address; for an `oom`, the device's free bytes.
+  uint64_t addr;
+  uint64_t size;
+  cudaStream_t stream;
+  // The pool's id: (0, 0) for the ordinary pools, else the private pool's.
+  unsigned long long pool_first;
+  unsigned long long pool_second;
+} ferrocache_trace_event;
 
 #ifdef __cplusplus
 extern "C" {
@@ -463,6 +491,17 @@ int ferrocache_empty_pool_cache(int device, unsigned long long pool_first, unsig
 // set) when there is no such pool (never created, or gone after `empty_cache`).
 int ferrocache_pool_use_count(int device, unsigned long long pool_first, unsigned long long pool_second);
 
+// `CUDAAllocator::getExpandableSegmentSizes(device)`: writes up to `capacity` of the device's
+// expandable segments to `out`, in address order (those of the legacy default stream left out,
+// as PyTorch leaves them out), and returns how many there are (call again
+// with more room when that is more than `capacity`); 0 for a device not used yet (not opened
+// for the question). Returns -1 (last error set) for a bad device or a NULL `out` with a
+// non-zero `capacity`.
+//
+// # Safety
+// `out` is valid for `capacity` writes (or `capacity` is 0).
+int64_t ferrocache_expandable_segment_sizes(int device, struct ferrocache_stream_segment_size *out, size_t capacity);
+
 // `torch.cuda.memory._set_allocator_settings(text)`: parses `text` as PyTorch's
 // `setAllocatorSettings` does, over the settings in effect (a key not named keeps its value,
 // except `max_split_size_mb`, `roundup_power2_divisions` and `garbage_collection_threshold`,
@@ -572,6 +611,17 @@ int ferrocache_set_memory_metadata(const char *text);
 // `torch.cuda.memory._get_memory_metadata()`: this thread's metadata ("" when none). Returns
 // a string to free with `ferrocache_string_free`.
 char *ferrocache_get_memory_metadata(void);
+
+// `CUDAAllocator::attachAllocatorTraceTracker`: from now on `tracker` (NULL: none) receives
+// every trace entry of every device, those opened later included, as PyTorch's trackers
+// receive its own: the `segment_alloc` after the device gave the memory, the `segment_free`
+// before it takes it back, a `segment_map` / `segment_unmap` per range of an expandable
+// segment, and each `alloc`, `free_requested`, `free_completed` and `oom`, whether history is
+// recorded or not. It replaces an earlier one (the C++ side keeps PyTorch's list of trackers
+// and calls each). It is called with the device's lock held, on the thread that allocates or
+// frees: it must stay callable for the life of the process (or until replaced), never call
+// ferrocache for the same device, and never unwind. Returns 0, or -1 (last error set).
+int ferrocache_attach_trace_tracker(ferrocache_trace_tracker tracker);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -143,6 +143,10 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_ipc_bytes_free": (None, (c_void_p, c_size_t)),
     "ferrocache_ipc_open": (c_void_p, (c_void_p, c_size_t, c_int, POINTER(c_uint64))),
     "ferrocache_ipc_close": (c_int, (c_uint64,)),
+    # The one allocator trace tracker (a function's address; NULL: none).
+    "ferrocache_attach_trace_tracker": (c_int, (c_void_p,)),
+    # Device, an array of struct ferrocache_stream_segment_size and its length.
+    "ferrocache_expandable_segment_sizes": (c_int64, (c_int, c_void_p, c_size_t)),
 }
 
 #: PyTorch's CUDA graph pool hooks. Their parameter types are C++ (``std::pair``,

@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/ApproximateClock.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
@@ -140,6 +141,21 @@ uint8_t* ferrocache_ipc_share(void* ptr, int version, size_t* len, int64_t* offs
 void ferrocache_ipc_bytes_free(uint8_t* bytes, size_t len);
 void* ferrocache_ipc_open(const uint8_t* handle, size_t len, int device, uint64_t* token);
 int ferrocache_ipc_close(uint64_t token);
+struct ferrocache_trace_event {
+    int action, device;
+    uint64_t addr, size;
+    cudaStream_t stream;
+    unsigned long long pool_first, pool_second;
+};
+typedef int (*ferrocache_trace_tracker)(const ferrocache_trace_event* event, const char** error);
+int ferrocache_attach_trace_tracker(ferrocache_trace_tracker tracker);
+struct ferrocache_stream_segment_size {
+    cudaStream_t stream;
+    int is_small_pool;
+    uint64_t total_size;
+};
+int64_t ferrocache_expandable_segment_sizes(int device, ferrocache_stream_segment_size* out,
+                                            size_t capacity);
 }
 
 namespace {
@@ -264,6 +280,50 @@ void notify_observers(int device, size_t alloc_size, size_t device_total,
     }
 }
 
+// PyTorch's allocator trace trackers (NCCL's register hook), called by the core for every trace
+// entry with the device's lock held, as PyTorch calls them. The core numbers the actions as
+// PyTorch's TraceEntry::Action does; a tracker's exception is handed back to the core (logged
+// there), since it cannot pass through Rust.
+static_assert(alloc::TraceEntry::ALLOC == 0 && alloc::TraceEntry::FREE_REQUESTED == 1 &&
+                  alloc::TraceEntry::FREE_COMPLETED == 2 && alloc::TraceEntry::SEGMENT_ALLOC == 3 &&
+                  alloc::TraceEntry::SEGMENT_FREE == 4 && alloc::TraceEntry::SEGMENT_MAP == 5 &&
+                  alloc::TraceEntry::SEGMENT_UNMAP == 6 && alloc::TraceEntry::SNAPSHOT == 7 &&
+                  alloc::TraceEntry::OOM == 8,
+              "TraceEntry::Action is numbered as src/ffi/trace_tracker.rs sends it");
+using Trackers = std::vector<alloc::AllocatorTraceTracker>;
+std::mutex trackers_lock;
+std::shared_ptr<const Trackers> trackers;  // replaced whole when one is attached
+thread_local std::string tracker_failure;
+
+int send_trace_event(const ferrocache_trace_event* event, const char** error) noexcept {
+    try {
+        std::shared_ptr<const Trackers> now;
+        {
+            std::lock_guard<std::mutex> guard(trackers_lock);
+            now = trackers;
+        }
+        if (now == nullptr) {
+            return 0;
+        }
+        alloc::TraceEntry entry(static_cast<alloc::TraceEntry::Action>(event->action),
+                                static_cast<c10::DeviceIndex>(event->device), event->addr,
+                                event->size, event->stream, {event->pool_first, event->pool_second},
+                                c10::getApproximateTime());
+        for (const auto& tracker : *now) {
+            tracker(entry);
+        }
+        return 0;
+    } catch (const c10::Error& e) {
+        tracker_failure = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+        tracker_failure = e.what();
+    } catch (...) {
+        tracker_failure = "an exception that is not a std::exception";
+    }
+    *error = tracker_failure.c_str();
+    return -1;
+}
+
 class FerrocacheAllocator final : public alloc::CUDAAllocator {
    public:
     void* malloc(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
@@ -324,8 +384,21 @@ class FerrocacheAllocator final : public alloc::CUDAAllocator {
     }
 
     std::vector<alloc::StreamSegmentSize> getExpandableSegmentSizes(
-        c10::DeviceIndex /*device*/) override {
-        return {};
+        c10::DeviceIndex device) override {
+        std::vector<ferrocache_stream_segment_size> taken(8);
+        int64_t count = 0;
+        while ((count = ferrocache_expandable_segment_sizes(device, taken.data(), taken.size())) >
+               static_cast<int64_t>(taken.size())) {
+            taken.resize(static_cast<size_t>(count));
+        }
+        if (count < 0) {
+            fail("getExpandableSegmentSizes");
+        }
+        std::vector<alloc::StreamSegmentSize> sizes;
+        for (int64_t i = 0; i < count; ++i) {
+            sizes.emplace_back(taken[i].stream, taken[i].is_small_pool != 0, taken[i].total_size);
+        }
+        return sizes;
     }
 
     void emptyCache(MempoolId mempool_id) override {
@@ -543,9 +616,19 @@ class FerrocacheAllocator final : public alloc::CUDAAllocator {
 
 #endif
 
-    void attachAllocatorTraceTracker(alloc::AllocatorTraceTracker /*tracker*/) override {
-        TORCH_CHECK(false, "ferrocache does not yet send segment events to an allocator trace "
-                           "tracker (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK)");
+    // Every trace entry from now on goes to `tracker` too (src/ffi/trace_tracker.rs).
+    void attachAllocatorTraceTracker(alloc::AllocatorTraceTracker tracker) override {
+        bool first = false;
+        {
+            std::lock_guard<std::mutex> guard(trackers_lock);
+            auto more = std::make_shared<Trackers>(trackers ? *trackers : Trackers{});
+            more->push_back(std::move(tracker));
+            first = trackers == nullptr;
+            trackers = std::move(more);
+        }
+        if (first) {  // not under trackers_lock: the core takes the devices' locks
+            check(ferrocache_attach_trace_tracker(&send_trace_event), "attachAllocatorTraceTracker");
+        }
     }
 
     void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {

@@ -173,7 +173,8 @@ def install(
         torch_api.patch_torch_cuda(torch, own_pools=frontend.is_installed())
         torch_api.connect_oom_error(torch)
         _replace_oom_observer_attachment(torch)
-        _warn_of_nccl_register_hook()
+        if not frontend.is_installed():
+            _warn_of_nccl_register_hook()
         if snapshot_on_oom is not None:
             oom.snapshot_on_oom(snapshot_on_oom)
         _installed = _Installed(allocator, conf, log_level, snapshot_on_oom)
@@ -253,19 +254,21 @@ def _replace_oom_observer_attachment(torch: ModuleType) -> None:
 
 
 #: PyTorch's switch that registers the caching allocator's segments with NCCL through an
-#: allocator trace tracker, which PyTorch refuses for a plugged-in allocator.
+#: allocator trace tracker, which PyTorch's CUDAPluggableAllocator (the fallback) refuses; the
+#: front end answers it.
 NCCL_REGISTER_HOOK_VAR = "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"
 
 
 def _warn_of_nccl_register_hook() -> None:
-    """With the hook on, PyTorch's NCCL process group aborts the process at its creation
-    (docs/distributed.md): said once, at install(), while it can still be changed."""
+    """On the fallback path, with the hook on, PyTorch's NCCL process group aborts the process
+    at its creation (docs/distributed.md): said once, at install(), while it can still be
+    changed."""
     if os.environ.get(NCCL_REGISTER_HOOK_VAR, "").strip().lower() in ("1", "true", "yes", "on", "y"):
         _ranks.log(
             "WARN",
-            f"{NCCL_REGISTER_HOOK_VAR}=1 needs PyTorch's own allocator: with a plugged-in allocator "
-            "PyTorch's NCCL process group aborts the process when it is created; unset it "
-            "(see docs/distributed.md)",
+            f"{NCCL_REGISTER_HOOK_VAR}=1 needs ferrocache's front end or PyTorch's own allocator: "
+            "with CUDAPluggableAllocator PyTorch's NCCL process group aborts the process when it is "
+            "created; unset it (see docs/distributed.md)",
         )
 
 

@@ -49,6 +49,9 @@ C_TO_CTYPES = {
     "const uint8_t *": ctypes.c_void_p,
     "int64_t *": ctypes.POINTER(ctypes.c_int64),
     "uint64_t *": ctypes.POINTER(ctypes.c_uint64),
+    "int64_t": ctypes.c_int64,
+    "ferrocache_trace_tracker": ctypes.c_void_p,
+    "struct ferrocache_stream_segment_size *": ctypes.c_void_p,
 }
 
 _PROTOTYPE = re.compile(r"^\s*([A-Za-z_][\w\s]*?\**)\s*\b(\w+)\(([^)]*)\);", re.MULTILINE)

@@ -117,11 +117,13 @@ impl<D: Device> DeviceAllocator<D> {
             .mem_get_info()
             .unwrap_or(crate::device::MemInfo { free: 0, total: 0 });
         self.ledger.stats.num_ooms += 1;
-        self.ledger.history.record(
+        let pools = &self.pools;
+        self.ledger.history.record_in_pool(
             TraceAction::Oom,
             info.free as u64,
             request.size,
             request.stream,
+            || pools.id_of(request.owner),
         );
         let allocated = self.ledger.stats.allocated_bytes.all.current as usize;
         let reserved = self.ledger.stats.reserved_bytes.all.current as usize;

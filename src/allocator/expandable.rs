@@ -203,8 +203,12 @@ impl<D: Device> DeviceAllocator<D> {
         self.pools
             .get_mut(owner, pool)
             .insert(id, self.arena.get_mut(id));
-        self.ledger
-            .pages_mapped(range.ptr, range.size, stream, pool);
+        self.ledger.pages_mapped(
+            range.ptr,
+            range.size,
+            stream,
+            (pool, self.pools.id_of(owner)),
+        );
         Ok(true)
     }
 
@@ -253,8 +257,12 @@ impl<D: Device> DeviceAllocator<D> {
         self.pools
             .get_mut(owner, pool)
             .insert_unmapped(id, self.arena.get(id));
-        self.ledger
-            .pages_unmapped(range.ptr, range.size, stream, pool);
+        self.ledger.pages_unmapped(
+            range.ptr,
+            range.size,
+            stream,
+            (pool, self.pools.id_of(owner)),
+        );
         failure.map_or(Ok(()), Err)
     }
 

@@ -5,6 +5,7 @@
 
 use super::block::BlockId;
 use super::history::TraceAction;
+use super::private_pool::ORDINARY_POOL_ID;
 use super::{AllocationInfo, DeviceAllocator, PointerError, cross_stream, stats};
 use crate::device::{Device, DevicePtr};
 use crate::logging;
@@ -56,11 +57,12 @@ impl<D: Device> DeviceAllocator<D> {
                 .oversize_allocations
                 .decrease_may_go_negative(1);
         }
-        self.ledger.history.record(
+        self.ledger.history.record_in_pool(
             TraceAction::FreeRequested,
             ptr,
             info.requested_size,
             info.stream,
+            || info.private_pool.unwrap_or(ORDINARY_POOL_ID),
         );
         if !waits_for_streams {
             logging::block_freed(ptr);
@@ -92,10 +94,15 @@ impl<D: Device> DeviceAllocator<D> {
             b.pool,
             b.expandable,
         );
-        let (prev, next) = (b.prev, b.next);
-        self.ledger
-            .history
-            .record(TraceAction::FreeCompleted, ptr, requested, stream);
+        let (prev, next, owner) = (b.prev, b.next, b.owner);
+        let pools = &self.pools;
+        self.ledger.history.record_in_pool(
+            TraceAction::FreeCompleted,
+            ptr,
+            requested,
+            stream,
+            || pools.id_of(owner),
+        );
         let mut inactive_split_blocks: i64 = 0;
         let mut inactive_split_bytes: i64 = 0;
         for candidate in [prev, next].into_iter().flatten() {

@@ -2,6 +2,8 @@
 //! `torch.cuda.memory._snapshot()`, which PyTorch's memory viewer reads.
 
 use super::DeviceAllocator;
+use super::private_pool::{MempoolId, ORDINARY_POOL_ID};
+use super::tracker::{TraceTracker, TrackedEvent};
 use crate::device::{Device, DevicePtr, StreamId};
 use serde::Serialize;
 use std::sync::Arc;
@@ -56,10 +58,16 @@ impl Serialize for TraceEntry {
     }
 }
 
-/// The ring buffer of trace entries, off until recording is asked for.
+/// The ring buffer of trace entries, off until recording is asked for, and the allocator trace
+/// tracker that receives every entry as it is made, recording or not (PyTorch's
+/// `record_trace`).
 #[derive(Debug, Default)]
 pub(crate) struct History {
     enabled: bool,
+    /// Whether entries are wanted at all: recording, or a tracker attached. The one flag the
+    /// hit path tests.
+    wanted: bool,
+    tracker: Option<Tracked>,
     max_entries: usize,
     entries: Vec<TraceEntry>,
     /// Where the next entry goes once the buffer is full.
@@ -79,6 +87,18 @@ fn now_us() -> i64 {
         .unwrap_or(0)
 }
 
+/// An attached tracker with the device its entries are for.
+struct Tracked {
+    device: i32,
+    send: TraceTracker,
+}
+
+impl std::fmt::Debug for Tracked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tracked(device {})", self.device)
+    }
+}
+
 impl History {
     /// `_record_memory_history(enabled, max_entries)`: turning it off clears the buffer.
     pub(crate) fn set_recording(&mut self, enabled: bool, max_entries: usize) {
@@ -88,6 +108,14 @@ impl History {
             self.entries.clear();
             self.next = 0;
         }
+        self.wanted = self.enabled || self.tracker.is_some();
+    }
+
+    /// `attachAllocatorTraceTracker`: `tracker` (or none) receives every entry of `device`
+    /// from now on, under the device's lock, as PyTorch calls its trackers.
+    pub(crate) fn set_tracker(&mut self, device: i32, tracker: Option<TraceTracker>) {
+        self.tracker = tracker.map(|send| Tracked { device, send });
+        self.wanted = self.enabled || self.tracker.is_some();
     }
 
     #[inline]
@@ -95,6 +123,7 @@ impl History {
         self.enabled
     }
 
+    /// An entry of the ordinary pools (or of no pool: an `oom`, a `snapshot`).
     #[inline]
     pub(crate) fn record(
         &mut self,
@@ -103,6 +132,44 @@ impl History {
         size: usize,
         stream: StreamId,
     ) {
+        self.record_in_pool(action, addr, size, stream, || ORDINARY_POOL_ID);
+    }
+
+    /// An entry of the pool `pool` names (asked only when a tracker is attached): what
+    /// PyTorch's `record_trace` gives its trackers as `mempool_`.
+    #[inline(always)]
+    pub(crate) fn record_in_pool(
+        &mut self,
+        action: TraceAction,
+        addr: DevicePtr,
+        size: usize,
+        stream: StreamId,
+        pool: impl FnOnce() -> MempoolId,
+    ) {
+        if self.wanted {
+            self.record_wanted(action, addr, size, stream, pool);
+        }
+    }
+
+    #[inline(never)]
+    fn record_wanted(
+        &mut self,
+        action: TraceAction,
+        addr: DevicePtr,
+        size: usize,
+        stream: StreamId,
+        pool: impl FnOnce() -> MempoolId,
+    ) {
+        if let Some(tracked) = &self.tracker {
+            (tracked.send)(&TrackedEvent {
+                action,
+                device: tracked.device,
+                addr,
+                size: size as u64,
+                stream,
+                pool: pool(),
+            });
+        }
         if self.enabled {
             self.push(action, addr, size, stream);
         }

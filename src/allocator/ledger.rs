@@ -7,11 +7,16 @@
 //! | entry | reserved | statistics | history | log |
 //! |---|---|---|---|---|
 //! | [`Ledger::segment_allocated`] | + | segment, reserved_bytes, oversize_segments, num_device_alloc | `segment_alloc` | yes |
-//! | [`Ledger::segment_released`] | - | segment, reserved_bytes, oversize_segments, num_device_free | `segment_free` | yes |
+//! | [`Ledger::segment_released`] | - | segment, reserved_bytes, oversize_segments, num_device_free | (`segment_free`, written by [`Ledger::segment_releasing`] just before) | yes |
 //! | [`Ledger::pages_mapped`] | + | reserved_bytes, num_device_alloc | `segment_map` | yes |
 //! | [`Ledger::pages_unmapped`] | - | reserved_bytes, num_device_free | `segment_unmap` | yes |
 //! | [`Ledger::slept`] | - | reserved_bytes | none | yes |
 //! | [`Ledger::woke`] | + | reserved_bytes | none | yes |
+//!
+//! A segment's `segment_free` entry is written before the device gives the memory back
+//! ([`Ledger::segment_releasing`]), as PyTorch writes it before `cudaFree`: an allocator trace
+//! tracker (NCCL's register hook) deregisters memory that is still there. Every entry names
+//! the segment's pool (`MempoolId`), which trackers read ([`super::tracker`]).
 //!
 //! Sleep and wake write no trace entry: PyTorch's vocabulary has none for memory whose
 //! addresses and blocks stay while its physical memory goes, and `segment_unmap` /
@@ -22,6 +27,7 @@
 //! comes and goes without a `segment` count, their pages count in `reserved_bytes` alone.
 
 use super::history::{History, TraceAction};
+use super::private_pool::MempoolId;
 use super::stats::DeviceStats;
 use crate::config::Config;
 use crate::device::{DevicePtr, StreamId};
@@ -51,13 +57,13 @@ impl Ledger {
         }
     }
 
-    /// A new segment of `size` bytes at `ptr` for `stream`, from the device.
+    /// A new segment of `size` bytes at `ptr` for `stream`, from the device, for `pool`.
     pub(crate) fn segment_allocated(
         &mut self,
         ptr: DevicePtr,
         size: usize,
         stream: StreamId,
-        kind: PoolKind,
+        (kind, pool): (PoolKind, MempoolId),
         config: &Config,
     ) {
         self.reserved += size;
@@ -68,8 +74,21 @@ impl Ledger {
         }
         self.stats.num_device_alloc += 1;
         self.history
-            .record(TraceAction::SegmentAlloc, ptr, size, stream);
+            .record_in_pool(TraceAction::SegmentAlloc, ptr, size, stream, || pool);
         logging::segment_allocated(ptr, size, stream);
+    }
+
+    /// The segment of `size` bytes at `ptr`, of `pool`, is about to go back to the device: its
+    /// `segment_free` entry.
+    pub(crate) fn segment_releasing(
+        &mut self,
+        ptr: DevicePtr,
+        size: usize,
+        stream: StreamId,
+        pool: MempoolId,
+    ) {
+        self.history
+            .record_in_pool(TraceAction::SegmentFree, ptr, size, stream, || pool);
     }
 
     /// The segment of `size` bytes at `ptr` went back to the device.
@@ -77,7 +96,6 @@ impl Ledger {
         &mut self,
         ptr: DevicePtr,
         size: usize,
-        stream: StreamId,
         kind: PoolKind,
         config: &Config,
     ) {
@@ -88,40 +106,38 @@ impl Ledger {
         if policy::is_oversize(size, config) {
             self.stats.oversize_segments.decrease_may_go_negative(1);
         }
-        self.history
-            .record(TraceAction::SegmentFree, ptr, size, stream);
         logging::segment_released(ptr, size);
     }
 
-    /// Pages mapped into an expandable segment for `stream`.
+    /// Pages mapped into an expandable segment of `pool` for `stream`.
     pub(crate) fn pages_mapped(
         &mut self,
         ptr: DevicePtr,
         size: usize,
         stream: StreamId,
-        kind: PoolKind,
+        (kind, pool): (PoolKind, MempoolId),
     ) {
         self.reserved += size;
         self.stats.reserved_bytes.increase(kind, size as u64);
         self.stats.num_device_alloc += 1;
         self.history
-            .record(TraceAction::SegmentMap, ptr, size, stream);
+            .record_in_pool(TraceAction::SegmentMap, ptr, size, stream, || pool);
         logging::pages_mapped(ptr, size, stream);
     }
 
-    /// Pages unmapped from an expandable segment.
+    /// Pages unmapped from an expandable segment of `pool`.
     pub(crate) fn pages_unmapped(
         &mut self,
         ptr: DevicePtr,
         size: usize,
         stream: StreamId,
-        kind: PoolKind,
+        (kind, pool): (PoolKind, MempoolId),
     ) {
         self.reserved -= size;
         self.stats.reserved_bytes.decrease(kind, size as u64);
         self.stats.num_device_free += 1;
         self.history
-            .record(TraceAction::SegmentUnmap, ptr, size, stream);
+            .record_in_pool(TraceAction::SegmentUnmap, ptr, size, stream, || pool);
         logging::pages_unmapped(ptr, size);
     }
 

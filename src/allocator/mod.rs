@@ -55,6 +55,7 @@ pub mod sleep;
 mod source;
 mod staging;
 pub mod stats;
+pub mod tracker;
 pub(crate) mod uncached;
 
 pub use cross_stream::CrossStreamCounts;
@@ -520,7 +521,8 @@ impl<D: Device> DeviceAllocator<D> {
         block.allocated = true;
         block.requested_size = requested_size;
         block.stack_id = self.ledger.history.current_stack();
-        let (ptr, size, pool, stream) = (block.ptr, block.size, block.pool, block.stream);
+        let (ptr, size, pool, stream, owner) =
+            (block.ptr, block.size, block.pool, block.stream, block.owner);
         self.allocated.insert(ptr, id);
         let stats = &mut self.ledger.stats;
         stats.allocation.increase(pool, 1);
@@ -531,9 +533,12 @@ impl<D: Device> DeviceAllocator<D> {
         if policy::is_oversize(size, &self.config) {
             stats.oversize_allocations.increase(1);
         }
+        let pools = &self.pools;
         self.ledger
             .history
-            .record(TraceAction::Alloc, ptr, requested_size, stream);
+            .record_in_pool(TraceAction::Alloc, ptr, requested_size, stream, || {
+                pools.id_of(owner)
+            });
         ptr
     }
 
@@ -615,8 +620,9 @@ impl<D: Device> DeviceAllocator<D> {
         self.arena.get_mut(id).segment = self.segments.insert(segment, id);
         self.count_segment_taken(owner);
         if !self.arena.get(id).expandable {
+            let pool = (kind, self.pools.id_of(owner));
             self.ledger
-                .segment_allocated(ptr, size, stream, kind, &self.config);
+                .segment_allocated(ptr, size, stream, pool, &self.config);
         }
         id
     }

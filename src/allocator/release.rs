@@ -93,28 +93,33 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// `release_block`: gives a whole cached segment back to the device.
     fn release_block(&mut self, id: BlockId) -> Result<(), DeviceError> {
-        let (ptr, size, stream, pool, segment) = {
+        let (ptr, size, stream, pool, segment, owner) = {
             let b = self.arena.get(id);
             debug_assert!(!b.expandable && !b.is_split() && b.is_available());
-            (b.ptr, b.size, b.stream, b.pool, b.segment)
+            (b.ptr, b.size, b.stream, b.pool, b.segment, b.owner)
         };
-        // The device first: if it refuses, the segment stays cached and nothing changes.
+        let pool_id = self.pools.id_of(owner);
+        // The device first: if it refuses, the segment stays cached and nothing changes (but
+        // its `segment_free` entry, written before, as PyTorch writes it before `cudaFree`).
         match &self.segments.get(segment).memory {
             Memory::Vmm(vmm) => {
                 // `cudaFree` waits for the device; `cuMemUnmap` does not, and work queued on
                 // the block's stream may still use the memory (as for expandable pages).
                 self.device.synchronize_stream(stream)?;
+                self.ledger.segment_releasing(ptr, size, stream, pool_id);
                 vmm.release(&mut self.device, &mut self.source.leftovers)?;
             }
-            Memory::Plain => plain::release(&mut self.device, ptr)?,
+            Memory::Plain => {
+                self.ledger.segment_releasing(ptr, size, stream, pool_id);
+                plain::release(&mut self.device, ptr)?;
+            }
             Memory::Expandable(_) => unreachable!("an expandable segment releases by pages"),
         }
         self.segments.remove(segment);
         let block = self.arena.remove(id);
         self.pools.of_block_mut(&block).remove(id, &block);
         self.count_segment_returned(block.owner);
-        self.ledger
-            .segment_released(ptr, size, stream, pool, &self.config);
+        self.ledger.segment_released(ptr, size, pool, &self.config);
         Ok(())
     }
 

@@ -31,6 +31,8 @@
 //! | [`settings`] | `PYTORCH_CUDA_ALLOC_CONF` checked, described, replaced at run time; caching turned on or off |
 //! | [`sleep`] | sleep and wake of tagged memory, with per-device reports |
 //! | [`strings`] | C strings in and out, the version and the command line |
+//! | [`trace_tracker`] | `attachAllocatorTraceTracker`: every trace entry, to the callback the front end registers |
+//! | [`segment_sizes`] | `getExpandableSegmentSizes` |
 
 mod advice;
 mod callbacks;
@@ -43,10 +45,12 @@ mod inspect;
 mod ipc;
 mod pools;
 mod registry;
+mod segment_sizes;
 mod settings;
 mod sleep;
 mod strings;
 mod thread;
+mod trace_tracker;
 
 use std::ffi::c_void;
 use std::ptr;

@@ -192,6 +192,7 @@ fn first_use_of(device: c_int) -> Result<&'static Device, String> {
             if let Some(max_entries) = process_wide.history {
                 allocator.record_history(true, max_entries);
             }
+            allocator.set_trace_tracker(super::trace_tracker::attached());
             let memory = DeviceMemory::new(allocator, process_wide.caching_enabled);
             let _ = slot.set(Ok(Device {
                 index: device,

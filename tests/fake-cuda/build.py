@@ -53,7 +53,7 @@ ERROR_CODES = {
 #: none of its exclusions.
 HAND_WRITTEN = {
     "libcublas": (("cublas",), ("cublasLt",)), "libcublasLt": (("cublasLt",), ()),
-    "libcudnn": (("cudnn",), ()), "libnccl": (("nccl",), ()), "libcufft": (("cufft",), ()),
+    "libcudnn": (("cudnn",), ()), "libnccl": (("nccl", "fake_nccl"), ()), "libcufft": (("cufft",), ()),
     "libcusparse": (("cusparse",), ("cusparseLt",)), "libcusolver": (("cusolver",), ()),
 }
 #: Libraries whose other functions take their handle first: their stubs succeed as pending work

@@ -66,13 +66,10 @@ class Client:
     env: dict[str, str] = field(default_factory=dict)
 
 
-#: What ferrocache's allocator object for PyTorch (python/ferrocache/frontend.cpp) still refuses,
-#: in its words; each names the CUDAAllocator question. (Under PyTorch's CUDAPluggableAllocator
-#: these were "... does not yet support cacheInfo / checkPoolLiveAllocations / shareIPcHandle /
-#: snapshot"; the front end answers cacheInfo, checkPoolLiveAllocations, the checkpoints of graph
-#: trees, snapshot and, in
-#: PyTorch's handle format, shareIpcHandle and getIpcDevPtr.)
-TRACE_TRACKER = "ferrocache does not yet send segment events to an allocator trace tracker"
+#: ferrocache's allocator object for PyTorch (python/ferrocache/frontend.cpp) refuses none of the
+#: clients' questions. Under PyTorch's CUDAPluggableAllocator they were "... does not yet support
+#: cacheInfo / checkPoolLiveAllocations / shareIPcHandle / snapshot"; the front end answers all
+#: four, the checkpoints of graph trees, and an allocator trace tracker.
 
 DECODER = Client("decoder_transformers.py", packages=("transformers",),
                  expected={"generated_shape": [2, 12]})  # fmt: skip
@@ -97,9 +94,9 @@ IPC = Client("multiprocessing_ipc.py", expected={
     "loader_read": [[i] * 4 for i in range(4)],
 })  # fmt: skip
 #: torch 2.15's default "nccl" backend (ProcessGroupNCCL2) attaches an allocator trace tracker
-#: when it makes its communicator, in init_process_group; the refusal, thrown on a path that
-#: cannot throw, aborts each rank.
-DISTRIBUTED = Client("ddp_fsdp2.py", ranks=2, refusal=TRACE_TRACKER)
+#: when it makes its communicator, in init_process_group, and registers the segments it hears of
+#: (the front end sends them: src/ffi/trace_tracker.rs).
+DISTRIBUTED = Client("ddp_fsdp2.py", ranks=2)
 #: The stock ProcessGroupNCCL, which torch 2.15 keeps behind TORCH_DIST_USE_NCCL2=0, asks for no
 #: snapshot: the same job runs under both allocators.
 DISTRIBUTED_STOCK_NCCL = Client("ddp_fsdp2.py", ranks=2, env={"TORCH_DIST_USE_NCCL2": "0"})
@@ -250,7 +247,6 @@ def test_cuda_tensors_travel_between_processes_and_from_dataloader_workers_alike
     runs_alike(IPC, tmp_path)
 
 
-@expected_refusal(DISTRIBUTED)
 def test_ddp_and_fsdp2_on_two_fake_gpus_with_torchs_default_nccl_backend_train_alike(tmp_path):
     runs_alike(DISTRIBUTED, tmp_path)
 

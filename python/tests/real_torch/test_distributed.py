@@ -14,14 +14,13 @@ import pickle
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Optional, Union
 
 import pytest
 
-from torch_env import GIB, require_real_torch, run_torch, run_torch_process, torch_env
+from torch_env import GIB, TORCH_VERSION, require_real_torch, run_torch, torch_env
 
 require_real_torch()
 
@@ -220,65 +219,41 @@ def test_a_mempool_of_another_allocator_is_refused_clearly_and_ipc_is_answered()
     }
 
 
-#: A child's helper: a TCP port free now, for a process group's store.
-FREE_PORT = """
-def free_port():
-    import socket
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
-"""
+#: The NCCL backends that register the caching allocator's segments with their communicators:
+#: the stock ProcessGroupNCCL with its register hook on, and torch 2.15's default (nccl2), whose
+#: hook is always on (for the ordinary pools, unless expandable segments are on). Before 2.15,
+#: "nccl" is the stock one.
+HOOK = {"TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1"}
+NCCL_REGISTERING = [
+    pytest.param("nccl-legacy", HOOK, id="stock-with-hook"),
+    pytest.param("nccl", {}, id="default-nccl2"),
+] if TORCH_VERSION >= (2, 15) else [pytest.param("nccl", HOOK, id="stock-with-hook")]  # fmt: skip
 
 
-def test_nccl_process_groups_with_ferrocaches_allocator() -> None:
-    """On the fake, NCCL itself cannot start (its library is a stub), but creating and destroying
-    process groups shows what PyTorch does around ferrocache's allocator object."""
-    nccl = run_torch_process(
-        FREE_PORT
-        + textwrap.dedent(
-            """
-        import torch.distributed as dist
-        os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1")
-        ferrocache.install()
-        torch.empty(1, device="cuda")
-        # The stock ProcessGroupNCCL creates its communicator lazily: creating and destroying
-        # the group works.
-        os.environ["MASTER_PORT"] = free_port()
-        dist.init_process_group("nccl-legacy")
-        dist.destroy_process_group()
-        print("nccl-legacy: created and destroyed", flush=True)
-        # torch 2.15's default NCCL group (nccl2) starts NCCL at once; it asks the allocator for
-        # a snapshot (answered) and attaches an allocator trace tracker, which ferrocache does
-        # not feed yet and refuses where no exception may pass: the process aborts.
-        os.environ["MASTER_PORT"] = free_port()
-        dist.init_process_group("nccl")
-        """
-        ),
-        check=False,
-    )
-    assert "nccl-legacy: created and destroyed" in nccl.stdout, nccl.stderr
-    assert nccl.returncode == -signal.SIGABRT
-    assert "ferrocache does not yet send segment events to an allocator trace tracker" in nccl.stderr
-
-    hook = run_torch_process(
-        FREE_PORT
-        + textwrap.dedent(
-            """
-        import torch.distributed as dist
-        os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1")
-        os.environ["MASTER_PORT"] = free_port()
-        ferrocache.install()
-        torch.empty(1, device="cuda")
-        print("installed", flush=True)
-        dist.init_process_group("nccl-legacy")
-        """
-        ),
-        env=torch_env(TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK="1"),
-        check=False,
-    )
-    assert "installed" in hook.stdout, hook.stderr
-    assert hook.returncode == -signal.SIGABRT, hook.stderr
-    assert (
-        "[WARN] Allocator: TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 needs PyTorch's own "
-        "allocator" in hook.stderr
-    )
+@pytest.mark.parametrize(("backend", "env"), NCCL_REGISTERING)
+def test_the_nccl_register_hook_registers_the_segments_pytorchs_allocator_registers(
+    tmp_path: Path, backend: str, env: dict[str, str]
+) -> None:
+    """Two ranks on two fake GPUs, under PyTorch's allocator and under ferrocache: the fake NCCL
+    holds the same registrations at each step (a segment made before the group, one made while
+    it lives, both freed, the group destroyed), each a live segment of the allocator, and none
+    is deregistered after its memory went back to the device."""
+    reports = {}
+    for allocator in ("native", "ferrocache"):
+        job, _ = torchrun("nccl_register.py", 2, tmp_path, backend, allocator, env=env)
+        assert job.returncode == 0, explain(job)
+        reports[allocator] = [
+            json.loads((tmp_path / f"report_{allocator}_rank{rank}.json").read_text()) for rank in range(2)
+        ]  # fmt: skip
+    for native, ours in zip(reports["native"], reports["ferrocache"]):
+        assert (native["allocator"], ours["allocator"]) == ("native", "ferrocache")
+        for step in ("after_init", "after_alloc", "after_free"):
+            assert [size for _, size in ours[step]] == [size for _, size in native[step]], step
+            live = {tuple(segment) for segment in ours[f"segments_{step}"]}
+            assert {tuple(r) for r in ours[step]} <= live, f"{step}: a registration of no segment"
+        assert len(ours["after_alloc"]) == len(ours["after_init"]) + 1, ours
+        # The stock backend leaves registered what was made after the collectives (its barrier's
+        # segment): the communicator's destruction takes them (NCCL's rule).
+        assert ours["after_destroy"] == native["after_destroy"] == []
+        assert ours["registrations_made"] == native["registrations_made"] > 0
+        assert ours["deregistered_after_free"] == native["deregistered_after_free"] == 0

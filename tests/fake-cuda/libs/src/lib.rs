@@ -157,6 +157,23 @@ impl<T> Registry<T> {
     pub fn contains(&self, handle: *const c_void) -> bool {
         self.with(handle, |_| ()).is_some()
     }
+
+    /// Keeps only the objects `keep` accepts.
+    pub fn retain(&self, mut keep: impl FnMut(&T) -> bool) {
+        if let Some(objects) = self.lock().as_mut() {
+            objects.retain(|_, object| keep(object));
+        }
+    }
+
+    /// Every live object, copied.
+    pub fn values(&self) -> Vec<T>
+    where
+        T: Clone,
+    {
+        self.lock()
+            .as_ref()
+            .map_or_else(Vec::new, |objects| objects.values().cloned().collect())
+    }
 }
 
 /// Bytes per element of a `cudaDataType`; 0 for one the fake does not know (its ranges then

@@ -34,7 +34,11 @@ unsafe extern "C" {
     fn cuCtxGetDevice(device: *mut c_int) -> u32;
     fn cuMemAlloc_v2(dptr: *mut u64, size: usize) -> u32;
     fn cuMemFree_v2(dptr: u64) -> u32;
+    fn cuPointerGetAttribute(data: *mut c_void, attribute: c_int, ptr: u64) -> u32;
 }
+
+/// `CU_POINTER_ATTRIBUTE_MEMORY_TYPE`: answered for live device memory only.
+const POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
 
 #[derive(Clone, Copy)]
 struct Comm {
@@ -44,7 +48,34 @@ struct Comm {
 }
 
 static COMMS: Registry<Comm> = Registry::new(0x7cc1);
-static REGISTRATIONS: Registry<()> = Registry::new(0x7cc2);
+static REGISTRATIONS: Registry<Registration> = Registry::new(0x7cc2);
+
+/// A buffer registered with a communicator (`ncclCommRegister`), until `ncclCommDeregister`.
+#[derive(Clone, Copy)]
+struct Registration {
+    comm: usize,
+    buffer: u64,
+    size: u64,
+}
+
+/// Registrations made so far, and deregistrations of memory already freed (NCCL's "User Buffer
+/// Registration" asks for the deregistration before the memory is freed): for the tests.
+static REGISTERED: AtomicU64 = AtomicU64::new(0);
+static DEREGISTERED_AFTER_FREE: AtomicU64 = AtomicU64::new(0);
+
+/// Whether `address` is in live device memory, as the driver knows it.
+fn is_device_memory(address: u64) -> bool {
+    let mut memory_type = 0u32;
+    // SAFETY: the attribute is a 32-bit value, written to a live local.
+    let status = unsafe {
+        cuPointerGetAttribute(
+            (&mut memory_type as *mut u32).cast(),
+            POINTER_ATTRIBUTE_MEMORY_TYPE,
+            address,
+        )
+    };
+    status == 0
+}
 
 /// `ncclUniqueId`: 128 opaque bytes.
 #[repr(C)]
@@ -246,9 +277,15 @@ pub unsafe extern "C" fn ncclCommShrink(
     })
 }
 
+/// Destroy and abort: the communicator's resources are freed, its buffer registrations with
+/// them.
 fn end_comm(comm: *mut c_void) -> Result {
     guard(INVALID_ARGUMENT, || {
-        COMMS.remove(comm).map_or(INVALID_ARGUMENT, |_| SUCCESS)
+        if COMMS.remove(comm).is_none() {
+            return INVALID_ARGUMENT;
+        }
+        REGISTRATIONS.retain(|r| r.comm != comm as usize);
+        SUCCESS
     })
 }
 
@@ -455,23 +492,28 @@ pub extern "C" fn ncclMemFree(ptr: *mut c_void) -> Result {
     })
 }
 
+/// Keeps the buffer, its size and its communicator until `ncclCommDeregister`; a buffer that is
+/// not device memory is `ncclInvalidArgument`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclCommRegister(
     comm: *mut c_void,
-    _buffer: *mut c_void,
-    _size: usize,
+    buffer: *mut c_void,
+    size: usize,
     handle: *mut *mut c_void,
 ) -> Result {
     guard(INVALID_ARGUMENT, || {
-        if !COMMS.contains(comm) {
+        if !COMMS.contains(comm) || handle.is_null() || !is_device_memory(buffer as u64) {
             return INVALID_ARGUMENT;
         }
-        // SAFETY: an out pointer from the caller.
-        if unsafe { put(handle, REGISTRATIONS.add(())) } {
-            SUCCESS
-        } else {
-            INVALID_ARGUMENT
-        }
+        let registration = Registration {
+            comm: comm as usize,
+            buffer: buffer as u64,
+            size: size as u64,
+        };
+        REGISTERED.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: an out pointer from the caller, checked above.
+        unsafe { put(handle, REGISTRATIONS.add(registration)) };
+        SUCCESS
     })
 }
 
@@ -481,10 +523,46 @@ pub extern "C" fn ncclCommDeregister(comm: *mut c_void, handle: *mut c_void) -> 
         if !COMMS.contains(comm) {
             return INVALID_ARGUMENT;
         }
-        REGISTRATIONS
-            .remove(handle)
-            .map_or(INVALID_ARGUMENT, |()| SUCCESS)
+        let Some(registration) = REGISTRATIONS.remove(handle) else {
+            return INVALID_ARGUMENT;
+        };
+        if !is_device_memory(registration.buffer) {
+            DEREGISTERED_AFTER_FREE.fetch_add(1, Ordering::Relaxed);
+        }
+        SUCCESS
     })
+}
+
+/// For the tests (not NCCL's): writes up to `capacity` live registrations to `out` as
+/// (communicator, buffer, size) triples, by buffer, and returns how many are live.
+///
+/// # Safety
+/// `out` is valid for `3 * capacity` writes (or `capacity` is 0).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fake_nccl_registrations(out: *mut u64, capacity: usize) -> i64 {
+    guard(-1, || {
+        let mut live = REGISTRATIONS.values();
+        live.sort_by_key(|r| (r.buffer, r.comm));
+        for (k, r) in live.iter().take(capacity).enumerate() {
+            for (j, word) in [r.comm as u64, r.buffer, r.size].into_iter().enumerate() {
+                // SAFETY: k < capacity, and the caller promises 3 * capacity writable words.
+                unsafe { out.add(3 * k + j).write(word) };
+            }
+        }
+        live.len() as i64
+    })
+}
+
+/// For the tests (not NCCL's): registrations made so far (`which` 0) or deregistrations of
+/// memory already freed (`which` 1).
+#[unsafe(no_mangle)]
+pub extern "C" fn fake_nccl_registration_count(which: c_int) -> i64 {
+    let counter = if which == 0 {
+        &REGISTERED
+    } else {
+        &DEREGISTERED_AFTER_FREE
+    };
+    counter.load(Ordering::Relaxed) as i64
 }
 
 /// Bytes per element of an `ncclDataType_t`.
