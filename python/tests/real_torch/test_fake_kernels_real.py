@@ -31,7 +31,7 @@ require_real_torch()
 # interpreter began to finalize makes CPython end the thread with pthread_exit, whose unwinding
 # through a noexcept destructor aborts the process at exit ("terminate called without an active
 # exception"). A PyTorch race, on a GPU too (pytorch/pytorch#117762); it struck this file's SDPA
-# test in 5 runs of 140 under load (docs/real-clients.md, "Three tests that were flaky").
+# test in 6 runs of 220 under load (docs/real-clients.md, "Three tests that were flaky").
 
 
 def test_kernels_and_cublas_run_a_training_step_and_their_work_stays_pending() -> None:
