@@ -23,7 +23,7 @@ from torch_env import MIB, require_real_torch, run_torch, torch_env
 
 require_real_torch()
 
-# A child that runs a CUDA backward runs it on its own thread
+# The cuDNN and SDPA children run their CUDA backward on their own thread
 # (torch.autograd.set_multithreading_enabled(False)). With PyTorch's default, the backward runs on
 # the autograd engine's thread for the device, which drops its last reference to the finished
 # graph task after the caller has its result; the graph task holds a Python object (the
@@ -37,7 +37,6 @@ require_real_torch()
 def test_kernels_and_cublas_run_a_training_step_and_their_work_stays_pending() -> None:
     out = run_torch(
         """
-        torch.autograd.set_multithreading_enabled(False)  # backward on this thread (see top)
         x = torch.ones(64, 32, device="cuda")
         y = x * 2 + 1
         product = y @ torch.randn(32, 16, device="cuda")
