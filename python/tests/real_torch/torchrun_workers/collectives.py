@@ -78,7 +78,8 @@ report["all_gather"] = [t.cpu().tolist() for t in gathered]
 
 # Each rank's statistics are its own device's; asking about another device opens nothing there.
 # Counted for this thread alone: meanwhile gloo's worker threads may make device 0 current (see
-# "main_thread_entries" below), which a count for the whole process would take for the asking.
+# "main_thread_other_device_entries" below), which a count for the whole process would take for
+# the asking.
 others = [d for d in range(torch.cuda.device_count()) if d != local_rank]
 entries_before = entries_of_this_thread(others)
 report["other_devices_allocated"] = [
