@@ -5,7 +5,6 @@ on communication streams) for two steps. Each rank writes its figures.
 """
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -29,13 +28,10 @@ def train(model, label):
         model(x).sum().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if label == "fsdp2":
-            # PyTorch 2.15's ProcessGroupNCCL keeps a collective's tensors until it sees the
-            # work complete, for FSDP2's reduce-scatters from its watchdog thread (about every
-            # 100 ms): give it time, so that the next step starts from the same memory.
-            torch.cuda.synchronize()
-            dist.barrier()
-            time.sleep(0.5)
+        # The figures after a step are the same in every run only where no other thread frees
+        # the step's tensors: the stock ProcessGroupNCCL frees some of FSDP2's from its watchdog
+        # thread once it sees their work complete, unless TORCH_NCCL_BLOCKING_WAIT=1 (which
+        # test_clients_real.py sets; docs/real-clients.md).
         _figures.step(f"{label} {step}")
 
 

@@ -25,8 +25,26 @@ with open(os.path.join(out, f"pid_rank{rank}"), "w") as f:
     f.write(str(os.getpid()))
 
 fake = ctypes.CDLL("libcuda.so.1")
-fake.fake_cuda_stat.restype = ctypes.c_int64
-fake.fake_cuda_stat.argtypes = [ctypes.c_char_p]
+fake.fake_cuda_thread_context_entries.restype = ctypes.c_int64
+fake.fake_cuda_thread_context_entries.argtypes = [ctypes.c_int]
+
+
+def entries_of_this_thread(devices):
+    """How often this thread retained or made current each device's primary context (the
+    fake's count, per thread)."""
+    return [fake.fake_cuda_thread_context_entries(d) for d in devices]
+
+
+def devices_with_a_context():
+    """The devices whose primary context this process holds (cuDevicePrimaryCtxGetState)."""
+    active = []
+    for device in range(torch.cuda.device_count()):
+        flags, state = ctypes.c_uint(), ctypes.c_int()
+        fake.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(state))
+        if state.value:
+            active.append(device)
+    return active
+
 
 ferrocache.install()
 ferrocache.record_memory_history("all", max_entries=100_000)
@@ -59,13 +77,17 @@ dist.all_gather(gathered, on_device([float(rank)] * 4))
 report["all_gather"] = [t.cpu().tolist() for t in gathered]
 
 # Each rank's statistics are its own device's; asking about another device opens nothing there.
-contexts_before = fake.fake_cuda_stat(b"primary_context_refs")
+# Counted for this thread alone: meanwhile gloo's worker threads may make device 0 current (see
+# "main_thread_other_device_entries" below), which a count for the whole process would take for
+# the asking.
+others = [d for d in range(torch.cuda.device_count()) if d != local_rank]
+entries_before = entries_of_this_thread(others)
 report["other_devices_allocated"] = [
-    torch.cuda.memory_stats(d).get("allocated_bytes.all.current", 0)
-    for d in range(torch.cuda.device_count())
-    if d != local_rank
+    torch.cuda.memory_stats(d).get("allocated_bytes.all.current", 0) for d in others
 ]
-report["contexts_opened_by_asking"] = fake.fake_cuda_stat(b"primary_context_refs") - contexts_before
+report["contexts_opened_by_asking"] = sum(
+    after - before for before, after in zip(entries_before, entries_of_this_thread(others))
+)
 report["segments_devices"] = sorted({s["device"] for s in torch.cuda.memory._snapshot()["segments"]})
 
 # A collective on a communication stream; record_stream keeps its buffer from reuse until the
@@ -84,6 +106,17 @@ report["bucket_sum"] = bucket_sum
 report["reused_while_comm_busy"] = again.data_ptr() == address
 del again
 torch.cuda.synchronize()
+
+# Over the whole job, this thread (ferrocache's allocations, the collectives' calls) entered no
+# other device's context. The process may hold device 0's: a gloo worker thread that destroys a
+# finished work's CUDA event restores its own current device, 0 by default, with cudaSetDevice
+# (c10's CUDAGuardImpl::destroyEvent), which creates device 0's primary context on a GPU too
+# (CUDA 12 and later; pytorch/pytorch#135279 found the same in ProcessGroupNCCL). Whether that
+# thread or this one drops a work last, and when, is thread timing (tests/fake-cuda/README.md,
+# "Contexts").
+report["main_thread_other_device_entries"] = entries_of_this_thread(others)
+report["main_thread_own_device_entries"] = entries_of_this_thread([local_rank])[0]
+report["devices_with_a_context"] = devices_with_a_context()
 
 report["snapshot"] = ferrocache.dump_snapshot(os.path.join(out, "job.pickle"))
 report["snapshot_with_placeholders"] = ferrocache.dump_snapshot(

@@ -5,6 +5,7 @@
 //! current, but memory calls made under it fail, so a caller that forgets to switch to the
 //! primary context is caught.
 
+use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
 use crate::{
@@ -25,6 +26,42 @@ const ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int = 76;
 const ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: c_int = 102;
 const ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: c_int = 103;
 const ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: c_int = 110;
+
+thread_local! {
+    /// Per device, how many times the calling thread retained its primary context or made it
+    /// current (`fake_cuda_thread_context_entries`): a process-wide count cannot tell what one
+    /// thread did from what the process's other threads did meanwhile (PyTorch's gloo workers,
+    /// for one, make device 0 current when they destroy an event; README "Contexts").
+    static CONTEXT_ENTRIES: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Counts an entry of the calling thread into `device`'s primary context. After the thread's
+/// destructors ran (an exit handler calling the driver) nothing is counted.
+fn count_context_entry(device: i32) {
+    let Ok(index) = usize::try_from(device) else {
+        return;
+    };
+    let _ = CONTEXT_ENTRIES.try_with(|entries| {
+        let mut entries = entries.borrow_mut();
+        if entries.len() <= index {
+            entries.resize(index + 1, 0);
+        }
+        entries[index] += 1;
+    });
+}
+
+/// How many times the calling thread retained `device`'s primary context
+/// (`cuDevicePrimaryCtxRetain`) or made it current (`cuCtxSetCurrent`, `cuCtxPushCurrent`);
+/// -1 for a device that is not one.
+#[unsafe(no_mangle)]
+pub extern "C" fn fake_cuda_thread_context_entries(device: c_int) -> i64 {
+    if !(0..crate::lock().device_count).contains(&device) {
+        return -1;
+    }
+    CONTEXT_ENTRIES
+        .try_with(|entries| entries.borrow().get(device as usize).copied().unwrap_or(0))
+        .map_or(0, |count| i64::try_from(count).unwrap_or(i64::MAX))
+}
 
 pub fn primary_context(device: i32) -> usize {
     PRIMARY_CONTEXT_BASE + device as usize
@@ -180,6 +217,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(
         // SAFETY: an out pointer from the caller, valid for writes by the driver API contract.
         unsafe { put(context, primary_context(device) as *mut c_void) }?;
         driver.primary_context_refs[device as usize] += 1;
+        count_context_entry(device);
         Ok(())
     })
 }
@@ -247,7 +285,11 @@ pub extern "C" fn cuCtxSetCurrent(context: *mut c_void) -> CuResult {
             if context != 0 {
                 stack.push(context);
             }
-        })
+        })?;
+        if let Some(device) = driver.primary_context_device(context) {
+            count_context_entry(device);
+        }
+        Ok(())
     })
 }
 
@@ -258,7 +300,11 @@ pub extern "C" fn cuCtxPushCurrent_v2(context: *mut c_void) -> CuResult {
         if !driver.usable_context(context) {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
-        with_context_stack(|stack| stack.push(context))
+        with_context_stack(|stack| stack.push(context))?;
+        if let Some(device) = driver.primary_context_device(context) {
+            count_context_entry(device);
+        }
+        Ok(())
     })
 }
 
