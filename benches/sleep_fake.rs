@@ -93,7 +93,10 @@ fn main() {
         ("FAKE_LIBCUDA_TOTAL_MEM", (16 * GIB).to_string()),
     ];
     if expandable {
-        env.push(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True".to_string()));
+        env.push((
+            "PYTORCH_CUDA_ALLOC_CONF",
+            "expandable_segments:True".to_string(),
+        ));
     }
     support::rerun_benchmark_on_the_fake_libcuda(&env);
     let suffix = if expandable { "_expandable" } else { "" };

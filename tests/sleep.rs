@@ -724,8 +724,14 @@ fn sleep_and_wake_each_wait_once_for_all_their_copies() {
     let after = a.device().counters().clone();
     // The copies wait for the program's work on the device; the host waits once, for them.
     assert_eq!(slept.host_synchronizations, 1);
-    assert_eq!(after.device_synchronizations, before.device_synchronizations);
-    assert!(after.event_waits > before.event_waits, "ordered on the device");
+    assert_eq!(
+        after.device_synchronizations,
+        before.device_synchronizations
+    );
+    assert!(
+        after.event_waits > before.event_waits,
+        "ordered on the device"
+    );
     assert_eq!(
         after.stream_synchronizations - before.stream_synchronizations,
         1
@@ -809,7 +815,10 @@ fn an_expandable_page_copies_its_live_blocks_into_pinned_memory_kept_between_cyc
         assert!(slept.host_memory_pinned);
         assert_eq!(slept.host_allocations, usize::from(cycle == 0));
         assert_eq!(slept.host_synchronizations, 1);
-        assert_eq!(after.device_synchronizations, before.device_synchronizations);
+        assert_eq!(
+            after.device_synchronizations,
+            before.device_synchronizations
+        );
         assert_eq!(a.reserved_bytes(), 0);
         assert_eq!(a.device().physical_in_use(), 0);
         checked(&a);

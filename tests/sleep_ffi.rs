@@ -469,7 +469,11 @@ fn half_empty_segment_cycles(test: &str, extra: &[(&str, &str)]) {
         for cycle in 0..2 {
             let device_waits = fake.stat("cuCtxSynchronize");
             let slept = api.sleep(None, true);
-            assert_eq!(fake.stat("cuCtxSynchronize"), device_waits, "no device-wide wait");
+            assert_eq!(
+                fake.stat("cuCtxSynchronize"),
+                device_waits,
+                "no device-wide wait"
+            );
             assert_eq!(as_usize(&slept["bytes"]), 20 * MIB, "{slept}");
             assert_eq!(as_usize(&slept["copied_bytes"]), 10 * MIB, "{slept}");
             assert_eq!(slept["host_memory_pinned"], true, "{slept}");

@@ -326,7 +326,12 @@ impl<D: Device> DeviceAllocator<D> {
         let live: usize = if backup {
             segments
                 .iter()
-                .map(|&id| self.backup_ranges(id).iter().map(|&(_, len)| len).sum::<usize>())
+                .map(|&id| {
+                    self.backup_ranges(id)
+                        .iter()
+                        .map(|&(_, len)| len)
+                        .sum::<usize>()
+                })
                 .sum()
         } else {
             0

@@ -92,7 +92,7 @@ impl Backup {
             .filter(|&&(start, _)| start < at)
             .map(|&(start, len)| (start, len.min(at - start)))
             .collect();
-        (!ranges.is_empty()).then(|| Backup {
+        (!ranges.is_empty()).then_some(Backup {
             buffer: self.buffer,
             offset: self.offset,
             ranges,
