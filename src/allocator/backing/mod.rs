@@ -350,3 +350,56 @@ pub(crate) fn no_copy_stream() -> DeviceError {
         message: "no copy stream for a backup".to_string(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    fn backup() -> Backup {
+        // 10 MiB at 2 MiB, 100 MiB at 20 MiB: packed from 4 MiB in the buffer.
+        Backup {
+            buffer: 1,
+            offset: 4 * MIB,
+            ranges: vec![(2 * MIB, 10 * MIB), (20 * MIB, 100 * MIB)],
+        }
+    }
+
+    #[test]
+    fn a_backup_copies_its_ranges_in_chunks_of_at_most_64_mib_packed_in_its_buffer() {
+        let copies: Vec<_> = backup().copies(0x1000_0000).collect();
+        let base = 0x1000_0000u64;
+        assert_eq!(
+            copies,
+            [
+                (base + 2 * MIB as u64, 4 * MIB, 10 * MIB),
+                (base + 20 * MIB as u64, 14 * MIB, 64 * MIB),
+                (base + 84 * MIB as u64, 78 * MIB, 36 * MIB),
+            ]
+        );
+        assert_eq!(backup().len(), 110 * MIB);
+    }
+
+    #[test]
+    fn the_copies_within_a_window_are_the_pieces_of_the_ranges_inside_it() {
+        // A window from 8 MiB to 40 MiB: the end of the first range, the start of the second.
+        let copies: Vec<_> = backup().copies_within(0, 8 * MIB, 40 * MIB).collect();
+        assert_eq!(
+            copies,
+            [
+                (8 * MIB as u64, 10 * MIB, 4 * MIB),
+                (20 * MIB as u64, 14 * MIB, 20 * MIB)
+            ]
+        );
+        assert_eq!(backup().copies_within(0, 12 * MIB, 20 * MIB).count(), 0);
+    }
+
+    #[test]
+    fn the_part_of_a_backup_below_a_page_keeps_its_place_in_the_buffer() {
+        let below = backup().below(30 * MIB).unwrap();
+        assert_eq!(below.ranges, [(2 * MIB, 10 * MIB), (20 * MIB, 10 * MIB)]);
+        assert_eq!((below.buffer, below.offset), (1, 4 * MIB));
+        assert_eq!(backup().below(2 * MIB), None);
+    }
+}
