@@ -308,9 +308,9 @@ impl ExpandableSegment {
 
     /// Wakes every sleeping page at its address and copies the backups back: creates physical
     /// memory, maps it, grants access (to the devices [`Device::set_access`] grants, peers
-    /// included) and queues on `stream` the copies into those pages, a group of pages of about
-    /// [`COPY_CHUNK`] bytes at a time, so that the next group's creation and mapping overlap
-    /// the copies of the one before. Returns the bytes woken and the backups (their bytes are
+    /// included) and queues on `stream` the copies into those pages, a group of pages of at
+    /// least [`COPY_CHUNK`] bytes at a time, so that the next group's creation and mapping
+    /// overlap the copies of the one before (without backups, a run of pages at a time). Returns the bytes woken and the backups (their bytes are
     /// back, and their buffers free, once `stream` is synchronized).
     ///
     /// All or nothing for the segment: on any failure the copies queued are waited for (one
@@ -328,7 +328,12 @@ impl ExpandableSegment {
         let mut created: Vec<PhysicalHandle> = Vec::with_capacity(indices.len());
         let mut mapped = 0;
         let mut queued = false;
-        let pages_per_group = COPY_CHUNK.div_ceil(self.page_size).max(1);
+        // Without copies to overlap, one group per run of pages: one grant each.
+        let pages_per_group = if self.backups.is_empty() {
+            usize::MAX
+        } else {
+            COPY_CHUNK.div_ceil(self.page_size).max(1)
+        };
         let outcome = (|| {
             // Groups of consecutive pages: one grant each, as `map` grants a range.
             let runs = indices.chunk_by(|a, b| a + 1 == *b);
