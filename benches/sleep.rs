@@ -73,7 +73,9 @@ fn half_live(expandable: bool) -> DeviceAllocator<SimDevice> {
     a.set_sleepable(true);
     a.device_mut().set_complete_immediately(true);
     a.device_mut().set_record_waits(false);
-    let blocks: Vec<u64> = (0..GIB / BLOCK).map(|_| a.malloc(BLOCK, 0).unwrap()).collect();
+    let blocks: Vec<u64> = (0..GIB / BLOCK)
+        .map(|_| a.malloc(BLOCK, 0).unwrap())
+        .collect();
     let bytes = vec![7u8; BLOCK];
     for (i, &block) in blocks.iter().enumerate() {
         if i % 2 == 0 {
@@ -131,5 +133,11 @@ fn cache_hit(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, sleep_wake, sleep_wake_backup, new_segment, cache_hit);
+criterion_group!(
+    benches,
+    sleep_wake,
+    sleep_wake_backup,
+    new_segment,
+    cache_hit
+);
 criterion_main!(benches);
