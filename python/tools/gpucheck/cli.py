@@ -877,7 +877,8 @@ def run_checks(ctx: Context) -> None:
     guarded(ctx, "peer", peer_copies, needs=0 if ctx.device_count < 2 else None)
     def sleep_runs() -> CheckResult:
         settings = (("ferrocache", "sleep"), ("ferrocache-expandable", "sleep-expandable"))
-        return checks.sleep_bandwidth({allocator: workload(ctx, "sleep", allocator, label) for allocator, label in settings})
+        runs = {allocator: workload(ctx, "sleep", allocator, label) for allocator, label in settings}
+        return checks.sleep_bandwidth(runs)
 
     guarded(ctx, "sleep", sleep_runs)
     guarded(ctx, "memory_api", lambda: checks.memory_api(run_compare(ctx)))
