@@ -875,6 +875,7 @@ def run_checks(ctx: Context) -> None:
         return checks.peer(runs_until_fake_stops(ctx, "peer", series), ctx.device_count)
 
     guarded(ctx, "peer", peer_copies, needs=0 if ctx.device_count < 2 else None)
+
     def sleep_runs() -> CheckResult:
         settings = (("ferrocache", "sleep"), ("ferrocache-expandable", "sleep-expandable"))
         runs = {allocator: workload(ctx, "sleep", allocator, label) for allocator, label in settings}
