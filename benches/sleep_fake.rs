@@ -12,6 +12,9 @@
 //! - `sleep_wake_fake_backup/1GiB`: the same 1 GiB slept with a backup, half of each segment
 //!   live (the other half freed): on the fake a copy is a `memcpy` of host memory, so this
 //!   measures what ferrocache adds around the copies and how many bytes it moves, not the bus.
+//! - `SLEEP_FAKE_EXPANDABLE=1 cargo bench --bench sleep_fake`: the same cases with
+//!   `expandable_segments:True` (groups named `..._expandable`): the blocks lie in expandable
+//!   segments' 20 MiB pages, which sleep and wake page by page.
 //!
 //! `main` runs this program again with the fake first on `LD_LIBRARY_PATH`
 //! (`support::rerun_benchmark_on_the_fake_libcuda`).
@@ -80,15 +83,27 @@ impl Abi {
     }
 }
 
+/// Set to 1: the cases run with `expandable_segments:True`.
+const EXPANDABLE_VARIABLE: &str = "SLEEP_FAKE_EXPANDABLE";
+
 fn main() {
-    support::rerun_benchmark_on_the_fake_libcuda(&[
+    let expandable = std::env::var(EXPANDABLE_VARIABLE).is_ok_and(|v| v == "1");
+    let mut env = vec![
         ("FERROCACHE_SLEEP", "1".to_string()),
         ("FAKE_LIBCUDA_TOTAL_MEM", (16 * GIB).to_string()),
-    ]);
+    ];
+    if expandable {
+        env.push((
+            "PYTORCH_CUDA_ALLOC_CONF",
+            "expandable_segments:True".to_string(),
+        ));
+    }
+    support::rerun_benchmark_on_the_fake_libcuda(&env);
+    let suffix = if expandable { "_expandable" } else { "" };
     let abi = Abi::open();
     let mut criterion = Criterion::default().configure_from_args();
-    backup_case(&abi, &mut criterion);
-    let mut group = criterion.benchmark_group("sleep_wake_fake");
+    backup_case(&abi, &mut criterion, suffix);
+    let mut group = criterion.benchmark_group(format!("sleep_wake_fake{suffix}"));
     group.sample_size(20);
     let mut held = 0;
     for gib in [1, 10] {
@@ -112,7 +127,7 @@ fn main() {
 
 /// 1 GiB of segments, every other 2 MiB block freed, slept with a backup and woken; the
 /// blocks are freed afterwards and the cache emptied, so that the other cases start afresh.
-fn backup_case(abi: &Abi, criterion: &mut Criterion) {
+fn backup_case(abi: &Abi, criterion: &mut Criterion, suffix: &str) {
     let blocks: Vec<*mut c_void> = (0..GIB / BLOCK)
         .map(|_| {
             // SAFETY: a plain allocation on the default stream of device 0.
@@ -125,7 +140,7 @@ fn backup_case(abi: &Abi, criterion: &mut Criterion) {
         // SAFETY: a block from rust_malloc, freed once.
         unsafe { (abi.free)(block, BLOCK, 0, ptr::null_mut()) };
     }
-    let mut group = criterion.benchmark_group("sleep_wake_fake_backup");
+    let mut group = criterion.benchmark_group(format!("sleep_wake_fake_backup{suffix}"));
     group.sample_size(10);
     group.bench_function(BenchmarkId::from_parameter("1GiB"), |b| {
         b.iter(|| abi.sleep_and_wake(true))

@@ -265,8 +265,8 @@ fn sleep_and_wake_again_lose_nothing(
 #[test]
 fn a_driver_failure_in_the_middle_of_sleep_or_wake_loses_nothing() {
     let sleep_ops = [
-        SimOp::SynchronizeDevice,
         SimOp::CreateStream,
+        SimOp::WaitEvent,
         SimOp::AllocPinnedHost,
         SimOp::CopyToPinnedAsync,
         SimOp::RecordEvent,
@@ -282,7 +282,7 @@ fn a_driver_failure_in_the_middle_of_sleep_or_wake_loses_nothing() {
     ];
     // Called once per call: the first fails; once per segment: the second segment's.
     let once_per_call = [
-        SimOp::SynchronizeDevice,
+        SimOp::WaitEvent,
         SimOp::CreateStream,
         SimOp::AllocPinnedHost,
         SimOp::QueryEvent,
@@ -378,7 +378,12 @@ fn expandable_segments_sleep_with_backup_and_wake_at_the_same_addresses() {
     let slept = a.sleep(Tags::All, true).unwrap();
     assert_eq!(slept.skipped_bytes, 0, "expandable memory sleeps");
     assert_eq!(slept.bytes, reserved);
-    assert_eq!(slept.copied_bytes, reserved);
+    let requested: usize = live.iter().map(|&(_, size)| size).sum();
+    assert!(
+        slept.copied_bytes >= requested && slept.copied_bytes < reserved,
+        "the live blocks, not the pages: {slept:?}"
+    );
+    assert!(slept.host_memory_pinned);
     assert_eq!(slept.blocks, live.len());
     assert_eq!(a.reserved_bytes(), 0);
     assert_eq!(a.sleeping_bytes(), reserved);
@@ -415,7 +420,8 @@ fn expandable_segments_sleep_with_backup_and_wake_at_the_same_addresses() {
 
     let woke = a.wake(Tags::All).unwrap();
     assert_eq!(woke.bytes, reserved);
-    assert_eq!(woke.copied_bytes, reserved);
+    assert_eq!(woke.copied_bytes, slept.copied_bytes);
+    assert!(woke.host_memory_pinned);
     assert_eq!(woke.blocks, live.len());
     assert_eq!(a.sleeping_bytes(), 0);
     for &(ptr, size) in &live {
@@ -478,8 +484,11 @@ fn expandable_segments_of_a_tag_sleep_alone() {
 #[test]
 fn a_driver_failure_while_expandable_pages_sleep_or_wake_loses_nothing() {
     let sleep_ops = [
-        SimOp::SynchronizeDevice,
-        SimOp::CopyToHost,
+        SimOp::WaitEvent,
+        SimOp::CopyToPinnedAsync,
+        SimOp::RecordEvent,
+        SimOp::QueryEvent,
+        SimOp::SynchronizeStream,
         SimOp::Unmap,
         SimOp::ReleasePhysical,
     ];
@@ -487,13 +496,18 @@ fn a_driver_failure_while_expandable_pages_sleep_or_wake_loses_nothing() {
         SimOp::CreatePhysical,
         SimOp::Map,
         SimOp::SetAccess,
-        SimOp::CopyFromHost,
+        SimOp::CopyFromPinnedAsync,
+    ];
+    let once_per_call = [
+        SimOp::WaitEvent,
+        SimOp::QueryEvent,
+        SimOp::SynchronizeStream,
     ];
     for (op, during_sleep) in failing_during_sleep_then_wake(&sleep_ops, &wake_ops) {
         let mut a = expandable();
         let live = fill(&mut a, None);
         let reserved = a.reserved_bytes();
-        let nth = if op == SimOp::SynchronizeDevice { 1 } else { 2 };
+        let nth = if once_per_call.contains(&op) { 1 } else { 2 };
         if during_sleep {
             a.device_mut().fail_nth(op, nth, fault());
             match a.sleep(Tags::All, true) {
@@ -708,11 +722,15 @@ fn sleep_and_wake_each_wait_once_for_all_their_copies() {
     let slept = a.sleep(Tags::All, true).unwrap();
     assert!(slept.segments > 2, "several segments: {slept:?}");
     let after = a.device().counters().clone();
-    // One wait for the program's work before the copies, one for all the copies.
-    assert_eq!(slept.host_synchronizations, 2);
+    // The copies wait for the program's work on the device; the host waits once, for them.
+    assert_eq!(slept.host_synchronizations, 1);
     assert_eq!(
-        after.device_synchronizations - before.device_synchronizations,
-        1
+        after.device_synchronizations,
+        before.device_synchronizations
+    );
+    assert!(
+        after.event_waits > before.event_waits,
+        "ordered on the device"
     );
     assert_eq!(
         after.stream_synchronizations - before.stream_synchronizations,
@@ -739,20 +757,22 @@ fn sleep_and_wake_each_wait_once_for_all_their_copies() {
 /// simulated device refuses that, as the fake's ordering check does).
 #[test]
 fn a_segment_whose_copies_finished_is_unmapped_while_the_next_ones_copy() {
-    let mut a = sleepable();
-    let live = fill(&mut a, None);
+    for mut a in [sleepable(), expandable()] {
+        a_segment_whose_copies_finished_is_unmapped_at_once(&mut a);
+    }
+}
+
+fn a_segment_whose_copies_finished_is_unmapped_at_once(a: &mut DeviceAllocator<SimDevice>) {
+    let live = fill(a, None);
     a.device_mut().set_complete_immediately(true);
     let before = a.device().counters().stream_synchronizations;
     let slept = a.sleep(Tags::All, true).unwrap();
-    assert_eq!(
-        slept.host_synchronizations, 1,
-        "only the wait before: {slept:?}"
-    );
+    assert_eq!(slept.host_synchronizations, 0, "no wait at all: {slept:?}");
     assert_eq!(a.device().counters().stream_synchronizations, before);
     a.device_mut().set_complete_immediately(false);
     a.wake(Tags::All).unwrap();
     for &(ptr, size) in &live {
-        assert_eq!(read(&mut a, ptr, size), pattern(ptr, size), "{ptr:#x}");
+        assert_eq!(read(a, ptr, size), pattern(ptr, size), "{ptr:#x}");
     }
 }
 
@@ -767,4 +787,114 @@ fn sleep_without_backup_copies_nothing_and_holds_no_host_memory() {
     assert_eq!(slept.host_synchronizations, 1);
     assert_eq!(a.wake(Tags::All).unwrap().host_synchronizations, 0);
     assert_eq!(a.device().pinned_host(), (0, 0));
+}
+
+/// Expandable segments take the same fast path: a half-empty 20 MiB page copies its live half
+/// (not the page) into pinned host memory kept for the next cycle, with one wait per call, and
+/// wakes at the same addresses with every byte back.
+#[test]
+fn an_expandable_page_copies_its_live_blocks_into_pinned_memory_kept_between_cycles() {
+    let mut a = expandable();
+    let live = half_empty_segment(&mut a);
+    let addresses: Vec<DevicePtr> = live.iter().map(|&(ptr, _)| ptr).collect();
+    for cycle in 0..2 {
+        let before = a.device().counters().clone();
+        let slept = a.sleep(Tags::All, true).unwrap();
+        let after = a.device().counters().clone();
+        assert_eq!(slept.bytes, 20 * MIB, "the mapped page sleeps");
+        assert_eq!(slept.copied_bytes, 10 * MIB, "only the live half is copied");
+        assert_eq!(
+            after.bytes_copied_pinned - before.bytes_copied_pinned,
+            10 * MIB as u64
+        );
+        assert_eq!(
+            after.bytes_copied - before.bytes_copied,
+            after.bytes_copied_pinned - before.bytes_copied_pinned,
+            "nothing through pageable memory"
+        );
+        assert!(slept.host_memory_pinned);
+        assert_eq!(slept.host_allocations, usize::from(cycle == 0));
+        assert_eq!(slept.host_synchronizations, 1);
+        assert_eq!(
+            after.device_synchronizations,
+            before.device_synchronizations
+        );
+        assert_eq!(a.reserved_bytes(), 0);
+        assert_eq!(a.device().physical_in_use(), 0);
+        checked(&a);
+
+        let woke = a.wake(Tags::All).unwrap();
+        assert_eq!(woke.bytes, 20 * MIB);
+        assert_eq!(woke.copied_bytes, 10 * MIB);
+        assert!(woke.host_memory_pinned);
+        assert_eq!(woke.host_synchronizations, 1);
+        for (&(ptr, size), &address) in live.iter().zip(&addresses) {
+            assert_eq!(ptr, address);
+            assert_eq!(read(&mut a, ptr, size), pattern(ptr, size), "{ptr:#x}");
+        }
+        checked(&a);
+    }
+    assert_eq!(a.device().pinned_host().0, 1, "one buffer for both cycles");
+    assert!(a.release_host_memory() >= 10 * MIB);
+    assert_eq!(a.device().pinned_host(), (0, 0));
+}
+
+/// A large expandable segment wakes a group of pages at a time, each group's copies queued
+/// before the next group is mapped, and comes back whole; its bytes travel in chunks of at most
+/// 64 MiB.
+#[test]
+fn a_large_expandable_segment_wakes_group_by_group_with_every_byte_back() {
+    let mut a = expandable();
+    let big = 150 * MIB;
+    let ptr = a.malloc(big, 0).unwrap();
+    write(&mut a, ptr, big);
+    let before = a.device().counters().clone();
+    let slept = a.sleep(Tags::All, true).unwrap();
+    assert_eq!(slept.copied_bytes, big);
+    let copies = a.device().counters().async_copies - before.async_copies;
+    assert_eq!(copies, 3, "150 MiB in copies of at most 64 MiB");
+    let accesses = a.device().counters().set_accesses;
+    a.wake(Tags::All).unwrap();
+    assert!(
+        a.device().counters().set_accesses - accesses > 1,
+        "one grant per group of pages"
+    );
+    assert_eq!(read(&mut a, ptr, big), pattern(ptr, big));
+    checked(&a);
+}
+
+/// The copies wait, on the device, for the work queued on the streams that used the memory:
+/// the allocation's stream and a stream it was recorded on, and the stream of a freed block
+/// still waiting for its event, which is then cached (not copied) and sleeps with the rest.
+#[test]
+fn the_copies_wait_on_the_device_for_the_streams_that_used_the_memory() {
+    for mut a in [sleepable(), expandable()] {
+        let (stream, other, third) = (5, 6, 7);
+        let ptr = a.malloc(2 * MIB, stream).unwrap();
+        write(&mut a, ptr, 2 * MIB);
+        a.record_stream(ptr, other).unwrap();
+        let freed = a.malloc(2 * MIB, stream).unwrap();
+        a.record_stream(freed, third).unwrap();
+        let work = [stream, other, third].map(|s| (s, a.device_mut().submit_work(s)));
+        a.free(freed).unwrap();
+        let slept = a.sleep(Tags::All, true).unwrap();
+        assert_eq!(slept.copied_bytes, 2 * MIB, "the freed block is not copied");
+        assert_eq!(slept.blocks, 1);
+        assert_eq!(slept.host_synchronizations, 1);
+        for (s, sequence) in work {
+            assert!(
+                a.device()
+                    .waits()
+                    .iter()
+                    .any(|w| w.event_stream == s && w.sequence >= sequence),
+                "the copies wait for stream {s}"
+            );
+        }
+        checked(&a);
+        a.wake(Tags::All).unwrap();
+        assert_eq!(read(&mut a, ptr, 2 * MIB), pattern(ptr, 2 * MIB));
+        checked(&a);
+        // The freed block was cached when it went to sleep, and serves again.
+        assert_eq!(a.malloc(2 * MIB, stream).unwrap(), freed);
+    }
 }

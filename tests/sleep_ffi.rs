@@ -415,18 +415,37 @@ fn a_sleep_that_fails_on_one_device_keeps_the_report_of_the_devices_done() {
 
 /// The fast path through the C ABI on the fake: a half-empty segment copies its live half,
 /// into pinned host memory (`cuMemHostAlloc`) made once and kept for the second cycle, with one
-/// wait per call for the copies, and every byte comes back at its address. The fake's ordering
-/// check (fatal in these children) sees no segment unmapped under a pending copy.
+/// wait per call (sleep's copy stream waits for the program's streams on the device, never the
+/// host: no `cuCtxSynchronize`), and every byte comes back at its address. The fake's ordering
+/// check (fatal in these children) sees no memory unmapped under a pending copy or under the
+/// program's work. The same for VMM-backed segments and for an expandable segment's page.
 #[test]
 fn a_half_empty_segment_copies_its_live_half_into_pinned_memory_kept_between_cycles() {
     let test = "a_half_empty_segment_copies_its_live_half_into_pinned_memory_kept_between_cycles";
+    half_empty_segment_cycles(test, &[]);
+}
+
+#[test]
+fn a_half_empty_expandable_page_copies_its_live_half_into_pinned_memory_kept_between_cycles() {
+    let test =
+        "a_half_empty_expandable_page_copies_its_live_half_into_pinned_memory_kept_between_cycles";
+    half_empty_segment_cycles(
+        test,
+        &[("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")],
+    );
+}
+
+/// Ten 2 MiB blocks (one 20 MiB segment, or one 20 MiB page of an expandable segment), every
+/// other one freed, slept with backup and woken twice; `extra` is added to the environment.
+fn half_empty_segment_cycles(test: &str, extra: &[(&str, &str)]) {
     // Events answer "not ready" to their first queries: the copies are still running when
     // sleep asks, so it waits for them once at the end (with no delay, the fake's copies are
     // done when asked, and sleep unmaps each segment without that wait).
-    let env = [
+    let mut env = vec![
         ("FERROCACHE_SLEEP", "1"),
         ("FAKE_LIBCUDA_EVENT_DELAY", "1000"),
     ];
+    env.extend_from_slice(extra);
     in_own_process(test, &env, || {
         let api = Api {
             library: Ferrocache::open(),
@@ -448,12 +467,18 @@ fn a_half_empty_segment_copies_its_live_half_into_pinned_memory_kept_between_cyc
             }
         }
         for cycle in 0..2 {
+            let device_waits = fake.stat("cuCtxSynchronize");
             let slept = api.sleep(None, true);
+            assert_eq!(
+                fake.stat("cuCtxSynchronize"),
+                device_waits,
+                "no device-wide wait"
+            );
             assert_eq!(as_usize(&slept["bytes"]), 20 * MIB, "{slept}");
             assert_eq!(as_usize(&slept["copied_bytes"]), 10 * MIB, "{slept}");
             assert_eq!(slept["host_memory_pinned"], true, "{slept}");
             assert_eq!(as_usize(&slept["host_allocations"]), 1 - cycle, "{slept}");
-            assert_eq!(as_usize(&slept["host_synchronizations"]), 2, "{slept}");
+            assert_eq!(as_usize(&slept["host_synchronizations"]), 1, "{slept}");
             assert!(as_usize(&slept["host_memory_bytes"]) >= 10 * MIB, "{slept}");
             let woke = api.wake(None);
             assert_eq!(as_usize(&woke["copied_bytes"]), 10 * MIB, "{woke}");

@@ -63,7 +63,7 @@ class SleepReport:
     #: Live allocations in them.
     blocks: int
     #: Bytes copied to host memory (sleep with backup) or back (wake): the live allocations'
-    #: bytes, not the segments' (expandable segments: their mapped pages).
+    #: bytes, not the segments' (nor an expandable segment's mapped pages').
     copied_bytes: int
     #: Bytes that matched but cannot sleep: segments made before sleep-ability was on
     #: (``FERROCACHE_SLEEP=1``, or the first :func:`region`). Expandable segments always can.
@@ -72,7 +72,9 @@ class SleepReport:
     host_memory_pinned: bool
     #: Pinned host buffers this call allocated (0 once a buffer kept from an earlier sleep fits).
     host_allocations: int
-    #: Times this call made the host wait for the device.
+    #: Times this call made the host wait for the device, per device: sleep once (for its
+    #: copies, which wait for the program's streams on the device; without backup, for the
+    #: device), wake once with backups and not at all without.
     host_synchronizations: int
     #: Pinned host memory sleep holds after the call (kept for the next sleep unless
     #: :func:`release_host_memory` or ``keep_host_memory=False`` gives it back).

@@ -352,19 +352,28 @@ def test_verdicts_on_streams_oom_and_empty_cache() -> None:
     assert result.status == ERROR and result.summary == "RuntimeError: boom"
 
 
-def test_verdict_on_sleep_and_wake() -> None:
+def test_verdict_on_sleep_and_wake_shows_each_setting_against_a_pinned_copy() -> None:
     gib = 1 << 30
+    seconds = {"d2h_pinned": 0.04, "sleep": 0.05, "sleep_first": 0.5, "d2h_pageable": 0.2,
+               "h2d_pinned": 0.04, "wake": 0.08, "wake_first": 0.1, "h2d_pageable": 0.2}
     good = {
-        "bytes": gib, "blocks": 16, "skipped_bytes": 0, "freed_while_asleep": gib, "intact": True,
-        "seconds": {"d2h": 0.1, "sleep": 0.125, "wake": 0.2, "h2d": 0.1},
-        "gb_per_s": {"d2h": 10.7, "sleep": 8.6, "wake": 5.4, "h2d": 10.7},
+        "bytes": gib, "blocks": 16, "cycles": 3, "skipped_bytes": 0, "freed_while_asleep": gib, "intact": True,
+        "host_memory_pinned": True, "host_allocations": [1, 0, 0], "host_synchronizations": {"sleep": 1, "wake": 1},
+        "seconds": seconds, "gib_per_s": {part: 1 / time for part, time in seconds.items()},
     }  # fmt: skip
-    passed = checks.sleep_bandwidth(good)
-    assert passed.status == PASS and "sleep 0.80x the plain copy out" in passed.summary, passed.summary
-    assert checks.sleep_bandwidth({**good, "intact": False}).status == FAIL
-    assert checks.sleep_bandwidth({**good, "skipped_bytes": 1 << 20}).status == FAIL
-    assert checks.sleep_bandwidth({**good, "freed_while_asleep": gib // 2}).status == FAIL
-    assert checks.sleep_bandwidth({"error": "Traceback\nRuntimeError: boom"}).summary == "RuntimeError: boom"
+    passed = checks.sleep_bandwidth({"ferrocache": good, "ferrocache-expandable": good})
+    assert passed.status == PASS, passed.summary
+    assert "ferrocache: sleep 80%, wake 50% of a pinned copy" in passed.summary, passed.summary
+    assert "ferrocache-expandable: sleep 80%" in passed.summary and "(goal 80%)" in passed.summary
+    assert len(passed.tables) == 2 and passed.tables[0].headers[2] == "GiB/s"
+    rows = {row[0]: row for row in passed.tables[0].rows}
+    assert rows["plain pinned device-to-host copy (the bus)"][2:] == ["25.00", "100%"]
+    assert rows["ferrocache.sleep(backup=True), pinned memory kept"][2:] == ["20.00", "80%"]
+    for wrong in ({"intact": False}, {"skipped_bytes": 1 << 20}, {"freed_while_asleep": gib // 2},
+                  {"host_memory_pinned": False}):  # fmt: skip
+        assert checks.sleep_bandwidth({"ferrocache": good, "ferrocache-expandable": {**good, **wrong}}).status == FAIL
+    broken = checks.sleep_bandwidth({"ferrocache": good, "ferrocache-expandable": {"error": "Traceback\nRuntimeError: boom"}})
+    assert broken.status == ERROR and broken.summary == "ferrocache-expandable: RuntimeError: boom"
 
 
 def test_verdict_on_the_replay() -> None:

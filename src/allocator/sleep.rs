@@ -18,13 +18,17 @@
 //!   creates physical memory again, maps it at the same address, grants access and copies the
 //!   backup back; the free blocks return to their pools with the same tie keys and ages.
 //!
-//! The copies are the fast path (docs/sleep.md, "Backups"): only live blocks are copied, into
-//! page-locked host memory kept from one sleep to the next (`allocator/staging.rs`), queued on
-//! a stream of the allocator's own with an event per segment. A segment is unmapped once its
-//! event has completed, found by asking without waiting while the next segments' copies are
-//! queued; the host waits once, at the end, for the copies still running. Wake maps each
-//! segment and queues its copies, so the next segment's map overlaps them, and waits once at
-//! the end.
+//! The copies are the fast path (docs/sleep.md, "Backups"), the same for VMM-backed and
+//! expandable segments (each backing says which live bytes its awake memory holds, copies them
+//! and keeps them): only live blocks are copied, into page-locked host memory kept from one
+//! sleep to the next (`allocator/staging.rs`), queued on a stream of the allocator's own. That
+//! stream first waits, on the device, for the work queued so far on every stream that may
+//! touch the memory (the blocks' streams and recorded uses), so the host never waits before the
+//! copies. Each segment's copies are followed by an event; a segment is unmapped once its event
+//! has completed, found by asking without waiting while the next segments' copies are queued;
+//! the host waits once, at the end, for the rest. Wake maps each segment (an expandable one a
+//! group of pages at a time) and queues its copies, so the next map overlaps them, and waits
+//! once at the end. A sleep without backup waits for the device once instead.
 //!
 //! Both are idempotent (a segment asleep is not slept again) and all-or-nothing per segment: a
 //! driver call that fails leaves that segment either fully awake or fully asleep with its
@@ -38,8 +42,7 @@
 //! none.
 
 use super::DeviceAllocator;
-use super::backing::Memory;
-use super::backing::vmm::Backup;
+use super::backing::{Backup, Memory};
 use super::block::BlockId;
 use super::guard::{Announce, Refusal};
 use super::owner::Owner;
@@ -57,11 +60,11 @@ pub struct SleepReport {
     pub bytes: usize,
     /// Live blocks in them: allocations whose memory slept (or woke).
     pub blocks: usize,
-    /// Bytes copied to host memory (sleep) or back from it (wake): the live blocks' bytes (for
-    /// expandable segments, their mapped pages').
+    /// Bytes copied to host memory (sleep) or back from it (wake): the live blocks' bytes, not
+    /// the segments' (nor an expandable segment's mapped pages').
     pub copied_bytes: usize,
-    /// Whether the bytes copied went to (or came from) page-locked host memory; false when
-    /// nothing was copied, or some through pageable memory (expandable segments' pages).
+    /// Whether the bytes copied went to (or came from) page-locked host memory (always, when
+    /// something was copied); false when nothing was.
     pub host_memory_pinned: bool,
     /// Pinned host buffers this call allocated: 0 when the one kept from an earlier sleep was
     /// large enough.
@@ -272,10 +275,10 @@ impl<D: Device> DeviceAllocator<D> {
         }
     }
 
-    /// Puts the memory of `tags` to sleep: waits for the device, copies each segment to host
-    /// memory when `backup` (otherwise its contents are dropped), unmaps it and releases its
-    /// physical memory. Addresses, blocks and live allocations stay. Segments already asleep
-    /// are left as they are.
+    /// Puts the memory of `tags` to sleep: copies the live blocks of each segment to pinned
+    /// host memory when `backup` (otherwise its contents are dropped), unmaps it and releases
+    /// its physical memory, after the work queued on the streams that may use it. Addresses,
+    /// blocks and live allocations stay. Segments already asleep are left as they are.
     pub fn sleep(&mut self, tags: Tags<'_>, backup: bool) -> Result<SleepReport, SleepError> {
         let mut copies = SleepCopies::default();
         let report = self.each_segment(
@@ -283,16 +286,16 @@ impl<D: Device> DeviceAllocator<D> {
             &mut copies,
             |this, copies, segments, report| this.prepare_sleep(copies, segments, backup, report),
             |this, copies, segment, report| {
-                if copies.buffer.is_some() && this.copies_out(segment) {
+                if copies.buffer.is_some() {
                     this.queue_sleep(copies, segment, report)?;
                     Ok(this.sleep_copied(copies, report, false)?)
                 } else {
-                    Ok(this.sleep_segment(segment, backup, copies, report)?)
+                    Ok(this.put_to_sleep(segment, None, report)?)
                 }
             },
             |this, copies, report| {
                 let outcome = this.sleep_copied(copies, report, true);
-                report.host_memory_pinned = report.copied_bytes > 0 && copies.pageable == 0;
+                report.host_memory_pinned = report.copied_bytes > 0;
                 Ok(outcome?)
             },
         )?;
@@ -308,9 +311,11 @@ impl<D: Device> DeviceAllocator<D> {
         Ok(report)
     }
 
-    /// Waits for the device (unmapping does not wait for kernels still using the memory, and
-    /// a backup must see their results), then, for a backup, takes a pinned buffer large
-    /// enough for the live bytes of the VMM-backed segments that will be copied.
+    /// With live bytes to back up: takes a pinned buffer large enough for them, and makes the
+    /// copy stream wait, on the device, for the work queued so far on every stream that may
+    /// touch the memory (the copies must see its results, and the unmaps come after the
+    /// copies). Otherwise waits for the device once (unmapping does not wait for kernels still
+    /// using the memory).
     fn prepare_sleep(
         &mut self,
         copies: &mut SleepCopies,
@@ -318,40 +323,81 @@ impl<D: Device> DeviceAllocator<D> {
         backup: bool,
         report: &mut SleepReport,
     ) -> Result<(), Stop> {
-        self.synchronize_and_free_events()?;
-        report.host_synchronizations += 1;
-        self.device.synchronize_device()?;
-        if !backup {
-            return Ok(());
-        }
-        let live: usize = segments
-            .iter()
-            .filter(|&&id| self.copies_out(id))
-            .map(|&id| {
-                self.live_ranges(id)
-                    .iter()
-                    .map(|&(_, len)| len)
-                    .sum::<usize>()
-            })
-            .sum();
+        let live: usize = if backup {
+            segments
+                .iter()
+                .map(|&id| {
+                    self.backup_ranges(id)
+                        .iter()
+                        .map(|&(_, len)| len)
+                        .sum::<usize>()
+                })
+                .sum()
+        } else {
+            0
+        };
         if live == 0 {
-            return Ok(());
+            report.host_synchronizations += 1;
+            self.device.synchronize_device()?;
+            return Ok(self.synchronize_and_free_events()?);
         }
-        copies.stream = Some(self.staging.stream(&mut self.device)?);
+        // Frees made during a capture get their events now, so that their streams are waited for.
+        self.insert_events_deferred_until_no_capture();
+        let stream = self.staging.stream(&mut self.device)?;
+        copies.stream = Some(stream);
+        self.order_after_the_streams_of(segments, stream)?;
         let (buffer, allocated) = self.staging.take(&mut self.device, live)?;
         report.host_allocations += allocated;
         copies.buffer = Some(buffer);
         Ok(())
     }
 
-    /// Whether segment `id` sleeps through the pinned copies: VMM-backed and awake.
-    fn copies_out(&self, id: SegmentId) -> bool {
+    /// Makes `copy_stream` wait, on the device, for the work queued so far on every stream that
+    /// may touch `segments`: their blocks' streams (allocation, and for free blocks the last
+    /// user's), the streams their allocations were recorded on (`record_stream`), the streams
+    /// of frees still waiting for events, and expandable segments' streams. One event recorded
+    /// on each and waited for; no host wait.
+    fn order_after_the_streams_of(
+        &mut self,
+        segments: &[SegmentId],
+        copy_stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let mut streams: std::collections::BTreeSet<StreamId> =
+            self.events.pending.keys().copied().collect();
+        for &id in segments {
+            if let Memory::Expandable(pages) = &self.segments.get(id).memory {
+                streams.insert(pages.stream());
+            }
+            let mut cursor = Some(self.segments.head(id));
+            while let Some(block) = cursor {
+                let b = self.arena.get(block);
+                streams.insert(b.stream);
+                streams.extend(b.stream_uses.iter().copied());
+                cursor = b.next;
+            }
+        }
+        streams.remove(&copy_stream);
+        for stream in streams {
+            let event = self.device.record_event(stream)?;
+            let waited = self.device.wait_event(copy_stream, event);
+            self.device.release_event(event);
+            waited?;
+        }
+        Ok(())
+    }
+
+    /// The live blocks of segment `id` that a backup copies now: those its awake memory holds.
+    fn backup_ranges(&self, id: SegmentId) -> Vec<(usize, usize)> {
         let segment = self.segments.get(id);
-        matches!(&segment.memory, Memory::Vmm(vmm) if !segment.asleep && vmm.is_awake())
+        if !segment.memory.has_awake_memory() {
+            return Vec::new();
+        }
+        segment.memory.backup_ranges(self.live_ranges(id))
     }
 
     /// The live blocks of segment `id` as (offset in the segment, length), adjacent ones
-    /// merged.
+    /// merged. A freed block still waiting for other streams' events is not live: its contents
+    /// are the program's no more.
     fn live_ranges(&self, id: SegmentId) -> Vec<(usize, usize)> {
         let head = self.segments.head(id);
         let base = self.arena.get(head).ptr;
@@ -359,7 +405,7 @@ impl<D: Device> DeviceAllocator<D> {
         let mut cursor = Some(head);
         while let Some(block) = cursor {
             let b = self.arena.get(block);
-            if !b.is_available() {
+            if b.allocated {
                 let start = (b.ptr - base) as usize;
                 match ranges.last_mut() {
                     Some((at, len)) if *at + *len == start => *len += b.size,
@@ -371,8 +417,9 @@ impl<D: Device> DeviceAllocator<D> {
         ranges
     }
 
-    /// Queues the copy of segment `id`'s live blocks into the pinned buffer, then an event
-    /// after them. A failure leaves the segment awake.
+    /// Queues the copy of segment `id`'s live bytes into the pinned buffer, then an event after
+    /// them (also with nothing to copy: the event follows the streams' work the copy stream
+    /// waited for, after which the memory may go). A failure leaves the segment awake.
     fn queue_sleep(
         &mut self,
         copies: &mut SleepCopies,
@@ -382,20 +429,27 @@ impl<D: Device> DeviceAllocator<D> {
         let (Some(buffer), Some(stream)) = (copies.buffer, copies.stream) else {
             return Ok(());
         };
-        let ranges = self.live_ranges(id);
+        let segment = self.segments.get(id);
+        if !segment.memory.can_sleep() {
+            report.skipped_bytes += self.mapped_size_from(self.segments.head(id));
+            return Ok(());
+        }
+        if !segment.memory.has_awake_memory() {
+            return Ok(());
+        }
         let backup = Backup {
             buffer,
             offset: copies.next_offset,
-            ranges,
+            ranges: self.backup_ranges(id),
         };
-        if backup.ranges.is_empty() {
-            // Nothing live to keep: it sleeps at once, as without a backup.
-            return self.sleep_vmm(id, None, report);
-        }
-        if let Memory::Vmm(vmm) = &self.segments.get(id).memory {
-            vmm.copy_out(&mut self.device, &backup, stream)?;
-        }
+        // Should this fail, copies may be left running: the end waits for them.
+        copies.abandoned = true;
+        self.segments
+            .get(id)
+            .memory
+            .copy_out(&mut self.device, &backup, stream)?;
         let event = self.device.record_event(stream)?;
+        copies.abandoned = false;
         copies.next_offset += backup.len();
         copies.pending.push_back(PendingSleep { id, event, backup });
         Ok(())
@@ -403,7 +457,9 @@ impl<D: Device> DeviceAllocator<D> {
 
     /// Puts to sleep the segments whose copies have completed, in order: those whose event
     /// says so when asked (no wait), or, `at_end`, all of them after one wait for the copy
-    /// stream. A failure leaves the segments not yet unmapped awake (their copies dropped).
+    /// stream (also when a failure left copies running: nothing may unmap or reuse what they
+    /// touch before they end). A failure leaves the segments not yet unmapped awake (their
+    /// copies dropped).
     fn sleep_copied(
         &mut self,
         copies: &mut SleepCopies,
@@ -411,8 +467,10 @@ impl<D: Device> DeviceAllocator<D> {
         at_end: bool,
     ) -> Result<(), DeviceError> {
         let outcome = (|| {
-            if at_end && let (Some(stream), false) = (copies.stream, copies.pending.is_empty()) {
+            let running = !copies.pending.is_empty() || copies.abandoned;
+            if at_end && let (Some(stream), true) = (copies.stream, running) {
                 report.host_synchronizations += 1;
+                copies.abandoned = false;
                 self.device.synchronize_stream(stream)?;
             }
             while let Some(pending) = copies.pending.front() {
@@ -423,11 +481,12 @@ impl<D: Device> DeviceAllocator<D> {
                     break;
                 };
                 self.device.release_event(pending.event);
-                self.sleep_vmm(pending.id, Some(pending.backup), report)?;
+                self.put_to_sleep(pending.id, Some(pending.backup), report)?;
             }
             Ok(())
         })();
-        if outcome.is_err() {
+        if outcome.is_err() && !copies.pending.is_empty() {
+            copies.abandoned = true;
             for pending in copies.pending.drain(..) {
                 self.device.release_event(pending.event);
             }
@@ -435,53 +494,31 @@ impl<D: Device> DeviceAllocator<D> {
         outcome
     }
 
-    /// Unmaps VMM-backed segment `id`, keeping `backup` (its copies completed), and counts it.
-    fn sleep_vmm(
+    /// Unmaps segment `id`'s memory and releases it, keeping `backup` (its copies completed;
+    /// `None`: contents dropped), and counts it; a `cudaMalloc`'d segment cannot sleep and is
+    /// counted as skipped. Its blocks leave their pools first (a free block still waiting for
+    /// events is cached, or the events waited for, before). An expandable segment's failure
+    /// part-way leaves the pages slept so far asleep, counted in `report`; the segment then
+    /// counts as asleep, and a later sleep goes on with the pages still mapped.
+    fn put_to_sleep(
         &mut self,
         id: SegmentId,
         backup: Option<Backup>,
         report: &mut SleepReport,
     ) -> Result<(), DeviceError> {
         let head = self.segments.head(id);
-        let segment = self.segments.get_mut(id);
-        let kind = segment.kind;
-        let Memory::Vmm(vmm) = &mut segment.memory else {
-            return Ok(());
-        };
-        let buffer = backup.as_ref().map(|b| b.buffer);
-        let slept = vmm.sleep(&mut self.device, backup, &mut self.source.leftovers);
-        if slept.bytes > 0 {
-            report.blocks += self.park(id);
-            report.segments += 1;
-            report.bytes += slept.bytes;
-            report.copied_bytes += slept.copied_bytes;
-            if let Some(buffer) = buffer {
-                self.staging.hold(buffer);
-            }
-            let ptr = self.arena.get(head).ptr;
-            self.ledger.slept(ptr, slept.bytes, kind);
-        }
-        slept.error.map_or(Ok(()), Err)
-    }
-
-    /// Puts one segment to sleep without the pinned copies: a VMM-backed one without backup,
-    /// an expandable one (its mapped pages, backed up into pageable memory when `backup`). A
-    /// `cudaMalloc`'d one cannot and is counted as skipped. An expandable segment's failure
-    /// part-way leaves the pages slept so far asleep, counted in `report`; the segment then
-    /// counts as asleep, and a later sleep goes on with the pages still mapped.
-    fn sleep_segment(
-        &mut self,
-        id: SegmentId,
-        backup: bool,
-        copies: &mut SleepCopies,
-        report: &mut SleepReport,
-    ) -> Result<(), DeviceError> {
-        let head = self.segments.head(id);
-        let segment = self.segments.get_mut(id);
+        let segment = self.segments.get(id);
         if !segment.memory.can_sleep() {
             report.skipped_bytes += self.mapped_size_from(head);
             return Ok(());
         }
+        if !segment.memory.has_awake_memory() {
+            return Ok(());
+        }
+        if !segment.asleep {
+            self.settle_freed_blocks(id)?;
+        }
+        let segment = self.segments.get_mut(id);
         let (kind, was_asleep) = (segment.kind, segment.asleep);
         let slept = segment
             .memory
@@ -493,11 +530,39 @@ impl<D: Device> DeviceAllocator<D> {
             report.segments += 1;
             report.bytes += slept.bytes;
             report.copied_bytes += slept.copied_bytes;
-            copies.pageable += slept.copied_bytes;
+            if let Some(buffer) = slept.held {
+                self.staging.hold(buffer);
+            }
             let ptr = self.arena.get(head).ptr;
             self.ledger.slept(ptr, slept.bytes, kind);
         }
         slept.error.map_or(Ok(()), Err)
+    }
+
+    /// Makes the freed blocks of segment `id` still waiting for other streams' events
+    /// available, so that they leave their pools with the rest when it sleeps: their events
+    /// completed before the copy stream's (it waited for their streams), so asking finds them
+    /// done; should one not be, the host waits for them all.
+    fn settle_freed_blocks(&mut self, id: SegmentId) -> Result<(), DeviceError> {
+        let waiting = |this: &Self| {
+            let mut cursor = Some(this.segments.head(id));
+            while let Some(block) = cursor {
+                let b = this.arena.get(block);
+                if !b.allocated && !b.is_available() {
+                    return true;
+                }
+                cursor = b.next;
+            }
+            false
+        };
+        if !waiting(self) {
+            return Ok(());
+        }
+        self.process_events()?;
+        if waiting(self) {
+            self.synchronize_and_free_events()?;
+        }
+        Ok(())
     }
 
     /// Wakes the memory of `tags`: creates physical memory again, maps it at the same
@@ -514,7 +579,7 @@ impl<D: Device> DeviceAllocator<D> {
             |this, copies, segment, report| this.wake_segment(segment, copies, report),
             |this, copies, report| {
                 let outcome = this.wait_for_wake_copies(copies, report);
-                report.host_memory_pinned = report.copied_bytes > 0 && copies.pageable == 0;
+                report.host_memory_pinned = report.copied_bytes > 0;
                 Ok(outcome?)
             },
         )?;
@@ -582,23 +647,21 @@ impl<D: Device> DeviceAllocator<D> {
             }
         }
         let stream = self.staging.existing_stream();
-        let (bytes, pageable, backup) = self.segments.get_mut(id).memory.wake(
+        let woken = self.segments.get_mut(id).memory.wake(
             &mut self.device,
             &mut self.source.leftovers,
             stream,
             &mut report.host_synchronizations,
         )?;
-        if let Some(backup) = backup {
+        for backup in woken.backups {
             report.copied_bytes += backup.len();
             copies.queued.push(backup.buffer);
         }
         report.blocks += self.unpark(id);
         report.segments += 1;
-        report.bytes += bytes;
-        report.copied_bytes += pageable;
-        copies.pageable += pageable;
+        report.bytes += woken.bytes;
         let ptr = self.arena.get(self.segments.head(id)).ptr;
-        self.ledger.woke(ptr, bytes, kind);
+        self.ledger.woke(ptr, woken.bytes, kind);
         Ok(())
     }
 
@@ -672,8 +735,8 @@ struct SleepCopies {
     /// Where the next segment's backup starts in `buffer`.
     next_offset: usize,
     pending: std::collections::VecDeque<PendingSleep>,
-    /// Bytes copied through pageable memory (expandable segments' pages).
-    pageable: usize,
+    /// Copies were queued for segments that a failure left awake: the end waits for them.
+    abandoned: bool,
 }
 
 /// A segment whose live bytes are being copied; it is unmapped once `event` completes.
@@ -687,6 +750,4 @@ struct PendingSleep {
 #[derive(Default)]
 struct WakeCopies {
     queued: Vec<PinnedHostBuffer>,
-    /// Bytes copied back from pageable memory (expandable segments' pages).
-    pageable: usize,
 }

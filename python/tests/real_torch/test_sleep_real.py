@@ -271,15 +271,21 @@ def test_expandable_segments_sleep_with_backup_and_wake_at_the_same_addresses() 
         """
         state = trainer_state()
         small = torch.arange(1000, dtype=torch.int32).to("cuda")  # the small pool's segment
+        for i in range(3):  # freed blocks in the mapped pages: cached, not copied
+            del state[f"grad{i}"]
         ptrs = {k: dev.data_ptr() for k, (host, dev) in state.items()}
         out = {}
         out["expandable"] = all(s["is_expandable"] for s in ferrocache.snapshot()["segments"])
         mapped = [(s["address"], s["address"] + s["total_size"]) for s in ferrocache.snapshot()["segments"]]
         reserved = torch.cuda.memory_reserved()
+        allocated = torch.cuda.memory_allocated()
         free_before = torch.cuda.mem_get_info()[0]
         report = ferrocache.sleep(backup=True)
         out["slept all reserved"] = report.bytes == reserved
-        out["copied"] = report.copied_bytes == report.bytes
+        # The live allocations' bytes, not the mapped pages', into pinned memory; at most one
+        # host wait (none when the copies had finished by the time sleep asked, as on the fake).
+        out["copied"] = report.copied_bytes == allocated < report.bytes
+        out["pinned"] = (report.host_memory_pinned, report.host_allocations, report.host_synchronizations <= 1)
         out["skipped"] = report.skipped_bytes
         out["reserved asleep"] = torch.cuda.memory_reserved()
         out["free grew"] = torch.cuda.mem_get_info()[0] - free_before >= report.bytes
@@ -292,6 +298,8 @@ def test_expandable_segments_sleep_with_backup_and_wake_at_the_same_addresses() 
         reserved_during = torch.cuda.memory_reserved()
         woke = ferrocache.wake()
         out["woke what slept"] = woke.bytes == report.bytes
+        out["woke pinned"] = (woke.copied_bytes == report.copied_bytes, woke.host_memory_pinned,
+                              woke.host_synchronizations)
         out["same pointers"] = all(dev.data_ptr() == ptrs[k] for k, (host, dev) in state.items())
         out["bytes intact"] = intact(state)
         out["small intact"] = bool(small.cpu().eq(torch.arange(1000, dtype=torch.int32)).all())
@@ -301,7 +309,12 @@ def test_expandable_segments_sleep_with_backup_and_wake_at_the_same_addresses() 
         grown = torch.full((4 << 20,), 9, dtype=torch.uint8).to("cuda")
         out["grown intact"] = bool(grown.cpu().eq(9).all())
         out["wake again"] = ferrocache.wake().segments
-        del state, small, during, grown
+        # A second cycle of the same live bytes reuses the pinned memory kept from the first.
+        del during, grown
+        again = ferrocache.sleep(backup=True)
+        ferrocache.wake()
+        out["second cycle"] = (again.host_allocations, again.host_memory_pinned, intact(state))
+        del state, small
         torch.cuda.empty_cache()
         out["all given back"] = torch.cuda.memory_reserved()
         result(out)
@@ -312,6 +325,7 @@ def test_expandable_segments_sleep_with_backup_and_wake_at_the_same_addresses() 
         "expandable": True,
         "slept all reserved": True,
         "copied": True,
+        "pinned": [True, 1, True],
         "skipped": 0,
         "reserved asleep": 0,
         "free grew": True,
@@ -319,6 +333,7 @@ def test_expandable_segments_sleep_with_backup_and_wake_at_the_same_addresses() 
         "new memory elsewhere": True,
         "sleep again": 0,
         "woke what slept": True,
+        "woke pinned": [True, True, 1],
         "same pointers": True,
         "bytes intact": True,
         "small intact": True,
@@ -326,6 +341,7 @@ def test_expandable_segments_sleep_with_backup_and_wake_at_the_same_addresses() 
         "reserved awake": True,
         "grown intact": True,
         "wake again": 0,
+        "second cycle": [0, True, True],
         "all given back": 0,
     }
 

@@ -31,7 +31,7 @@ TITLES = {
     "cross_stream": "Cross-stream reuse (FERROCACHE_CROSS_STREAM=1): the device waits",
     "graphs": "CUDA graphs: captured forward replayed among other allocations",
     "peer": "Peer copy, device 0 -> 1 -> 0 (also under expandable_segments:True)",
-    "sleep": "ferrocache.sleep(backup=True) and wake(): bandwidth against plain copies",
+    "sleep": "ferrocache.sleep(backup=True) and wake(): GiB/s against a plain pinned copy",
     "memory_api": "Every public torch.cuda memory function, both allocators (compare.py)",
     "example": "examples/train.py runs and prints the summary",
     "replay": "Replay of the native run's snapshot (ferrocache replay)",
@@ -472,35 +472,67 @@ def peer(results: Mapping[str, Mapping[str, Any]], device_count: int) -> CheckRe
     return CheckResult(key, title, PASS, summary, [table])
 
 
-def sleep_bandwidth(run: Mapping[str, Any]) -> CheckResult:
-    """Sleep with backup and wake, against a plain device-to-host and host-to-device copy of the
-    same blocks in the same process: every byte back at its address, the memory given back while
-    asleep, and the four bandwidths side by side (reported, not judged: the copies dominate)."""
+#: Sleep's goal: this share of a plain pinned copy's bandwidth (issue 34), shown, not judged.
+SLEEP_GOAL = 0.8
+#: The rows of the sleep check: (operation, part of the run's timings).
+SLEEP_ROWS = (
+    ("plain pinned device-to-host copy (the bus)", "d2h_pinned"),
+    ("ferrocache.sleep(backup=True), pinned memory kept", "sleep"),
+    ("ferrocache.sleep(backup=True), first (allocates it)", "sleep_first"),
+    ("plain pageable device-to-host copy", "d2h_pageable"),
+    ("plain pinned host-to-device copy (the bus)", "h2d_pinned"),
+    ("ferrocache.wake()", "wake"),
+    ("ferrocache.wake(), first", "wake_first"),
+    ("plain pageable host-to-device copy", "h2d_pageable"),
+)
+
+
+def sleep_bandwidth(runs: Mapping[str, Mapping[str, Any]]) -> CheckResult:
+    """Sleep with backup and wake, against plain copies of the same blocks in the same process
+    (pinned: the bus's speed; pageable), once per allocator setting (VMM-backed segments, and
+    expandable segments): every byte back at its address after each wake, the memory given back
+    while asleep, and the bandwidths side by side in GiB/s with sleep's and wake's share of the
+    pinned copy (reported against the 80% goal, not judged: on the fake it means nothing)."""
     key, title = "sleep", TITLES["sleep"]
-    if "error" in run:
-        return CheckResult(key, title, ERROR, str(run["error"]).strip().splitlines()[-1][:400])
-    if ON_FAKE in run:
-        return CheckResult(key, title, SKIPPED, f"skipped on the fake: {run[ON_FAKE]}")
-    rates, seconds = run.get("gb_per_s", {}), run.get("seconds", {})
-    rows = [
-        [name, f"{seconds.get(part, 0.0) * 1e3:.1f}", f"{rates.get(part, 0.0):.2f}"]
-        for name, part in (("plain device-to-host copy", "d2h"), ("ferrocache.sleep(backup=True)", "sleep"),
-                           ("ferrocache.wake()", "wake"), ("plain host-to-device copy", "h2d"))
-    ]  # fmt: skip
-    table = Table(f"{run.get('bytes', 0) / (1 << 30):.2f} GiB in {run.get('blocks')} blocks",
-                  ["operation", "ms", "GB/s"], rows)  # fmt: skip
-    problems = []
-    if run.get("intact") is not True:
-        problems.append("a block's bytes or address changed across sleep and wake")
-    if run.get("skipped_bytes"):
-        problems.append(f"{run['skipped_bytes']} bytes could not sleep")
-    if int(run.get("freed_while_asleep", 0)) < int(run.get("bytes", 0)):
-        problems.append(f"mem_get_info gained {run.get('freed_while_asleep')} bytes while asleep, not {run.get('bytes')}")
+    if not runs:
+        return CheckResult(key, title, ERROR, "no run")
+    tables, problems, shares, errors = [], [], [], []
+    for name, run in runs.items():
+        if "error" in run:
+            errors.append(f"{name}: " + str(run["error"]).strip().splitlines()[-1][:300])
+            continue
+        if ON_FAKE in run:
+            return CheckResult(key, title, SKIPPED, f"skipped on the fake: {run[ON_FAKE]}")
+        rates, seconds = run.get("gib_per_s", {}), run.get("seconds", {})
+        bus = {"d2h": rates.get("d2h_pinned", 0.0), "h2d": rates.get("h2d_pinned", 0.0)}
+
+        def share(part: str, rates: Mapping[str, Any] = rates, bus: Mapping[str, float] = bus) -> str:
+            base = bus["d2h" if part.startswith(("d2h", "sleep")) else "h2d"]
+            return f"{rates.get(part, 0.0) / base:.0%}" if base else "n/a"
+
+        rows = [[label, f"{seconds.get(part, 0.0) * 1e3:.1f}", f"{rates.get(part, 0.0):.2f}", share(part)]
+                for label, part in SLEEP_ROWS]  # fmt: skip
+        tables.append(Table(f"{name}: {run.get('bytes', 0) / (1 << 30):.2f} GiB in {run.get('blocks')} blocks, "
+                            f"{run.get('cycles', 1)} cycles (host waits: sleep "
+                            f"{run.get('host_synchronizations', {}).get('sleep')}, wake "
+                            f"{run.get('host_synchronizations', {}).get('wake')})",
+                            ["operation", "ms", "GiB/s", "of the pinned copy"], rows))  # fmt: skip
+        if run.get("intact") is not True:
+            problems.append(f"{name}: a block's bytes or address changed across sleep and wake")
+        if run.get("skipped_bytes"):
+            problems.append(f"{name}: {run['skipped_bytes']} bytes could not sleep")
+        if int(run.get("freed_while_asleep", 0)) < int(run.get("bytes", 0)):
+            problems.append(f"{name}: mem_get_info gained {run.get('freed_while_asleep')} bytes while asleep, "
+                            f"not {run.get('bytes')}")  # fmt: skip
+        if run.get("host_memory_pinned") is not True:
+            problems.append(f"{name}: the backup did not go to pinned host memory")
+        shares.append(f"{name}: sleep {share('sleep')}, wake {share('wake')} of a pinned copy")
+    if errors:
+        return CheckResult(key, title, ERROR, "; ".join(errors), tables)
     if problems:
-        return CheckResult(key, title, FAIL, "; ".join(problems), [table])
-    d2h, sleep, wake, h2d = (rates.get(p, 0.0) for p in ("d2h", "sleep", "wake", "h2d"))
-    ratios = f"sleep {sleep / d2h:.2f}x the plain copy out, wake {wake / h2d:.2f}x the plain copy in" if d2h and h2d else ""
-    return CheckResult(key, title, PASS, f"every byte back at its address; {ratios}", [table])
+        return CheckResult(key, title, FAIL, "; ".join(problems), tables)
+    goal = f"goal {SLEEP_GOAL:.0%}"
+    return CheckResult(key, title, PASS, f"every byte back at its address; {'; '.join(shares)} ({goal})", tables)
 
 
 def memory_api(outcome: Mapping[str, Any]) -> CheckResult:

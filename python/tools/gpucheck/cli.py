@@ -150,7 +150,7 @@ STEPS = {
     "cross_stream": Step(40, 100),
     "graphs": Step(40, 100),
     "peer": Step(30, 80),
-    "sleep": Step(30, 60),
+    "sleep": Step(30, 90),
     "memory_api": Step(30, 60),
     "host_cost": Step(30, 60),
     "example": Step(MINIMUM_STEP_SECONDS, 45),
@@ -875,7 +875,13 @@ def run_checks(ctx: Context) -> None:
         return checks.peer(runs_until_fake_stops(ctx, "peer", series), ctx.device_count)
 
     guarded(ctx, "peer", peer_copies, needs=0 if ctx.device_count < 2 else None)
-    guarded(ctx, "sleep", lambda: checks.sleep_bandwidth(workload(ctx, "sleep", "ferrocache", "sleep")))
+
+    def sleep_runs() -> CheckResult:
+        settings = (("ferrocache", "sleep"), ("ferrocache-expandable", "sleep-expandable"))
+        runs = {allocator: workload(ctx, "sleep", allocator, label) for allocator, label in settings}
+        return checks.sleep_bandwidth(runs)
+
+    guarded(ctx, "sleep", sleep_runs)
     guarded(ctx, "memory_api", lambda: checks.memory_api(run_compare(ctx)))
 
     def host_cost() -> CheckResult:

@@ -5,16 +5,18 @@
 //! - obtain: [`ExpandableSegment::reserve`] reserves the range, nothing mapped;
 //! - grow and shrink: [`ExpandableSegment::map`] and [`ExpandableSegment::unmap`], whole pages;
 //! - sleep and wake: [`ExpandableSegment::sleep_pages`] and [`ExpandableSegment::wake_pages`],
-//!   every mapped page at its address;
+//!   every mapped page at its address, the backup (the live bytes, copied into pinned host
+//!   memory beforehand by `Memory::copy_out`) kept aside and copied back as the pages are
+//!   mapped again;
 //! - release: [`ExpandableSegment::release`] gives the range back once nothing is mapped.
 //!
 //! This type only manages address space and pages; the allocator keeps the blocks that tile
 //! the range (`allocator/expandable.rs`).
 
-use super::{LeftoverPage, Leftovers, PageRange};
+use super::{Backup, COPY_CHUNK, LeftoverPage, Leftovers, PageRange, Slept, Woken, no_copy_stream};
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 use crate::logging;
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 
 /// One expandable segment.
 #[derive(Debug)]
@@ -25,19 +27,13 @@ pub(crate) struct ExpandableSegment {
     stream: StreamId,
     /// The physical page mapped at each page index, if any; trimmed of trailing `None`s.
     pages: Vec<Option<PhysicalHandle>>,
-    /// Pages asleep (see [`sleep`](crate::allocator::sleep)), by index: unmapped and released, their bytes
-    /// kept in host memory when they went to sleep with a backup. Their blocks stay mapped in
-    /// the allocator's books; they come back at the same addresses when the segment wakes.
-    asleep: BTreeMap<usize, Option<Vec<u8>>>,
-}
-
-/// What [`ExpandableSegment::sleep_pages`] did before it finished or failed.
-#[derive(Debug, Default)]
-pub(crate) struct PagesSlept {
-    pub pages: usize,
-    pub copied_bytes: usize,
-    /// The driver failure that stopped it: the pages before it sleep, the rest stay mapped.
-    pub error: Option<DeviceError>,
+    /// Pages asleep (see [`sleep`](crate::allocator::sleep)), by index: unmapped and released.
+    /// Their blocks stay mapped in the allocator's books; they come back at the same addresses
+    /// when the segment wakes.
+    asleep: BTreeSet<usize>,
+    /// The live bytes of the sleeping pages, in pinned host memory: one backup per sleep that
+    /// put pages to sleep with one (two when a sleep stopped part-way and a later one finished).
+    backups: Vec<Backup>,
 }
 
 /// `numSegments`: pages needed to hold `size` bytes.
@@ -70,7 +66,8 @@ impl ExpandableSegment {
             max_pages: size / page_size,
             stream,
             pages: Vec::new(),
-            asleep: BTreeMap::new(),
+            asleep: BTreeSet::new(),
+            backups: Vec::new(),
         })
     }
 
@@ -248,46 +245,57 @@ impl ExpandableSegment {
         (self.range_of_pages(begin, end), None)
     }
 
-    /// Puts every mapped page to sleep: with `backup`, copies each to host memory first (a
-    /// failed copy changes nothing); then unmaps each page and releases its physical memory.
-    /// Each page is all or nothing: an unmap that fails stops the call with the pages before it
-    /// asleep (with their backups) and the rest mapped as they were. A release the device
-    /// refuses after the unmap leaves the page asleep and its memory a leftover.
+    /// Of `live` (segment offsets and lengths, in order), the parts that lie in mapped pages,
+    /// adjacent ones merged: what a backup copies now (a page asleep holds nothing to copy).
+    pub(crate) fn awake_parts(&self, live: &[(usize, usize)]) -> Vec<(usize, usize)> {
+        let mut parts: Vec<(usize, usize)> = Vec::new();
+        for &(start, len) in live {
+            let end = start + len;
+            let mut at = start;
+            while at < end {
+                let page = at / self.page_size;
+                let page_end = ((page + 1) * self.page_size).min(end);
+                if self.pages.get(page).copied().flatten().is_some() {
+                    match parts.last_mut() {
+                        Some((from, n)) if *from + *n == at => *n += page_end - at,
+                        _ => parts.push((at, page_end - at)),
+                    }
+                }
+                at = page_end;
+            }
+        }
+        parts
+    }
+
+    /// Puts every mapped page to sleep: unmaps it and releases its physical memory, keeping
+    /// `backup` (the live bytes of those pages, whose copies have completed; `None`: dropped).
+    /// Each page is all or nothing: an unmap that fails stops the call with the pages before
+    /// it asleep, the part of the backup that lies in them kept, and the rest mapped as they
+    /// were. A release the device refuses after the unmap leaves the page asleep and its memory
+    /// a leftover.
     pub(crate) fn sleep_pages<D: Device>(
         &mut self,
         device: &mut D,
-        backup: bool,
+        backup: Option<Backup>,
         leftovers: &mut Leftovers,
-    ) -> PagesSlept {
+    ) -> Slept {
         let mapped: Vec<(usize, PhysicalHandle)> = self
             .pages
             .iter()
             .enumerate()
             .filter_map(|(i, page)| page.map(|handle| (i, handle)))
             .collect();
-        let mut backups: Vec<Option<Vec<u8>>> = Vec::with_capacity(mapped.len());
-        let mut slept = PagesSlept::default();
-        for &(i, _) in &mapped {
-            if !backup {
-                backups.push(None);
-                continue;
-            }
-            let mut bytes = vec![0; self.page_size];
-            if let Err(err) = device.copy_to_host(self.page_ptr(i), &mut bytes) {
-                slept.error = Some(err);
-                return slept;
-            }
-            backups.push(Some(bytes));
-        }
-        for ((i, handle), saved) in mapped.into_iter().zip(backups) {
+        let mut slept = Slept::default();
+        let mut stopped_at = None;
+        for (i, handle) in mapped {
             if let Err(err) = device.unmap(self.page_ptr(i), self.page_size) {
                 slept.error = Some(err);
+                stopped_at = Some(i * self.page_size);
                 break;
             }
             self.pages[i] = None;
-            slept.pages += 1;
-            slept.copied_bytes += saved.as_ref().map_or(0, Vec::len);
-            self.asleep.insert(i, saved);
+            self.asleep.insert(i);
+            slept.bytes += self.page_size;
             if let Err(err) = device.release_physical(handle) {
                 // The page sleeps either way; its memory is held until `empty_cache` retries.
                 logging::device_error(
@@ -301,47 +309,85 @@ impl ExpandableSegment {
             }
         }
         self.trim();
+        let kept = match (backup, stopped_at) {
+            (Some(backup), None) => Some(backup),
+            (Some(backup), Some(at)) => backup.below(at),
+            (None, _) => None,
+        };
+        if let Some(kept) = kept.filter(|b| slept.bytes > 0 && !b.ranges.is_empty()) {
+            slept.copied_bytes = kept.len();
+            slept.held = Some(kept.buffer);
+            self.backups.push(kept);
+        }
         slept
     }
 
-    /// Wakes every sleeping page at its address: creates physical memory, maps it, grants
-    /// access (to the devices [`Device::set_access`] grants, peers included) and copies the
-    /// backups back. Returns the pages woken and the bytes copied.
+    /// Wakes every sleeping page at its address and copies the backups back: creates physical
+    /// memory, maps it, grants access (to the devices [`Device::set_access`] grants, peers
+    /// included) and queues on `stream` the copies into those pages, a group of pages of at
+    /// least [`COPY_CHUNK`] bytes at a time, so that the next group's creation and mapping
+    /// overlap the copies of the one before (without backups, a run of pages at a time). Returns the bytes woken and the backups (their bytes are
+    /// back, and their buffers free, once `stream` is synchronized).
     ///
-    /// All or nothing for the segment: on any failure every page this call created is unmapped
+    /// All or nothing for the segment: on any failure the copies queued are waited for (one
+    /// more host synchronization, counted in `waits`), every page this call created is unmapped
     /// and released again (what the device refuses becomes a leftover), and every page stays
-    /// asleep with its backup, as in [`map`](Self::map).
+    /// asleep with its backups, as in [`map`](Self::map).
     pub(crate) fn wake_pages<D: Device>(
         &mut self,
         device: &mut D,
         leftovers: &mut Leftovers,
-    ) -> Result<(usize, usize), DeviceError> {
-        let indices: Vec<usize> = self.asleep.keys().copied().collect();
+        stream: Option<StreamId>,
+        waits: &mut usize,
+    ) -> Result<Woken, DeviceError> {
+        let indices: Vec<usize> = self.asleep.iter().copied().collect();
         let mut created: Vec<PhysicalHandle> = Vec::with_capacity(indices.len());
         let mut mapped = 0;
-        let mut copied = 0;
+        let mut queued = false;
+        // Without copies to overlap, one group per run of pages: one grant each.
+        let pages_per_group = if self.backups.is_empty() {
+            usize::MAX
+        } else {
+            COPY_CHUNK.div_ceil(self.page_size).max(1)
+        };
         let outcome = (|| {
-            for _ in &indices {
-                created.push(device.create_physical(self.page_size)?);
-            }
-            for (&i, &handle) in indices.iter().zip(&created) {
-                device.map(self.page_ptr(i), self.page_size, handle)?;
-                mapped += 1;
-            }
-            // One grant per run of consecutive pages, as `map` grants a range.
-            for run in indices.chunk_by(|a, b| a + 1 == *b) {
-                let first = run[0];
-                device.set_access(self.page_ptr(first), run.len() * self.page_size)?;
-            }
-            for &i in &indices {
-                if let Some(bytes) = &self.asleep[&i] {
-                    device.copy_from_host(self.page_ptr(i), bytes)?;
-                    copied += bytes.len();
+            // Groups of consecutive pages: one grant each, as `map` grants a range.
+            let runs = indices.chunk_by(|a, b| a + 1 == *b);
+            for group in runs.flat_map(|run| run.chunks(pages_per_group)) {
+                for &i in group {
+                    let handle = device.create_physical(self.page_size)?;
+                    created.push(handle);
+                    device.map(self.page_ptr(i), self.page_size, handle)?;
+                    mapped += 1;
+                }
+                let (first, end) = (group[0], group[group.len() - 1] + 1);
+                device.set_access(self.page_ptr(first), (end - first) * self.page_size)?;
+                let (from, to) = (first * self.page_size, end * self.page_size);
+                for backup in &self.backups {
+                    let stream = stream.ok_or_else(no_copy_stream)?;
+                    for (ptr, at, len) in backup.copies_within(self.base, from, to) {
+                        device.copy_from_pinned_async(ptr, backup.buffer, at, len, stream)?;
+                        queued = true;
+                    }
                 }
             }
             Ok(())
         })();
         if let Err(err) = outcome {
+            // The pages may not go back while a copy into them is pending.
+            if queued && let Some(stream) = stream {
+                *waits += 1;
+                if let Err(wait) = device.synchronize_stream(stream) {
+                    // Copies may still write into the pages: they stay mapped, as leftovers
+                    // that empty_cache retries, and the segment stays asleep with its backups.
+                    logging::device_error("could not wait for the copies of a failed wake", &wait);
+                    for (n, (&i, handle)) in indices.iter().zip(created).enumerate() {
+                        let mapped_at = (n < mapped).then(|| (self.page_ptr(i), self.page_size));
+                        leftovers.push(LeftoverPage { mapped_at, handle });
+                    }
+                    return Err(err);
+                }
+            }
             let pages = indices.iter().map(|&i| self.page_ptr(i));
             give_back(
                 device,
@@ -361,7 +407,10 @@ impl ExpandableSegment {
             self.pages[i] = Some(handle);
         }
         self.asleep.clear();
-        Ok((mapped, copied))
+        Ok(Woken {
+            bytes: mapped * self.page_size,
+            backups: std::mem::take(&mut self.backups),
+        })
     }
 
     /// Gives the address range back. Every page must have been unmapped.

@@ -6,6 +6,12 @@
 //! - [`expandable`]: a reserved range with pages mapped on demand (PyTorch's
 //!   `ExpandableSegment`).
 //!
+//! Sleep with a backup goes the same way for every backing that can sleep ([`Memory`]'s
+//! `backup_ranges`, `copy_out`, `sleep`, `wake`): the sleep loop (`allocator/sleep.rs`) picks
+//! the live bytes, the backing says which of them its awake memory holds, queues their copies
+//! into pinned host memory ([`Backup`]), and, once they completed, gives its physical memory back
+//! keeping the backup; its wake maps again and queues the copies back.
+//!
 //! [`Memory`] is the backing a segment owns (the segment table, `allocator/segments.rs`, holds
 //! it). What the device refuses to take back becomes a leftover ([`Leftovers`]), retried by
 //! every `empty_cache`, so that one failed driver call leaks nothing for good.
@@ -18,13 +24,81 @@ pub(crate) mod expandable;
 pub(crate) mod plain;
 pub(crate) mod vmm;
 
-use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
+use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, PinnedHostBuffer, StreamId};
 use crate::logging;
 use expandable::ExpandableSegment;
 use vmm::VmmSegment;
 
 /// What the log says when the device refuses to take memory back.
 const LEFTOVER: &str = "the device refused to take memory back; empty_cache retries it";
+
+/// The most one asynchronous copy moves: a long range goes in several, so that the copy engine
+/// starts on the first while the next are queued, and an expandable segment's wake copies into
+/// the pages it mapped while it maps the next ones.
+pub(crate) const COPY_CHUNK: usize = 64 << 20;
+
+/// A sleeping segment's live bytes, kept in pinned host memory: the ranges (offset in the
+/// segment, length; in order, not overlapping) packed one after another in `buffer` from
+/// `offset`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Backup {
+    pub(crate) buffer: PinnedHostBuffer,
+    pub(crate) offset: usize,
+    pub(crate) ranges: Vec<(usize, usize)>,
+}
+
+impl Backup {
+    /// The bytes it holds.
+    pub(crate) fn len(&self) -> usize {
+        self.ranges.iter().map(|&(_, len)| len).sum()
+    }
+
+    /// Each copy of the bytes at segment offsets `[from, to)`, in chunks of at most
+    /// [`COPY_CHUNK`]: (device address, offset in the buffer, length).
+    pub(crate) fn copies_within(
+        &self,
+        base: DevicePtr,
+        from: usize,
+        to: usize,
+    ) -> impl Iterator<Item = (DevicePtr, usize, usize)> + '_ {
+        let mut at = self.offset;
+        self.ranges.iter().flat_map(move |&(start, len)| {
+            let packed = at;
+            at += len;
+            let (first, last) = (start.max(from), (start + len).min(to));
+            (first..last.max(first))
+                .step_by(COPY_CHUNK)
+                .map(move |done| {
+                    let piece = COPY_CHUNK.min(last - done);
+                    (base + done as u64, packed + (done - start), piece)
+                })
+        })
+    }
+
+    /// Every copy, in chunks (see [`Backup::copies_within`]).
+    pub(crate) fn copies(
+        &self,
+        base: DevicePtr,
+    ) -> impl Iterator<Item = (DevicePtr, usize, usize)> + '_ {
+        self.copies_within(base, 0, usize::MAX)
+    }
+
+    /// The part of the backup below segment offset `at` (`None` when nothing lies there): what
+    /// an expandable segment keeps of it when its sleep stops at the page starting at `at`.
+    pub(crate) fn below(&self, at: usize) -> Option<Backup> {
+        let ranges: Vec<(usize, usize)> = self
+            .ranges
+            .iter()
+            .filter(|&&(start, _)| start < at)
+            .map(|&(start, len)| (start, len.min(at - start)))
+            .collect();
+        (!ranges.is_empty()).then_some(Backup {
+            buffer: self.buffer,
+            offset: self.offset,
+            ranges,
+        })
+    }
+}
 
 /// A mapped or unmapped range, as `SegmentRange` in PyTorch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,8 +227,20 @@ pub(crate) struct Slept {
     /// Bytes given back now (0: nothing was awake, or the first step failed).
     pub(crate) bytes: usize,
     pub(crate) copied_bytes: usize,
+    /// The pinned buffer that now holds (part of) the segment's backup.
+    pub(crate) held: Option<PinnedHostBuffer>,
     /// The driver failure that stopped it part-way (what slept before it stays asleep).
     pub(crate) error: Option<DeviceError>,
+}
+
+/// What waking a segment's memory did.
+#[derive(Debug, Default)]
+pub(crate) struct Woken {
+    /// Bytes taken again.
+    pub(crate) bytes: usize,
+    /// The backups whose copies back were queued: their bytes are back, and their buffers
+    /// free, once the copy stream is synchronized.
+    pub(crate) backups: Vec<Backup>,
 }
 
 impl Memory {
@@ -177,49 +263,143 @@ impl Memory {
         }
     }
 
-    /// Gives the physical memory back, keeping the addresses (see each backing's `sleep`). A
-    /// VMM-backed segment's backup is made beforehand ([`VmmSegment::copy_out`]) and handed to
-    /// its `sleep` directly, so `backup` is for expandable segments only.
+    /// Whether some of the memory is mapped and could sleep now (a VMM-backed segment awake, an
+    /// expandable one with pages mapped).
+    pub(crate) fn has_awake_memory(&self) -> bool {
+        match self {
+            Memory::Plain => false,
+            Memory::Expandable(segment) => segment.awake_bytes() > 0,
+            Memory::Vmm(segment) => segment.is_awake(),
+        }
+    }
+
+    /// Of `live` (ranges of the segment's live blocks: offset, length, in order), the parts
+    /// that awake memory holds: what a backup copies now.
+    pub(crate) fn backup_ranges(&self, live: Vec<(usize, usize)>) -> Vec<(usize, usize)> {
+        match self {
+            Memory::Plain => Vec::new(),
+            Memory::Vmm(segment) if segment.is_awake() => live,
+            Memory::Vmm(_) => Vec::new(),
+            Memory::Expandable(segment) => segment.awake_parts(&live),
+        }
+    }
+
+    /// Queues the copies of `backup`'s ranges into its pinned buffer on `stream`. A failure
+    /// leaves the memory as it was (awake); copies queued before it may still be running.
+    pub(crate) fn copy_out<D: Device>(
+        &self,
+        device: &mut D,
+        backup: &Backup,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let base = match self {
+            Memory::Plain => return Ok(()),
+            Memory::Vmm(segment) => segment.base(),
+            Memory::Expandable(segment) => segment.base(),
+        };
+        backup.copies(base).try_for_each(|(ptr, at, len)| {
+            device.copy_to_pinned_async(ptr, backup.buffer, at, len, stream)
+        })
+    }
+
+    /// Gives the physical memory back, keeping the addresses and `backup` (whose copies have
+    /// completed; `None`: the contents are dropped). See each backing's `sleep`.
     pub(crate) fn sleep<D: Device>(
         &mut self,
         device: &mut D,
-        backup: bool,
+        backup: Option<Backup>,
         leftovers: &mut Leftovers,
     ) -> Slept {
         match self {
             Memory::Plain => Slept::default(),
-            Memory::Vmm(segment) => segment.sleep(device, None, leftovers),
-            Memory::Expandable(segment) => {
-                let slept = segment.sleep_pages(device, backup, leftovers);
-                Slept {
-                    bytes: slept.pages * segment.page_size(),
-                    copied_bytes: slept.copied_bytes,
-                    error: slept.error,
-                }
-            }
+            Memory::Vmm(segment) => segment.sleep(device, backup, leftovers),
+            Memory::Expandable(segment) => segment.sleep_pages(device, backup, leftovers),
         }
     }
 
-    /// Takes physical memory again at the same addresses, all or nothing: the bytes woken, the
-    /// bytes copied back synchronously (expandable pages), and the pinned backup whose copies
-    /// were queued on `stream` (VMM-backed segments; see [`VmmSegment::wake`]).
+    /// Takes physical memory again at the same addresses and queues the copies of its backups
+    /// back on `stream`, all or nothing (see each backing's `wake`; `waits` counts the host
+    /// synchronizations a failure part-way needs).
     pub(crate) fn wake<D: Device>(
         &mut self,
         device: &mut D,
         leftovers: &mut Leftovers,
         stream: Option<StreamId>,
         waits: &mut usize,
-    ) -> Result<(usize, usize, Option<vmm::Backup>), DeviceError> {
+    ) -> Result<Woken, DeviceError> {
         match self {
-            Memory::Plain => Ok((0, 0, None)),
+            Memory::Plain => Ok(Woken::default()),
             Memory::Vmm(segment) => {
                 let (bytes, backup) = segment.wake(device, leftovers, stream, waits)?;
-                Ok((bytes, 0, backup))
+                Ok(Woken {
+                    bytes,
+                    backups: backup.into_iter().collect(),
+                })
             }
-            Memory::Expandable(segment) => {
-                let (pages, copied) = segment.wake_pages(device, leftovers)?;
-                Ok((pages * segment.page_size(), copied, None))
-            }
+            Memory::Expandable(segment) => segment.wake_pages(device, leftovers, stream, waits),
         }
+    }
+}
+
+/// A backup without the stream that made it: cannot happen (the stream lives as long as the
+/// allocator), answered as an error rather than a panic.
+pub(crate) fn no_copy_stream() -> DeviceError {
+    DeviceError::Driver {
+        call: "cuMemcpyHtoDAsync_v2",
+        code: 1,
+        message: "no copy stream for a backup".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    fn backup() -> Backup {
+        // 10 MiB at 2 MiB, 100 MiB at 20 MiB: packed from 4 MiB in the buffer.
+        Backup {
+            buffer: 1,
+            offset: 4 * MIB,
+            ranges: vec![(2 * MIB, 10 * MIB), (20 * MIB, 100 * MIB)],
+        }
+    }
+
+    #[test]
+    fn a_backup_copies_its_ranges_in_chunks_of_at_most_64_mib_packed_in_its_buffer() {
+        let copies: Vec<_> = backup().copies(0x1000_0000).collect();
+        let base = 0x1000_0000u64;
+        assert_eq!(
+            copies,
+            [
+                (base + 2 * MIB as u64, 4 * MIB, 10 * MIB),
+                (base + 20 * MIB as u64, 14 * MIB, 64 * MIB),
+                (base + 84 * MIB as u64, 78 * MIB, 36 * MIB),
+            ]
+        );
+        assert_eq!(backup().len(), 110 * MIB);
+    }
+
+    #[test]
+    fn the_copies_within_a_window_are_the_pieces_of_the_ranges_inside_it() {
+        // A window from 8 MiB to 40 MiB: the end of the first range, the start of the second.
+        let copies: Vec<_> = backup().copies_within(0, 8 * MIB, 40 * MIB).collect();
+        assert_eq!(
+            copies,
+            [
+                (8 * MIB as u64, 10 * MIB, 4 * MIB),
+                (20 * MIB as u64, 14 * MIB, 20 * MIB)
+            ]
+        );
+        assert_eq!(backup().copies_within(0, 12 * MIB, 20 * MIB).count(), 0);
+    }
+
+    #[test]
+    fn the_part_of_a_backup_below_a_page_keeps_its_place_in_the_buffer() {
+        let below = backup().below(30 * MIB).unwrap();
+        assert_eq!(below.ranges, [(2 * MIB, 10 * MIB), (20 * MIB, 10 * MIB)]);
+        assert_eq!((below.buffer, below.offset), (1, 4 * MIB));
+        assert_eq!(backup().below(2 * MIB), None);
     }
 }

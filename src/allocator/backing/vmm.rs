@@ -7,47 +7,13 @@
 //! - release ([`VmmSegment::release`]): the unmap decides; a release or address free that
 //!   fails after it becomes a leftover;
 //! - sleep: with a backup, the live bytes are first queued for copying into pinned host memory
-//!   ([`VmmSegment::copy_out`]), then, once the copies completed, [`VmmSegment::sleep`]
-//!   unmaps and releases and keeps the backup; without, `sleep` alone;
+//!   (`Memory::copy_out`), then, once the copies completed, [`VmmSegment::sleep`] unmaps and
+//!   releases and keeps the backup; without, `sleep` alone;
 //! - wake ([`VmmSegment::wake`]): create, map, grant access, queue the copies back; all or
 //!   nothing.
 
-use super::{Leftovers, Slept};
-use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, PinnedHostBuffer, StreamId};
-
-/// The most one asynchronous copy moves: a long range goes in several, so that the copy engine
-/// starts on the first while the next are queued.
-pub(crate) const COPY_CHUNK: usize = 64 << 20;
-
-/// A sleeping segment's live bytes, kept in pinned host memory: the ranges (offset in the
-/// segment, length) packed one after another in `buffer` from `offset`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Backup {
-    pub(crate) buffer: PinnedHostBuffer,
-    pub(crate) offset: usize,
-    pub(crate) ranges: Vec<(usize, usize)>,
-}
-
-impl Backup {
-    /// The bytes it holds.
-    pub(crate) fn len(&self) -> usize {
-        self.ranges.iter().map(|&(_, len)| len).sum()
-    }
-
-    /// Each copy, in chunks of at most [`COPY_CHUNK`]: (device address, offset in the buffer,
-    /// length).
-    fn copies(&self, base: DevicePtr) -> impl Iterator<Item = (DevicePtr, usize, usize)> + '_ {
-        let mut at = self.offset;
-        self.ranges.iter().flat_map(move |&(start, len)| {
-            let first = at;
-            at += len;
-            (0..len).step_by(COPY_CHUNK).map(move |done| {
-                let piece = COPY_CHUNK.min(len - done);
-                (base + (start + done) as u64, first + done, piece)
-            })
-        })
-    }
-}
+use super::{Backup, Leftovers, Slept, no_copy_stream};
+use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 
 /// A VMM-backed segment's memory.
 #[derive(Debug)]
@@ -131,20 +97,6 @@ impl VmmSegment {
         self.handle.map(|handle| (handle, self.mapped_size))
     }
 
-    /// Queues the copy of `backup`'s ranges of this (awake) segment into its pinned buffer on
-    /// `stream`. A failure leaves the segment as it was (awake); copies queued before it may
-    /// still be running.
-    pub(crate) fn copy_out<D: Device>(
-        &self,
-        device: &mut D,
-        backup: &Backup,
-        stream: StreamId,
-    ) -> Result<(), DeviceError> {
-        backup.copies(self.base).try_for_each(|(ptr, at, len)| {
-            device.copy_to_pinned_async(ptr, backup.buffer, at, len, stream)
-        })
-    }
-
     /// Unmaps the segment and releases its physical memory, keeping `backup` (whose copies
     /// have completed) for the wake; without one its contents are dropped. If the unmap fails
     /// nothing changed; a release the device refuses leaves the memory held until a later
@@ -165,12 +117,15 @@ impl VmmSegment {
             };
         }
         leftovers.release_or_keep(device, handle);
+        let backup = backup.filter(|b| !b.ranges.is_empty());
         let copied_bytes = backup.as_ref().map_or(0, Backup::len);
+        let held = backup.as_ref().map(|b| b.buffer);
         self.handle = None;
         self.backup = backup;
         Slept {
             bytes: self.size,
             copied_bytes,
+            held,
             error: None,
         }
     }
@@ -214,16 +169,6 @@ impl VmmSegment {
         }
         self.handle = Some(handle);
         Ok((self.size, self.backup.take()))
-    }
-}
-
-/// A backup without the stream that made it: cannot happen (the stream lives as long as the
-/// allocator), answered as an error rather than a panic.
-fn no_copy_stream() -> DeviceError {
-    DeviceError::Driver {
-        call: "cuMemcpyHtoDAsync_v2",
-        code: 1,
-        message: "no copy stream for a backup".to_string(),
     }
 }
 
