@@ -1051,27 +1051,27 @@ fn every_driver_call_of_the_expandable_sleep_program_fails_once() {
 const FIXED: [(&str, u64, &str, usize); 13] = [
     // A failure while opening the device was kept for the life of the process.
     ("segments", 1, "cuDriverGetVersion", 0),
-    ("segments", 8, "cuDevicePrimaryCtxRetain", 1),
+    ("segments", 9, "cuDevicePrimaryCtxRetain", 1),
     // Any failed capture query was read as "maybe capturing" and went unreported.
-    ("segments", 10, "cuStreamIsCapturing", 2),
+    ("segments", 11, "cuStreamIsCapturing", 2),
     // A sticky error was logged again by every later call.
-    ("segments", 11, "cuMemAlloc_v2", 4),
+    ("segments", 12, "cuMemAlloc_v2", 4),
     // empty_cache left pooled events alive; destroying them may fail too.
-    ("segments", 80, "cuEventDestroy_v2", 2),
+    ("segments", 81, "cuEventDestroy_v2", 2),
     // During a capture: a capture error from the query on a capturing stream, and a sticky
     // error inside the relaxed capture mode, which was logged again when leaving it.
-    ("segments", 54, "cuStreamIsCapturing", 3),
-    ("segments", 56, "cuMemAlloc_v2", 4),
-    ("segments", 57, "cuThreadExchangeStreamCaptureMode", 4),
+    ("segments", 55, "cuStreamIsCapturing", 3),
+    ("segments", 57, "cuMemAlloc_v2", 4),
+    ("segments", 58, "cuThreadExchangeStreamCaptureMode", 4),
     // A page whose release failed was forgotten, its memory lost.
-    ("expandable", 76, "cuMemRelease", 1),
-    ("expandable", 75, "cuCtxGetCurrent", 0),
-    ("expandable", 142, "cuMemRelease", 3),
+    ("expandable", 77, "cuMemRelease", 1),
+    ("expandable", 76, "cuCtxGetCurrent", 0),
+    ("expandable", 143, "cuMemRelease", 3),
     // An injected out-of-memory inside the out-of-memory step is that step's error.
-    ("expandable", 128, "cuMemCreate", 0),
+    ("expandable", 129, "cuMemCreate", 0),
     // After a sticky error, allocations still asked the capture's stream filter (PyTorch's
     // code, which asks CUDA), and a cache hit still succeeded.
-    ("capture", 17, "cuCtxGetCurrent", 4),
+    ("capture", 18, "cuCtxGetCurrent", 4),
 ];
 
 #[test]
