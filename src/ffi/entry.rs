@@ -16,6 +16,7 @@ use super::callbacks::{
 use super::guard::{guarded, last_error_ptr, set_last_error};
 use super::registry::{self, Found, Memory, with_last_error};
 use super::{cudaStream_t, device_address, device_pointer, stream_id, thread, unknown_pointer};
+use crate::allocator::history::StackId;
 use crate::allocator::uncached::{Caller, UncachedFreeError};
 use crate::allocator::{AllocError, AllocationInfo};
 use crate::device::{DevicePtr, StreamId};
@@ -62,17 +63,37 @@ fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_v
     if let Some(why) = crate::device::cuda::unusable() {
         return Err(unusable(why));
     }
-    let (caller, metadata) = thread::caller(gather_stack(StackEvent::Alloc));
-    let result = {
-        let mut memory = device.lock().map_err(refused)?;
-        with_metadata(&mut memory, metadata, |memory| {
-            memory.malloc(size, stream_id(stream), caller)
-        })
+    let stack = gather_stack(StackEvent::Alloc);
+    let stream = stream_id(stream);
+    // The allocator's malloc is called here, not in a closure, so that it inlines into this
+    // function: a call between the two made each copy its arguments and results through the
+    // stack, a store-forwarding stall each way (`docs/performance.md`).
+    let result = if thread::context_in_use() {
+        allocate_in_context(device, size, stream, stack)?
+    } else {
+        let caller = Caller { stack, tag: None };
+        device.lock().map_err(refused)?.malloc(size, stream, caller)
     };
     match result {
         Ok(ptr) => Ok(device_pointer(ptr)),
         Err(err) => Err(allocation_failed(device, err)),
     }
+}
+
+/// [`allocate`] once some thread has set a tag or metadata: this thread's are read, and the
+/// metadata given to the trace entries the allocation records.
+#[inline(never)]
+fn allocate_in_context(
+    device: &registry::Device,
+    size: usize,
+    stream: StreamId,
+    stack: StackId,
+) -> Result<Result<DevicePtr, AllocError>, AllocFailure> {
+    let (caller, metadata) = thread::caller(stack);
+    let mut memory = device.lock().map_err(refused)?;
+    Ok(with_metadata(&mut memory, metadata, |memory| {
+        memory.malloc(size, stream, caller)
+    }))
 }
 
 /// Memory from the cache would be as unusable as new memory after a sticky error, and a
@@ -131,11 +152,44 @@ struct FreeClaims {
 /// one hash-map removal on the usual path.
 #[inline(always)]
 fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
-    let (caller, metadata) = thread::caller(gather_stack(StackEvent::Free));
+    let stack = gather_stack(StackEvent::Free);
+    if thread::context_in_use() {
+        return release_in_context(ptr, claims, stack);
+    }
     if let Some(device) = claims.device
         && let Some(created) = registry::created(device)
     {
-        // The guard goes at the end of this statement: a warning never holds up other threads.
+        // The allocator's free is called here, not in a closure, so that it inlines (as in
+        // `allocate`). The guard goes at the end of this statement: a warning never holds up
+        // other threads.
+        let freed = created.lock()?.free(ptr, stack);
+        match freed {
+            // Only the two fields checked are read here: moving the whole record to pass it on
+            // cost a store-forwarding stall on every free.
+            Ok(recorded)
+                if claims_hold(claims, device, recorded.requested_size, recorded.stream) =>
+            {
+                return Ok(());
+            }
+            Ok(recorded) => {
+                log_wrong_claims(claims, device, &recorded);
+                return Ok(());
+            }
+            Err(UncachedFreeError::Pointer(_)) => {}
+            Err(err) => return Err(free_refused(err)),
+        }
+    }
+    release_elsewhere(ptr, claims, Caller { stack, tag: None }, None)
+}
+
+/// [`release`] once some thread has set a tag or metadata: this thread's metadata is given to
+/// the trace entries the free records.
+#[inline(never)]
+fn release_in_context(ptr: DevicePtr, claims: &FreeClaims, stack: StackId) -> Result<(), String> {
+    let (caller, metadata) = thread::caller(stack);
+    if let Some(device) = claims.device
+        && let Some(created) = registry::created(device)
+    {
         let freed = with_metadata(&mut *created.lock()?, metadata.clone(), |memory| {
             memory.free(ptr, caller.stack)
         });
@@ -183,14 +237,30 @@ fn release_elsewhere(
 /// Logs at WARN each claim of a free that differs from what the allocation recorded.
 #[inline(always)]
 fn report_wrong_claims(claims: &FreeClaims, device: c_int, recorded: &AllocationInfo) {
-    let all_right = claims.device.is_none_or(|claimed| claimed == device)
-        && claims
-            .size
-            .is_none_or(|size| size == recorded.requested_size)
-        && claims.stream.is_none_or(|stream| stream == recorded.stream);
-    if !all_right {
+    if !claims_hold(claims, device, recorded.requested_size, recorded.stream) {
         log_wrong_claims(claims, device, recorded);
     }
+}
+
+/// Whether every claim of a free agrees with what the allocation recorded.
+#[inline(always)]
+fn claims_hold(
+    claims: &FreeClaims,
+    device: c_int,
+    requested_size: usize,
+    stream: StreamId,
+) -> bool {
+    claims.device.is_none_or(|claimed| claimed == device)
+        && claims.size.is_none_or(|size| size == requested_size)
+        && claims.stream.is_none_or(|claimed| claimed == stream)
+}
+
+/// Why a free the allocator refused failed (an allocation made while caching was off that the
+/// driver would not take back).
+#[cold]
+#[inline(never)]
+fn free_refused(err: UncachedFreeError) -> String {
+    err.to_string()
 }
 
 /// [`report_wrong_claims`] once a claim differs (out of line: PyTorch's wrapper always passes

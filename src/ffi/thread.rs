@@ -46,6 +46,13 @@ thread_local! {
     };
 }
 
+/// Whether some thread has set a tag or metadata: until then, every thread's are empty and
+/// [`caller`] need not be asked (one load of a flag that is never written again).
+#[inline(always)]
+pub(crate) fn context_in_use() -> bool {
+    IN_USE.load(Ordering::Relaxed)
+}
+
 /// The caller of an allocation or free on this thread: `stack` and this thread's tag, and its
 /// metadata (`None`: none). A thread being torn down has neither.
 #[inline(always)]
