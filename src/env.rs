@@ -113,6 +113,26 @@ pub const LOG_LEVEL: Variable = Variable {
     run_option: Some("--log-level"),
 };
 
+/// `TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC`: PyTorch's switch for creating expandable segments'
+/// physical memory shareable as POSIX file descriptors (on unless `0`), which CUDA IPC of such
+/// memory needs; some containers' drivers refuse that handle type.
+pub const EXPANDABLE_SEGMENTS_IPC: Variable = Variable {
+    name: "TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC",
+    meaning: "0 creates expandable and sleep-able segments' physical memory without a shareable \
+              handle type (no CUDA IPC of it), as PyTorch's; on by default where the device \
+              supports POSIX file descriptors",
+    parsing: Parsing::Flag,
+    read_by: Reader::Library,
+    run_option: None,
+};
+
+/// Whether physical memory is created shareable: [`EXPANDABLE_SEGMENTS_IPC`] unset or on.
+pub fn expandable_segments_ipc_enabled() -> bool {
+    lookup(EXPANDABLE_SEGMENTS_IPC.name)
+        .and_then(|value| parse_flag(&value))
+        .unwrap_or(true)
+}
+
 /// `FERROCACHE_CROSS_STREAM`: cross-stream reuse (ferrocache's opt-in).
 pub const CROSS_STREAM: Variable = Variable {
     name: "FERROCACHE_CROSS_STREAM",
@@ -294,11 +314,12 @@ pub const PYTHONPATH: Variable = Variable {
 
 /// Every variable ferrocache reads or sets, PyTorch's first, then ferrocache's own, then those
 /// of `ferrocache run`, then `torchrun`'s and Python's.
-pub const TABLE: [Variable; 22] = [
+pub const TABLE: [Variable; 23] = [
     ALLOC_CONF,
     HIP_ALLOC_CONF,
     ANY_ALLOC_CONF,
     LOG_LEVEL,
+    EXPANDABLE_SEGMENTS_IPC,
     CROSS_STREAM,
     EXPANDABLE_IGNORE_MAX_SPLIT,
     PYTORCH_VERSION,

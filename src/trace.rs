@@ -7,6 +7,9 @@
 #![forbid(unsafe_code)]
 
 use serde::Serialize;
+use std::sync::Arc;
+
+use crate::device::{DevicePtr, StreamId};
 
 /// What a trace entry records, with PyTorch's action names (`alloc`, `free_requested`, ...).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -103,6 +106,31 @@ impl TraceAction {
         )
     }
 }
+
+/// PyTorch's `MempoolId_t`: the id of a private pool. `(0, 0)` names the ordinary pools.
+pub type MempoolId = (u64, u64);
+
+/// The id PyTorch reports for memory of the ordinary pools (`segment_pool_id` in snapshots).
+pub const ORDINARY_POOL_ID: MempoolId = (0, 0);
+
+/// One trace entry as an allocator trace tracker receives it (PyTorch's `TraceEntry`, less the
+/// time and the stack, which the receiver adds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TrackedEvent {
+    pub action: TraceAction,
+    pub device: i32,
+    /// The address; for `oom`, the device's free bytes (PyTorch's use of the field).
+    pub addr: DevicePtr,
+    pub size: u64,
+    pub stream: StreamId,
+    /// The pool of the block or segment: `(0, 0)` for the ordinary pools (and a tag's), else
+    /// the private pool's id (a CUDA graph's, a `torch.cuda.MemPool`'s).
+    pub pool: MempoolId,
+}
+
+/// Receives every trace entry of a device, under the device's lock (as PyTorch calls its
+/// trackers under its own): it must not call the allocator of that device.
+pub type TraceTracker = Arc<dyn Fn(&TrackedEvent) + Send + Sync>;
 
 #[cfg(test)]
 mod tests {

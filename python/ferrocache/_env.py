@@ -67,6 +67,18 @@ LOG_LEVEL = Variable(
     run_option="--log-level",
 )
 
+EXPANDABLE_SEGMENTS_IPC = Variable(
+    name="TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC",
+    meaning=(
+        "0 creates expandable and sleep-able segments' physical memory without a shareable handle "
+        "type (no CUDA IPC of it), as PyTorch's; on by default where the device supports POSIX "
+        "file descriptors"
+    ),
+    parsing="flag",
+    read_by="library",
+    run_option=None,
+)
+
 CROSS_STREAM = Variable(
     name="FERROCACHE_CROSS_STREAM",
     meaning=(
@@ -239,6 +251,7 @@ TABLE = (
     HIP_ALLOC_CONF,
     ANY_ALLOC_CONF,
     LOG_LEVEL,
+    EXPANDABLE_SEGMENTS_IPC,
     CROSS_STREAM,
     EXPANDABLE_IGNORE_MAX_SPLIT,
     PYTORCH_VERSION,

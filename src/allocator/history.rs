@@ -2,9 +2,8 @@
 //! `torch.cuda.memory._snapshot()`, which PyTorch's memory viewer reads.
 
 use super::DeviceAllocator;
-use super::private_pool::{MempoolId, ORDINARY_POOL_ID};
-use super::tracker::{TraceTracker, TrackedEvent};
 use crate::device::{Device, DevicePtr, StreamId};
+use crate::trace::{MempoolId, ORDINARY_POOL_ID, TraceTracker, TrackedEvent};
 use serde::Serialize;
 use std::sync::Arc;
 

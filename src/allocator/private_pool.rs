@@ -41,11 +41,7 @@ use crate::policy::PoolKind;
 use rustc_hash::FxHashMap;
 use std::fmt;
 
-/// PyTorch's `MempoolId_t`: the id of a private pool. `(0, 0)` names the ordinary pools.
-pub type MempoolId = (u64, u64);
-
-/// The id PyTorch reports for memory of the ordinary pools (`segment_pool_id` in snapshots).
-pub const ORDINARY_POOL_ID: MempoolId = (0, 0);
+pub use crate::trace::{MempoolId, ORDINARY_POOL_ID};
 
 /// Decides whether an allocation on a stream belongs to a capture: PyTorch's
 /// `std::function<bool(cudaStream_t)>`. An `Err` (the filter itself failed) refuses the

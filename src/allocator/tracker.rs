@@ -12,34 +12,14 @@
 //! gives them to its trackers. With no tracker attached and no history recorded, the hit path
 //! tests one flag, as before.
 
-use std::sync::Arc;
-
 use super::DeviceAllocator;
 use super::backing::Memory;
 use super::owner::Owner;
 use super::private_pool::{BlockPools, MempoolId, ORDINARY_POOL_ID};
 use crate::device::{Device, DevicePtr, StreamId};
 use crate::policy::K_SMALL_BUFFER;
-use crate::trace::TraceAction;
 
-/// One trace entry as an allocator trace tracker receives it (PyTorch's `TraceEntry`, less the
-/// time and the stack, which the receiver adds).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TrackedEvent {
-    pub action: TraceAction,
-    pub device: i32,
-    /// The address; for `oom`, the device's free bytes (PyTorch's use of the field).
-    pub addr: DevicePtr,
-    pub size: u64,
-    pub stream: StreamId,
-    /// The pool of the block or segment: `(0, 0)` for the ordinary pools (and a tag's), else
-    /// the private pool's id (a CUDA graph's, a `torch.cuda.MemPool`'s).
-    pub pool: MempoolId,
-}
-
-/// Receives every trace entry of a device, under the device's lock (as PyTorch calls its
-/// trackers under its own): it must not call the allocator of that device.
-pub type TraceTracker = Arc<dyn Fn(&TrackedEvent) + Send + Sync>;
+pub use crate::trace::{TraceTracker, TrackedEvent};
 
 /// One expandable segment's size, as PyTorch's `StreamSegmentSize` holds it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,11 +76,12 @@ impl<D: Device> DeviceAllocator<D> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
+    use std::sync::{Arc, Mutex};
 
     use super::*;
     use crate::config::Config;
     use crate::device::sim::SimDevice;
+    use crate::trace::TraceAction;
 
     const MIB: usize = 1 << 20;
 

@@ -16,6 +16,7 @@ use parking_lot::{Mutex, MutexGuard};
 use super::callbacks;
 use super::guard::reporting_errors;
 use crate::allocator::DeviceAllocator;
+use crate::allocator::tracker::TraceTracker;
 use crate::allocator::uncached::DeviceMemory;
 use crate::config::Config;
 use crate::device::DeviceError;
@@ -119,6 +120,8 @@ pub(crate) struct ProcessWide {
     pub(crate) history: Option<usize>,
     /// PyTorch's `enable`: whether new allocations are cached.
     pub(crate) caching_enabled: bool,
+    /// The allocator trace tracker attached (`attachAllocatorTraceTracker`), if any.
+    pub(crate) trace_tracker: Option<TraceTracker>,
 }
 
 /// Held while a device is created and while a process-wide setting changes, so that a device
@@ -126,6 +129,7 @@ pub(crate) struct ProcessWide {
 static PROCESS_WIDE: Mutex<ProcessWide> = Mutex::new(ProcessWide {
     history: None,
     caching_enabled: true,
+    trace_tracker: None,
 });
 
 /// The device count PyTorch gave to `rust_init`, or -1 before it did.
@@ -192,7 +196,7 @@ fn first_use_of(device: c_int) -> Result<&'static Device, String> {
             if let Some(max_entries) = process_wide.history {
                 allocator.record_history(true, max_entries);
             }
-            allocator.set_trace_tracker(super::trace_tracker::attached());
+            allocator.set_trace_tracker(process_wide.trace_tracker.clone());
             let memory = DeviceMemory::new(allocator, process_wide.caching_enabled);
             let _ = slot.set(Ok(Device {
                 index: device,

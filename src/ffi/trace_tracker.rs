@@ -10,8 +10,6 @@ use std::ffi::{CStr, c_char, c_int, c_ulonglong};
 use std::ptr;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
-
 use super::registry::{self, created_devices, with_last_error};
 use super::{cudaStream_t, stream_handle};
 use crate::allocator::tracker::{TraceTracker, TrackedEvent};
@@ -43,10 +41,6 @@ pub type TrackerCallback =
 /// A [`TrackerCallback`] or NULL, as the C ABI takes it.
 #[allow(non_camel_case_types, reason = "a C type of the header")]
 pub type ferrocache_trace_tracker = Option<TrackerCallback>;
-
-/// The attached callback as every device's allocator holds it; changed under the registry's
-/// process-wide lock, so that a device created meanwhile cannot miss it.
-static ATTACHED: Mutex<Option<TraceTracker>> = Mutex::new(None);
 
 /// PyTorch's `TraceEntry::Action` value of `action` (the C++ side checks the numbering against
 /// the PyTorch it is built for); `None` for the actions the allocator never records.
@@ -107,12 +101,6 @@ fn calling(callback: TrackerCallback) -> TraceTracker {
     })
 }
 
-/// The attached tracker, for a device being created (called under the registry's process-wide
-/// lock).
-pub(crate) fn attached() -> Option<TraceTracker> {
-    ATTACHED.lock().clone()
-}
-
 /// `CUDAAllocator::attachAllocatorTraceTracker`: from now on `tracker` (NULL: none) receives
 /// every trace entry of every device, those opened later included, as PyTorch's trackers
 /// receive its own: the `segment_alloc` after the device gave the memory, the `segment_free`
@@ -126,8 +114,8 @@ pub(crate) fn attached() -> Option<TraceTracker> {
 pub extern "C" fn ferrocache_attach_trace_tracker(tracker: ferrocache_trace_tracker) -> c_int {
     with_last_error("ferrocache_attach_trace_tracker", -1, || {
         let tracker = tracker.map(calling);
-        let _process_wide = registry::process_wide();
-        *ATTACHED.lock() = tracker.clone();
+        let mut process_wide = registry::process_wide();
+        process_wide.trace_tracker = tracker.clone();
         // A device out of service serves nothing, nor sends.
         for mut memory in created_devices().filter_map(|device| device.lock().ok()) {
             memory.allocator_mut().set_trace_tracker(tracker.clone());

@@ -11,9 +11,7 @@ use std::ffi::c_void;
 /// device supports them, unless `TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=0` turns them off, as it
 /// does PyTorch's (for drivers that refuse the handle type in some containers).
 pub(super) fn shareable_handle_type(posix_fd_supported: bool) -> sys::CUmemAllocationHandleType {
-    let turned_off = std::env::var("TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC")
-        .is_ok_and(|value| matches!(value.trim(), "0" | "false" | "False" | "FALSE"));
-    if posix_fd_supported && !turned_off {
+    if posix_fd_supported && crate::env::expandable_segments_ipc_enabled() {
         sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     } else {
         sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
