@@ -408,10 +408,10 @@ mod tests {
         let json = table_json();
         let rows = json.as_array().expect("a list");
         assert_eq!(rows.len(), TABLE.len());
-        assert_eq!(rows[4]["name"], "FERROCACHE_CROSS_STREAM");
-        assert_eq!(rows[4]["parsing"], "flag");
-        assert_eq!(rows[4]["read_by"], "library");
-        assert_eq!(rows[4]["run_option"], "--cross-stream");
+        assert_eq!(rows[5]["name"], "FERROCACHE_CROSS_STREAM");
+        assert_eq!(rows[5]["parsing"], "flag");
+        assert_eq!(rows[5]["read_by"], "library");
+        assert_eq!(rows[5]["run_option"], "--cross-stream");
         assert_eq!(rows[1]["run_option"], serde_json::Value::Null);
     }
 }
