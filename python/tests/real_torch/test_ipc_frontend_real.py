@@ -32,14 +32,13 @@ from torch_env import MIB, require_real_torch, torch_env
 
 require_real_torch()
 
-PROGRAM = textwrap.dedent(
+#: What both child programs start with: the fake's counters, and the allocator a process uses
+#: (``use`` answers PyTorch's name of its backend).
+CHILD_HELPERS = textwrap.dedent(
     """
     import ctypes, gc, json, sys
     import torch
     import torch.multiprocessing as mp
-
-    OUT, SENDER, RECEIVER, SIZE = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    MIDDLE = slice(SIZE // 2, SIZE // 2 + 4096)
 
     def fake_stat(name):
         fake = ctypes.CDLL("libcuda.so.1")
@@ -55,6 +54,14 @@ PROGRAM = textwrap.dedent(
             assert frontend.is_installed(), "install() fell back to CUDAPluggableAllocator"
         torch.empty(1, device="cuda")
         return torch._C._cuda_getAllocatorBackend()
+    """
+)
+
+PROGRAM = CHILD_HELPERS + textwrap.dedent(
+    """
+    OUT, SENDER, RECEIVER, SIZE = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    MIDDLE = slice(SIZE // 2, SIZE // 2 + 4096)
+
 
     def pattern(seed):
         return (torch.arange(SIZE, dtype=torch.int64) * 31 + seed).remainder(251).to(torch.uint8)
@@ -247,27 +254,10 @@ def test_dataloader_workers_on_ferrocache_return_cuda_tensors(tmp_path, conf):
     assert json.loads(out.read_text()) == [["ferrocache", [i] * 3] for i in range(6)]
 
 
-TWO_IN_ONE_SEGMENT = textwrap.dedent(
+TWO_IN_ONE_SEGMENT = CHILD_HELPERS + textwrap.dedent(
     """
-    import ctypes, gc, json, sys
-    import torch
-    import torch.multiprocessing as mp
-
     OUT, SENDER, RECEIVER = sys.argv[1], sys.argv[2], sys.argv[3]
 
-    def fake_stat(name):
-        fake = ctypes.CDLL("libcuda.so.1")
-        fake.fake_cuda_stat.restype = ctypes.c_int64
-        fake.fake_cuda_stat.argtypes = [ctypes.c_char_p]
-        return fake.fake_cuda_stat(name.encode())
-
-    def use(allocator):
-        if allocator == "ferrocache":
-            import ferrocache
-            ferrocache.install()
-            from ferrocache import frontend
-            assert frontend.is_installed(), "install() fell back to CUDAPluggableAllocator"
-        torch.empty(1, device="cuda")
 
     def child(allocator, connection):
         use(allocator)
