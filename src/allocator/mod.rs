@@ -43,6 +43,7 @@ mod free;
 mod guard;
 pub mod history;
 mod import;
+pub mod ipc_handle;
 mod ledger;
 mod live;
 pub(crate) mod owner;

@@ -15,8 +15,6 @@
 //!   `ExpandableSegment::fromShared`. A handle already open is not opened again: it counts one
 //!   more user ([`OPENED`], PyTorch's `ipcMemHandle_to_devptr`), and the last close unmaps.
 
-mod handle;
-
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -26,10 +24,10 @@ use parking_lot::Mutex;
 use super::guard::guarded;
 use super::registry::{self, with_last_error};
 use super::{device_address, device_pointer, unknown_pointer};
+use crate::allocator::ipc_handle::{self as handle, PageHandle, SharedMemory};
 use crate::allocator::shareable::{ShareError, Shareable};
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, SharedPhysical};
 use crate::logging;
-use handle::{PageHandle, SharedMemory};
 
 /// `CUDAAllocator::shareIpcHandle`: the handle of the allocation that starts at `ptr`, in the
 /// format of PyTorch `version` (3 for 2.13 and later, 2 before), as a buffer of `*len` bytes
