@@ -46,6 +46,9 @@ struct ferrocache_checkpoint;
    or -1 with why in *error. See ferrocache_attach_trace_tracker. */
 struct ferrocache_trace_event;
 typedef int (*ferrocache_trace_tracker)(const struct ferrocache_trace_event *event, const char **error);
+/* Runs PyTorch's free-memory callbacks on a cache miss, with no allocator lock held: 1 one freed
+   memory, 0 none did, -1 one failed (why in *error). See ferrocache_set_free_memory_callbacks. */
+typedef int (*ferrocache_free_memory_callbacks)(const char **error);
 
 #ifdef __cplusplus
 extern "C" {
@@ -285,6 +288,17 @@ void *ferrocache_alloc(size_t size, int device, cudaStream_t stream);
 // Returns 0, or -1 (last error set, logged at ERROR, nothing changed) for a pointer ferrocache
 // did not give out or already freed. NULL returns 0 and does nothing.
 int ferrocache_free(void *ptr);
+
+// Registers `callbacks` (NULL: none), as PyTorch's allocator runs its free-memory callbacks
+// (`c10::FreeCudaMemoryCallbacksRegistry`): from now on, when the first search of a device's
+// cached blocks misses, the allocation runs `callbacks` with no allocator lock held, then
+// searches again only if they freed memory, before asking the device for more. `callbacks`
+// returns 1 when one of them freed memory, 0 when none did, -1 when one failed (why in
+// `*error`, valid until its next call on the thread: logged at ERROR, and the cache is
+// searched again); it may call ferrocache (to free, above all) and must never unwind. It
+// replaces an earlier one and must stay callable until replaced. Returns 0, or -1 (last error
+// set).
+int ferrocache_set_free_memory_callbacks(ferrocache_free_memory_callbacks callbacks);
 
 // `CUDAAllocator::allocate` and `raw_alloc`: what `rust_malloc` does, for a caller outside
 // the library. Returns the pointer with `*error` set to NULL, or NULL with `*error` pointing

@@ -44,6 +44,11 @@ pub enum AllocError {
     /// to the capture's private pool; it is refused rather than risk handing a graph's memory
     /// to someone else.
     StreamFilter { pool: MempoolId, message: String },
+    /// Not a failure: the first search of the cached blocks missed and free-memory callbacks
+    /// are on ([`DeviceAllocator::set_free_memory_callbacks`]). Nothing was allocated; the
+    /// caller runs the callbacks, then calls
+    /// [`DeviceAllocator::malloc_after_free_memory_callbacks`].
+    RunFreeMemoryCallbacks,
 }
 
 impl fmt::Display for AllocError {
@@ -60,6 +65,10 @@ impl fmt::Display for AllocError {
                 "the stream filter of the CUDA graph capture into pool {} failed ({message}); \
                  the allocation is refused",
                 private_pool::PoolName(*pool)
+            ),
+            AllocError::RunFreeMemoryCallbacks => f.write_str(
+                "the cache missed and the free-memory callbacks have not run yet (an internal \
+                 step of an allocation, never its outcome)",
             ),
         }
     }

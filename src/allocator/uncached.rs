@@ -77,6 +77,28 @@ impl<D: Device> DeviceMemory<D> {
             .malloc_tagged_with_stack(size, stream, caller.tag, caller.stack)
     }
 
+    /// The rest of a [`malloc`](Self::malloc) that returned
+    /// [`AllocError::RunFreeMemoryCallbacks`], once the caller ran them (see
+    /// [`DeviceAllocator::malloc_after_free_memory_callbacks`]); caching turned off meanwhile
+    /// sends it to the driver.
+    pub fn malloc_after_free_memory_callbacks(
+        &mut self,
+        size: usize,
+        stream: StreamId,
+        caller: Caller,
+        freed: bool,
+    ) -> Result<DevicePtr, AllocError> {
+        if !self.enabled {
+            return self.malloc_uncached(size, stream);
+        }
+        let previous = self.caching.ledger.history.set_current_stack(caller.stack);
+        let result = self
+            .caching
+            .malloc_after_free_memory_callbacks(size, stream, caller.tag, freed);
+        self.caching.ledger.history.set_current_stack(previous);
+        result
+    }
+
     /// Frees `ptr`, wherever it came from; [`PointerError::Unknown`] for a pointer not handed
     /// out here (nothing changes). A driver that refuses an uncached free is an error too.
     #[inline(always)]

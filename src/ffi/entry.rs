@@ -76,8 +76,31 @@ fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_v
     };
     match result {
         Ok(ptr) => Ok(device_pointer(ptr)),
-        Err(err) => Err(allocation_failed(device, err)),
+        Err(err) => missed_or_failed(device, size, stream, stack, err),
     }
+}
+
+/// A malloc that stopped at a miss for PyTorch's free-memory callbacks (the device's lock is
+/// released by now): they run, and the allocation goes on ([`super::free_memory`]); or one that
+/// failed.
+#[cold]
+#[inline(never)]
+fn missed_or_failed(
+    device: &registry::Device,
+    size: usize,
+    stream: StreamId,
+    stack: StackId,
+    err: AllocError,
+) -> Result<*mut c_void, AllocFailure> {
+    let result = match err {
+        AllocError::RunFreeMemoryCallbacks => {
+            super::free_memory::run_then_continue(device, size, stream, stack)?
+        }
+        err => Err(err),
+    };
+    result
+        .map(device_pointer)
+        .map_err(|err| allocation_failed(device, err))
 }
 
 /// [`allocate`] once some thread has set a tag or metadata: this thread's are read, and the

@@ -20,6 +20,7 @@
 //! | [`guard`] | panics caught at every export, this thread's last error |
 //! | [`entry`] | allocation and free: `rust_malloc`'s core, `rust_free`, `ferrocache_alloc`/`free` |
 //! | [`frontend`] | what ferrocache's own `CUDAAllocator` object asks beyond the hooks: allocation, pools, `cacheInfo`, `DeviceStats`, a pool's live allocations |
+//! | [`free_memory`] | PyTorch's free-memory callbacks (CUDA IPC's limbo collected) on a cache miss, run with the lock released |
 //! | [`checkpoint`] | CUDA graph trees' checkpoints of a private pool, and their restore, for the front end |
 //! | [`hooks`] | PyTorch's other `set_*_fn` hooks: init, reset, memory fraction, record stream, base allocation |
 //! | [`pools`] | private pools: CUDA graph captures and `torch.cuda.MemPool` |
@@ -38,6 +39,7 @@ mod advice;
 mod callbacks;
 mod checkpoint;
 mod entry;
+mod free_memory;
 mod frontend;
 mod guard;
 mod hooks;

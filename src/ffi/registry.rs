@@ -197,6 +197,7 @@ fn first_use_of(device: c_int) -> Result<&'static Device, String> {
                 allocator.record_history(true, max_entries);
             }
             allocator.set_trace_tracker(process_wide.trace_tracker.clone());
+            allocator.set_free_memory_callbacks(super::free_memory::registered());
             let memory = DeviceMemory::new(allocator, process_wide.caching_enabled);
             let _ = slot.set(Ok(Device {
                 index: device,

@@ -157,7 +157,8 @@ pub fn replay(workload: &DeviceWorkload, config: &Config, options: &ReplayOption
                     Some(Err(
                         AllocError::Device(_)
                         | AllocError::InvalidArgument(_)
-                        | AllocError::StreamFilter { .. },
+                        | AllocError::StreamFilter { .. }
+                        | AllocError::RunFreeMemoryCallbacks,
                     )) => report.device_errors += 1,
                 }
                 allocated = Some((id, size, placed_at));
