@@ -149,6 +149,8 @@ struct ferrocache_trace_event {
 };
 typedef int (*ferrocache_trace_tracker)(const ferrocache_trace_event* event, const char** error);
 int ferrocache_attach_trace_tracker(ferrocache_trace_tracker tracker);
+typedef int (*ferrocache_free_memory_callbacks)(const char** error);
+int ferrocache_set_free_memory_callbacks(ferrocache_free_memory_callbacks callbacks);
 struct ferrocache_stream_segment_size {
     cudaStream_t stream;
     int is_small_pool;
@@ -321,6 +323,32 @@ int send_trace_event(const ferrocache_trace_event* event, const char** error) no
         tracker_failure = "an exception that is not a std::exception";
     }
     *error = tracker_failure.c_str();
+    return -1;
+}
+
+// PyTorch's free-memory callbacks (c10::FreeCudaMemoryCallbacksRegistry; libtorch_python
+// registers "cuda_ipc_collect", which frees the CUDA IPC limbo's blocks whose receivers let go),
+// run as PyTorch's trigger_free_memory_callbacks runs them. The core calls this when the first
+// search of the cache misses, with no allocator lock held, so the frees they make come back to
+// ferrocache as any free does (src/ffi/free_memory.rs). An exception is handed back (the core
+// logs it, and searches again).
+thread_local std::string callbacks_failure;
+
+int run_free_memory_callbacks(const char** error) noexcept {
+    try {
+        bool freed = false;
+        for (const auto& name : c10::FreeCudaMemoryCallbacksRegistry()->Keys()) {
+            freed |= c10::FreeCudaMemoryCallbacksRegistry()->Create(name)->Execute();
+        }
+        return freed ? 1 : 0;
+    } catch (const c10::Error& e) {
+        callbacks_failure = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+        callbacks_failure = e.what();
+    } catch (...) {
+        callbacks_failure = "an exception that is not a std::exception";
+    }
+    *error = callbacks_failure.c_str();
     return -1;
 }
 
@@ -711,10 +739,15 @@ thread_local std::string install_failure;
 
 }  // namespace
 
-// Makes a FerrocacheAllocator PyTorch's CUDA allocator. Returns NULL, or why PyTorch refused
-// (valid until the next call on this thread): "Can't swap an already initialized allocator"
-// once CUDA was initialised. Never throws.
+// Makes a FerrocacheAllocator PyTorch's CUDA allocator, with PyTorch's free-memory callbacks
+// run on a cache miss. Returns NULL, or why PyTorch refused (valid until the next call on this
+// thread): "Can't swap an already initialized allocator" once CUDA was initialised; the
+// callbacks are then withdrawn (CUDAPluggableAllocator's path runs none). Never throws.
 extern "C" __attribute__((visibility("default"))) const char* ferrocache_frontend_install() {
+    if (ferrocache_set_free_memory_callbacks(&run_free_memory_callbacks) < 0) {
+        install_failure = ferrocache_last_error();
+        return install_failure.c_str();
+    }
     try {
         auto allocator = std::make_shared<FerrocacheAllocator>();
         torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
@@ -726,6 +759,7 @@ extern "C" __attribute__((visibility("default"))) const char* ferrocache_fronten
     } catch (...) {
         install_failure = "an exception that is not a std::exception";
     }
+    (void)ferrocache_set_free_memory_callbacks(nullptr);
     return install_failure.c_str();
 }
 
