@@ -13,7 +13,7 @@ use regex::Regex;
 /// PyTorch takes, the `ferrocache_*` functions of the Python package, and the command line the
 /// `ferrocache` binary runs, and what ferrocache's own allocator object for PyTorch
 /// (python/ferrocache/frontend.cpp) asks.
-const EXPORTS: [&str; 69] = [
+const EXPORTS: [&str; 70] = [
     "ferrocache_alloc",
     "ferrocache_attach_oom_observer",
     "ferrocache_begin_allocate_current_thread_to_pool",
@@ -60,6 +60,7 @@ const EXPORTS: [&str; 69] = [
     "ferrocache_ipc_open",
     "ferrocache_ipc_close",
     "ferrocache_attach_trace_tracker",
+    "ferrocache_set_free_memory_callbacks",
     "ferrocache_expandable_segment_sizes",
     "ferrocache_empty_pool_cache",
     "ferrocache_set_oom_thrower",
