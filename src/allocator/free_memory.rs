@@ -24,11 +24,11 @@ impl<D: Device> DeviceAllocator<D> {
     /// Whether `malloc` stops at a miss of its first search for the caller to run PyTorch's
     /// free-memory callbacks (see the module documentation). Off by default.
     pub fn set_free_memory_callbacks(&mut self, on: bool) {
-        self.free_memory_callbacks = on;
+        self.source.free_memory_callbacks = on;
     }
 
     pub fn runs_free_memory_callbacks(&self) -> bool {
-        self.free_memory_callbacks
+        self.source.free_memory_callbacks
     }
 
     /// The rest of a [`malloc_tagged`](Self::malloc_tagged) that returned

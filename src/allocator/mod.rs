@@ -140,9 +140,6 @@ pub struct DeviceAllocator<D: Device> {
     cross_stream: CrossStream,
     /// Sleep's pinned host buffers and copy stream ([`staging`]).
     staging: staging::HostStaging,
-    /// Whether a miss of malloc's first search stops for the caller to run PyTorch's
-    /// free-memory callbacks ([`free_memory`]).
-    free_memory_callbacks: bool,
 }
 
 impl<D: Device> DeviceAllocator<D> {
@@ -160,7 +157,6 @@ impl<D: Device> DeviceAllocator<D> {
             allocated: live::LiveTable::default(),
             cross_stream: CrossStream::default(),
             staging: staging::HostStaging::default(),
-            free_memory_callbacks: false,
             config,
         };
         if let Some(fraction) = allocator.config.per_process_memory_fraction
@@ -304,7 +300,9 @@ impl<D: Device> DeviceAllocator<D> {
             Some(id) => id,
             // Where PyTorch runs its free-memory callbacks: the caller runs them, unlocked, then
             // calls `malloc_after_free_memory_callbacks` ([`free_memory`]).
-            None if self.free_memory_callbacks => return Err(AllocError::RunFreeMemoryCallbacks),
+            None if self.source.free_memory_callbacks => {
+                return Err(AllocError::RunFreeMemoryCallbacks);
+            }
             None => match self.take_from_other_stream(&request)? {
                 Some(id) => id,
                 None => self.allocate_new_block(&mut request, size)?,

@@ -25,4 +25,7 @@ pub(crate) struct Source {
     /// The reserve classes warned of as having no entry in
     /// `expandable_segments_reserve_by_class` (PyTorch warns once per class).
     pub(crate) warned_reserve_classes: HashSet<String>,
+    /// Before the device: whether a miss of malloc's first search stops for the caller to run
+    /// PyTorch's free-memory callbacks, which may free cached memory ([`super::free_memory`]).
+    pub(crate) free_memory_callbacks: bool,
 }
