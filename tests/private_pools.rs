@@ -312,6 +312,9 @@ fn stream_uses_recorded_during_capture_need_no_event_but_earlier_ones_do() {
     let before = a.malloc(4096, CAPTURE).unwrap();
     a.record_stream(before, OTHER).unwrap();
     a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    // The graph captures on CAPTURE and on OTHER, which it forked.
+    a.device_mut().begin_capture(CAPTURE);
+    a.device_mut().begin_capture(OTHER);
     let during = a.malloc(4096, CAPTURE).unwrap();
     a.record_stream(during, OTHER).unwrap();
     // Freed during the capture: no event may be recorded now.
@@ -319,6 +322,8 @@ fn stream_uses_recorded_during_capture_need_no_event_but_earlier_ones_do() {
     a.free(before).unwrap();
     assert_eq!(a.device().counters().events_recorded, 0);
     assert_ne!(a.malloc(4096, CAPTURE).unwrap(), during, "not yet reusable");
+    a.device_mut().end_capture(OTHER);
+    a.device_mut().end_capture(CAPTURE);
     a.end_allocate_to_pool(POOL).unwrap();
     checked(&a);
 
@@ -375,6 +380,7 @@ fn during_a_capture_the_out_of_memory_path_does_not_synchronize() {
     };
     let mut a = DeviceAllocator::new(SimDevice::new(64 * MIB), 0, config);
     a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    a.device_mut().begin_capture(CAPTURE);
     let big = a.malloc(40 * MIB, CAPTURE).unwrap();
     a.free(big).unwrap();
     // An oversize free block of the pool would be released by PyTorch here; not by ferrocache.
@@ -385,6 +391,7 @@ fn during_a_capture_the_out_of_memory_path_does_not_synchronize() {
     assert_eq!(a.stats().num_sync_all_streams, 0);
     assert_eq!(a.reserved_bytes(), 40 * MIB);
     assert_eq!(a.malloc(40 * MIB, CAPTURE).unwrap(), big);
+    a.device_mut().end_capture(CAPTURE);
     a.end_allocate_to_pool(POOL).unwrap();
     checked(&a);
 }
@@ -504,5 +511,117 @@ fn emptying_a_released_pool_returns_its_free_segments_even_while_one_block_lives
     a.empty_cache().unwrap();
     assert_eq!(a.reserved_bytes(), 0);
     assert_eq!(a.pool_use_count(USER_POOL), None, "the pool is forgotten");
+    checked(&a);
+}
+
+/// `torch.cuda.use_mem_pool(pool)`'s filter: every allocation of the calling thread.
+fn mem_pool_filter() -> StreamFilter {
+    Box::new(|_| Ok(true))
+}
+
+/// A `Config` modelling PyTorch `major.minor`.
+fn modelling(version: (u32, u32)) -> Config {
+    Config {
+        modelled: ferrocache::config::ModelledPyTorch::of_version(version),
+        ..Config::default()
+    }
+}
+
+#[test]
+fn inside_a_mem_pool_the_last_out_of_memory_retry_releases_the_ordinary_cache() {
+    let mut a = allocator(64 * MIB);
+    let cached = a.malloc(40 * MIB, 0).unwrap();
+    a.free(cached).unwrap();
+    // A pool records, but no stream captures: PyTorch 2.15's is_capture_context() is false,
+    // so the retry that releases every cached block runs and the allocation succeeds.
+    a.begin_allocate_to_pool(POOL, mem_pool_filter()).unwrap();
+    let ptr = a.malloc(50 * MIB, 0).unwrap();
+    assert_eq!(pool_of(&a, ptr), Some(POOL));
+    let stats = a.stats();
+    assert_eq!(stats.num_alloc_retries, 1);
+    assert_eq!(stats.num_device_free, 1);
+    assert_eq!(stats.num_sync_all_streams, 1);
+    a.end_allocate_to_pool(POOL).unwrap();
+    checked(&a);
+}
+
+#[test]
+fn pytorch_before_2_13_treats_a_recording_mem_pool_as_a_capture() {
+    let mut a = DeviceAllocator::new(SimDevice::new(64 * MIB), 0, modelling((2, 12)));
+    let cached = a.malloc(40 * MIB, 0).unwrap();
+    a.free(cached).unwrap();
+    a.begin_allocate_to_pool(POOL, mem_pool_filter()).unwrap();
+    assert!(matches!(
+        a.malloc(50 * MIB, 0),
+        Err(AllocError::OutOfMemory(_))
+    ));
+    assert_eq!(a.stats().num_alloc_retries, 0);
+    assert_eq!(a.stats().num_device_free, 0);
+    a.end_allocate_to_pool(POOL).unwrap();
+    checked(&a);
+}
+
+#[test]
+fn inside_a_mem_pool_frees_used_on_other_streams_wait_for_events_processed_by_the_next_malloc() {
+    let mut a = allocator(GIB);
+    a.begin_allocate_to_pool(POOL, mem_pool_filter()).unwrap();
+    let used = a.malloc(MIB, 0).unwrap();
+    a.record_stream(used, OTHER).unwrap();
+    a.free(used).unwrap();
+    // Not a capture: the event is recorded at once, as outside any pool.
+    assert_eq!(a.device().counters().events_recorded, 1);
+    assert_ne!(a.malloc(MIB, 0).unwrap(), used, "OTHER has not finished");
+    a.device_mut().complete_stream(OTHER);
+    // The next malloc processes the completed event and reuses the block in the pool.
+    let again = a.malloc(MIB, 0).unwrap();
+    assert_eq!(again, used);
+    assert_eq!(pool_of(&a, again), Some(POOL));
+    a.end_allocate_to_pool(POOL).unwrap();
+    checked(&a);
+}
+
+#[test]
+fn inside_a_mem_pool_empty_cache_releases_the_ordinary_pools_but_during_a_capture_it_does_not() {
+    let mut a = allocator(GIB);
+    let ordinary = a.malloc(30 * MIB, 0).unwrap();
+    a.free(ordinary).unwrap();
+    a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    let inside = a.malloc(MIB, CAPTURE).unwrap();
+    // A graph captures on CAPTURE: the ordinary pools stay.
+    a.device_mut().begin_capture(CAPTURE);
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().num_device_free, 0);
+    // The same pool recording with no stream capturing (`use_mem_pool`): they go.
+    a.device_mut().end_capture(CAPTURE);
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().num_device_free, 1);
+    assert!(
+        a.allocation_info(inside).is_some(),
+        "the pool keeps its memory"
+    );
+    a.end_allocate_to_pool(POOL).unwrap();
+    checked(&a);
+}
+
+#[test]
+fn a_free_deferred_by_a_capture_waits_while_its_streams_still_capture() {
+    let mut a = allocator(GIB);
+    // One thread captures a graph on CAPTURE, another allocates in a mem pool on stream 0.
+    a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    a.begin_allocate_to_pool((0, 9), Box::new(|s| Ok(s == 0)))
+        .unwrap();
+    a.device_mut().begin_capture(CAPTURE);
+    let during = a.malloc(MIB, CAPTURE).unwrap();
+    a.record_stream(during, OTHER).unwrap();
+    a.free(during).unwrap();
+    // The mem pool's thread processes events: the capture's deferred free must not record an
+    // event on its capturing stream (the device would refuse to query it).
+    let _elsewhere = a.malloc(MIB, 0).unwrap();
+    assert_eq!(a.device().counters().events_recorded, 0);
+    a.device_mut().end_capture(CAPTURE);
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.end_allocate_to_pool((0, 9)).unwrap();
+    let _ = a.malloc(MIB, 0).unwrap();
+    assert_eq!(a.device().counters().events_recorded, 1, "now OTHER's");
     checked(&a);
 }

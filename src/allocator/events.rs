@@ -2,7 +2,9 @@
 //! only once the work queued on them when it was freed has completed (PyTorch's
 //! `insert_events`, `process_events`, `synchronize_and_free_events`). During a CUDA graph
 //! capture, event calls are illegal: such frees wait until the capture ends
-//! (`insert_events_deferred_until_no_capture`).
+//! (`insert_events_deferred_until_no_capture`). "During a capture" is PyTorch's
+//! `is_capture_context()` ([`DeviceAllocator::is_capture_context`]): a private pool recording
+//! inside `torch.cuda.use_mem_pool` outside any graph capture is not one.
 
 use super::DeviceAllocator;
 use super::PointerError;
@@ -45,7 +47,9 @@ impl<D: Device> DeviceAllocator<D> {
         if !used_before {
             block.stream_uses.push(stream);
         }
-        if !self.pools.captures.is_empty() {
+        // PyTorch asks whether the caller's current stream captures; the stream the block is
+        // used on is the one whose work a capture makes part of the graph.
+        if self.is_capture_context(stream) {
             // Only a use that a capture alone made is dropped when the capture's deferred free
             // is processed: one made outside it too still needs its event.
             if !used_before {
@@ -164,6 +168,19 @@ impl<D: Device> DeviceAllocator<D> {
         Ok(())
     }
 
+    /// While a private pool records: whether the block's stream or one it was used on captures
+    /// (under the modelled PyTorch's rule: [`DeviceAllocator::is_capture_context`]). PyTorch
+    /// asks the caller's current stream, which a free does not tell the allocator; these are
+    /// the streams whose work a free would otherwise record events after.
+    #[cold]
+    pub(super) fn block_streams_capture(&mut self, id: BlockId) -> bool {
+        let block = self.arena.get(id);
+        let streams: Vec<StreamId> = std::iter::once(block.stream)
+            .chain(block.stream_uses.iter().copied())
+            .collect();
+        self.any_capturing(streams)
+    }
+
     /// `record_stream` while a capture is under way: the use is remembered apart, because the
     /// capture's work on that stream is part of the graph and needs no event (PyTorch's
     /// `block_to_cudagraph_stream_uses`).
@@ -178,9 +195,16 @@ impl<D: Device> DeviceAllocator<D> {
     /// other streams get their events now, for the uses recorded outside a capture only
     /// (`remove_cudagraph_stream_uses`); so do the blocks whose events the device refused
     /// before (a retry).
+    ///
+    /// Called outside a capture context while a private pool records (`use_mem_pool`, or
+    /// another thread's capture), a block one of whose streams captures keeps waiting: an event
+    /// recorded there would be the graph's, and querying it is illegal.
     pub(super) fn insert_events_deferred_until_no_capture(&mut self) {
-        debug_assert!(self.pools.captures.is_empty());
         for id in std::mem::take(&mut self.events.to_record) {
+            if !self.pools.captures.is_empty() && self.block_streams_capture(id) {
+                self.events.to_record.push(id);
+                continue;
+            }
             if let Some(during_capture) = self.events.capture_stream_uses.remove(&id) {
                 self.arena
                     .get_mut(id)

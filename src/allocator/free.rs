@@ -67,7 +67,7 @@ impl<D: Device> DeviceAllocator<D> {
         if !waits_for_streams {
             logging::block_freed(ptr);
             self.free_block(id);
-        } else if !self.pools.captures.is_empty() {
+        } else if !self.pools.captures.is_empty() && self.block_streams_capture(id) {
             // Recording and querying events is illegal during a capture: wait until it ends.
             self.events.to_record.push(id);
         } else {

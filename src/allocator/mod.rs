@@ -284,7 +284,7 @@ impl<D: Device> DeviceAllocator<D> {
                 Some(tag) => self.tagged_owner(tag),
             }
         } else {
-            self.private_pool_for(stream)?
+            self.owner_while_pools_record(stream)?
         };
         let rounded = policy::round_size(size, &self.config);
         let pool = policy::pool_for(rounded);
@@ -393,10 +393,11 @@ impl<D: Device> DeviceAllocator<D> {
         {
             return Ok(id);
         }
-        // Releasing everything synchronizes, which a capture forbids.
-        if self.pools.captures.is_empty() {
+        // Releasing everything synchronizes, which a capture forbids (a recording pool outside
+        // one may reclaim: `is_capture_context`).
+        if !self.is_capture_context(request.stream) {
             logging::alloc_retry(request.alloc_size, "releasing all cached blocks");
-            self.release_cached_blocks()?;
+            self.release_cached_blocks(false)?;
             if let Some(id) = self.alloc_block(request, true)? {
                 return Ok(id);
             }

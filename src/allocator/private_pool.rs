@@ -35,6 +35,7 @@ use super::block::{Block, BlockId};
 pub use super::owner::{Owner, PrivatePoolIndex, TagIndex};
 use super::pool::BlockPool;
 use super::{AllocError, DeviceAllocator, Request};
+use crate::config::modelled::CaptureContextRule;
 use crate::device::{Device, DeviceError, StreamId};
 use crate::logging;
 use crate::policy::PoolKind;
@@ -466,6 +467,85 @@ impl<D: Device> DeviceAllocator<D> {
     /// Whether a capture is under way (PyTorch's `!captures_underway.empty()`).
     pub fn capture_underway(&self) -> bool {
         !self.pools.captures.is_empty()
+    }
+
+    /// PyTorch's `is_capture_context()` for a caller whose current stream is `stream`: whether
+    /// the allocator must act as during a CUDA graph capture (no event queries or
+    /// synchronization, no release of the ordinary pools, frees used on other streams
+    /// deferred). A private pool records, and, from PyTorch 2.13 on, `stream` is capturing:
+    /// inside `torch.cuda.use_mem_pool` outside any graph capture it is not. Costs nothing while
+    /// no pool records.
+    #[inline(always)]
+    pub fn is_capture_context(&mut self, stream: StreamId) -> bool {
+        !self.pools.captures.is_empty() && self.any_capturing([stream])
+    }
+
+    /// While a private pool records: whether one of `streams` counts as capturing under the
+    /// modelled PyTorch's rule. A device that cannot say counts as capturing, which never
+    /// issues a call a capture forbids.
+    #[cold]
+    pub(super) fn any_capturing(&mut self, streams: impl IntoIterator<Item = StreamId>) -> bool {
+        debug_assert!(!self.pools.captures.is_empty());
+        match self.config.modelled.capture_context {
+            CaptureContextRule::AnyPoolRecording => true,
+            CaptureContextRule::CurrentStreamCapturing => streams.into_iter().any(|stream| {
+                self.device
+                    .stream_is_capturing(stream)
+                    .unwrap_or_else(|err| {
+                        logging::device_error(
+                            "could not ask whether a stream captures; acting as in a capture",
+                            &err,
+                        );
+                        true
+                    })
+            }),
+        }
+    }
+
+    /// [`is_capture_context`](Self::is_capture_context) where the allocator is not told the
+    /// caller's current stream (`empty_cache`): whether a stream that a recording pool's blocks
+    /// live on is capturing. A recording pool without blocks yet (a capture that allocated
+    /// nothing) counts as capturing, which never synchronizes under a capture.
+    pub(super) fn recording_pools_capture(&mut self) -> bool {
+        if self.pools.captures.is_empty() {
+            return false;
+        }
+        if self.config.modelled.capture_context == CaptureContextRule::AnyPoolRecording {
+            return true;
+        }
+        let recording: Vec<PrivatePoolIndex> = self.pools.captures.iter().map(|c| c.pool).collect();
+        if recording
+            .iter()
+            .any(|&index| self.pools.private(index).segment_count == 0)
+        {
+            return true;
+        }
+        let mut streams: Vec<StreamId> = self
+            .arena
+            .iter()
+            .filter(|(_, b)| b.owner.private().is_some_and(|p| recording.contains(&p)))
+            .map(|(_, b)| b.stream)
+            .collect();
+        streams.sort_unstable();
+        streams.dedup();
+        self.any_capturing(streams)
+    }
+
+    /// The owner of an allocation on `stream` while a private pool records, after PyTorch's
+    /// start of `malloc`: completed events are processed unless the caller is in a capture
+    /// context ([`is_capture_context`](Self::is_capture_context); the driver is asked only when
+    /// events wait), then the first capture whose filter accepts `stream` takes it.
+    #[cold]
+    pub(super) fn owner_while_pools_record(
+        &mut self,
+        stream: StreamId,
+    ) -> Result<Owner, AllocError> {
+        if (self.events.pending_count > 0 || !self.events.to_record.is_empty())
+            && !self.is_capture_context(stream)
+        {
+            self.process_events()?;
+        }
+        self.private_pool_for(stream)
     }
 
     /// PyTorch's `get_pool`, the private half: the pool of the first capture whose filter

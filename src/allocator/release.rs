@@ -22,14 +22,20 @@ impl<D: Device> DeviceAllocator<D> {
     /// (PyTorch keeps its event pool; an emptied cache here holds nothing of the driver's).
     /// Private pools that a graph still holds keep all their memory.
     pub fn empty_cache(&mut self) -> Result<(), DeviceError> {
-        self.release_cached_blocks()?;
+        let in_capture_context = self.recording_pools_capture();
+        self.release_cached_blocks(in_capture_context)?;
         self.device.destroy_idle_events()
     }
 
-    /// `release_cached_blocks`. During a capture only unreferenced private pools are released:
-    /// the ordinary pools would need a synchronization, which a capture forbids.
-    pub(super) fn release_cached_blocks(&mut self) -> Result<(), DeviceError> {
-        if self.pools.captures.is_empty() {
+    /// `release_cached_blocks`. In a capture context (`in_capture_context`, PyTorch's
+    /// `is_capture_context()`) only unreferenced private pools are released: the ordinary pools
+    /// would need a synchronization, which a capture forbids. A private pool recording outside
+    /// a capture (`use_mem_pool`) does not stop it.
+    pub(super) fn release_cached_blocks(
+        &mut self,
+        in_capture_context: bool,
+    ) -> Result<(), DeviceError> {
+        if !in_capture_context {
             self.synchronize_and_free_events()?;
             self.source.leftovers.retry(&mut self.device)?;
             self.coalesce_across_streams()?;

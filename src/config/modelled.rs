@@ -87,6 +87,35 @@ pub fn oom_wording_of_pytorch(major: u32, minor: u32) -> OomWording {
     }
 }
 
+/// The first PyTorch whose allocator tells a graph capture from a recording private pool by
+/// the current stream ([`CaptureContextRule::CurrentStreamCapturing`]).
+pub const CAPTURE_CONTEXT_SINCE: (u32, u32) = (2, 13);
+
+/// When PyTorch's allocator acts as during a CUDA graph capture: skips processing events,
+/// defers the events of a freed block used on other streams, notes `record_stream` uses as the
+/// capture's, and leaves the ordinary pools alone in `empty_cache` and in the out-of-memory
+/// retry that releases every cached block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CaptureContextRule {
+    /// Whenever a private pool records (`!captures_underway.empty()`): during a capture and
+    /// inside `torch.cuda.use_mem_pool` alike (PyTorch up to 2.12).
+    AnyPoolRecording,
+    /// Only while the current stream is capturing a graph (`is_capture_context()`,
+    /// pytorch#175374, merged 2026-05-13): inside `use_mem_pool` the allocator acts as outside
+    /// any capture (PyTorch 2.13 and later).
+    #[default]
+    CurrentStreamCapturing,
+}
+
+/// The capture-context rule of PyTorch `major.minor`.
+pub fn capture_context_rule_of_pytorch(major: u32, minor: u32) -> CaptureContextRule {
+    if (major, minor) >= CAPTURE_CONTEXT_SINCE {
+        CaptureContextRule::CurrentStreamCapturing
+    } else {
+        CaptureContextRule::AnyPoolRecording
+    }
+}
+
 /// What a parse does to `max_non_split_rounding_mb` after its large-segment pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AfterLargeSegmentPass {
@@ -106,6 +135,8 @@ pub struct ModelledPyTorch {
     pub tie_rule: TieRule,
     /// The wording of the out-of-memory message.
     pub oom_wording: OomWording,
+    /// When the allocator acts as during a graph capture.
+    pub capture_context: CaptureContextRule,
 }
 
 impl Default for ModelledPyTorch {
@@ -121,6 +152,7 @@ impl ModelledPyTorch {
             version: (major, minor),
             tie_rule: tie_rule_of_pytorch(major, minor),
             oom_wording: oom_wording_of_pytorch(major, minor),
+            capture_context: capture_context_rule_of_pytorch(major, minor),
         }
     }
 
@@ -217,6 +249,11 @@ mod tests {
         assert_eq!(newest.version, NEWEST_PYTORCH);
         assert_eq!(newest.tie_rule, TieRule::default());
         assert_eq!(newest.oom_wording, OomWording::default());
+        assert_eq!(newest.capture_context, CaptureContextRule::default());
+        assert_eq!(
+            ModelledPyTorch::of_version((2, 12)).capture_context,
+            CaptureContextRule::AnyPoolRecording
+        );
         assert_eq!(
             newest.after_large_segment_pass(),
             AfterLargeSegmentPass::RoundingFollowsLargeSegment

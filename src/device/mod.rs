@@ -133,6 +133,10 @@ pub trait Device {
     fn wait_event(&mut self, stream: StreamId, event: EventHandle) -> Result<(), DeviceError>;
     /// `cudaStreamSynchronize`.
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError>;
+    /// `cudaStreamGetCaptureInfo`'s status: whether `stream` is capturing a CUDA graph (PyTorch
+    /// 2.15's `is_capture_context` asks this of the current stream). `Err` when the driver
+    /// cannot say; the allocator then acts as during a capture.
+    fn stream_is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError>;
 
     /// The physical page granularity of `cuMemCreate` (2 MiB on current GPUs).
     fn page_granularity(&mut self) -> Result<usize, DeviceError>;

@@ -414,6 +414,13 @@ impl Device for CudaDevice {
         })
     }
 
+    fn stream_is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
+        let _context = self.enter()?;
+        // A capture error of the query itself (the legacy stream while another captures) says
+        // "maybe", which the allocator treats as a capture.
+        may_be_capturing(stream)
+    }
+
     fn page_granularity(&mut self) -> Result<usize, DeviceError> {
         if !self.supports_virtual_memory {
             return Err(DeviceError::Unavailable(format!(

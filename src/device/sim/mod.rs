@@ -8,7 +8,7 @@ use super::{
     Device, DeviceError, DevicePtr, EventHandle, MemInfo, PhysicalHandle, PinnedHostBuffer,
     ProcessMemory, StreamId,
 };
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 mod faults;
 mod streams;
@@ -115,6 +115,9 @@ pub struct SimDevice {
     /// memory a copy not yet completed touches is refused, as the fake's ordering check
     /// catches it (`cuMemUnmap` does not wait for work in flight).
     async_copies: Vec<(StreamId, u64, DevicePtr, usize)>,
+    /// Streams capturing a CUDA graph ([`SimDevice::begin_capture`]): the simulated GPU runs
+    /// no graph, it only answers [`Device::stream_is_capturing`].
+    capturing: HashSet<StreamId>,
 }
 
 fn invalid(call: &'static str, what: &str) -> DeviceError {
@@ -122,6 +125,15 @@ fn invalid(call: &'static str, what: &str) -> DeviceError {
         call,
         code: 1,
         message: format!("invalid argument ({what})"),
+    }
+}
+
+/// `CUDA_ERROR_CAPTURED_EVENT`: the host asked about an event recorded in a capture.
+fn captured_event(call: &'static str) -> DeviceError {
+    DeviceError::Driver {
+        call,
+        code: 907,
+        message: "operation not permitted on an event last recorded in a capturing stream".into(),
     }
 }
 
@@ -155,7 +167,19 @@ impl SimDevice {
             // Far from the streams tests make up (small numbers) and from real handles.
             next_stream: 0x5_0000,
             async_copies: Vec::new(),
+            capturing: HashSet::new(),
         }
+    }
+
+    /// `cudaStreamBeginCapture` on `stream`, as far as the allocator can see it: from now until
+    /// [`SimDevice::end_capture`], [`Device::stream_is_capturing`] says so.
+    pub fn begin_capture(&mut self, stream: StreamId) {
+        self.capturing.insert(stream);
+    }
+
+    /// `cudaStreamEndCapture` on `stream`.
+    pub fn end_capture(&mut self, stream: StreamId) {
+        self.capturing.remove(&stream);
     }
 
     /// Live page-locked host buffers and their bytes.
@@ -432,6 +456,7 @@ impl Device for SimDevice {
                 stream,
                 sequence,
                 waited_for,
+                captured: self.capturing.contains(&stream),
             },
         );
         Ok(handle)
@@ -444,6 +469,9 @@ impl Device for SimDevice {
             .events
             .get(&event)
             .ok_or_else(|| invalid("cuEventQuery", "unknown event"))?;
+        if e.captured {
+            return Err(captured_event("cuEventQuery"));
+        }
         Ok(self.event_is_complete(e))
     }
 
@@ -455,6 +483,9 @@ impl Device for SimDevice {
             .get(&event)
             .ok_or_else(|| invalid("cuEventSynchronize", "unknown event"))?
             .clone();
+        if e.captured {
+            return Err(captured_event("cuEventSynchronize"));
+        }
         let progress = self.stream_progress(e.stream);
         progress.completed = progress.completed.max(e.sequence);
         Ok(())
@@ -492,8 +523,19 @@ impl Device for SimDevice {
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError> {
         self.counters.stream_synchronizations += 1;
         self.take_fault(SimOp::SynchronizeStream)?;
+        if self.capturing.contains(&stream) {
+            return Err(DeviceError::Driver {
+                call: "cuStreamSynchronize",
+                code: 900,
+                message: "operation not permitted when stream is capturing".into(),
+            });
+        }
         self.complete_stream(stream);
         Ok(())
+    }
+
+    fn stream_is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
+        Ok(self.capturing.contains(&stream))
     }
 
     fn page_granularity(&mut self) -> Result<usize, DeviceError> {
