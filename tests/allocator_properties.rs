@@ -176,9 +176,10 @@ struct Protected {
     /// Per stream that used it: the last work queued on the stream when the block was freed
     /// (the device's sequence number); protected until the device completed it.
     waits_for: Vec<(usize, u64)>,
-    /// Freed during a capture with uses on other streams: not reusable at all before every
-    /// capture has ended.
+    /// Freed in a capture context with uses on other streams: not reusable at all while one of
+    /// `streams` (its own and those it was used on) captures.
     until_no_capture: bool,
+    streams: Vec<usize>,
 }
 
 /// A freed range and the program's work on it: (address, size, [(stream index, kernel)]).
@@ -288,8 +289,13 @@ impl Model {
                 let during_capture = self.capture_uses.remove(&ptr).unwrap_or_default();
                 let work = self.work.remove(&ptr).unwrap_or_default();
                 self.used_ranges.push((ptr, size, work));
+                let own = self.allocator.allocation_info(ptr).unwrap().stream;
+                let own = STREAMS.iter().position(|&s| s == own).unwrap();
+                let mut streams = uses.clone();
+                streams.push(own);
                 self.allocator.free(ptr).unwrap();
-                let deferred = !uses.is_empty() && !self.captures.is_empty();
+                // PyTorch's is_capture_context(), asked of the streams the free would wait for.
+                let deferred = !uses.is_empty() && streams.iter().any(|&s| self.capturing(s));
                 if deferred {
                     // The capture's own work on those streams is part of the graph.
                     uses.retain(|s| !during_capture.contains(s));
@@ -305,6 +311,7 @@ impl Model {
                         size,
                         waits_for,
                         until_no_capture: deferred,
+                        streams,
                     });
                 }
             }
@@ -315,7 +322,7 @@ impl Model {
                 let ptr = self.live[pick % self.live.len()].ptr;
                 self.allocator.record_stream(ptr, STREAMS[stream]).unwrap();
                 self.record_use(ptr, stream);
-                if self.captures.is_empty() {
+                if !self.capturing(stream) {
                     self.submit_work(ptr, stream);
                 }
             }
@@ -345,6 +352,8 @@ impl Model {
                     prop_assert_eq!(result, Err(PoolError::AlreadyRecording(id)));
                 } else {
                     prop_assert_eq!(result, Ok(()));
+                    // A graph capture: the driver says its stream captures.
+                    self.allocator.device_mut().begin_capture(capture_stream);
                     self.captures.push((id, stream));
                     *self.use_counts.entry(id).or_default() += 1;
                 }
@@ -357,12 +366,17 @@ impl Model {
                         Err(PoolError::NotRecording(id))
                     );
                 } else {
-                    let (id, _) = self.captures.remove(pick % self.captures.len());
+                    let (id, stream) = self.captures.remove(pick % self.captures.len());
+                    if !self.capturing(stream) {
+                        self.allocator.device_mut().end_capture(STREAMS[stream]);
+                    }
                     prop_assert_eq!(self.allocator.end_allocate_to_pool(id), Ok(()));
-                    if self.captures.is_empty() {
-                        for p in &mut self.protected {
-                            p.until_no_capture = false;
-                        }
+                    let captures = &self.captures;
+                    for p in &mut self.protected {
+                        p.until_no_capture &= p
+                            .streams
+                            .iter()
+                            .any(|&s| captures.iter().any(|&(_, c)| c == s));
                     }
                 }
             }
@@ -402,6 +416,11 @@ impl Model {
         self.check()
     }
 
+    /// Whether stream index `stream` is capturing (a capture under way records on it).
+    fn capturing(&self, stream: usize) -> bool {
+        self.captures.iter().any(|&(_, s)| s == stream)
+    }
+
     /// Whether pool `id` must keep its memory: a graph holds it, or a block in it is live.
     fn pool_is_alive(&self, id: MempoolId) -> bool {
         self.use_counts.get(&id).is_some_and(|&c| c > 0) || self.live.iter().any(|l| l.pool == id)
@@ -409,10 +428,10 @@ impl Model {
 
     /// Whether empty_cache may give back memory of segments reported under `id`;
     /// `holding_live` lists the private pools with a live block.
-    fn may_release(&self, id: MempoolId, holding_live: &[MempoolId]) -> bool {
+    fn may_release(&self, id: MempoolId, holding_live: &[MempoolId], in_capture: bool) -> bool {
         if id == ORDINARY {
             // Releasing the ordinary pools synchronizes, which a capture forbids.
-            self.captures.is_empty()
+            !in_capture
         } else {
             self.use_counts.get(&id).is_none_or(|&c| c == 0) && !holding_live.contains(&id)
         }
@@ -427,7 +446,7 @@ impl Model {
         if !list.contains(&stream) {
             list.push(stream);
         }
-        if !self.captures.is_empty() {
+        if self.capturing(stream) {
             let list = self.capture_uses.entry(ptr).or_default();
             if !list.contains(&stream) {
                 list.push(stream);
@@ -509,7 +528,8 @@ impl Model {
         let before = self.allocator.device().allocations();
         let segments = self.allocator.segments();
         // Pending frees wait for a synchronization, which a capture forbids.
-        let pending_stays = !self.captures.is_empty();
+        let in_capture = self.allocator.empty_cache_in_capture_context();
+        let pending_stays = in_capture;
         let live_in = |s: &ferrocache::allocator::history::SnapshotSegment| {
             s.blocks.iter().any(|b| {
                 b.state == "active_allocated" || (pending_stays && b.state == "active_pending_free")
@@ -522,7 +542,9 @@ impl Model {
             .collect();
         let holding: Vec<DevicePtr> = segments
             .iter()
-            .filter(|s| live_in(s) || !self.may_release(s.segment_pool_id, &holding_live))
+            .filter(|s| {
+                live_in(s) || !self.may_release(s.segment_pool_id, &holding_live, in_capture)
+            })
             .map(|s| s.address)
             .collect();
         let result = self.allocator.empty_cache();
@@ -552,7 +574,7 @@ impl Model {
                 for s in self.allocator.segments() {
                     if s.address < base
                         || s.address >= base + size as u64
-                        || !self.may_release(s.segment_pool_id, &holding_live)
+                        || !self.may_release(s.segment_pool_id, &holding_live, in_capture)
                     {
                         continue;
                     }

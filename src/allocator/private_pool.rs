@@ -503,27 +503,29 @@ impl<D: Device> DeviceAllocator<D> {
     }
 
     /// [`is_capture_context`](Self::is_capture_context) where the allocator is not told the
-    /// caller's current stream (`empty_cache`): whether a stream that a recording pool's blocks
-    /// live on is capturing. A recording pool without blocks yet (a capture that allocated
-    /// nothing) counts as capturing, which never synchronizes under a capture.
-    pub(super) fn recording_pools_capture(&mut self) -> bool {
+    /// caller's current stream (`empty_cache`; PyTorch asks `getCurrentCUDAStream`): asked of
+    /// every stream a mapped block belongs to, the capture's among them once it allocated. A
+    /// recording pool without memory (a capture that allocated nothing yet) counts as
+    /// capturing, which never synchronizes under a capture.
+    pub fn empty_cache_in_capture_context(&mut self) -> bool {
         if self.pools.captures.is_empty() {
             return false;
         }
         if self.config.modelled.capture_context == CaptureContextRule::AnyPoolRecording {
             return true;
         }
-        let recording: Vec<PrivatePoolIndex> = self.pools.captures.iter().map(|c| c.pool).collect();
-        if recording
+        let recording_without_memory = self
+            .pools
+            .captures
             .iter()
-            .any(|&index| self.pools.private(index).segment_count == 0)
-        {
+            .any(|c| self.pools.private(c.pool).segment_count == 0);
+        if recording_without_memory {
             return true;
         }
         let mut streams: Vec<StreamId> = self
             .arena
             .iter()
-            .filter(|(_, b)| b.owner.private().is_some_and(|p| recording.contains(&p)))
+            .filter(|(_, b)| b.mapped)
             .map(|(_, b)| b.stream)
             .collect();
         streams.sort_unstable();

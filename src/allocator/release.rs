@@ -22,7 +22,7 @@ impl<D: Device> DeviceAllocator<D> {
     /// (PyTorch keeps its event pool; an emptied cache here holds nothing of the driver's).
     /// Private pools that a graph still holds keep all their memory.
     pub fn empty_cache(&mut self) -> Result<(), DeviceError> {
-        let in_capture_context = self.recording_pools_capture();
+        let in_capture_context = self.empty_cache_in_capture_context();
         self.release_cached_blocks(in_capture_context)?;
         self.device.destroy_idle_events()
     }

@@ -128,15 +128,6 @@ fn invalid(call: &'static str, what: &str) -> DeviceError {
     }
 }
 
-/// `CUDA_ERROR_CAPTURED_EVENT`: the host asked about an event recorded in a capture.
-fn captured_event(call: &'static str) -> DeviceError {
-    DeviceError::Driver {
-        call,
-        code: 907,
-        message: "operation not permitted on an event last recorded in a capturing stream".into(),
-    }
-}
-
 impl SimDevice {
     /// A GPU with `capacity` bytes of memory whose streams run only when told to
     /// ([`SimDevice::complete_stream`]).
@@ -456,7 +447,6 @@ impl Device for SimDevice {
                 stream,
                 sequence,
                 waited_for,
-                captured: self.capturing.contains(&stream),
             },
         );
         Ok(handle)
@@ -469,9 +459,6 @@ impl Device for SimDevice {
             .events
             .get(&event)
             .ok_or_else(|| invalid("cuEventQuery", "unknown event"))?;
-        if e.captured {
-            return Err(captured_event("cuEventQuery"));
-        }
         Ok(self.event_is_complete(e))
     }
 
@@ -483,9 +470,6 @@ impl Device for SimDevice {
             .get(&event)
             .ok_or_else(|| invalid("cuEventSynchronize", "unknown event"))?
             .clone();
-        if e.captured {
-            return Err(captured_event("cuEventSynchronize"));
-        }
         let progress = self.stream_progress(e.stream);
         progress.completed = progress.completed.max(e.sequence);
         Ok(())
@@ -523,13 +507,6 @@ impl Device for SimDevice {
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError> {
         self.counters.stream_synchronizations += 1;
         self.take_fault(SimOp::SynchronizeStream)?;
-        if self.capturing.contains(&stream) {
-            return Err(DeviceError::Driver {
-                call: "cuStreamSynchronize",
-                code: 900,
-                message: "operation not permitted when stream is capturing".into(),
-            });
-        }
         self.complete_stream(stream);
         Ok(())
     }

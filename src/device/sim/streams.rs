@@ -12,9 +12,6 @@ pub(super) struct SimEvent {
     /// What the recording stream had waited for by then: a stream that waits for this event
     /// waits for all of it too (stream order is transitive).
     pub(super) waited_for: HashMap<StreamId, u64>,
-    /// Recorded while its stream captured a graph: querying or waiting for it on the host is
-    /// `CUDA_ERROR_CAPTURED_EVENT`.
-    pub(super) captured: bool,
 }
 
 #[derive(Debug, Clone, Default)]
