@@ -43,8 +43,9 @@
 //! the pool is forgotten, once its last segment went back to it, as PyTorch's `PrivatePool`
 //! drops its `shared_ptr`.
 
-use super::backing::external::{self, ExternalAllocator, SegmentAllocator};
 use super::backing::Memory;
+pub use super::backing::external::SegmentAllocator;
+use super::backing::external::{self, ExternalAllocator};
 use super::block::{Block, BlockId};
 pub use super::owner::{Owner, PrivatePoolIndex, TagIndex};
 use super::pool::BlockPool;
@@ -192,11 +193,7 @@ impl BlockPools {
 
     /// A new private pool with one reference, its segments from `allocator` (`None`: the
     /// device).
-    fn create(
-        &mut self,
-        id: MempoolId,
-        allocator: Option<ExternalAllocator>,
-    ) -> PrivatePoolIndex {
+    fn create(&mut self, id: MempoolId, allocator: Option<ExternalAllocator>) -> PrivatePoolIndex {
         let pool = PrivatePool {
             id,
             use_count: 1,
@@ -398,9 +395,7 @@ impl<D: Device> DeviceAllocator<D> {
         if self.pools.find(id).is_some() {
             return Err(PoolError::AllocatorOfExistingPool(id));
         }
-        Ok(self
-            .pools
-            .create(id, Some(ExternalAllocator(allocator))))
+        Ok(self.pools.create(id, Some(ExternalAllocator(allocator))))
     }
 
     /// Whether the segments of `owner` come from a pool's own allocator.

@@ -51,7 +51,10 @@ pub(crate) fn obtain(allocator: &mut ExternalAllocator, size: usize) -> Option<D
 
 /// Gives the segment at `ptr` back to `allocator`; if it refuses, nothing changed (the segment
 /// stays cached, as a `cudaFree` that fails leaves it).
-pub(crate) fn release(allocator: &mut ExternalAllocator, ptr: DevicePtr) -> Result<(), DeviceError> {
+pub(crate) fn release(
+    allocator: &mut ExternalAllocator,
+    ptr: DevicePtr,
+) -> Result<(), DeviceError> {
     allocator
         .0
         .deallocate(ptr)
