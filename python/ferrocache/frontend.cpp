@@ -235,7 +235,8 @@ thread_local std::string pool_allocator_failure;
 
 const char* pool_allocator_failed(const std::exception* e) noexcept {
     try {
-        pool_allocator_failure = e != nullptr ? e->what() : "an exception that is not a std::exception";
+        pool_allocator_failure =
+            e != nullptr ? e->what() : "an exception that is not a std::exception";
     } catch (...) {
         return "an exception (its message could not be kept: out of host memory)";
     }

@@ -262,3 +262,31 @@ def test_out_of_memory_in_the_pools_allocator_is_pytorchs_out_of_memory(counting
 def test_out_of_memory_in_the_pools_allocator_retries_as_pytorch_does(counting: Path) -> None:
     native, ours = under_both(counting, OOM)
     assert ours == native
+
+
+GRAPH = """
+out = {}
+allocator = torch.cuda.memory.CUDAPluggableAllocator(PATH, "counting_alloc", "counting_free")
+pool = torch.cuda.MemPool(allocator.allocator())
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g, pool=pool.id):  # the allocator's cudaMalloc runs under the capture
+    x = torch.empty(1000, device="cuda")
+    y = torch.empty(30 << 20, dtype=torch.uint8, device="cuda")
+out["calls"] = calls()
+out["where"] = [where(x), where(y)]
+out["segments"] = pool_segments(pool.id)
+del x, y, g, pool
+torch.cuda.empty_cache()
+out["end"] = calls()
+result(out)
+"""
+
+
+def test_a_graph_captured_into_such_a_pool_gets_its_memory_from_the_pools_allocator(
+    counting: Path,
+) -> None:
+    native, ours = under_both(counting, GRAPH)
+    assert ours == native
+    assert native["calls"] == [["a", 0, 2 * MIB], ["a", 1, 30 * MIB]]
+    assert native["where"] == [[0, 0], [1, 0]]
+    assert sorted(native["end"][2:]) == [["f", 0, 2 * MIB], ["f", 1, 30 * MIB]]
