@@ -49,6 +49,13 @@ typedef int (*ferrocache_trace_tracker)(const struct ferrocache_trace_event *eve
 /* Runs PyTorch's free-memory callbacks on a cache miss, with no allocator lock held: 1 one freed
    memory, 0 none did, -1 one failed (why in *error). See ferrocache_set_free_memory_callbacks. */
 typedef int (*ferrocache_free_memory_callbacks)(const char **error);
+/* A private pool's own allocator (torch.cuda.MemPool(allocator=...)), called on `context`. alloc:
+   `size` bytes, or NULL with *error NULL when it has none, or NULL with why in *error when it
+   failed. free: 0, or -1 with why in *error. release: the pool is gone. See
+   ferrocache_create_pool_with_allocator. */
+typedef void *(*ferrocache_pool_alloc)(void *context, size_t size, const char **error);
+typedef int (*ferrocache_pool_free)(void *context, void *ptr, const char **error);
+typedef void (*ferrocache_pool_release)(void *context);
 
 #ifdef __cplusplus
 extern "C" {
@@ -157,6 +164,8 @@ typedef struct ferrocache_segment_info {
   int is_expandable;
   unsigned long long pool_first;
   unsigned long long pool_second;
+  // The order in which the segment was made (PyTorch's `registration_counter`).
+  uint64_t registration_counter;
 } ferrocache_segment_info;
 
 // One block of a snapshot's segment, as PyTorch's `BlockInfo` holds it.
@@ -504,6 +513,21 @@ int ferrocache_empty_pool_cache(int device, unsigned long long pool_first, unsig
 // PyTorch's `getPoolUseCount`: the references the private pool holds. Returns -1 (last error
 // set) when there is no such pool (never created, or gone after `empty_cache`).
 int ferrocache_pool_use_count(int device, unsigned long long pool_first, unsigned long long pool_second);
+
+// PyTorch's `createOrIncrefPool` with an allocator (`torch.cuda.MemPool(allocator=...)`, as
+// NCCL's pool and symmetric memory make it): creates the private pool `(pool_first,
+// pool_second)` on `device` with one reference; its segments come from `alloc_fn` and go back
+// through `free_fn` (in place of the device's `cudaMalloc` and `cudaFree`), as PyTorch's do;
+// when `alloc_fn` has no memory, or failed, the allocation takes the out-of-memory path. Takes
+// ownership of `context`: `release_fn(context)` is called once the pool is gone (its last
+// segment given back), or before returning when the pool is refused. Returns 0, or -1 (last
+// error set) when the pool exists already (a pool's allocator is given when it is made), the id
+// is `(0, 0)`, `alloc_fn` or `free_fn` is NULL, or the device is unusable.
+//
+// # Safety
+// `context` is what the three functions work on, callable from any thread, and not used by
+// the caller afterwards; `release_fn` may be NULL (nothing to release).
+int ferrocache_create_pool_with_allocator(int device, unsigned long long pool_first, unsigned long long pool_second, void *context, ferrocache_pool_alloc alloc_fn, ferrocache_pool_free free_fn, ferrocache_pool_release release_fn);
 
 // `CUDAAllocator::getExpandableSegmentSizes(device)`: writes up to `capacity` of the device's
 // expandable segments to `out`, in address order (those of the legacy default stream left out,

@@ -191,6 +191,12 @@ pub fn out_of_memory(message: &str) {
     error!(target: TARGET, "Allocator: {message}");
 }
 
+/// A private pool's own allocator (`MemPool(allocator=...)`) failed instead of returning NULL:
+/// the allocation goes on as out of memory.
+pub fn pool_allocator_failed(size: usize, why: &str) {
+    warn!(target: TARGET, "Allocator: the pool's own allocator failed to allocate {} ({why}); taken for out of memory", HumanSize(size));
+}
+
 /// A warning of PyTorch's, in its words.
 #[inline]
 pub fn warning(message: &str) {

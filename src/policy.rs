@@ -403,8 +403,27 @@ pub fn should_split(
     pool: PoolKind,
     config: &Config,
 ) -> bool {
+    should_split_in(
+        block_size,
+        rounded_size,
+        pool,
+        config.expandable_segments,
+        config,
+    )
+}
+
+/// [`should_split`] with PyTorch's `is_expandable_segments_active` given: off for a private
+/// pool with its own allocator, whose segments are never expandable (PyTorch's `malloc`).
+#[inline(always)]
+pub fn should_split_in(
+    block_size: usize,
+    rounded_size: usize,
+    pool: PoolKind,
+    expandable_segments_active: bool,
+    config: &Config,
+) -> bool {
     let remaining = block_size - rounded_size;
-    if pool == PoolKind::Small || config.expandable_segments {
+    if pool == PoolKind::Small || expandable_segments_active {
         remaining >= K_MIN_BLOCK_SIZE
     } else {
         rounded_size < config.max_split_size && remaining > K_SMALL_SIZE

@@ -13,13 +13,14 @@ use regex::Regex;
 /// PyTorch takes, the `ferrocache_*` functions of the Python package, and the command line the
 /// `ferrocache` binary runs, and what ferrocache's own allocator object for PyTorch
 /// (python/ferrocache/frontend.cpp) asks.
-const EXPORTS: [&str; 70] = [
+const EXPORTS: [&str; 71] = [
     "ferrocache_alloc",
     "ferrocache_attach_oom_observer",
     "ferrocache_begin_allocate_current_thread_to_pool",
     "ferrocache_check_config",
     "ferrocache_cli_main",
     "ferrocache_create_or_incref_pool",
+    "ferrocache_create_pool_with_allocator",
     "ferrocache_check_invariants",
     "ferrocache_describe_config",
     "ferrocache_detach_oom_observer",

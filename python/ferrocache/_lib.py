@@ -96,6 +96,12 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_end_allocate_to_pool": (c_int, (c_int, c_ulonglong, c_ulonglong)),
     "ferrocache_release_pool": (c_int, (c_int, c_ulonglong, c_ulonglong)),
     "ferrocache_create_or_incref_pool": (c_int, (c_int, c_ulonglong, c_ulonglong)),
+    # Device, pool id, the context of the pool's own allocator and its alloc, free and release
+    # functions (frontend.cpp's; MemPool(allocator=...)).
+    "ferrocache_create_pool_with_allocator": (
+        c_int,
+        (c_int, c_ulonglong, c_ulonglong, c_void_p, c_void_p, c_void_p, c_void_p),
+    ),
     "ferrocache_pool_use_count": (c_int, (c_int, c_ulonglong, c_ulonglong)),
     "ferrocache_empty_pool_cache": (c_int, (c_int, c_ulonglong, c_ulonglong)),
     # Device, pool id, use_on_oom, no_split.

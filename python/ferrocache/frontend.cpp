@@ -16,6 +16,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/ApproximateClock.h>
@@ -70,6 +71,7 @@ struct ferrocache_segment_info {
     uint64_t address, total_size, requested_size, allocated_size, active_size, stream;
     int is_large, is_expandable;
     unsigned long long pool_first, pool_second;
+    uint64_t registration_counter;
 };
 struct ferrocache_block_info {
     uint64_t size, requested_size;
@@ -112,6 +114,14 @@ int ferrocache_end_allocate_to_pool(int device, unsigned long long first, unsign
 int ferrocache_release_pool(int device, unsigned long long first, unsigned long long second);
 int ferrocache_create_or_incref_pool(int device, unsigned long long first,
                                      unsigned long long second);
+typedef void* (*ferrocache_pool_alloc)(void* context, size_t size, const char** error);
+typedef int (*ferrocache_pool_free)(void* context, void* ptr, const char** error);
+typedef void (*ferrocache_pool_release)(void* context);
+int ferrocache_create_pool_with_allocator(int device, unsigned long long first,
+                                          unsigned long long second, void* context,
+                                          ferrocache_pool_alloc alloc_fn,
+                                          ferrocache_pool_free free_fn,
+                                          ferrocache_pool_release release_fn);
 int ferrocache_pool_use_count(int device, unsigned long long first, unsigned long long second);
 int ferrocache_empty_pool_cache(int device, unsigned long long first, unsigned long long second);
 int ferrocache_set_pool_use_on_oom(int device, unsigned long long first, unsigned long long second,
@@ -218,12 +228,70 @@ int filter_accepts(const void* filter, cudaStream_t stream, const char** error) 
 
 void filter_drop(void* filter) noexcept { delete static_cast<StreamFilter*>(filter); }
 
+// A MemPool's own allocator (MemPool(allocator=...): NCCL's pool, symmetric memory's), kept alive
+// by the core for as long as the pool and called from Rust: nothing may unwind through it. What
+// an exception said goes back in *error; the core decides what it means (out of memory for an
+// allocation, the segment kept for a give-back).
+using PoolAllocator = std::shared_ptr<alloc::CUDAAllocator>;
+thread_local std::string pool_allocator_failure;
+
+const char* pool_allocator_failed(const std::exception* e) noexcept {
+    try {
+        pool_allocator_failure =
+            e != nullptr ? e->what() : "an exception that is not a std::exception";
+    } catch (...) {
+        return "an exception (its message could not be kept: out of host memory)";
+    }
+    return pool_allocator_failure.c_str();
+}
+
+void* pool_alloc(void* context, size_t size, const char** error) noexcept {
+    try {
+        auto& allocator = *static_cast<PoolAllocator*>(context);
+        // As PyTorch's allocPrimitive under a capture: the allocator may call cudaMalloc.
+        if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
+            return allocator->raw_alloc(size);
+        }
+        c10::cuda::CUDAStreamCaptureModeGuard relaxed{cudaStreamCaptureModeRelaxed};
+        return allocator->raw_alloc(size);
+    } catch (const std::exception& e) {
+        *error = pool_allocator_failed(&e);
+    } catch (...) {
+        *error = pool_allocator_failed(nullptr);
+    }
+    return nullptr;
+}
+
+int pool_free(void* context, void* ptr, const char** error) noexcept {
+    try {
+        (*static_cast<PoolAllocator*>(context))->raw_delete(ptr);
+        return 0;
+    } catch (const std::exception& e) {
+        *error = pool_allocator_failed(&e);
+    } catch (...) {
+        *error = pool_allocator_failed(nullptr);
+    }
+    return -1;
+}
+
+void pool_release(void* context) noexcept { delete static_cast<PoolAllocator*>(context); }
+
 // A snapshot's segments and blocks, as the core gives them, into PyTorch's SegmentInfo. The
 // visitors are called from Rust: nothing may unwind through them (out of host memory is noted).
 struct SnapshotSegments {
     std::vector<c10::CachingDeviceAllocator::SegmentInfo> segments;
     bool out_of_memory = false;
 };
+
+// SegmentInfo::registration_counter (NCCL's registerMemPool orders a pool's segments by it, and
+// refuses one left at -1), where this PyTorch has it.
+template <typename Segment>
+void set_registration_counter(Segment& segment, uint64_t counter) {
+    if constexpr (requires { segment.registration_counter; }) {
+        segment.registration_counter =
+            static_cast<decltype(segment.registration_counter)>(counter);
+    }
+}
 
 void add_segment(void* context, const ferrocache_segment_info* from) noexcept {
     auto& taken = *static_cast<SnapshotSegments*>(context);
@@ -239,6 +307,7 @@ void add_segment(void* context, const ferrocache_segment_info* from) noexcept {
         segment.is_large = from->is_large != 0;
         segment.is_expandable = from->is_expandable != 0;
         segment.owner_private_pool_id = {from->pool_first, from->pool_second};
+        set_registration_counter(segment, from->registration_counter);
         taken.segments.push_back(std::move(segment));
     } catch (...) {
         taken.out_of_memory = true;
@@ -537,11 +606,15 @@ class FerrocacheAllocator final : public alloc::CUDAAllocator {
 
     void createOrIncrefPool(c10::DeviceIndex device, MempoolId mempool_id,
                             std::shared_ptr<alloc::CUDAAllocator> allocator) override {
-        TORCH_CHECK(allocator == nullptr || allocator.get() == this,
-                    "torch.cuda.MemPool(allocator=...) with ferrocache installed: ferrocache "
-                    "serves every pool from its own segments, so a pool backed by another "
-                    "allocator needs PyTorch's own allocator (do not call ferrocache.install())");
-        check(ferrocache_create_or_incref_pool(device, mempool_id.first, mempool_id.second),
+        if (allocator == nullptr || allocator.get() == this) {
+            check(ferrocache_create_or_incref_pool(device, mempool_id.first, mempool_id.second),
+                  "createOrIncrefPool");
+            return;
+        }
+        // The pool's segments come from its own allocator; the core owns the copy from here on.
+        auto* kept = new PoolAllocator(std::move(allocator));
+        check(ferrocache_create_pool_with_allocator(device, mempool_id.first, mempool_id.second,
+                                                    kept, &pool_alloc, &pool_free, &pool_release),
               "createOrIncrefPool");
     }
 

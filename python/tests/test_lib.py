@@ -52,6 +52,10 @@ C_TO_CTYPES = {
     "int64_t": ctypes.c_int64,
     "ferrocache_trace_tracker": ctypes.c_void_p,
     "struct ferrocache_stream_segment_size *": ctypes.c_void_p,
+    # A MemPool's own allocator: its alloc, free and release functions.
+    "ferrocache_pool_alloc": ctypes.c_void_p,
+    "ferrocache_pool_free": ctypes.c_void_p,
+    "ferrocache_pool_release": ctypes.c_void_p,
 }
 
 _PROTOTYPE = re.compile(r"^\s*([A-Za-z_][\w\s]*?\**)\s*\b(\w+)\(([^)]*)\);", re.MULTILINE)

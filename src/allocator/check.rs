@@ -165,7 +165,7 @@ impl<D: Device> DeviceAllocator<D> {
                 cursor = b.next;
             }
             match &segment.memory {
-                Memory::Plain | Memory::Vmm(_) => {
+                Memory::Plain | Memory::External | Memory::Vmm(_) => {
                     recomputed.segment.increase(pool, 1);
                     if !asleep {
                         recomputed
@@ -175,8 +175,8 @@ impl<D: Device> DeviceAllocator<D> {
                     if policy::is_oversize(segment_size, &self.config) {
                         recomputed.oversize_segments.increase(1);
                     }
-                    if matches!(segment.memory, Memory::Plain) && asleep {
-                        return Err(format!("cudaMalloc'd segment {:#x} sleeps", head.ptr));
+                    if !segment.memory.can_sleep() && asleep {
+                        return Err(format!("segment {:#x} sleeps, which it cannot", head.ptr));
                     }
                 }
                 Memory::Expandable(pages) => {

@@ -78,8 +78,7 @@ impl<D: Device> DeviceAllocator<D> {
                 None => self.allocate_new_block(&mut request, size)?,
             },
         };
-        let split = !self.never_splits(request.owner)
-            && policy::should_split(self.arena.get(id).size, rounded, pool, &self.config);
+        let split = self.should_split(request.owner, self.arena.get(id).size, rounded, pool);
         Ok(self.alloc_found_block(id, &request, size, split))
     }
 }

@@ -252,6 +252,11 @@ pub struct SnapshotSegment {
     pub segment_type: &'static str,
     pub segment_pool_id: (u64, u64),
     pub is_expandable: bool,
+    /// PyTorch's `SegmentInfo::registration_counter`: the order in which the segment's first
+    /// block was made (from 0; 0 for every segment under the address tie rule), by which NCCL's
+    /// `registerMemPool` orders a pool's segments alike on every rank. C++ callers only.
+    #[serde(skip)]
+    pub registration_counter: u64,
     pub frames: Vec<serde_json::Value>,
     pub blocks: Vec<SnapshotBlock>,
 }
@@ -288,6 +293,7 @@ impl<D: Device> DeviceAllocator<D> {
                 segment_type: head.pool.segment_type(),
                 segment_pool_id: self.pool_id_of(head),
                 is_expandable: head.expandable,
+                registration_counter: head.segment_order.saturating_sub(1),
                 frames: Vec::new(),
                 blocks: Vec::new(),
             };

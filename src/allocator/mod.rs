@@ -308,8 +308,7 @@ impl<D: Device> DeviceAllocator<D> {
                 None => self.allocate_new_block(&mut request, size)?,
             },
         };
-        let split = !self.never_splits(request.owner)
-            && policy::should_split(self.arena.get(id).size, rounded, pool, &self.config);
+        let split = self.should_split(request.owner, self.arena.get(id).size, rounded, pool);
         Ok(self.alloc_found_block(id, &request, size, split))
     }
 
@@ -563,6 +562,9 @@ impl<D: Device> DeviceAllocator<D> {
         let size = request.alloc_size;
         if self.admit(size, Announce::Yes)?.is_err() {
             return Ok(None);
+        }
+        if self.has_own_allocator(request.owner) {
+            return Ok(self.alloc_segment_from_pool_allocator(request));
         }
         if self.config.expandable_segments {
             return self.try_allocate_expandable_block(request);

@@ -30,15 +30,31 @@
 //!   replay into them);
 //! - an unreferenced pool keeps all its segments while any of its blocks is live (an output
 //!   tensor of a reset graph); PyTorch already releases its wholly free ones.
+//!
+//! A pool made with an allocator of its own ([`DeviceAllocator::create_pool_with_allocator`],
+//! `torch.cuda.MemPool(allocator=...)`: NCCL's pool, symmetric memory's) gets its segments from
+//! that allocator and gives them back to it ([`external`]), as PyTorch's `allocPrimitive` and
+//! `release_block` do; the guard and the ledger treat them as any segment (the memory fraction
+//! applies, they count in reserved memory and `num_device_alloc`, `segment_alloc` and
+//! `segment_free` carry the pool's id). As in PyTorch's `malloc`, expandable segments are never
+//! active for such a pool (its segments are whole allocations, split by the rule for ordinary
+//! large blocks), nor is ferrocache's sleep-ability (its memory is not ferrocache's to unmap);
+//! cross-stream reuse never applies to any private pool. The allocator goes (its release) when
+//! the pool is forgotten, once its last segment went back to it, as PyTorch's `PrivatePool`
+//! drops its `shared_ptr`.
 
+use super::backing::Memory;
+pub use super::backing::external::SegmentAllocator;
+use super::backing::external::{self, ExternalAllocator};
 use super::block::{Block, BlockId};
 pub use super::owner::{Owner, PrivatePoolIndex, TagIndex};
 use super::pool::BlockPool;
+use super::segments::Segment;
 use super::{AllocError, DeviceAllocator, Request};
 use crate::config::modelled::CaptureContextRule;
 use crate::device::{Device, DeviceError, StreamId};
 use crate::logging;
-use crate::policy::PoolKind;
+use crate::policy::{self, PoolKind};
 use rustc_hash::FxHashMap;
 use std::fmt;
 
@@ -66,6 +82,9 @@ pub(crate) struct PrivatePool {
     /// `torch.cuda.MemPool(no_split=True)`: the pool's blocks are handed out whole, never split
     /// (PyTorch's `no_split_pools`).
     pub no_split: bool,
+    /// `torch.cuda.MemPool(allocator=...)`: where the pool's segments come from, in place of
+    /// the device (PyTorch's `PrivatePool::allocator()`); `None`: the device.
+    pub(crate) allocator: Option<ExternalAllocator>,
     /// The pool's free blocks, small and large.
     blocks: [BlockPool; 2],
 }
@@ -173,14 +192,16 @@ impl BlockPools {
         self.by_id.get(&id).copied()
     }
 
-    /// A new private pool with one reference.
-    fn create(&mut self, id: MempoolId) -> PrivatePoolIndex {
+    /// A new private pool with one reference, its segments from `allocator` (`None`: the
+    /// device).
+    fn create(&mut self, id: MempoolId, allocator: Option<ExternalAllocator>) -> PrivatePoolIndex {
         let pool = PrivatePool {
             id,
             use_count: 1,
             segment_count: 0,
             use_on_oom: false,
             no_split: false,
+            allocator,
             blocks: block_pool_pair(),
         };
         let index = super::block::place_in_free_slot(&mut self.private, pool);
@@ -292,6 +313,8 @@ pub enum PoolError {
     StillRecording(MempoolId),
     /// `(0, 0)`, which names the ordinary pools, used as a private pool's id.
     OrdinaryId,
+    /// An allocator given for a pool that already exists.
+    AllocatorOfExistingPool(MempoolId),
 }
 
 /// A pool id as PyTorch prints a `MempoolId_t` from Python: `(1, 0)`.
@@ -330,6 +353,12 @@ impl fmt::Display for PoolError {
             PoolError::OrdinaryId => f.write_str(
                 "mempool_id (0, 0) names the ordinary pools and cannot be a private pool's",
             ),
+            PoolError::AllocatorOfExistingPool(id) => write!(
+                f,
+                "createOrIncrefPool: mempool_id {} exists; a pool's own allocator is given when \
+                 the pool is made",
+                PoolName(id)
+            ),
         }
     }
 }
@@ -348,8 +377,66 @@ impl<D: Device> DeviceAllocator<D> {
                 self.pools.private_mut(index).use_count += 1;
                 index
             }
-            None => self.pools.create(id),
+            None => self.pools.create(id, None),
         })
+    }
+
+    /// PyTorch's `create_or_incref_pool` with an allocator (`torch.cuda.MemPool(allocator=...)`):
+    /// a new pool with one reference whose segments come from `allocator` and go back to it.
+    /// An existing id is refused (PyTorch asserts: a pool's allocator is given when it is
+    /// made), and so is `(0, 0)`; `allocator` is then dropped.
+    pub fn create_pool_with_allocator(
+        &mut self,
+        id: MempoolId,
+        allocator: Box<dyn SegmentAllocator>,
+    ) -> Result<PrivatePoolIndex, PoolError> {
+        if id == ORDINARY_POOL_ID {
+            return Err(PoolError::OrdinaryId);
+        }
+        if self.pools.find(id).is_some() {
+            return Err(PoolError::AllocatorOfExistingPool(id));
+        }
+        Ok(self.pools.create(id, Some(ExternalAllocator(allocator))))
+    }
+
+    /// Whether the segments of `owner` come from a pool's own allocator.
+    pub(super) fn has_own_allocator(&self, owner: Owner) -> bool {
+        owner
+            .private()
+            .is_some_and(|index| self.pools.private(index).allocator.is_some())
+    }
+
+    /// `alloc_block` for a pool with its own allocator (PyTorch's `allocPrimitive`): a new
+    /// segment from the allocator, `None` when it has no memory (the caller's out-of-memory
+    /// path follows, as for a failed `cudaMalloc`).
+    pub(super) fn alloc_segment_from_pool_allocator(
+        &mut self,
+        request: &Request,
+    ) -> Option<BlockId> {
+        let index = request.owner.private()?;
+        let allocator = self.pools.private_mut(index).allocator.as_mut()?;
+        let size = request.alloc_size;
+        let ptr = external::obtain(allocator, size)?;
+        let segment = Segment {
+            owner: request.owner,
+            kind: request.pool,
+            memory: Memory::External,
+            asleep: false,
+        };
+        Some(self.adopt_segment(ptr, size, request.stream, segment))
+    }
+
+    /// Gives the segment at `ptr` back to the allocator of the private pool `owner`.
+    pub(super) fn release_to_pool_allocator(
+        &mut self,
+        owner: Owner,
+        ptr: crate::device::DevicePtr,
+    ) -> Result<(), DeviceError> {
+        let allocator = owner
+            .private()
+            .and_then(|index| self.pools.private_mut(index).allocator.as_mut())
+            .expect("a segment of a pool's own allocator belongs to that pool");
+        external::release(allocator, ptr)
     }
 
     /// PyTorch's `setUseOnOOM` and `setNoSplit`, which `torch.cuda.MemPool(use_on_oom=...,
@@ -389,12 +476,34 @@ impl<D: Device> DeviceAllocator<D> {
         })
     }
 
-    /// Whether the blocks of `owner` are handed out whole (`no_split`).
+    /// PyTorch's `should_split` for a block of `owner` of `block_size` serving `rounded_size`:
+    /// never in a `no_split` pool; in a pool with its own allocator, expandable segments are
+    /// not active (the rule of ordinary large blocks).
     #[inline(always)]
-    pub(super) fn never_splits(&self, owner: Owner) -> bool {
-        owner
-            .private()
-            .is_some_and(|index| self.pools.private(index).no_split)
+    pub(super) fn should_split(
+        &self,
+        owner: Owner,
+        block_size: usize,
+        rounded_size: usize,
+        kind: PoolKind,
+    ) -> bool {
+        let expandable_segments_active = match owner.private() {
+            None => self.config.expandable_segments,
+            Some(index) => {
+                let pool = self.pools.private(index);
+                if pool.no_split {
+                    return false;
+                }
+                self.config.expandable_segments && pool.allocator.is_none()
+            }
+        };
+        policy::should_split_in(
+            block_size,
+            rounded_size,
+            kind,
+            expandable_segments_active,
+            &self.config,
+        )
     }
 
     /// `beginAllocateToPool`: from now until [`end_allocate_to_pool`](Self::end_allocate_to_pool),

@@ -119,6 +119,14 @@ impl<D: Device> DeviceAllocator<D> {
                 self.ledger.segment_releasing(ptr, size, stream, pool_id);
                 plain::release(&mut self.device, ptr)?;
             }
+            Memory::External => {
+                // `cudaFree` waits for the device; another allocator's `raw_delete` may not
+                // (`ncclMemFree` unmaps), and work queued on the block's stream may still use
+                // the memory.
+                self.device.synchronize_stream(stream)?;
+                self.ledger.segment_releasing(ptr, size, stream, pool_id);
+                self.release_to_pool_allocator(owner, ptr)?;
+            }
             Memory::Expandable(_) => unreachable!("an expandable segment releases by pages"),
         }
         self.segments.remove(segment);

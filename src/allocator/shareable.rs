@@ -62,7 +62,9 @@ impl<D: Device> DeviceAllocator<D> {
         let block = self.arena.get(id);
         let segment = self.segments.get(block.segment);
         match &segment.memory {
-            Memory::Plain => {
+            // As PyTorch's `shareIpcHandle`: memory from a pool's own allocator is shared as a
+            // `cudaMalloc`'d segment is (its allocator decides whether the driver can).
+            Memory::Plain | Memory::External => {
                 let base = self.arena.get(self.segments.head(block.segment)).ptr;
                 Ok(Shareable::Plain {
                     base,

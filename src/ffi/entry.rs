@@ -94,7 +94,8 @@ fn missed_or_failed(
 ) -> Result<*mut c_void, AllocFailure> {
     let result = match err {
         AllocError::RunFreeMemoryCallbacks => {
-            super::free_memory::run_then_continue(device, size, stream, stack)?
+            super::free_memory::run_then_continue(device, size, stream, stack)
+                .map_err(AllocFailure::Other)?
         }
         err => Err(err),
     };

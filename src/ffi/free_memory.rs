@@ -19,7 +19,6 @@ use std::ptr;
 
 use parking_lot::Mutex;
 
-use super::entry::AllocFailure;
 use super::guard::panic_message;
 use super::registry::{self, created_devices, with_last_error};
 use super::thread;
@@ -61,10 +60,10 @@ pub extern "C" fn ferrocache_set_free_memory_callbacks(
     callbacks: ferrocache_free_memory_callbacks,
 ) -> c_int {
     with_last_error("ferrocache_set_free_memory_callbacks", -1, || {
-        // Held so that a device created meanwhile cannot miss the change (it reads
-        // `registered` under this lock).
-        let _process_wide = registry::process_wide();
+        // Held so that a device created meanwhile cannot miss the change.
+        let mut process_wide = registry::process_wide();
         *REGISTERED.lock() = callbacks;
+        process_wide.free_memory_callbacks = callbacks.is_some();
         // A device out of service serves nothing.
         for mut memory in created_devices().filter_map(|device| device.lock().ok()) {
             memory
@@ -73,11 +72,6 @@ pub extern "C" fn ferrocache_set_free_memory_callbacks(
         }
         Ok(0)
     })
-}
-
-/// Whether callbacks are registered, for a device being created (under the process-wide lock).
-pub(crate) fn registered() -> bool {
-    REGISTERED.lock().is_some()
 }
 
 /// The rest of an allocation whose malloc returned [`AllocError::RunFreeMemoryCallbacks`],
@@ -90,13 +84,12 @@ pub(super) fn run_then_continue(
     size: usize,
     stream: StreamId,
     stack: StackId,
-) -> Result<Result<DevicePtr, AllocError>, AllocFailure> {
+) -> Result<Result<DevicePtr, AllocError>, String> {
     let freed = run_callbacks(device.index(), size);
     let (caller, metadata) = thread::caller(stack);
-    let mut memory = device.lock().map_err(|why| {
-        logging::call_failed("allocation", &why);
-        AllocFailure::Other(why)
-    })?;
+    let mut memory = device
+        .lock()
+        .inspect_err(|why| logging::call_failed("allocation", why))?;
     if metadata.is_none() {
         return Ok(memory.malloc_after_free_memory_callbacks(size, stream, caller, freed));
     }
@@ -168,10 +161,10 @@ mod tests {
     fn the_callbacks_say_whether_to_search_again_and_a_failure_or_panic_counts_as_freed() {
         let set = |callbacks| assert_eq!(ferrocache_set_free_memory_callbacks(callbacks), 0);
         set(None);
-        assert!(!registered());
+        assert!(!registry::process_wide().free_memory_callbacks);
         assert!(!run_callbacks(0, 512), "none registered");
         set(Some(freed));
-        assert!(registered() && run_callbacks(0, 512));
+        assert!(registry::process_wide().free_memory_callbacks && run_callbacks(0, 512));
         set(Some(nothing));
         assert!(!run_callbacks(0, 512));
         set(Some(fails));

@@ -312,6 +312,8 @@ pub struct ferrocache_segment_info {
     pub is_expandable: c_int,
     pub pool_first: c_ulonglong,
     pub pool_second: c_ulonglong,
+    /// The order in which the segment was made (PyTorch's `registration_counter`).
+    pub registration_counter: u64,
 }
 
 /// One block of a snapshot's segment, as PyTorch's `BlockInfo` holds it.
@@ -376,6 +378,7 @@ pub unsafe extern "C" fn ferrocache_snapshot_segments(
                 is_expandable: c_int::from(taken.is_expandable),
                 pool_first: taken.segment_pool_id.0,
                 pool_second: taken.segment_pool_id.1,
+                registration_counter: taken.registration_counter,
             };
             // SAFETY: the caller promises the visitor is callable with `context`; `info` lives
             // across the call.

@@ -1,6 +1,6 @@
 //! Private pools: CUDA graph captures (PyTorch's `set_begin_allocate_to_pool`,
 //! `set_end_allocate_to_pool_fn` and `set_release_pool` hooks, through `src/pool_hooks.cpp`) and
-//! `torch.cuda.MemPool` (`use_mem_pool`, its options and its destructor).
+//! `torch.cuda.MemPool` (`use_mem_pool`, its options, its own allocator and its destructor).
 
 use std::ffi::{CStr, c_char, c_int, c_ulonglong, c_void};
 use std::ptr;
@@ -8,8 +8,8 @@ use std::ptr;
 use super::guard::{guarded, last_error_ptr, set_last_error};
 use super::registry::{self, with_last_error};
 use super::{cudaStream_t, stream_handle};
-use crate::allocator::private_pool::{MempoolId, PoolError, StreamFilter};
-use crate::device::StreamId;
+use crate::allocator::private_pool::{MempoolId, PoolError, SegmentAllocator, StreamFilter};
+use crate::device::{DevicePtr, StreamId};
 use crate::logging;
 
 /// How `pool_hooks.cpp` asks a `std::function<bool(cudaStream_t)>`: 1 yes, 0 no, -1 it threw
@@ -297,5 +297,139 @@ pub extern "C" fn ferrocache_pool_use_count(
         count
             .map(|count| c_int::try_from(count).unwrap_or(c_int::MAX))
             .ok_or_else(|| PoolError::Unknown(id).to_string())
+    })
+}
+
+/// Asks a pool's own allocator (the C++ `CUDAAllocator` a `torch.cuda.MemPool` was given) for
+/// `size` bytes: the memory, or NULL with `*error` NULL when it has none (`raw_alloc` returned
+/// NULL), or NULL with why in `*error` when it threw (valid until the thread's next call).
+type PoolAllocFn = unsafe extern "C" fn(*mut c_void, usize, *mut *const c_char) -> *mut c_void;
+/// Gives memory back to a pool's own allocator (`raw_delete`): 0, or -1 with why in `*error`
+/// when it threw (the memory is then still the pool's).
+type PoolFreeFn = unsafe extern "C" fn(*mut c_void, *mut c_void, *mut *const c_char) -> c_int;
+/// Lets go of a pool's own allocator once the pool is gone (drops the C++ `shared_ptr`).
+type PoolReleaseFn = unsafe extern "C" fn(*mut c_void);
+
+/// A [`PoolAllocFn`] or NULL, as the C ABI takes it.
+#[allow(non_camel_case_types, reason = "a C type of the header")]
+pub type ferrocache_pool_alloc = Option<PoolAllocFn>;
+/// A [`PoolFreeFn`] or NULL, as the C ABI takes it.
+#[allow(non_camel_case_types, reason = "a C type of the header")]
+pub type ferrocache_pool_free = Option<PoolFreeFn>;
+/// A [`PoolReleaseFn`] or NULL (nothing to release), as the C ABI takes it.
+#[allow(non_camel_case_types, reason = "a C type of the header")]
+pub type ferrocache_pool_release = Option<PoolReleaseFn>;
+
+/// A pool's own allocator, on the C++ heap and called through the front end. Released when
+/// dropped: when the pool is forgotten, or at once when it cannot be made.
+struct CppPoolAllocator {
+    context: *mut c_void,
+    alloc: PoolAllocFn,
+    free: PoolFreeFn,
+    release: ferrocache_pool_release,
+}
+
+// SAFETY: the core calls the allocator under the device's lock, one call at a time, from
+// whichever thread allocates or empties the cache, as PyTorch's allocator calls `raw_alloc` and
+// `raw_delete`; a `CUDAAllocator` serves any thread.
+unsafe impl Send for CppPoolAllocator {}
+
+/// What the C++ side said in `*error`, or `fallback` when it said nothing.
+///
+/// # Safety
+/// `error` is NULL or a NUL-terminated string.
+unsafe fn said(error: *const c_char, fallback: &str) -> String {
+    if error.is_null() {
+        return fallback.to_string();
+    }
+    // SAFETY: non-NULL, so a NUL-terminated string by the contract.
+    unsafe { CStr::from_ptr(error) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+impl SegmentAllocator for CppPoolAllocator {
+    fn allocate(&mut self, size: usize) -> Result<Option<DevicePtr>, String> {
+        let mut error: *const c_char = ptr::null();
+        // SAFETY: `context` is the live object the front end gave with `alloc`; `error` is valid
+        // for one write.
+        let memory = unsafe { (self.alloc)(self.context, size, &mut error) };
+        if !memory.is_null() {
+            return Ok(Some(memory as DevicePtr));
+        }
+        if error.is_null() {
+            return Ok(None);
+        }
+        // SAFETY: set by the callee: a NUL-terminated string, valid until its next call.
+        Err(unsafe { said(error, "") })
+    }
+
+    fn deallocate(&mut self, ptr: DevicePtr) -> Result<(), String> {
+        let mut error: *const c_char = ptr::null();
+        // SAFETY: as in `allocate`; `ptr` came from `alloc` on this context.
+        let status = unsafe { (self.free)(self.context, ptr as *mut c_void, &mut error) };
+        if status == 0 {
+            return Ok(());
+        }
+        // SAFETY: set by the callee, or NULL.
+        Err(unsafe { said(error, "it failed without saying why") })
+    }
+}
+
+impl Drop for CppPoolAllocator {
+    fn drop(&mut self) {
+        if let Some(release) = self.release {
+            // SAFETY: the context was given with this `release`, and is released once.
+            unsafe { release(self.context) };
+        }
+    }
+}
+
+/// PyTorch's `createOrIncrefPool` with an allocator (`torch.cuda.MemPool(allocator=...)`, as
+/// NCCL's pool and symmetric memory make it): creates the private pool `(pool_first,
+/// pool_second)` on `device` with one reference; its segments come from `alloc_fn` and go back
+/// through `free_fn` (in place of the device's `cudaMalloc` and `cudaFree`), as PyTorch's do;
+/// when `alloc_fn` has no memory, or failed, the allocation takes the out-of-memory path. Takes
+/// ownership of `context`: `release_fn(context)` is called once the pool is gone (its last
+/// segment given back), or before returning when the pool is refused. Returns 0, or -1 (last
+/// error set) when the pool exists already (a pool's allocator is given when it is made), the id
+/// is `(0, 0)`, `alloc_fn` or `free_fn` is NULL, or the device is unusable.
+///
+/// # Safety
+/// `context` is what the three functions work on, callable from any thread, and not used by
+/// the caller afterwards; `release_fn` may be NULL (nothing to release).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_create_pool_with_allocator(
+    device: c_int,
+    pool_first: c_ulonglong,
+    pool_second: c_ulonglong,
+    context: *mut c_void,
+    alloc_fn: ferrocache_pool_alloc,
+    free_fn: ferrocache_pool_free,
+    release_fn: ferrocache_pool_release,
+) -> c_int {
+    // Owned from the first line, so that it is released on every path, a panic included.
+    let allocator = match (alloc_fn, free_fn) {
+        (Some(alloc), Some(free)) => Ok(CppPoolAllocator {
+            context,
+            alloc,
+            free,
+            release: release_fn,
+        }),
+        _ => {
+            if let Some(release) = release_fn {
+                // SAFETY: the context was given with this `release`; it is not kept.
+                unsafe { release(context) };
+            }
+            Err("the pool's allocator needs both an alloc and a free function".to_string())
+        }
+    };
+    with_last_error("ferrocache_create_pool_with_allocator", -1, || {
+        let allocator = Box::new(allocator?);
+        let id = pool_id(pool_first, pool_second);
+        on_device(device, |memory| {
+            memory.create_pool_with_allocator(id, allocator)
+        })
+        .map(|_| 0)
     })
 }

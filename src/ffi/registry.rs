@@ -122,6 +122,8 @@ pub(crate) struct ProcessWide {
     pub(crate) caching_enabled: bool,
     /// The allocator trace tracker attached (`attachAllocatorTraceTracker`), if any.
     pub(crate) trace_tracker: Option<TraceTracker>,
+    /// Whether PyTorch's free-memory callbacks are registered (`ferrocache_set_free_memory_callbacks`).
+    pub(crate) free_memory_callbacks: bool,
 }
 
 /// Held while a device is created and while a process-wide setting changes, so that a device
@@ -130,6 +132,7 @@ static PROCESS_WIDE: Mutex<ProcessWide> = Mutex::new(ProcessWide {
     history: None,
     caching_enabled: true,
     trace_tracker: None,
+    free_memory_callbacks: false,
 });
 
 /// The device count PyTorch gave to `rust_init`, or -1 before it did.
@@ -197,7 +200,7 @@ fn first_use_of(device: c_int) -> Result<&'static Device, String> {
                 allocator.record_history(true, max_entries);
             }
             allocator.set_trace_tracker(process_wide.trace_tracker.clone());
-            allocator.set_free_memory_callbacks(super::free_memory::registered());
+            allocator.set_free_memory_callbacks(process_wide.free_memory_callbacks);
             let memory = DeviceMemory::new(allocator, process_wide.caching_enabled);
             let _ = slot.set(Ok(Device {
                 index: device,

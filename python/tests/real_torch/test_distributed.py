@@ -20,7 +20,7 @@ from typing import Optional, Union
 
 import pytest
 
-from torch_env import GIB, TORCH_VERSION, require_real_torch, run_torch, torch_env
+from torch_env import GIB, MIB, TORCH_VERSION, require_real_torch, run_torch, torch_env
 
 require_real_torch()
 
@@ -190,7 +190,7 @@ def test_the_ddp_example_reports_every_rank(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_a_mempool_of_another_allocator_is_refused_clearly_and_ipc_is_answered() -> None:
+def test_a_mempool_of_another_allocator_is_accepted_and_ipc_is_answered() -> None:
     out = run_torch(
         """
         import torch.multiprocessing
@@ -198,14 +198,12 @@ def test_a_mempool_of_another_allocator_is_refused_clearly_and_ipc_is_answered()
         ferrocache.install()
         x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
         out = {"mempool": list(torch.cuda.MemPool().id)}  # ferrocache's pool under PyTorch's name
-        try:
-            # NCCL's buffers come from such a pool, with NCCL's allocator (a pluggable one).
-            other = torch.cuda.memory.CUDAPluggableAllocator(
-                str(ferrocache.library_path()), "rust_malloc", "rust_free"
-            )
-            torch.cuda.MemPool(other.allocator())
-        except RuntimeError as err:
-            out["mempool_with_its_own_allocator"] = str(err).split(":")[0]
+        # NCCL's buffers come from such a pool, with NCCL's allocator (a pluggable one): its
+        # segments come from that allocator (test_nccls_memory_pool_gets_its_segments_from_...).
+        other = torch.cuda.memory.CUDAPluggableAllocator(
+            str(ferrocache.library_path()), "rust_malloc", "rust_free"
+        )
+        out["mempool_with_its_own_allocator"] = list(torch.cuda.MemPool(other.allocator()).id)
         ForkingPickler.dumps(x)  # what torch.multiprocessing does to send a CUDA tensor
         out["ipc"] = "shared"  # in PyTorch's handle format (test_ipc_frontend_real.py)
         pool = ferrocache.MemPool()
@@ -217,7 +215,7 @@ def test_a_mempool_of_another_allocator_is_refused_clearly_and_ipc_is_answered()
     )
     assert out == {
         "mempool": [0, 1],
-        "mempool_with_its_own_allocator": "torch.cuda.MemPool(allocator=...) with ferrocache installed",
+        "mempool_with_its_own_allocator": [0, 2],
         "ipc": "shared",
         "ferrocache_pool": 1,
     }
@@ -261,3 +259,40 @@ def test_the_nccl_register_hook_registers_the_segments_pytorchs_allocator_regist
         assert ours["after_destroy"] == native["after_destroy"] == []
         assert ours["registrations_made"] == native["registrations_made"] > 0
         assert ours["deregistered_after_free"] == native["deregistered_after_free"] == 0
+
+
+#: NCCL backends with ``mem_allocator`` and ``register_mem_pool``: the stock ProcessGroupNCCL
+#: without the register hook, and torch 2.15's default.
+NCCL_MEM_POOL = [
+    pytest.param("nccl-legacy", {}, id="stock"),
+    pytest.param("nccl", {}, id="default-nccl2"),
+] if TORCH_VERSION >= (2, 15) else [pytest.param("nccl", {}, id="stock")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("backend", "env"), NCCL_MEM_POOL)
+def test_nccls_memory_pool_gets_its_segments_from_ncclmemalloc_as_under_pytorch(
+    tmp_path: Path, backend: str, env: dict[str, str]
+) -> None:
+    """``MemPool(backend.mem_allocator)`` and ``register_mem_pool``, on two fake GPUs, under
+    PyTorch's allocator and under ferrocache: the pool's segments come from ``ncclMemAlloc``
+    (the fake NCCL counts its calls), are what register_mem_pool registers, and go back through
+    ``ncclMemFree`` once the pool is gone, alike."""
+    reports = {}
+    for allocator in ("native", "ferrocache"):
+        # PyTorch offers NCCL's allocator only on devices with multicast (NVLS), as an H100's.
+        job_env = {**env, "FAKE_LIBCUDA_MULTICAST": "1"}
+        job, _ = torchrun("nccl_mem_pool.py", 2, tmp_path, backend, allocator, env=job_env)
+        assert job.returncode == 0, explain(job)
+        reports[allocator] = [
+            json.loads((tmp_path / f"pool_{allocator}_rank{rank}.json").read_text()) for rank in range(2)
+        ]  # fmt: skip
+    for native, ours in zip(reports["native"], reports["ferrocache"]):
+        assert (native["allocator"], ours["allocator"]) == ("native", "ferrocache")
+        assert {**ours, "allocator": None} == {**native, "allocator": None}
+        assert native["nccl calls for the pool"] == [2, 0], "a small and a large segment"
+        assert native["pool segments"] == [[2 * MIB, 4096], [24 * MIB, 24 * MIB]]
+        assert native["tensors in the pool's segments"] and native["registered the pool's segments"]
+        assert native["registered"] == [2 * MIB, 24 * MIB]
+        assert native["registered after deregister"] == []
+        assert native["nccl calls while the pool lives"] == [2, 0]
+        assert native["nccl calls after the pool went"] == [2, 2]

@@ -283,21 +283,20 @@ def test_torch_mem_pool_and_use_mem_pool_work_as_with_pytorchs_allocator() -> No
     assert native["after its tensor went"] == 2 * MIB
 
 
-def test_mem_pool_with_another_allocator_is_refused_clearly() -> None:
+def test_mem_pool_with_another_allocator_is_accepted() -> None:
+    """Its segments come from that allocator: test_pool_allocator_real.py compares it with
+    PyTorch's allocator."""
     out = run_torch(
         """
         ferrocache.install()
         torch.cuda.init()
         other = torch.cuda.memory.CUDAPluggableAllocator(str(ferrocache.library_path()), "rust_malloc", "rust_free")
-        try:
-            torch.cuda.MemPool(other.allocator())
-            result("accepted")
-        except RuntimeError as err:
-            result(str(err))
+        pool = torch.cuda.MemPool(other.allocator())
+        result([list(pool.id), type(pool).__module__])
         """,
         env=torch_env(GIB),
     )
-    assert "ferrocache serves every pool from its own segments" in out
+    assert out == [[0, 1], "torch.cuda.memory"]
 
 
 # ------------------------------------------------------------------------------------------------

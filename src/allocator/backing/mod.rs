@@ -4,7 +4,9 @@
 //! - [`vmm`]: a reserved range with one physical allocation mapped into it, so that the
 //!   memory can sleep while the addresses stay;
 //! - [`expandable`]: a reserved range with pages mapped on demand (PyTorch's
-//!   `ExpandableSegment`).
+//!   `ExpandableSegment`);
+//! - [`external`]: memory from a private pool's own allocator (`MemPool(allocator=...)`); it
+//!   cannot sleep either.
 //!
 //! Sleep with a backup goes the same way for every backing that can sleep ([`Memory`]'s
 //! `backup_ranges`, `copy_out`, `sleep`, `wake`): the sleep loop (`allocator/sleep.rs`) picks
@@ -21,6 +23,7 @@
 //! it changed.
 
 pub(crate) mod expandable;
+pub(crate) mod external;
 pub(crate) mod plain;
 pub(crate) mod vmm;
 
@@ -219,6 +222,8 @@ pub(crate) enum Memory {
     Expandable(ExpandableSegment),
     /// A reserved range with one physical allocation mapped into it.
     Vmm(VmmSegment),
+    /// One allocation from the owning private pool's own allocator (`raw_alloc`).
+    External,
 }
 
 /// What putting a segment's memory to sleep did.
@@ -249,15 +254,16 @@ impl Memory {
         matches!(self, Memory::Expandable(_))
     }
 
-    /// Whether the memory can sleep at all (`cudaMalloc`'d memory cannot).
+    /// Whether the memory can sleep at all (`cudaMalloc`'d memory and another allocator's
+    /// cannot).
     pub(crate) fn can_sleep(&self) -> bool {
-        !matches!(self, Memory::Plain)
+        !matches!(self, Memory::Plain | Memory::External)
     }
 
     /// Bytes asleep now.
     pub(crate) fn sleeping_bytes(&self) -> usize {
         match self {
-            Memory::Plain => 0,
+            Memory::Plain | Memory::External => 0,
             Memory::Expandable(segment) => segment.sleeping_bytes(),
             Memory::Vmm(segment) => segment.sleeping_bytes(),
         }
@@ -267,7 +273,7 @@ impl Memory {
     /// expandable one with pages mapped).
     pub(crate) fn has_awake_memory(&self) -> bool {
         match self {
-            Memory::Plain => false,
+            Memory::Plain | Memory::External => false,
             Memory::Expandable(segment) => segment.awake_bytes() > 0,
             Memory::Vmm(segment) => segment.is_awake(),
         }
@@ -277,7 +283,7 @@ impl Memory {
     /// that awake memory holds: what a backup copies now.
     pub(crate) fn backup_ranges(&self, live: Vec<(usize, usize)>) -> Vec<(usize, usize)> {
         match self {
-            Memory::Plain => Vec::new(),
+            Memory::Plain | Memory::External => Vec::new(),
             Memory::Vmm(segment) if segment.is_awake() => live,
             Memory::Vmm(_) => Vec::new(),
             Memory::Expandable(segment) => segment.awake_parts(&live),
@@ -293,7 +299,7 @@ impl Memory {
         stream: StreamId,
     ) -> Result<(), DeviceError> {
         let base = match self {
-            Memory::Plain => return Ok(()),
+            Memory::Plain | Memory::External => return Ok(()),
             Memory::Vmm(segment) => segment.base(),
             Memory::Expandable(segment) => segment.base(),
         };
@@ -311,7 +317,7 @@ impl Memory {
         leftovers: &mut Leftovers,
     ) -> Slept {
         match self {
-            Memory::Plain => Slept::default(),
+            Memory::Plain | Memory::External => Slept::default(),
             Memory::Vmm(segment) => segment.sleep(device, backup, leftovers),
             Memory::Expandable(segment) => segment.sleep_pages(device, backup, leftovers),
         }
@@ -328,7 +334,7 @@ impl Memory {
         waits: &mut usize,
     ) -> Result<Woken, DeviceError> {
         match self {
-            Memory::Plain => Ok(Woken::default()),
+            Memory::Plain | Memory::External => Ok(Woken::default()),
             Memory::Vmm(segment) => {
                 let (bytes, backup) = segment.wake(device, leftovers, stream, waits)?;
                 Ok(Woken {

@@ -26,6 +26,7 @@ const ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int = 76;
 const ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: c_int = 102;
 const ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: c_int = 103;
 const ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: c_int = 110;
+const ATTRIBUTE_MULTICAST_SUPPORTED: c_int = 132;
 
 thread_local! {
     /// Per device, how many times the calling thread retained its primary context or made it
@@ -168,6 +169,7 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(
             ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED => {
                 c_int::from(driver.features.rdma_with_vmm)
             }
+            ATTRIBUTE_MULTICAST_SUPPORTED => c_int::from(driver.features.multicast),
             // An H100's limits, which compilers (Triton) size kernels by.
             other => crate::launch::device_limit(other).unwrap_or(0),
         };

@@ -33,6 +33,9 @@ pub struct Features {
     pub rdma_with_vmm: bool,
     /// `cuDeviceCanAccessPeer` between two different devices (`FAKE_LIBCUDA_PEER_ACCESS`).
     pub peer_access: bool,
+    /// `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED` (`FAKE_LIBCUDA_MULTICAST=1`; off unless asked:
+    /// the fake has no multicast objects, its `cuMulticast*` are stubs).
+    pub multicast: bool,
 }
 
 impl Features {
@@ -43,6 +46,7 @@ impl Features {
             posix_fd_handles: enabled("FAKE_LIBCUDA_POSIX_FD_HANDLES"),
             rdma_with_vmm: enabled("FAKE_LIBCUDA_RDMA_WITH_VMM"),
             peer_access: enabled("FAKE_LIBCUDA_PEER_ACCESS"),
+            multicast: std::env::var("FAKE_LIBCUDA_MULTICAST").is_ok_and(|v| v.trim() == "1"),
         }
     }
 }
@@ -54,6 +58,7 @@ impl Default for Features {
             posix_fd_handles: true,
             rdma_with_vmm: true,
             peer_access: true,
+            multicast: false,
         }
     }
 }

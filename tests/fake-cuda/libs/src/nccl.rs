@@ -62,6 +62,10 @@ struct Registration {
 /// Registration" asks for the deregistration before the memory is freed): for the tests.
 static REGISTERED: AtomicU64 = AtomicU64::new(0);
 static DEREGISTERED_AFTER_FREE: AtomicU64 = AtomicU64::new(0);
+/// `ncclMemAlloc` calls that gave memory, and `ncclMemFree` calls that took it back (for the
+/// tests: NCCL's memory pool, `MemPool(backend.mem_allocator)`).
+static MEM_ALLOCS: AtomicU64 = AtomicU64::new(0);
+static MEM_FREES: AtomicU64 = AtomicU64::new(0);
 
 /// Whether `address` is in live device memory, as the driver knows it.
 fn is_device_memory(address: u64) -> bool {
@@ -473,6 +477,7 @@ pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> Res
         }
         // SAFETY: an out pointer from the caller.
         if unsafe { put(ptr, address as *mut c_void) } {
+            MEM_ALLOCS.fetch_add(1, Ordering::Relaxed);
             SUCCESS
         } else {
             INVALID_ARGUMENT
@@ -485,6 +490,7 @@ pub extern "C" fn ncclMemFree(ptr: *mut c_void) -> Result {
     // SAFETY: memory from ncclMemAlloc, by the API contract.
     guard(INVALID_ARGUMENT, || {
         if unsafe { cuMemFree_v2(ptr as u64) } == 0 {
+            MEM_FREES.fetch_add(1, Ordering::Relaxed);
             SUCCESS
         } else {
             UNHANDLED_CUDA_ERROR
@@ -553,14 +559,16 @@ pub unsafe extern "C" fn fake_nccl_registrations(out: *mut u64, capacity: usize)
     })
 }
 
-/// For the tests (not NCCL's): registrations made so far (`which` 0) or deregistrations of
-/// memory already freed (`which` 1).
+/// For the tests (not NCCL's): registrations made so far (`which` 0), deregistrations of
+/// memory already freed (1), `ncclMemAlloc` calls that gave memory (2), `ncclMemFree` calls that
+/// took it back (3).
 #[unsafe(no_mangle)]
 pub extern "C" fn fake_nccl_registration_count(which: c_int) -> i64 {
-    let counter = if which == 0 {
-        &REGISTERED
-    } else {
-        &DEREGISTERED_AFTER_FREE
+    let counter = match which {
+        0 => &REGISTERED,
+        1 => &DEREGISTERED_AFTER_FREE,
+        2 => &MEM_ALLOCS,
+        _ => &MEM_FREES,
     };
     counter.load(Ordering::Relaxed) as i64
 }
