@@ -237,9 +237,8 @@ result(out)
 
 def without_the_last_retry(answer: dict) -> dict:
     """The answer less what PyTorch 2.15's last retry adds: inside ``use_mem_pool`` (no graph
-    capture) it releases every cached block and asks the allocator once more, which ferrocache's
-    miss path skips while any pool records (``allocate_new_block`` in src/allocator/mod.rs; the
-    same for a pool without an allocator of its own). The strict xfail below tracks it."""
+    capture) it releases every cached block and asks the allocator once more (ferrocache does
+    too: ``is_capture_context``); the test below compares that part."""
     calls = [c for i, c in enumerate(answer["calls"]) if c[0] != "n" or answer["calls"][i - 1][0] != "n"]
     figures = {k: v for k, v in answer["figures"].items() if k != "num_alloc_retries"}
     return {**answer, "calls": calls, "figures": figures}
@@ -254,11 +253,6 @@ def test_out_of_memory_in_the_pools_allocator_is_pytorchs_out_of_memory(counting
     assert native["outside"] == "ordinary"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PyTorch 2.15 releases every cached block and retries inside use_mem_pool; "
-    "ferrocache's miss path skips that while any pool records",
-)
 def test_out_of_memory_in_the_pools_allocator_retries_as_pytorch_does(counting: Path) -> None:
     native, ours = under_both(counting, OOM)
     assert ours == native
