@@ -88,7 +88,11 @@ pub fn oom_wording_of_pytorch(major: u32, minor: u32) -> OomWording {
 }
 
 /// The first PyTorch whose allocator tells a graph capture from a recording private pool by
-/// the current stream ([`CaptureContextRule::CurrentStreamCapturing`]).
+/// the current stream ([`CaptureContextRule::CurrentStreamCapturing`]). 2.15.0's
+/// `libc10_cuda.so` has `is_capture_context()` (called from `malloc`, `free_locked`,
+/// `recordStream`, `release_cached_blocks`, `synchronize_and_free_events`,
+/// `mallocWithAddress`); 2.11.0's has none. pytorch#175374 was merged on 2026-05-13, after the
+/// 2.12 branch and before pytorch#183591 (2.13): 2.13 by that chronology, not measured.
 pub const CAPTURE_CONTEXT_SINCE: (u32, u32) = (2, 13);
 
 /// When PyTorch's allocator acts as during a CUDA graph capture: skips processing events,
