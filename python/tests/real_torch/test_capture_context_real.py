@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import textwrap
 
-import pytest
-
 from torch_env import MIB, TORCH_VERSION, require_real_torch, run_torch, torch_env
 
 require_real_torch()
 
-pytestmark = pytest.mark.skipif(TORCH_VERSION < (2, 15), reason="PyTorch 2.15's allocator")
+# PyTorch 2.13 on (pytorch#175374); before it a recording pool acts as a capture, and ferrocache
+# models that too (src/config/modelled.rs): on those versions only the agreement is checked.
+IS_CAPTURE_CONTEXT = TORCH_VERSION >= (2, 13)
 
 
 def prelude(use_ferrocache: bool) -> str:
@@ -70,6 +70,8 @@ result(out)
 def test_inside_use_mem_pool_the_last_out_of_memory_retry_releases_the_cached_blocks() -> None:
     native, ours = under_both(LAST_RETRY, 80 * MIB)
     assert ours == native
+    if not IS_CAPTURE_CONTEXT:
+        return
     # PyTorch's last retry ran: the ordinary cache went back and the pool got its segment.
     assert native["inside"] == "allocated"
     assert native["figures"]["num_alloc_retries"] == 1
@@ -102,6 +104,8 @@ result(out)
 def test_inside_use_mem_pool_a_free_used_on_another_stream_is_reused_once_its_event_completed() -> None:
     native, ours = under_both(EVENTS, 1 << 30)
     assert ours == native
+    if not IS_CAPTURE_CONTEXT:
+        return
     # Not deferred as in a capture: its event was recorded at once and processed by the next
     # allocation, which got the block back.
     assert "active_pending_free" in native["pending"]

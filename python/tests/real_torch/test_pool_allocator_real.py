@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import textwrap
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -244,11 +245,19 @@ def without_the_last_retry(answer: dict) -> dict:
     return {**answer, "calls": calls, "figures": figures}
 
 
+def last_retry_inside_mem_pools() -> bool:
+    """Whether the PyTorch under test retries inside ``use_mem_pool`` (``is_capture_context``,
+    PyTorch 2.13 on: pytorch#175374); 2.11 asks the pool's allocator once less."""
+    major, minor = (int(part) for part in version("torch").split(".")[:2])
+    return (major, minor) >= (2, 13)
+
+
 def test_out_of_memory_in_the_pools_allocator_is_pytorchs_out_of_memory(counting: Path) -> None:
     native, ours = under_both(counting, OOM)
     assert without_the_last_retry(ours) == without_the_last_retry(native)
     assert native["second"] == "CUDA out of memory"
-    assert [kind for kind, _, _ in native["calls"]] == ["a", "n", "n", "a"]
+    expected = ["a", "n", "n", "a"] if last_retry_inside_mem_pools() else ["a", "n", "a"]
+    assert [kind for kind, _, _ in native["calls"]] == expected
     assert native["figures"]["num_ooms"] == 1
     assert native["outside"] == "ordinary"
 
