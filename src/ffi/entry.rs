@@ -65,18 +65,26 @@ fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_v
     }
     let stack = gather_stack(StackEvent::Alloc);
     let stream = stream_id(stream);
+    if thread::context_in_use() {
+        return allocate_in_context(device, size, stream, stack);
+    }
     // The allocator's malloc is called here, not in a closure, so that it inlines into this
     // function: a call between the two made each copy its arguments and results through the
-    // stack, a store-forwarding stall each way (`docs/performance.md`).
-    let result = if thread::context_in_use() {
-        allocate_in_context(device, size, stream, stack)?
-    } else {
-        let caller = Caller { stack, tag: None };
-        device.lock().map_err(refused)?.malloc(size, stream, caller)
-    };
-    match result {
-        Ok(ptr) => Ok(device_pointer(ptr)),
-        Err(err) => Err(allocation_failed(device, err)),
+    // stack, a store-forwarding stall each way (`docs/performance.md`). Its result is matched at
+    // once, the lock given back in each arm: merged with another path's result first (the
+    // out-of-line context path's, or across the guard's drop), the whole `Result`, the large
+    // `AllocError` included, went through the stack on every allocation.
+    let caller = Caller { stack, tag: None };
+    let mut memory = device.lock().map_err(refused)?;
+    match memory.malloc(size, stream, caller) {
+        Ok(ptr) => {
+            memory.unlock();
+            Ok(device_pointer(ptr))
+        }
+        Err(err) => {
+            memory.unlock();
+            Err(allocation_failed(device, err))
+        }
     }
 }
 
@@ -88,12 +96,14 @@ fn allocate_in_context(
     size: usize,
     stream: StreamId,
     stack: StackId,
-) -> Result<Result<DevicePtr, AllocError>, AllocFailure> {
+) -> Result<*mut c_void, AllocFailure> {
     let (caller, metadata) = thread::caller(stack);
-    let mut memory = device.lock().map_err(refused)?;
-    Ok(with_metadata(&mut memory, metadata, |memory| {
+    let result = with_metadata(&mut *device.lock().map_err(refused)?, metadata, |memory| {
         memory.malloc(size, stream, caller)
-    }))
+    });
+    result
+        .map(device_pointer)
+        .map_err(|err| allocation_failed(device, err))
 }
 
 /// Memory from the cache would be as unusable as new memory after a sticky error, and a
@@ -160,23 +170,28 @@ fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
         && let Some(created) = registry::created(device)
     {
         // The allocator's free is called here, not in a closure, so that it inlines (as in
-        // `allocate`). The guard goes at the end of this statement: a warning never holds up
-        // other threads.
-        let freed = created.lock()?.free(ptr, stack);
-        match freed {
+        // `allocate`), and its result matched at once with the lock given back in each arm
+        // (before any warning: a warning never holds up other threads). `free_cached` answers
+        // only while no allocation made with caching off is live (else `release_elsewhere`
+        // asks `free`): its result has no room for the driver's refusal, so it stays in
+        // registers, where `free`'s, merged with the out-of-line uncached path's, went through
+        // the stack on every free.
+        let mut memory = created.lock()?;
+        match memory.free_cached(ptr, stack) {
             // Only the two fields checked are read here: moving the whole record to pass it on
             // cost a store-forwarding stall on every free.
-            Ok(recorded)
+            Some(Ok(recorded))
                 if claims_hold(claims, device, recorded.requested_size, recorded.stream) =>
             {
+                memory.unlock();
                 return Ok(());
             }
-            Ok(recorded) => {
+            Some(Ok(recorded)) => {
+                memory.unlock();
                 log_wrong_claims(claims, device, &recorded);
                 return Ok(());
             }
-            Err(UncachedFreeError::Pointer(_)) => {}
-            Err(err) => return Err(free_refused(err)),
+            Some(Err(_)) | None => memory.unlock(),
         }
     }
     release_elsewhere(ptr, claims, Caller { stack, tag: None }, None)
@@ -253,14 +268,6 @@ fn claims_hold(
     claims.device.is_none_or(|claimed| claimed == device)
         && claims.size.is_none_or(|size| size == requested_size)
         && claims.stream.is_none_or(|claimed| claimed == stream)
-}
-
-/// Why a free the allocator refused failed (an allocation made while caching was off that the
-/// driver would not take back).
-#[cold]
-#[inline(never)]
-fn free_refused(err: UncachedFreeError) -> String {
-    err.to_string()
 }
 
 /// [`report_wrong_claims`] once a claim differs (out of line: PyTorch's wrapper always passes
