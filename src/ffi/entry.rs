@@ -148,7 +148,9 @@ fn allocation_failed(device: &registry::Device, err: AllocError) -> AllocFailure
     }
 }
 
-/// What the caller of a free says about the allocation; `None` where it says nothing.
+/// What the caller of a free says about the allocation; `None` where it says nothing. Passed
+/// by value: a reference kept it in memory, built on every free for the rare paths that read it.
+#[derive(Clone, Copy)]
 struct FreeClaims {
     size: Option<usize>,
     device: Option<c_int>,
@@ -161,7 +163,7 @@ struct FreeClaims {
 /// The device the caller names is tried first, and the free itself is the look-up: one lock and
 /// one hash-map removal on the usual path.
 #[inline(always)]
-fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
+fn release(ptr: DevicePtr, claims: FreeClaims) -> Result<(), String> {
     let stack = gather_stack(StackEvent::Free);
     if thread::context_in_use() {
         return release_in_context(ptr, claims, stack);
@@ -200,7 +202,7 @@ fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
 /// [`release`] once some thread has set a tag or metadata: this thread's metadata is given to
 /// the trace entries the free records.
 #[inline(never)]
-fn release_in_context(ptr: DevicePtr, claims: &FreeClaims, stack: StackId) -> Result<(), String> {
+fn release_in_context(ptr: DevicePtr, claims: FreeClaims, stack: StackId) -> Result<(), String> {
     let (caller, metadata) = thread::caller(stack);
     if let Some(device) = claims.device
         && let Some(created) = registry::created(device)
@@ -226,7 +228,7 @@ fn release_in_context(ptr: DevicePtr, claims: &FreeClaims, stack: StackId) -> Re
 #[inline(never)]
 fn release_elsewhere(
     ptr: DevicePtr,
-    claims: &FreeClaims,
+    claims: FreeClaims,
     caller: Caller,
     metadata: Option<Arc<str>>,
 ) -> Result<(), String> {
@@ -251,7 +253,7 @@ fn release_elsewhere(
 
 /// Logs at WARN each claim of a free that differs from what the allocation recorded.
 #[inline(always)]
-fn report_wrong_claims(claims: &FreeClaims, device: c_int, recorded: &AllocationInfo) {
+fn report_wrong_claims(claims: FreeClaims, device: c_int, recorded: &AllocationInfo) {
     if !claims_hold(claims, device, recorded.requested_size, recorded.stream) {
         log_wrong_claims(claims, device, recorded);
     }
@@ -259,12 +261,7 @@ fn report_wrong_claims(claims: &FreeClaims, device: c_int, recorded: &Allocation
 
 /// Whether every claim of a free agrees with what the allocation recorded.
 #[inline(always)]
-fn claims_hold(
-    claims: &FreeClaims,
-    device: c_int,
-    requested_size: usize,
-    stream: StreamId,
-) -> bool {
+fn claims_hold(claims: FreeClaims, device: c_int, requested_size: usize, stream: StreamId) -> bool {
     claims.device.is_none_or(|claimed| claimed == device)
         && claims.size.is_none_or(|size| size == requested_size)
         && claims.stream.is_none_or(|claimed| claimed == stream)
@@ -274,7 +271,7 @@ fn claims_hold(
 /// what the allocation recorded).
 #[cold]
 #[inline(never)]
-fn log_wrong_claims(claims: &FreeClaims, device: c_int, recorded: &AllocationInfo) {
+fn log_wrong_claims(claims: FreeClaims, device: c_int, recorded: &AllocationInfo) {
     let ptr = recorded.ptr;
     if let Some(claimed) = claims.device
         && claimed != device
@@ -355,7 +352,7 @@ pub extern "C" fn rust_free(ptr: *mut c_void, size: usize, device: c_int, stream
             device: Some(device),
             stream: Some(stream_id(stream)),
         };
-        if let Err(why) = release(device_address(ptr), &claims) {
+        if let Err(why) = release(device_address(ptr), claims) {
             logging::call_refused("rust_free", &why);
         }
     });
@@ -389,7 +386,7 @@ pub extern "C" fn ferrocache_free(ptr: *mut c_void) -> c_int {
             device: None,
             stream: None,
         };
-        release(device_address(ptr), &claims)
+        release(device_address(ptr), claims)
             .map(|()| 0)
             .inspect_err(|why| logging::call_refused("ferrocache_free", why))
     })
