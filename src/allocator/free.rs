@@ -105,17 +105,8 @@ impl<D: Device> DeviceAllocator<D> {
         );
         let mut inactive_split_blocks: i64 = 0;
         let mut inactive_split_bytes: i64 = 0;
-        // The previous neighbour first, as PyTorch merges. Written out, not as an iterator over
-        // `[prev, next]`: that one kept its array on the stack, indexed in a loop, on every free.
-        let from_prev = match prev {
-            Some(prev) => self.merge_if_available(id, prev),
-            None => 0,
-        };
-        let from_next = match next {
-            Some(next) => self.merge_if_available(id, next),
-            None => 0,
-        };
-        for subsumed in [from_prev, from_next] {
+        for candidate in [prev, next].into_iter().flatten() {
+            let subsumed = self.merge_if_available(id, candidate);
             if subsumed > 0 {
                 inactive_split_blocks -= 1;
                 inactive_split_bytes -= subsumed as i64;
@@ -217,7 +208,7 @@ impl<D: Device> DeviceAllocator<D> {
 }
 
 /// Applies a signed change to a statistic.
-#[inline(always)]
+#[inline]
 fn apply_signed(stat: &mut stats::StatArray, pool: PoolKind, change: i64) {
     if change > 0 {
         stat.increase(pool, change as u64);
