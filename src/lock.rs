@@ -48,14 +48,6 @@ const POISONED: u8 = 2;
 
 /// A mutex whose release is a plain store, and which a panic poisons for good; see the module
 /// documentation.
-///
-/// Its state opens a cache line of its own, shared only with the start of the value (what the
-/// holder touches next, so it comes with the lock). Nothing read before taking the lock shares
-/// that line: the registry's check that a device exists read a word beside the state, which
-/// pulled the line to the reading core in shared state, and the compare-exchange right after
-/// pulled it again to own it: two transfers between cores where one will do, on every call of
-/// two threads taking turns.
-#[repr(C, align(64))]
 pub struct SpinNapMutex<T> {
     state: AtomicU8,
     value: UnsafeCell<T>,
