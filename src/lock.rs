@@ -19,7 +19,9 @@
 //! A holder that panics poisons the lock for good, as `std::sync::Mutex` does, but with no way
 //! back: the allocator it guards may be half-updated (a merge under way, a block out of its
 //! pool), and serving from it could hand out memory twice. The guard's drop reads
-//! `std::thread::panicking()`, one process-wide counter, so a release stays one store.
+//! `std::thread::panicking()`, one process-wide counter, so a release stays one store;
+//! [`SpinNapGuard::unlock`] skips even that read, for a caller that gives the lock back
+//! explicitly (a panic's unwinding never reaches that call, so drop still poisons).
 
 use std::cell::UnsafeCell;
 use std::fmt;
@@ -147,6 +149,18 @@ impl<T> SpinNapMutex<T> {
 /// The lock held; released when dropped, and poisoned when dropped by a panic's unwinding.
 pub struct SpinNapGuard<'a, T> {
     mutex: &'a SpinNapMutex<T>,
+}
+
+impl<T> SpinNapGuard<'_, T> {
+    /// Gives the lock back: one store, with no look at whether this thread panics. A guard
+    /// dropped instead (at the end of its scope, or by a panic's unwinding, which never reaches
+    /// this call) asks that, and poisons the lock when it does; the hot paths of the C ABI call
+    /// this to skip the question where the answer is known to be no.
+    #[inline]
+    pub fn unlock(self) {
+        self.mutex.state.store(FREE, Ordering::Release);
+        std::mem::forget(self);
+    }
 }
 
 impl<T> Drop for SpinNapGuard<'_, T> {
@@ -291,6 +305,31 @@ mod tests {
         }));
         assert!(poisoner.is_err());
         assert_eq!(waiter.join().expect("the waiter ran"), Err(Poisoned));
+    }
+
+    #[test]
+    fn a_panic_before_an_explicit_unlock_still_poisons_it() {
+        let lock = SpinNapMutex::new(0u32);
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut guard = lock.lock().expect("free");
+            *guard += 1;
+            if *guard == 1 {
+                panic!("before the unlock");
+            }
+            guard.unlock();
+        }));
+        assert!(caught.is_err());
+        assert_eq!(lock.lock().err(), Some(Poisoned));
+    }
+
+    #[test]
+    fn an_explicit_unlock_frees_it_for_the_next_taker() {
+        let lock = SpinNapMutex::new(0u32);
+        let mut guard = lock.lock().expect("free");
+        *guard += 1;
+        guard.unlock();
+        assert!(!lock.is_locked());
+        assert_eq!(*lock.lock().expect("not poisoned"), 1);
     }
 
     #[test]

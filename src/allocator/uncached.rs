@@ -117,6 +117,23 @@ impl<D: Device> DeviceMemory<D> {
             .map_err(UncachedFreeError::Pointer)
     }
 
+    /// [`free`](Self::free) while no allocation made with caching off is live (the usual case);
+    /// `None` otherwise, and then `free` is the one to ask. Its result is the caching
+    /// allocator's alone, with no room for the driver's refusal of an uncached free, so that a
+    /// caller that matches on it at once keeps it in registers: `free`'s, merged with the
+    /// out-of-line uncached path's, goes through memory.
+    #[inline(always)]
+    pub fn free_cached(
+        &mut self,
+        ptr: DevicePtr,
+        stack: StackId,
+    ) -> Option<Result<AllocationInfo, PointerError>> {
+        if !self.uncached.is_empty() {
+            return None;
+        }
+        Some(self.caching.free_with_stack(ptr, stack))
+    }
+
     #[cold]
     #[inline(never)]
     fn malloc_uncached(&mut self, size: usize, stream: StreamId) -> Result<DevicePtr, AllocError> {

@@ -65,18 +65,26 @@ fn allocate(size: usize, device: c_int, stream: cudaStream_t) -> Result<*mut c_v
     }
     let stack = gather_stack(StackEvent::Alloc);
     let stream = stream_id(stream);
+    if thread::context_in_use() {
+        return allocate_in_context(device, size, stream, stack);
+    }
     // The allocator's malloc is called here, not in a closure, so that it inlines into this
     // function: a call between the two made each copy its arguments and results through the
-    // stack, a store-forwarding stall each way (`docs/performance.md`).
-    let result = if thread::context_in_use() {
-        allocate_in_context(device, size, stream, stack)?
-    } else {
-        let caller = Caller { stack, tag: None };
-        device.lock().map_err(refused)?.malloc(size, stream, caller)
-    };
-    match result {
-        Ok(ptr) => Ok(device_pointer(ptr)),
-        Err(err) => missed_or_failed(device, size, stream, stack, err),
+    // stack, a store-forwarding stall each way (`docs/performance.md`). Its result is matched at
+    // once, the lock given back in each arm: merged with another path's result first (the
+    // out-of-line context path's, or across the guard's drop), the whole `Result`, the large
+    // `AllocError` included, went through the stack on every allocation.
+    let caller = Caller { stack, tag: None };
+    let mut memory = device.lock().map_err(refused)?;
+    match memory.malloc(size, stream, caller) {
+        Ok(ptr) => {
+            memory.unlock();
+            Ok(device_pointer(ptr))
+        }
+        Err(err) => {
+            memory.unlock();
+            missed_or_failed(device, size, stream, stack, err)
+        }
     }
 }
 
@@ -112,12 +120,15 @@ fn allocate_in_context(
     size: usize,
     stream: StreamId,
     stack: StackId,
-) -> Result<Result<DevicePtr, AllocError>, AllocFailure> {
+) -> Result<*mut c_void, AllocFailure> {
     let (caller, metadata) = thread::caller(stack);
-    let mut memory = device.lock().map_err(refused)?;
-    Ok(with_metadata(&mut memory, metadata, |memory| {
+    let result = with_metadata(&mut *device.lock().map_err(refused)?, metadata, |memory| {
         memory.malloc(size, stream, caller)
-    }))
+    });
+    match result {
+        Ok(ptr) => Ok(device_pointer(ptr)),
+        Err(err) => missed_or_failed(device, size, stream, stack, err),
+    }
 }
 
 /// Memory from the cache would be as unusable as new memory after a sticky error, and a
@@ -162,7 +173,9 @@ fn allocation_failed(device: &registry::Device, err: AllocError) -> AllocFailure
     }
 }
 
-/// What the caller of a free says about the allocation; `None` where it says nothing.
+/// What the caller of a free says about the allocation; `None` where it says nothing. Passed
+/// by value: a reference kept it in memory, built on every free for the rare paths that read it.
+#[derive(Clone, Copy)]
 struct FreeClaims {
     size: Option<usize>,
     device: Option<c_int>,
@@ -175,7 +188,7 @@ struct FreeClaims {
 /// The device the caller names is tried first, and the free itself is the look-up: one lock and
 /// one hash-map removal on the usual path.
 #[inline(always)]
-fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
+fn release(ptr: DevicePtr, claims: FreeClaims) -> Result<(), String> {
     let stack = gather_stack(StackEvent::Free);
     if thread::context_in_use() {
         return release_in_context(ptr, claims, stack);
@@ -184,23 +197,28 @@ fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
         && let Some(created) = registry::created(device)
     {
         // The allocator's free is called here, not in a closure, so that it inlines (as in
-        // `allocate`). The guard goes at the end of this statement: a warning never holds up
-        // other threads.
-        let freed = created.lock()?.free(ptr, stack);
-        match freed {
+        // `allocate`), and its result matched at once with the lock given back in each arm
+        // (before any warning: a warning never holds up other threads). `free_cached` answers
+        // only while no allocation made with caching off is live (else `release_elsewhere`
+        // asks `free`): its result has no room for the driver's refusal, so it stays in
+        // registers, where `free`'s, merged with the out-of-line uncached path's, went through
+        // the stack on every free.
+        let mut memory = created.lock()?;
+        match memory.free_cached(ptr, stack) {
             // Only the two fields checked are read here: moving the whole record to pass it on
             // cost a store-forwarding stall on every free.
-            Ok(recorded)
+            Some(Ok(recorded))
                 if claims_hold(claims, device, recorded.requested_size, recorded.stream) =>
             {
+                memory.unlock();
                 return Ok(());
             }
-            Ok(recorded) => {
+            Some(Ok(recorded)) => {
+                memory.unlock();
                 log_wrong_claims(claims, device, &recorded);
                 return Ok(());
             }
-            Err(UncachedFreeError::Pointer(_)) => {}
-            Err(err) => return Err(free_refused(err)),
+            Some(Err(_)) | None => memory.unlock(),
         }
     }
     release_elsewhere(ptr, claims, Caller { stack, tag: None }, None)
@@ -209,7 +227,7 @@ fn release(ptr: DevicePtr, claims: &FreeClaims) -> Result<(), String> {
 /// [`release`] once some thread has set a tag or metadata: this thread's metadata is given to
 /// the trace entries the free records.
 #[inline(never)]
-fn release_in_context(ptr: DevicePtr, claims: &FreeClaims, stack: StackId) -> Result<(), String> {
+fn release_in_context(ptr: DevicePtr, claims: FreeClaims, stack: StackId) -> Result<(), String> {
     let (caller, metadata) = thread::caller(stack);
     if let Some(device) = claims.device
         && let Some(created) = registry::created(device)
@@ -235,7 +253,7 @@ fn release_in_context(ptr: DevicePtr, claims: &FreeClaims, stack: StackId) -> Re
 #[inline(never)]
 fn release_elsewhere(
     ptr: DevicePtr,
-    claims: &FreeClaims,
+    claims: FreeClaims,
     caller: Caller,
     metadata: Option<Arc<str>>,
 ) -> Result<(), String> {
@@ -260,7 +278,7 @@ fn release_elsewhere(
 
 /// Logs at WARN each claim of a free that differs from what the allocation recorded.
 #[inline(always)]
-fn report_wrong_claims(claims: &FreeClaims, device: c_int, recorded: &AllocationInfo) {
+fn report_wrong_claims(claims: FreeClaims, device: c_int, recorded: &AllocationInfo) {
     if !claims_hold(claims, device, recorded.requested_size, recorded.stream) {
         log_wrong_claims(claims, device, recorded);
     }
@@ -268,30 +286,17 @@ fn report_wrong_claims(claims: &FreeClaims, device: c_int, recorded: &Allocation
 
 /// Whether every claim of a free agrees with what the allocation recorded.
 #[inline(always)]
-fn claims_hold(
-    claims: &FreeClaims,
-    device: c_int,
-    requested_size: usize,
-    stream: StreamId,
-) -> bool {
+fn claims_hold(claims: FreeClaims, device: c_int, requested_size: usize, stream: StreamId) -> bool {
     claims.device.is_none_or(|claimed| claimed == device)
         && claims.size.is_none_or(|size| size == requested_size)
         && claims.stream.is_none_or(|claimed| claimed == stream)
-}
-
-/// Why a free the allocator refused failed (an allocation made while caching was off that the
-/// driver would not take back).
-#[cold]
-#[inline(never)]
-fn free_refused(err: UncachedFreeError) -> String {
-    err.to_string()
 }
 
 /// [`report_wrong_claims`] once a claim differs (out of line: PyTorch's wrapper always passes
 /// what the allocation recorded).
 #[cold]
 #[inline(never)]
-fn log_wrong_claims(claims: &FreeClaims, device: c_int, recorded: &AllocationInfo) {
+fn log_wrong_claims(claims: FreeClaims, device: c_int, recorded: &AllocationInfo) {
     let ptr = recorded.ptr;
     if let Some(claimed) = claims.device
         && claimed != device
@@ -372,7 +377,7 @@ pub extern "C" fn rust_free(ptr: *mut c_void, size: usize, device: c_int, stream
             device: Some(device),
             stream: Some(stream_id(stream)),
         };
-        if let Err(why) = release(device_address(ptr), &claims) {
+        if let Err(why) = release(device_address(ptr), claims) {
             logging::call_refused("rust_free", &why);
         }
     });
@@ -406,7 +411,7 @@ pub extern "C" fn ferrocache_free(ptr: *mut c_void) -> c_int {
             device: None,
             stream: None,
         };
-        release(device_address(ptr), &claims)
+        release(device_address(ptr), claims)
             .map(|()| 0)
             .inspect_err(|why| logging::call_refused("ferrocache_free", why))
     })

@@ -164,10 +164,10 @@ fn slot(device: c_int) -> Result<&'static OnceLock<Result<Device, String>>, Stri
 /// logged at ERROR.
 #[inline]
 pub(crate) fn device(device: c_int) -> Result<&'static Device, String> {
-    // Every allocation comes here: the created allocator is one load away.
-    if let Ok(slot) = slot(device)
-        && let Some(Ok(created)) = slot.get()
-    {
+    // Every allocation comes here: the created allocator is one load away. No `Result` with a
+    // message is built on this path (`slot`'s): its drop was a branch and stack traffic on every
+    // call.
+    if let Some(created) = created(device) {
         return Ok(created);
     }
     first_use_of(device)
@@ -256,9 +256,13 @@ pub(crate) fn created_devices() -> impl Iterator<Item = &'static Device> {
 }
 
 /// The allocator of `device` if it has been created (and could be).
-#[inline]
+#[inline(always)]
 pub(crate) fn created(device: c_int) -> Option<&'static Device> {
-    slot(device).ok()?.get()?.as_ref().ok()
+    DEVICES
+        .get(usize::try_from(device).ok()?)?
+        .get()?
+        .as_ref()
+        .ok()
 }
 
 /// The allocator of `device` for a question about its statistics, or `None` for a device that
