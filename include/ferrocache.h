@@ -395,6 +395,16 @@ void rust_reset(void);
 // the driver. Returns 0, or -1 (last error set).
 int ferrocache_empty_cache(void);
 
+// [`ferrocache_empty_cache`] as PyTorch's `emptyCache` runs it: `current_streams[d]` is
+// device d's current stream (`getCurrentCUDAStream(d)`), for the `count` first devices. Inside
+// `torch.cuda.use_mem_pool` with no graph capture on it, the ordinary pools are then released
+// as PyTorch 2.13+ releases them; without it a recording pool counts as a capture. Returns 0,
+// or -1 (last error set).
+//
+// # Safety
+// `current_streams` points to `count` streams, or `count` is 0.
+int ferrocache_empty_cache_with_current_streams(const cudaStream_t *current_streams, int count);
+
 // `set_memory_fraction_fn`: `torch.cuda.set_per_process_memory_fraction(fraction, device)`.
 // Errors (a fraction outside [0, 1], an unusable device) are logged.
 void rust_memory_fraction(double fraction, int device);

@@ -13,7 +13,7 @@ use regex::Regex;
 /// PyTorch takes, the `ferrocache_*` functions of the Python package, and the command line the
 /// `ferrocache` binary runs, and what ferrocache's own allocator object for PyTorch
 /// (python/ferrocache/frontend.cpp) asks.
-const EXPORTS: [&str; 71] = [
+const EXPORTS: [&str; 72] = [
     "ferrocache_alloc",
     "ferrocache_attach_oom_observer",
     "ferrocache_begin_allocate_current_thread_to_pool",
@@ -25,6 +25,7 @@ const EXPORTS: [&str; 71] = [
     "ferrocache_describe_config",
     "ferrocache_detach_oom_observer",
     "ferrocache_empty_cache",
+    "ferrocache_empty_cache_with_current_streams",
     "ferrocache_end_allocate_to_pool",
     "ferrocache_free",
     "ferrocache_last_error",

@@ -587,19 +587,40 @@ fn inside_a_mem_pool_empty_cache_releases_the_ordinary_pools_but_during_a_captur
     a.free(ordinary).unwrap();
     a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
     let inside = a.malloc(MIB, CAPTURE).unwrap();
-    // A graph captures on CAPTURE: the ordinary pools stay.
+    // A graph captures on CAPTURE, the caller's current stream: the ordinary pools stay.
     a.device_mut().begin_capture(CAPTURE);
-    a.empty_cache().unwrap();
+    a.empty_cache_for(Some(CAPTURE)).unwrap();
     assert_eq!(a.stats().num_device_free, 0);
     // The same pool recording with no stream capturing (`use_mem_pool`): they go.
     a.device_mut().end_capture(CAPTURE);
-    a.empty_cache().unwrap();
+    a.empty_cache_for(Some(CAPTURE)).unwrap();
     assert_eq!(a.stats().num_device_free, 1);
     assert!(
         a.allocation_info(inside).is_some(),
         "the pool keeps its memory"
     );
     a.end_allocate_to_pool(POOL).unwrap();
+    checked(&a);
+}
+
+#[test]
+fn empty_cache_not_told_the_current_stream_takes_a_recording_pool_for_a_capture() {
+    let mut a = allocator(GIB);
+    let ordinary = a.malloc(30 * MIB, 0).unwrap();
+    a.free(ordinary).unwrap();
+    // The pool already has memory on stream 0; a graph now captures into it on CAPTURE, where
+    // no block lives yet. Without the current stream nothing says which stream the caller is
+    // on: no synchronization, no release of the ordinary pools (the rule before 2.13).
+    a.begin_allocate_to_pool(POOL, on(0)).unwrap();
+    let inside = a.malloc(MIB, 0).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.begin_allocate_to_pool(POOL, on(CAPTURE)).unwrap();
+    a.device_mut().begin_capture(CAPTURE);
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().num_device_free, 0);
+    a.device_mut().end_capture(CAPTURE);
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.free(inside).unwrap();
     checked(&a);
 }
 

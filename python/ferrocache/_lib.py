@@ -70,6 +70,8 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_reset_peak_stats": (c_int, (c_int,)),
     "ferrocache_reset_accumulated_stats": (c_int, (c_int,)),
     "ferrocache_empty_cache": (c_int, ()),
+    # Each device's current stream (PyTorch's emptyCache, from the front end).
+    "ferrocache_empty_cache_with_current_streams": (c_int, (c_void_p, c_int)),
     "ferrocache_set_memory_fraction": (c_int, (c_double, c_int)),
     "ferrocache_get_memory_fraction": (c_double, (c_int,)),
     # torch.cuda.memory._set_allocator_settings and the per-thread memory metadata.
@@ -151,6 +153,8 @@ SIGNATURES: dict[str, tuple[_CType, tuple[_CType, ...]]] = {
     "ferrocache_ipc_close": (c_int, (c_uint64,)),
     # The one allocator trace tracker (a function's address; NULL: none).
     "ferrocache_attach_trace_tracker": (c_int, (c_void_p,)),
+    # PyTorch's free-memory callbacks, run on a cache miss (the front end registers them).
+    "ferrocache_set_free_memory_callbacks": (c_int, (c_void_p,)),
     # Device, an array of struct ferrocache_stream_segment_size and its length.
     "ferrocache_expandable_segment_sizes": (c_int64, (c_int, c_void_p, c_size_t)),
 }

@@ -89,7 +89,7 @@ int ferrocache_free(void* ptr);
 const char* ferrocache_last_error(void);
 void ferrocache_string_free(char* string);
 void rust_init(int device_count);
-int ferrocache_empty_cache(void);
+int ferrocache_empty_cache_with_current_streams(const cudaStream_t* current_streams, int count);
 int ferrocache_set_memory_fraction(double fraction, int device);
 double ferrocache_get_memory_fraction(int device);
 void rust_record_stream(void* ptr, cudaStream_t stream);
@@ -500,7 +500,14 @@ class FerrocacheAllocator final : public alloc::CUDAAllocator {
 
     void emptyCache(MempoolId mempool_id) override {
         if (mempool_id.first == 0 && mempool_id.second == 0) {
-            check(ferrocache_empty_cache(), "emptyCache");
+            // PyTorch asks each device's current stream whether it captures (is_capture_context).
+            std::vector<cudaStream_t> current;
+            for (int device = 0; device < c10::cuda::device_count(); ++device) {
+                current.push_back(c10::cuda::getCurrentCUDAStream(device).stream());
+            }
+            check(ferrocache_empty_cache_with_current_streams(current.data(),
+                                                              static_cast<int>(current.size())),
+                  "emptyCache");
             return;
         }
         for (int device = 0; device < c10::cuda::device_count(); ++device) {

@@ -39,6 +39,7 @@ C_TO_CTYPES = {
     "ferrocache_filter_drop": ctypes.c_void_p,
     "struct ferrocache_device_stats *": ctypes.c_void_p,
     "void * const *": ctypes.POINTER(ctypes.c_void_p),
+    "const cudaStream_t *": ctypes.c_void_p,
     "ferrocache_segment_visitor": ctypes.c_void_p,
     "ferrocache_block_visitor": ctypes.c_void_p,
     "struct ferrocache_checkpoint *": ctypes.c_void_p,
@@ -51,6 +52,7 @@ C_TO_CTYPES = {
     "uint64_t *": ctypes.POINTER(ctypes.c_uint64),
     "int64_t": ctypes.c_int64,
     "ferrocache_trace_tracker": ctypes.c_void_p,
+    "ferrocache_free_memory_callbacks": ctypes.c_void_p,
     "struct ferrocache_stream_segment_size *": ctypes.c_void_p,
     # A MemPool's own allocator: its alloc, free and release functions.
     "ferrocache_pool_alloc": ctypes.c_void_p,

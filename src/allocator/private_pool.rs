@@ -611,35 +611,16 @@ impl<D: Device> DeviceAllocator<D> {
         }
     }
 
-    /// [`is_capture_context`](Self::is_capture_context) where the allocator is not told the
-    /// caller's current stream (`empty_cache`; PyTorch asks `getCurrentCUDAStream`): asked of
-    /// every stream a mapped block belongs to, the capture's among them once it allocated. A
-    /// recording pool without memory (a capture that allocated nothing yet) counts as
-    /// capturing, which never synchronizes under a capture.
-    pub fn empty_cache_in_capture_context(&mut self) -> bool {
-        if self.pools.captures.is_empty() {
-            return false;
+    /// [`is_capture_context`](Self::is_capture_context) for `empty_cache`, which PyTorch asks of
+    /// the caller's current stream (`getCurrentCUDAStream`): asked of `current_stream` when the
+    /// caller says it (ferrocache's front end does). A caller that does not (the plain C ABI)
+    /// gets the rule before PyTorch 2.13: any recording pool counts as a capture, so that
+    /// `empty_cache` never synchronizes under a capture it cannot see.
+    pub fn empty_cache_in_capture_context(&mut self, current_stream: Option<StreamId>) -> bool {
+        match current_stream {
+            Some(stream) => self.is_capture_context(stream),
+            None => !self.pools.captures.is_empty(),
         }
-        if self.config.modelled.capture_context == CaptureContextRule::AnyPoolRecording {
-            return true;
-        }
-        let recording_without_memory = self
-            .pools
-            .captures
-            .iter()
-            .any(|c| self.pools.private(c.pool).segment_count == 0);
-        if recording_without_memory {
-            return true;
-        }
-        let mut streams: Vec<StreamId> = self
-            .arena
-            .iter()
-            .filter(|(_, b)| b.mapped)
-            .map(|(_, b)| b.stream)
-            .collect();
-        streams.sort_unstable();
-        streams.dedup();
-        self.any_capturing(streams)
     }
 
     /// The owner of an allocation on `stream` while a private pool records, after PyTorch's

@@ -9,7 +9,7 @@ use super::block::{Block, BlockId};
 use super::owner::Owner;
 use super::segments::SegmentId;
 use super::{AllocError, DeviceAllocator, Request};
-use crate::device::{Device, DeviceError};
+use crate::device::{Device, DeviceError, StreamId};
 use crate::policy::{self, PoolKind};
 
 impl<D: Device> DeviceAllocator<D> {
@@ -22,7 +22,15 @@ impl<D: Device> DeviceAllocator<D> {
     /// (PyTorch keeps its event pool; an emptied cache here holds nothing of the driver's).
     /// Private pools that a graph still holds keep all their memory.
     pub fn empty_cache(&mut self) -> Result<(), DeviceError> {
-        let in_capture_context = self.empty_cache_in_capture_context();
+        self.empty_cache_for(None)
+    }
+
+    /// [`empty_cache`](Self::empty_cache) called with `current_stream` current, PyTorch's
+    /// `getCurrentCUDAStream` of the device (`None`: unknown): whether a private pool that
+    /// records makes it a capture context depends on it
+    /// ([`empty_cache_in_capture_context`](Self::empty_cache_in_capture_context)).
+    pub fn empty_cache_for(&mut self, current_stream: Option<StreamId>) -> Result<(), DeviceError> {
+        let in_capture_context = self.empty_cache_in_capture_context(current_stream);
         self.release_cached_blocks(in_capture_context)?;
         self.device.destroy_idle_events()
     }

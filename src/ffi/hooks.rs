@@ -7,6 +7,7 @@ use std::ffi::{c_double, c_int, c_void};
 use super::guard::guarded;
 use super::registry::{self, created_devices, with_last_error};
 use super::{cudaStream_t, device_address, device_pointer, stream_id, unknown_pointer};
+use crate::device::StreamId;
 use crate::logging;
 
 /// `set_init_fn`: PyTorch tells the device count. Reads the settings and sets up logging; device
@@ -26,7 +27,7 @@ pub extern "C" fn rust_init(device_count: c_int) {
 pub extern "C" fn rust_reset() {
     guarded("rust_reset", (), || {
         registry::read_once();
-        if let Err(why) = empty_all_caches() {
+        if let Err(why) = empty_all_caches(|_| None) {
             logging::call_failed("rust_reset", &why);
         }
     });
@@ -37,18 +38,49 @@ pub extern "C" fn rust_reset() {
 #[unsafe(no_mangle)]
 pub extern "C" fn ferrocache_empty_cache() -> c_int {
     with_last_error("ferrocache_empty_cache", -1, || {
-        empty_all_caches().map(|()| 0)
+        empty_all_caches(|_| None).map(|()| 0)
+    })
+}
+
+/// [`ferrocache_empty_cache`] as PyTorch's `emptyCache` runs it: `current_streams[d]` is
+/// device d's current stream (`getCurrentCUDAStream(d)`), for the `count` first devices. Inside
+/// `torch.cuda.use_mem_pool` with no graph capture on it, the ordinary pools are then released
+/// as PyTorch 2.13+ releases them; without it a recording pool counts as a capture. Returns 0,
+/// or -1 (last error set).
+///
+/// # Safety
+/// `current_streams` points to `count` streams, or `count` is 0.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferrocache_empty_cache_with_current_streams(
+    current_streams: *const cudaStream_t,
+    count: c_int,
+) -> c_int {
+    with_last_error("ferrocache_empty_cache_with_current_streams", -1, || {
+        let count = usize::try_from(count).unwrap_or(0);
+        let streams: &[cudaStream_t] = if current_streams.is_null() || count == 0 {
+            &[]
+        } else {
+            // SAFETY: the caller promises `count` streams at `current_streams`.
+            unsafe { std::slice::from_raw_parts(current_streams, count) }
+        };
+        empty_all_caches(|device| {
+            let index = usize::try_from(device).ok()?;
+            streams.get(index).map(|&stream| stream_id(stream))
+        })
+        .map(|()| 0)
     })
 }
 
 /// Every device is emptied, those after a failure too; the failures are reported together.
-fn empty_all_caches() -> Result<(), String> {
+/// `current_stream` gives a device's current stream, where the caller knows it.
+fn empty_all_caches(current_stream: impl Fn(c_int) -> Option<StreamId>) -> Result<(), String> {
     let mut failures = Vec::new();
     for device in created_devices() {
+        let current = current_stream(device.index());
         let emptied = device.lock().and_then(|mut memory| {
             memory
                 .allocator_mut()
-                .empty_cache()
+                .empty_cache_for(current)
                 .map_err(|err| err.to_string())
         });
         if let Err(why) = emptied {

@@ -110,3 +110,29 @@ def test_inside_use_mem_pool_a_free_used_on_another_stream_is_reused_once_its_ev
     # allocation, which got the block back.
     assert "active_pending_free" in native["pending"]
     assert native["reused"]
+
+
+EMPTY_CACHE = """
+out = {}
+cached = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+del cached  # 40 MiB cached in the ordinary pool
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    kept = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    torch.cuda.empty_cache()
+    out["inside"] = figures()
+out["pool"] = pool_segments(pool.id)
+del kept
+result(out)
+"""
+
+
+def test_inside_use_mem_pool_empty_cache_releases_the_ordinary_pools_as_pytorch_does() -> None:
+    native, ours = under_both(EMPTY_CACHE, 1 << 30)
+    assert ours == native
+    if not IS_CAPTURE_CONTEXT:
+        return
+    # The front end tells ferrocache the current stream, which does not capture: the ordinary
+    # cache went back; the pool kept its segment.
+    assert native["inside"]["num_device_free"] == 1
+    assert native["pool"] == [[2 << 20, 1 << 20]]
