@@ -237,12 +237,12 @@ fn an_allocator_that_returns_null_is_out_of_memory_and_the_device_is_not_asked()
     let err = a.malloc(30 * MIB, STREAM).unwrap_err();
     assert!(matches!(err, AllocError::OutOfMemory(_)), "{err}");
     assert_eq!(a.device().allocations().len(), device_allocations);
-    assert_eq!(pool.ledger().allocate_calls, [30 * MIB, 30 * MIB]);
+    // Inside use_mem_pool with no graph capture (the stream does not capture), PyTorch 2.13+
+    // releases every cached block and asks the pool's allocator once more (is_capture_context).
+    assert_eq!(pool.ledger().allocate_calls, [30 * MIB, 30 * MIB, 30 * MIB]);
     let stats = a.stats();
     assert_eq!(stats.num_ooms, 1);
-    // A capture (use_mem_pool) is under way: PyTorch does not release every cached block then,
-    // so there is no retry.
-    assert_eq!(stats.num_alloc_retries, 0);
+    assert_eq!(stats.num_alloc_retries, 1);
     assert_eq!(stats.segment.all.current, 1);
 
     // A C++ exception out of raw_alloc is out of memory too.
