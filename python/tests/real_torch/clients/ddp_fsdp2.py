@@ -35,6 +35,13 @@ def train(model, label):
         _figures.step(f"{label} {step}")
 
 
+# The backward runs on the calling thread, not on the autograd engine's thread for the device:
+# that thread may drop its last reference to a finished graph task (which holds a Python object)
+# after the interpreter began to finalize, and CPython's pthread_exit through a noexcept
+# destructor then aborts the rank at exit ("terminate called without an active exception"),
+# under either allocator: PyTorch's race pytorch/pytorch#117762, seen once in CI under PyTorch's
+# own allocator (docs/real-clients.md, "Three tests that were flaky"). Both runs use the same.
+torch.autograd.set_multithreading_enabled(False)
 rank = int(os.environ["LOCAL_RANK"])
 torch.cuda.set_device(rank)
 dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
