@@ -828,10 +828,16 @@ fn judge(
     }
     if call == "cuStreamIsCapturing" && kind.code == 900 {
         // A capture error is the driver's way of saying "a capture is under way": ferrocache
-        // answers it by relaxing the thread's capture mode around the malloc, not as a failure.
+        // answers it by relaxing the thread's capture mode around the malloc, not as a failure;
+        // or, where it asked whether the caller is in a capture context (PyTorch's
+        // is_capture_context: the last out-of-memory retry, during this program's capture),
+        // by acting as in a capture, which the clean run did too: the same outcomes and the
+        // same next call.
         let relaxed = run.names.get(fail_at as usize).map(String::as_str)
             == Some("cuThreadExchangeStreamCaptureMode");
-        return (!relaxed).then(|| {
+        let acted_as_in_a_capture = run.outcomes == clean.outcomes
+            && run.names.get(fail_at as usize) == clean.names.get(fail_at as usize);
+        return (!relaxed && !acted_as_in_a_capture).then(|| {
             "a capture error from cuStreamIsCapturing did not relax the capture mode".into()
         });
     }
