@@ -16,9 +16,8 @@
 //! oracle, replay, `rust_malloc` without the front end), `malloc` is exactly as before.
 
 use super::owner::Owner;
-use super::{AllocError, DeviceAllocator, Request};
+use super::{AllocError, DeviceAllocator};
 use crate::device::{Device, DevicePtr, StreamId};
-use crate::policy;
 
 impl<D: Device> DeviceAllocator<D> {
     /// Whether `malloc` stops at a miss of its first search for the caller to run PyTorch's
@@ -57,15 +56,8 @@ impl<D: Device> DeviceAllocator<D> {
         } else {
             self.private_pool_for(stream)?
         };
-        let rounded = policy::round_size(size, &self.config);
-        let pool = policy::pool_for(rounded);
-        let mut request = Request {
-            size: rounded,
-            stream,
-            pool,
-            owner,
-            alloc_size: policy::allocation_size(rounded, &self.config),
-        };
+        let mut request = self.request_for(size, stream, owner);
+        let (rounded, pool) = (request.size, request.pool);
         let found = if freed {
             self.get_free_block(&request)
         } else {

@@ -286,16 +286,8 @@ impl<D: Device> DeviceAllocator<D> {
         } else {
             self.owner_while_pools_record(stream)?
         };
-        let rounded = policy::round_size(size, &self.config);
-        let pool = policy::pool_for(rounded);
-        let request = Request {
-            size: rounded,
-            stream,
-            pool,
-            owner,
-            alloc_size: policy::allocation_size(rounded, &self.config),
-        };
-        let mut request = request;
+        let mut request = self.request_for(size, stream, owner);
+        let (rounded, pool) = (request.size, request.pool);
         let id = match self.get_free_block(&request) {
             Some(id) => id,
             // Where PyTorch runs its free-memory callbacks: the caller runs them, unlocked, then
@@ -310,6 +302,20 @@ impl<D: Device> DeviceAllocator<D> {
         };
         let split = self.should_split(request.owner, self.arena.get(id).size, rounded, pool);
         Ok(self.alloc_found_block(id, &request, size, split))
+    }
+
+    /// The request for `size` bytes on `stream` for `owner`: PyTorch's rounding, pool and
+    /// allocation size (`round_size`, `get_pool`, `get_allocation_size`).
+    #[inline(always)]
+    fn request_for(&self, size: usize, stream: StreamId, owner: Owner) -> Request {
+        let rounded = policy::round_size(size, &self.config);
+        Request {
+            size: rounded,
+            stream,
+            pool: policy::pool_for(rounded),
+            owner,
+            alloc_size: policy::allocation_size(rounded, &self.config),
+        }
     }
 
     /// [`malloc`](Self::malloc) on behalf of the caller's stack `stack` (an id the caller hands
