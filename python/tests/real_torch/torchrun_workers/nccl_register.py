@@ -8,7 +8,6 @@ OUT/report_<ALLOCATOR>_rank<N>.json.
 Usage: nccl_register.py OUT BACKEND native|ferrocache
 """
 
-import ctypes
 import json
 import os
 import sys
@@ -21,19 +20,7 @@ MIB = 1 << 20
 out, backend, allocator = sys.argv[1:4]
 rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
 
-nccl = ctypes.CDLL("libnccl.so.2")
-nccl.fake_nccl_registrations.restype = ctypes.c_int64
-nccl.fake_nccl_registrations.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
-nccl.fake_nccl_registration_count.restype = ctypes.c_int64
-nccl.fake_nccl_registration_count.argtypes = [ctypes.c_int]
-
-
-def registered() -> list[list[int]]:
-    """The live registrations: [buffer, size], by buffer."""
-    room = (ctypes.c_uint64 * (3 * 256))()
-    count = nccl.fake_nccl_registrations(room, 256)
-    assert 0 <= count <= 256, count
-    return [[room[3 * k + 1], room[3 * k + 2]] for k in range(count)]
+from _fake_nccl import nccl, registered
 
 
 def segments() -> list[list[int]]:
